@@ -28,7 +28,7 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(BIN)/python flows/sft_flow.py run --config config $(CONFIG)
+	$(BIN)/python flows/sft_flow.py --config config $(CONFIG) run
 
 test: setup
 	$(BIN)/python -m pytest -q -x --durations=15

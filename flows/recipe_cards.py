@@ -1,0 +1,110 @@
+"""Metaflow card builders for the recipes: the only card code; steps and the library stay card-free."""
+
+from __future__ import annotations
+
+import html
+import time
+
+import matplotlib.pyplot as plt
+from metaflow.cards import Image, Markdown, ProgressBar, Table
+from metaflow.plugins.cards.card_modules.components import UserComponent
+
+from posttrain.eval import plots
+
+MAX_TABLE_ROWS = 50
+
+
+class EmbeddedHTML(UserComponent):
+    """A self-contained HTML page (such as an evidently report) shown in an iframe inside the card."""
+
+    def __init__(self, page: str, height: int = 900):
+        self._page = page
+        self._height = height
+
+    def render(self):
+        frame = (f'<iframe srcdoc="{html.escape(self._page, quote=True)}" '
+                 f'style="width:100%;height:{self._height}px;border:0"></iframe>')
+        return {"type": "html", "data": frame}
+
+
+def figure_image(fig, label: str | None = None) -> Image:
+    image = Image.from_matplotlib(fig, label=label)
+    plt.close(fig)
+    return image
+
+
+def ingest_section(card, counts: dict, rejected: list) -> None:
+    card.append(Markdown("## Data sources"))
+    card.append(Table([[name, c["read"], c["kept"], c["rejected"]] for name, c in counts.items()],
+                      headers=["source", "rows read", "kept", "rejected"]))
+    card.append(Markdown(f"## Rejected rows ({len(rejected)})"))
+    if rejected:
+        card.append(Table([[r.source, r.line, r.reason, r.raw[:120]] for r in rejected[:MAX_TABLE_ROWS]],
+                          headers=["source", "line", "reason", "row"]))
+        if len(rejected) > MAX_TABLE_ROWS:
+            card.append(Markdown(f"... and {len(rejected) - MAX_TABLE_ROWS} more, in `rejected.jsonl`."))
+    else:
+        card.append(Markdown("None: every row was valid."))
+
+
+def tokenize_section(card, stats) -> None:
+    card.append(Markdown(
+        f"## Tokenized samples\n{stats.num_samples} samples, {stats.num_tokens} tokens, "
+        f"{stats.num_loss_tokens} trained (assistant) tokens; lengths {stats.length_percentiles}"))
+    card.append(figure_image(plots.length_histogram(stats.length_histogram)))
+
+
+def pack_section(card, stats) -> None:
+    card.append(Markdown(
+        f"## Packing\n{stats.num_samples} samples into {stats.num_rows} rows: "
+        f"**efficiency {stats.efficiency:.2%}** real tokens per slot "
+        f"(truncated {stats.truncated}, dropped {stats.dropped})"))
+    card.append(figure_image(plots.packing_bar(stats.efficiency)))
+
+
+def eval_section(card, metrics: dict) -> None:
+    card.append(Markdown("## Evaluation: base vs tuned (held out)"))
+    card.append(Table([[label, f"{m['heldout_loss']:.4f}", f"{m['exact_match']:.1%}"] for label, m in metrics.items()],
+                      headers=["model", "held-out loss", "exact match"]))
+
+
+def examples_table(card, examples: list[dict]) -> None:
+    card.append(Markdown("## Sample outputs"))
+    card.append(Table([[e["model"], e["prompt"], e["reference"], e["prediction"], "yes" if e["correct"] else "no"]
+                       for e in examples[:MAX_TABLE_ROWS]],
+                      headers=["model", "prompt", "reference", "prediction", "correct"]))
+
+
+class LiveTrainingCard:
+    """Loss curve, throughput and progress, refreshed at most every `refresh_s` seconds while training."""
+
+    def __init__(self, card, total_steps: int, refresh_s: float):
+        self._card = card
+        self._total = total_steps
+        self._refresh_s = refresh_s
+        self._last = 0.0
+        self._history: list[dict] = []
+        self._progress = ProgressBar(max=total_steps, label="training steps")
+        self._summary = Markdown("Training starting...")
+        self._loss = Image.from_matplotlib(plots.loss_curve([{"step": 0, "loss": 0.0}]))
+        self._throughput = Image.from_matplotlib(plots.throughput_curve([{"step": 0, "tokens_per_s": 0.0}]))
+        plt.close("all")
+        for component in (Markdown("## Training (live)"), self._progress, self._summary, self._loss, self._throughput):
+            card.append(component)
+        card.refresh()
+
+    def __call__(self, metrics: dict) -> None:
+        self._history.append(metrics)
+        now = time.monotonic()
+        if now - self._last < self._refresh_s and metrics["step"] < self._total:
+            return
+        self._last = now
+        self._progress.update(metrics["step"])
+        self._summary.update(
+            f"step {metrics['step']}/{self._total}: loss **{metrics['loss']:.4f}**, lr {metrics['lr']:.2e}, "
+            f"grad norm {metrics['grad_norm']:.3f}, **{metrics['tokens_per_s']:.0f} real tokens/s**")
+        for image, fig in ((self._loss, plots.loss_curve(self._history)),
+                           (self._throughput, plots.throughput_curve(self._history))):
+            image.update(fig)
+            plt.close(fig)
+        self._card.refresh()

@@ -1,0 +1,157 @@
+"""Supervised fine-tuning, end to end: ingest -> tokenize -> pack -> train -> verify -> evaluate -> register.
+
+    python flows/sft_flow.py run                                   # the embedded demo (offline, CPU)
+    python flows/sft_flow.py --config config configs/sft/qwen3-0.6b.yaml run
+    python flows/sft_flow.py --config-value overrides '{"train.max_steps": 20}' run
+
+Every step calls one plain function from `posttrain.steps` and stores what it returns as
+artifacts, so a notebook can inspect any stage (`notebooks/inspect_run.ipynb`). Files
+(checkpoints, rejected rows, metrics.jsonl) go to `<output_dir>/SFTFlow/<run id>/`; the
+registered model's location is the artifact `model_uri`.
+
+Each step has a card: data sources and rejected rows, length histogram, packing
+efficiency, a live loss/throughput card while training, the evaluation table with an
+evidently report, and an overview card at the end.
+"""
+
+from metaflow import Config, FlowSpec, Run, card, current, step
+
+from posttrain.config.loader import DEFAULT_SFT_CONFIG, sft_config_from_dict
+
+import recipe_cards as cards
+from recipe_configs import parse_sft_config, parse_sft_overrides
+
+
+class SFTFlow(FlowSpec):
+    config = Config("config", default=DEFAULT_SFT_CONFIG, parser=parse_sft_config,
+                    help="SFT recipe YAML (see configs/sft/)")
+    overrides = Config("overrides", default_value="{}", parser=parse_sft_overrides,
+                       help='dotted-key overrides, e.g. \'{"train.max_steps": 20}\'')
+
+    def _tokenizer(self):
+        from posttrain.data.tokenizer import load_tokenizer
+        from posttrain.steps.paths import resolve
+
+        return load_tokenizer(resolve(self.recipe.tokenizer.name_or_path, self.run_dir))
+
+    @step
+    def start(self):
+        """Resolve the recipe (file + overrides) and the run directory."""
+        from posttrain.config.loader import config_to_yaml
+        from posttrain.steps.paths import run_directory
+
+        self.recipe = sft_config_from_dict(self.config.to_dict(), source="config",
+                                           overrides=self.overrides.to_dict())
+        self.recipe_yaml = config_to_yaml(self.recipe)
+        self.run_dir = str(run_directory(self.recipe.output_dir, current.flow_name, current.run_id))
+        print(f"[start] recipe '{self.recipe.name}', outputs in {self.run_dir}")
+        self.next(self.ingest)
+
+    @card(type="blank", id="ingest")
+    @step
+    def ingest(self):
+        """Read every source into validated chat records; malformed rows are kept aside and counted."""
+        from posttrain.steps import ingest
+
+        result = ingest.run(self.recipe, self.run_dir)
+        self.train_records, self.heldout_records = result.train, result.heldout
+        self.rejected, self.rejected_path, self.data_counts = result.rejected, result.rejected_path, result.counts
+        cards.ingest_section(current.card["ingest"], self.data_counts, self.rejected)
+        self.next(self.tokenize)
+
+    @card(type="blank", id="tokenize")
+    @step
+    def tokenize(self):
+        """Render each conversation with the tokenizer's chat template; assistant-only loss masks."""
+        from posttrain.steps import tokenize
+
+        result = tokenize.run(self.train_records, self._tokenizer(), self.recipe.tokenizer.chat_template_kwargs)
+        self.samples, self.tokenize_stats = result.samples, result.stats
+        self.rejected = self.rejected + result.rejected
+        self.data_counts["tokenize"] = {"kept": len(result.samples), "rejected": len(result.rejected),
+                                        "read": len(self.train_records)}
+        cards.tokenize_section(current.card["tokenize"], self.tokenize_stats)
+        self.next(self.pack)
+
+    @card(type="blank", id="pack")
+    @step
+    def pack(self):
+        """Best-fit packing into fixed-length rows with restarting positions and document ids."""
+        from posttrain.steps import pack
+
+        self.packed_rows, self.pack_stats = pack.run(self.samples, self.recipe.pack, self._tokenizer().pad_token_id)
+        cards.pack_section(current.card["pack"], self.pack_stats)
+        self.next(self.train)
+
+    @card(type="blank", id="training", refresh_interval=5)
+    @step
+    def train(self):
+        """Train our model on the packed rows; the card shows loss and throughput live."""
+        from posttrain.steps import train
+
+        total = train.total_steps_for(len(self.packed_rows.input_ids), self.recipe)
+        live = cards.LiveTrainingCard(current.card["training"], total, self.recipe.train.card_refresh_s)
+        result = train.run(self.recipe, self._tokenizer(), self.packed_rows, self.run_dir, on_step=live)
+        self.history, self.train_summary = result.history, result.summary
+        self.checkpoint_dir, self.base_dir = result.checkpoint_dir, result.base_dir
+        self.next(self.verify)
+
+    @step
+    def verify(self):
+        """Reload the exported checkpoint with transformers and compare logits with ours."""
+        from posttrain.steps import verify
+
+        self.verdict = verify.run(self.checkpoint_dir, self.recipe.verify) if self.recipe.verify.enabled else None
+        self.next(self.evaluate)
+
+    @card(type="blank", id="evaluation")
+    @step
+    def evaluate(self):
+        """Held-out loss and task metric, base vs tuned, with an evidently report of their outputs."""
+        from posttrain.steps import evaluate
+
+        result = evaluate.run(self.base_dir, self.checkpoint_dir, self._tokenizer(), self.heldout_records, self.recipe)
+        self.eval_metrics, self.eval_examples, self.evidently_html = result.metrics, result.examples, result.report_html
+        card = current.card["evaluation"]
+        cards.eval_section(card, self.eval_metrics)
+        card.append(cards.EmbeddedHTML(self.evidently_html))
+        cards.examples_table(card, self.eval_examples)
+        self.next(self.register)
+
+    @step
+    def register(self):
+        """Copy the tuned model into the registry with its lineage; tag the run."""
+        from posttrain.steps import register
+
+        pathspec = f"{current.flow_name}/{current.run_id}"
+        self.registry_entry = register.run(self.checkpoint_dir, self.recipe, data_counts=self.data_counts,
+                                           metrics={"train": self.train_summary, "eval": self.eval_metrics,
+                                                    "verify": self.verdict},
+                                           run_pathspec=pathspec)
+        self.model_uri = self.registry_entry.uri
+        Run(pathspec).add_tags([f"model:{self.registry_entry.name}", f"model_version:v{self.registry_entry.version}"])
+        self.next(self.end)
+
+    @card(type="blank", id="overview")
+    @step
+    def end(self):
+        """An overview card of the whole run."""
+        from posttrain.eval import plots
+
+        card = current.card["overview"]
+        summary = self.train_summary
+        card.append(cards.Markdown(
+            f"# {self.recipe.name}\nModel registered at `{self.model_uri}`\n\n"
+            f"Training: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} over {summary['steps']} steps, "
+            f"{summary['tokens_per_s']:.0f} real tokens/s, {summary['num_parameters'] / 1e6:.2f}M parameters."))
+        heldout = {label: m["heldout_loss"] for label, m in self.eval_metrics.items()}
+        card.append(cards.figure_image(plots.loss_curve(self.history, heldout), label="loss"))
+        card.append(cards.figure_image(plots.throughput_curve(self.history), label="throughput"))
+        cards.eval_section(card, self.eval_metrics)
+        cards.pack_section(card, self.pack_stats)
+        cards.ingest_section(card, self.data_counts, self.rejected)
+        print(f"[end] model_uri = {self.model_uri}")
+
+
+if __name__ == "__main__":
+    SFTFlow()

@@ -1,0 +1,247 @@
+"""Chat rendering and assistant-only loss masks, through the tokenizer's own chat template.
+
+`render_conversation(tokenizer, messages, **template_kwargs) -> TokenizedSample`:
+
+- `input_ids` are exactly `tokenizer.apply_chat_template(messages, tokenize=True, **kw)`.
+- `loss_mask[i] == 1` iff token `i` is one the assistant generates in some assistant turn:
+  everything after the generation prompt (e.g. `<|im_start|>assistant\\n`) up to and
+  including the end-of-turn marker (e.g. `<|im_end|>`), not the newline after it.
+
+How the mask is found. A template with `{% generation %}` markers is trusted: transformers'
+`return_assistant_tokens_mask` gives the mask. Otherwise (Qwen3, most templates) it is
+derived from renders of the same template, never from a copy of it:
+
+1. `T` = the full rendered text.
+2. For assistant message `k`, the context `C_k = render(messages[:k])` must be a prefix of
+   `T` (else the template rewrites earlier turns depending on what follows, and there is
+   no sound mask: `ChatTemplateError`). The turn starts at the longest common prefix of `T`
+   and `P_k = render(messages[:k], add_generation_prompt=True)`: the generation prompt is
+   not trained, and whatever the template puts after it (Qwen3's `<think>` block for turns
+   after the last user message) is.
+3. The end-of-turn marker is found by rendering a probe conversation and reading what
+   follows a sentinel assistant content, up to and including the first added or special
+   token (the same after a non-final and a final assistant turn, else error). The turn
+   ends after the first marker at or after its start, and before the next assistant
+   turn's context ends.
+4. Character spans map to tokens through the offsets of the tokenization of `T`: a token is
+   masked when it overlaps a span (the rule transformers uses for generation blocks).
+
+A template that cannot be masked this way raises `ChatTemplateError`; it never yields an
+all-ones (or empty) mask.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from dataclasses import dataclass
+from typing import Any
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_SENTINELS = ("Qz7 sentinel one", "Qz7 sentinel two")
+_PROBE_USERS = ("Probe question one", "Probe question two")
+
+
+class ChatTemplateError(ValueError):
+    """The tokenizer's chat template is missing or cannot give an exact assistant mask."""
+
+
+@dataclass(slots=True)
+class TokenizedSample:
+    input_ids: list[int]
+    loss_mask: list[int]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+# ---------------------------------------------------------------- rendering helpers
+
+
+def _template_source(tokenizer, template_kwargs: dict) -> str:
+    try:
+        return tokenizer.get_chat_template(template_kwargs.get("chat_template"), template_kwargs.get("tools"))
+    except ValueError as err:
+        raise ChatTemplateError(
+            f"{type(tokenizer).__name__} has no chat template, so no conversation can be rendered or masked; "
+            "use a tokenizer that ships one or set tokenizer.chat_template"
+        ) from err
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict) -> str:
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+    )
+    if not isinstance(text, str):
+        raise ChatTemplateError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not str")
+    return text
+
+
+def _ids(encoded: Any) -> list[int]:
+    """`input_ids` from what `apply_chat_template(tokenize=True)` returns (list or BatchEncoding)."""
+    if isinstance(encoded, dict) or hasattr(encoded, "keys"):
+        encoded = encoded["input_ids"]
+    return list(encoded)
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:  # largest n with a[:n] == b[:n]
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _control_tokens(tokenizer) -> list[str]:
+    tokens = set(tokenizer.get_added_vocab()) | set(tokenizer.all_special_tokens)
+    return sorted((t for t in tokens if t), key=lambda t: (-len(t), t))
+
+
+def _marker_after(text: str, sentinel: str, controls: list[str]) -> str | None:
+    at = text.find(sentinel)
+    if at < 0:
+        return None
+    rest = text[at + len(sentinel):]
+    best = None
+    for token in controls:  # longest first, so a token wins over its own prefix at one position
+        pos = rest.find(token)
+        if pos >= 0 and (best is None or pos < best[0]):
+            best = (pos, token)
+    return None if best is None else rest[: best[0] + len(best[1])]
+
+
+def end_of_turn_marker(tokenizer, **template_kwargs) -> str:
+    """The text that closes an assistant turn (e.g. "<|im_end|>"), found from the template.
+
+    Renders [user, assistant(S1), user, assistant(S2)] and takes what follows each sentinel
+    content up to and including the first added/special token; both must agree.
+    """
+    _template_source(tokenizer, template_kwargs)
+    probe = [
+        {"role": "user", "content": _PROBE_USERS[0]},
+        {"role": "assistant", "content": _SENTINELS[0]},
+        {"role": "user", "content": _PROBE_USERS[1]},
+        {"role": "assistant", "content": _SENTINELS[1]},
+    ]
+    text = _render(tokenizer, probe, False, template_kwargs)
+    controls = _control_tokens(tokenizer)
+    first, last = (_marker_after(text, s, controls) for s in _SENTINELS)
+    if not first or not last:
+        raise ChatTemplateError(
+            "chat template has no end-of-turn marker: no added/special token follows an assistant "
+            f"message in {text!r}, so the end of an assistant turn cannot be located"
+        )
+    if first != last:
+        raise ChatTemplateError(
+            f"chat template closes assistant turns inconsistently ({first!r} vs {last!r}); cannot mask it"
+        )
+    return first
+
+
+def end_of_turn_token_ids(tokenizer, **template_kwargs) -> list[int]:
+    """Ids of the added/special tokens in the end-of-turn marker: the stop ids for generation.
+
+    Usually one id (`<|im_end|>` for Qwen3 and the demo tokenizer). Ordinary text that some
+    templates put before that token (e.g. a space) is left out, so the ids are safe to use
+    as a set of stop tokens.
+    """
+    marker = end_of_turn_marker(tokenizer, **template_kwargs)
+    control = set(tokenizer.convert_tokens_to_ids(_control_tokens(tokenizer)))
+    return [i for i in tokenizer(marker, add_special_tokens=False)["input_ids"] if i in control]
+
+
+# ---------------------------------------------------------------- masks
+
+
+def _assistant_spans(tokenizer, messages: list[dict], text: str, template_kwargs: dict) -> list[tuple[int, int]]:
+    """Character spans `[start, end)` of what each assistant turn generates in `text`."""
+    marker = end_of_turn_marker(tokenizer, **template_kwargs)
+    turns = [k for k, m in enumerate(messages) if m.get("role") == "assistant"]
+    spans: list[tuple[int, int]] = []
+    contexts: list[int] = []
+    for k in turns:
+        if k == 0:
+            raise ChatTemplateError("message 0 is an assistant turn: there is no prompt to derive its start from")
+        context = _render(tokenizer, messages[:k], False, template_kwargs)
+        if not text.startswith(context):
+            raise ChatTemplateError(
+                f"chat template is not prefix-preserving: the conversation up to message {k} renders "
+                "differently on its own than inside the full conversation, so the start of assistant "
+                f"turn {k} cannot be located"
+            )
+        prompt = _render(tokenizer, messages[:k], True, template_kwargs)
+        start = max(_common_prefix_len(text, prompt), len(context))
+        end = text.find(marker, start)
+        if end < 0:
+            raise ChatTemplateError(f"no end-of-turn marker {marker!r} after assistant turn {k}")
+        spans.append((start, end + len(marker)))
+        contexts.append(len(context))
+    limits = contexts[1:] + [len(text)]
+    for (start, end), limit, k in zip(spans, limits, turns):
+        if start >= end or end > limit:
+            raise ChatTemplateError(
+                f"assistant turn {k} does not end with the end-of-turn marker {marker!r} before the next turn"
+            )
+    return spans
+
+
+def _mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    starts = [s for s, _ in offsets]
+    mask = [0] * len(offsets)
+    for span_start, span_end in spans:
+        # tokens overlapping [span_start, span_end): token_end > span_start and token_start < span_end
+        i = max(bisect.bisect_right(starts, span_start) - 1, 0)
+        while i < len(offsets) and offsets[i][0] < span_end:
+            if offsets[i][1] > span_start:
+                mask[i] = 1
+            i += 1
+    return mask
+
+
+def _check_mask(mask: list[int], how: str) -> None:
+    if not any(mask):
+        raise ChatTemplateError(f"{how} gives an empty assistant mask")
+    if all(mask):
+        raise ChatTemplateError(f"{how} gives an all-ones assistant mask (every token trained); refusing")
+
+
+def render_conversation(tokenizer, messages: list[dict], **template_kwargs) -> TokenizedSample:
+    """Token ids and assistant-only loss mask of one conversation (see module docstring).
+
+    `template_kwargs` go to `apply_chat_template` (e.g. `enable_thinking=False`, `tools=[...]`).
+    Raises `ChatTemplateError` when the tokenizer has no template or it cannot be masked.
+    """
+    for reserved in ("tokenize", "add_generation_prompt", "return_dict", "continue_final_message"):
+        if reserved in template_kwargs:
+            raise TypeError(f"render_conversation sets {reserved!r} itself")
+    source = _template_source(tokenizer, template_kwargs)
+    if _GENERATION_TAG.search(source):
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **template_kwargs
+        )
+        input_ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+        _check_mask(mask, "the template's {% generation %} markers")
+        return TokenizedSample(input_ids, mask)
+    text = _render(tokenizer, messages, False, template_kwargs)
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids = list(encoding["input_ids"])
+    offsets = [tuple(o) for o in encoding["offset_mapping"]]
+    mask = _mask_from_spans(offsets, _assistant_spans(tokenizer, messages, text, template_kwargs))
+    _check_mask(mask, "the derived mask")
+    return TokenizedSample(input_ids, mask)
+
+
+def render_prompt(tokenizer, messages: list[dict], **template_kwargs) -> list[int]:
+    """Token ids of the prompt for generation: messages up to the last user turn, plus the
+    generation prompt (`add_generation_prompt=True`)."""
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
+    if last_user is None:
+        raise ValueError("render_prompt: the conversation has no user turn")
+    _template_source(tokenizer, template_kwargs)
+    encoded = tokenizer.apply_chat_template(
+        messages[: last_user + 1], tokenize=True, add_generation_prompt=True, **template_kwargs
+    )
+    return _ids(encoded)

@@ -1,0 +1,162 @@
+"""The embedded demo task: arithmetic chats and a small tokenizer, generated deterministically.
+
+`write_arithmetic_dataset(out_dir, num_train, num_heldout, seed)` writes `train.jsonl` and
+`heldout.jsonl`: one `{"messages": [...], "answer": "..."}` record per line, read back
+through the normal JSONL ingest path. Problems are additions and subtractions of 1-3 digit
+numbers (operand lengths drawn uniformly, subtraction never negative), e.g. user
+"What is 347 + 589?" / assistant "936"; a quarter of the chats start with a short system
+prompt. Train and held-out problems are disjoint (`a + b` and `b + a` count as one).
+
+`build_demo_tokenizer(out_dir, corpus_paths=None, texts=None, vocab_size=384)` trains a
+byte-level BPE (digits always split into single tokens) on the message texts and saves it
+in Hugging Face format with our ChatML-style chat template (no generation markers: the demo
+uses the derived-mask path). Same inputs give byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Iterable
+
+SYSTEM_PROMPT = "You are a calculator. Reply with the number only."
+QUESTIONS = ("What is {a} {op} {b}?", "Compute {a} {op} {b}.", "{a} {op} {b} =")
+SYSTEM_FRACTION = 0.25
+
+PAD, BOS_TURN, EOS_TURN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+
+# Our own ChatML-style template: every turn is `<|im_start|>{role}\n{content}<|im_end|>\n`,
+# the generation prompt is `<|im_start|>assistant\n`.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+# ---------------------------------------------------------------- dataset
+
+
+def _operand(rng: random.Random) -> int:
+    digits = rng.randint(1, 3)
+    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+
+
+def _problem(rng: random.Random) -> tuple[int, str, int]:
+    a, b, op = _operand(rng), _operand(rng), rng.choice("+-")
+    if op == "-" and a < b:
+        a, b = b, a
+    return a, op, b
+
+
+def _key(a: int, op: str, b: int) -> tuple:
+    return (op, min(a, b), max(a, b)) if op == "+" else (op, a, b)
+
+
+def _record(a: int, op: str, b: int, rng: random.Random) -> dict:
+    answer = str(a + b if op == "+" else a - b)
+    messages = []
+    if rng.random() < SYSTEM_FRACTION:
+        messages.append({"role": "system", "content": SYSTEM_PROMPT})
+    messages.append({"role": "user", "content": rng.choice(QUESTIONS).format(a=a, op=op, b=b)})
+    messages.append({"role": "assistant", "content": answer})
+    return {"messages": messages, "answer": answer}
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def write_arithmetic_dataset(out_dir, num_train: int, num_heldout: int, seed: int) -> dict[str, Path]:
+    """Write `train.jsonl` and `heldout.jsonl` under `out_dir`; return `{"train": ..., "heldout": ...}`."""
+    if num_train < 0 or num_heldout < 0:
+        raise ValueError("num_train and num_heldout must be >= 0")
+    rng = random.Random(seed)
+    wanted = num_train + num_heldout
+    problems: dict[tuple, tuple[int, str, int]] = {}
+    attempts = 0
+    while len(problems) < wanted:
+        attempts += 1
+        if attempts > 20 * wanted + 1000:
+            raise ValueError(f"cannot draw {wanted} distinct arithmetic problems")
+        problem = _problem(rng)
+        problems.setdefault(_key(*problem), problem)
+    ordered = list(problems.values())  # insertion order: deterministic
+    heldout = [_record(*p, rng) for p in ordered[:num_heldout]]
+    train = [_record(*p, rng) for p in ordered[num_heldout:]]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"train": out / "train.jsonl", "heldout": out / "heldout.jsonl"}
+    _write_jsonl(paths["train"], train)
+    _write_jsonl(paths["heldout"], heldout)
+    return paths
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def _corpus_texts(corpus_paths: Iterable, texts: Iterable[str] | None) -> list[str]:
+    """Message roles and contents of chat JSONL files (via the normal reader), plus `texts`."""
+    from posttrain.data.sources import SourceSpec, read_chat_records
+
+    out: list[str] = []
+    for path in corpus_paths or ():
+        path = str(path)
+        if path.endswith((".jsonl", ".jsonl.gz")):
+            records, _ = read_chat_records(SourceSpec(name="tokenizer-corpus", kind="jsonl", path=path))
+            for record in records:
+                for message in record.messages:
+                    out.extend((message["role"] + "\n", message["content"]))
+        else:
+            out.extend(Path(path).read_text(encoding="utf-8").splitlines(keepends=True))
+    out.extend(texts or ())
+    return out
+
+
+def build_demo_tokenizer(out_dir, corpus_paths: Iterable | None = None, texts: Iterable[str] | None = None,
+                         vocab_size: int = 384) -> Path:
+    """Train the demo byte-level BPE and save it (tokenizer.json + tokenizer_config.json) in `out_dir`.
+
+    `corpus_paths`: chat JSONL files (their roles and message contents are the training
+    text) or plain text files; `texts`: extra strings. Special tokens: `<|endoftext|>`
+    (id 0, pad), `<|im_start|>` (1), `<|im_end|>` (2, eos). Loads with
+    `AutoTokenizer.from_pretrained(out_dir)`.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = _corpus_texts(corpus_paths, texts)
+    if not corpus:
+        raise ValueError("build_demo_tokenizer needs corpus_paths or texts")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[PAD, BOS_TURN, EOS_TURN],
+        initial_alphabet=sorted(pre_tokenizers.ByteLevel.alphabet()),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus, trainer=trainer, length=len(corpus))
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=None,
+        eos_token=EOS_TURN,
+        pad_token=PAD,
+        unk_token=None,
+        additional_special_tokens=[BOS_TURN],
+        model_max_length=4096,
+        clean_up_tokenization_spaces=False,
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    wrapped.save_pretrained(str(out))
+    return out

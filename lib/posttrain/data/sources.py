@@ -1,0 +1,248 @@
+"""Dataset sources: read rows from JSONL, Parquet or Hugging Face `datasets` into chat records.
+
+`SourceSpec` names one source (the config layer builds it). Readers yield
+`(line, raw)` per row: `raw` is the undecoded line (`str`, or `bytes` when it is not valid
+UTF-8) for JSONL and a dict for Parquet / `datasets`. `line` is the 1-based file line for
+JSONL (blank lines are skipped and are not rows, but keep their numbers) and the 0-based
+row index for Parquet and `datasets`.
+
+`read_chat_records(spec)` turns every row into a `ChatRecord` or, when anything is wrong
+with it (bad JSON, bad UTF-8, missing field, failed `validate_chat`), a `RejectedRow` with
+file, line and reason. Only file-level problems raise: a missing file (`FileNotFoundError`)
+or an unreadable stream such as a truncated gzip (`SourceError`).
+
+Field mapping: rows hold a list of messages under `messages_field` (a dotted path such as
+"input.messages" reaches into nested objects), or flat `prompt_field` / `response_field`
+strings that become a user turn and an assistant turn, after an optional `system_prompt`.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from posttrain.data.records import ChatRecord, RecordError, RejectedRow, raw_text, validate_chat
+
+KINDS = ("jsonl", "parquet", "hf")
+_GLOB_CHARS = set("*?[")
+
+
+class SourceError(RuntimeError):
+    """A whole source cannot be read (corrupt or truncated file), as opposed to a bad row."""
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One dataset source.
+
+    `path`: for "jsonl" a `.jsonl` / `.jsonl.gz` file (gzip detected by the `.gz` suffix),
+    a directory (its `*.jsonl` and `*.jsonl.gz` files) or a glob; for "parquet" a file, a
+    directory (its `*.parquet` files) or a glob; for "hf" a local data file or glob (loaded
+    with the builder for its suffix: json, parquet, csv, arrow), a `save_to_disk` directory,
+    or a dataset directory / hub id for `datasets.load_dataset(path, split=...)`.
+    `split` and `streaming` apply to "hf" only. `limit` caps the rows read (good and bad).
+    """
+
+    name: str
+    kind: str
+    path: str
+    split: str = "train"
+    streaming: bool = False
+    messages_field: str = "messages"
+    prompt_field: str | None = None
+    response_field: str | None = None
+    system_prompt: str | None = None
+    limit: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "path", str(self.path))
+        if self.kind not in KINDS:
+            raise ValueError(f"source '{self.name}': unknown kind {self.kind!r}; expected one of {KINDS}")
+        if not self.path:
+            raise ValueError(f"source '{self.name}': empty path")
+        if (self.prompt_field is None) != (self.response_field is None):
+            raise ValueError(f"source '{self.name}': set both prompt_field and response_field, or neither")
+        if self.limit is not None and self.limit < 0:
+            raise ValueError(f"source '{self.name}': limit must be >= 0, got {self.limit}")
+
+
+# ---------------------------------------------------------------- file lists
+
+
+def _expand(path: str, suffixes: tuple[str, ...]) -> list[str]:
+    """A file, a directory (its files with one of `suffixes`, sorted) or a glob (sorted)."""
+    if Path(path).is_file():
+        files = [path]
+    elif Path(path).is_dir():
+        files = sorted(str(p) for p in Path(path).iterdir() if p.is_file() and p.name.endswith(suffixes))
+    elif _GLOB_CHARS & set(path):
+        files = sorted(p for p in glob.glob(path) if Path(p).is_file())
+    else:
+        files = []
+    if not files:
+        raise FileNotFoundError(f"no data files at {path!r}")
+    return files
+
+
+# ---------------------------------------------------------------- readers
+
+
+def iter_jsonl(path: str) -> Iterator[tuple[int, str | bytes]]:
+    """Yield `(line_number, line_text)` for each non-blank line of a JSONL file (`.gz` aware).
+
+    Lines that are not valid UTF-8 are yielded as `bytes` (the caller rejects them).
+    A byte-order mark on the first line is removed. Raises `SourceError` if the stream
+    itself breaks (e.g. a truncated gzip file), naming the last line read.
+    """
+    opener = gzip.open if str(path).endswith(".gz") else open
+    line_number = 0
+    try:
+        with opener(path, "rb") as f:
+            for line_number, data in enumerate(f, start=1):
+                if line_number == 1 and data.startswith(b"\xef\xbb\xbf"):
+                    data = data[3:]
+                if not data.strip():
+                    continue
+                try:
+                    yield line_number, data.decode("utf-8").rstrip("\r\n")
+                except UnicodeDecodeError:
+                    yield line_number, data
+    except (OSError, EOFError, zlib.error) as err:
+        raise SourceError(f"{path}: unreadable after line {line_number}: {err}") from err
+
+
+def iter_parquet(path: str, batch_size: int = 1024) -> Iterator[tuple[int, dict]]:
+    """Yield `(row_index, row_dict)` for each row of a Parquet file (0-based index)."""
+    import pyarrow.parquet as pq
+
+    index = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
+        for row in batch.to_pylist():
+            yield index, row
+            index += 1
+
+
+_HF_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+
+
+def _hf_builder(path: str) -> str | None:
+    name = Path(path).name.lower()
+    for compressed in (".gz", ".bz2", ".xz", ".zst"):
+        if name.endswith(compressed):
+            name = name[: -len(compressed)]
+    return _HF_BUILDERS.get(Path(name).suffix)
+
+
+def iter_hf(path: str, split: str = "train", streaming: bool = False) -> Iterator[tuple[int, dict]]:
+    """Yield `(row_index, row_dict)` from a Hugging Face `datasets` source (see `SourceSpec`)."""
+    import datasets
+
+    local = Path(path)
+    if local.is_dir() and ((local / "state.json").exists() or (local / "dataset_dict.json").exists()):
+        dataset = datasets.load_from_disk(str(local))
+        if isinstance(dataset, datasets.DatasetDict):
+            dataset = dataset[split]
+    elif (local.is_file() or _GLOB_CHARS & set(path)) and _hf_builder(path):
+        dataset = datasets.load_dataset(
+            _hf_builder(path), data_files={split: path}, split=split, streaming=streaming
+        )
+    else:
+        dataset = datasets.load_dataset(path, split=split, streaming=streaming)
+    for index, row in enumerate(dataset):
+        yield index, row
+
+
+def iter_rows(spec: SourceSpec) -> Iterator[tuple[str, int, Any]]:
+    """Yield `(source, line, raw)` for every row of `spec`, at most `spec.limit` rows.
+
+    `source` is the file the row came from (for "hf": `path[split]`).
+    """
+    if spec.kind == "jsonl":
+        streams = ((f, iter_jsonl(f)) for f in _expand(spec.path, (".jsonl", ".jsonl.gz")))
+    elif spec.kind == "parquet":
+        streams = ((f, iter_parquet(f)) for f in _expand(spec.path, (".parquet",)))
+    else:
+        streams = iter([(f"{spec.path}[{spec.split}]", iter_hf(spec.path, spec.split, spec.streaming))])
+    count = 0
+    for source, rows in streams:
+        for line, raw in rows:
+            if spec.limit is not None and count >= spec.limit:
+                return
+            yield source, line, raw
+            count += 1
+
+
+# ---------------------------------------------------------------- records
+
+
+def _get(obj: dict, dotted: str) -> Any:
+    """`obj[dotted]`, or a nested lookup along "a.b.c"; raises `RecordError` when absent."""
+    if dotted in obj:
+        return obj[dotted]
+    value: Any = obj
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise RecordError(f"missing '{dotted}' field")
+        value = value[part]
+    return value
+
+
+def row_to_messages(obj: Any, spec: SourceSpec) -> list[dict]:
+    """Apply the spec's field mapping to one decoded row and validate it (`RecordError` if bad)."""
+    if not isinstance(obj, dict):
+        raise RecordError(f"row is not a JSON object (got {'null' if obj is None else type(obj).__name__})")
+    if spec.prompt_field is None:
+        return validate_chat({spec.messages_field: _get(obj, spec.messages_field)}, field=spec.messages_field)
+    turns = []
+    for field, role in ((spec.prompt_field, "user"), (spec.response_field, "assistant")):
+        value = _get(obj, field)
+        if not isinstance(value, str):
+            raise RecordError(f"field '{field}' is not a string (got {type(value).__name__})")
+        turns.append({"role": role, "content": value})
+    if spec.system_prompt:
+        turns.insert(0, {"role": "system", "content": spec.system_prompt})
+    return validate_chat({"messages": turns})
+
+
+def _decode(raw: Any) -> Any:
+    if isinstance(raw, bytes):
+        raise RecordError("line is not valid UTF-8")
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as err:
+            raise RecordError(f"invalid JSON: {err.msg} at column {err.colno}") from None
+    return raw
+
+
+def read_chat_records(spec: SourceSpec) -> tuple[list[ChatRecord], list[RejectedRow]]:
+    """Read every row of `spec`: good rows become `ChatRecord`s, malformed ones `RejectedRow`s.
+
+    Order follows the source. `len(records) + len(rejected)` is the number of rows read.
+    """
+    records: list[ChatRecord] = []
+    rejected: list[RejectedRow] = []
+    for source, line, raw in iter_rows(spec):
+        try:
+            messages = row_to_messages(_decode(raw), spec)
+        except RecordError as err:
+            rejected.append(RejectedRow(source, line, err.reason, raw_text(raw)))
+        else:
+            records.append(ChatRecord(messages, source, line))
+    return records, rejected
+
+
+def write_rejected(rejected: list[RejectedRow], path: str | Path) -> Path:
+    """Write rejected rows as JSONL (`source`, `line`, `reason`, `raw`), creating parent dirs."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rejected:
+            f.write(json.dumps({"source": row.source, "line": row.line, "reason": row.reason, "raw": row.raw},
+                               ensure_ascii=False) + "\n")
+    return path

@@ -1,0 +1,116 @@
+"""Shared decoder layers: RMSNorm, rotary embedding, SwiGLU MLP, grouped-query attention.
+
+Shape suffixes follow docs/architecture.md: B batch, T time, D hidden, H query heads,
+K key/value heads, E head dim, F MLP intermediate size.
+
+None of these modules hold buffers: rotary tables are computed from explicit position ids on
+every forward, so a model built on the meta device needs nothing but its parameters loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from posttrain.ops.attention import AttentionMask, document_attention
+
+
+class RMSNorm(nn.Module):
+    """`weight * x / sqrt(mean(x^2) + eps)` over the last dim; normalised in float32, then
+    cast back to the input dtype before the weight is applied."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_fp32 = x.float()
+        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (rotate-half layout, "default" RoPE without scaling).
+
+    `forward(position_ids_BT, dtype) -> (cos_BTE, sin_BTE)`. Positions are explicit, so they can
+    restart at 0 for each document of a packed row. Tables are computed in float32.
+    """
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary head_dim must be even, got {head_dim}")
+        self.head_dim = head_dim
+        self.theta = float(theta)
+
+    def forward(self, position_ids_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        E, device = self.head_dim, position_ids_BT.device
+        exponent = torch.arange(0, E, 2, dtype=torch.float32, device=device) / E
+        inv_freq = 1.0 / (self.theta**exponent)  # [E/2]
+        freqs_BTe = position_ids_BT[..., None].float() * inv_freq
+        angles_BTE = torch.cat((freqs_BTe, freqs_BTe), dim=-1)
+        return angles_BTE.cos().to(dtype), angles_BTE.sin().to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, theta={self.theta}"
+
+
+def apply_rotary(x_BHTE: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` by the position angles: `x * cos + rotate_half(x) * sin`."""
+    half = x_BHTE.shape[-1] // 2
+    rotated_BHTE = torch.cat((-x_BHTE[..., half:], x_BHTE[..., :half]), dim=-1)
+    return x_BHTE * cos_BTE[:, None] + rotated_BHTE * sin_BTE[:, None]
+
+
+class SwiGLU(nn.Module):
+    """`w_down(silu(w_gate(x)) * w_up(x))`, no biases."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w_gate = nn.Linear(dim, hidden_dim, bias=False)
+        self.w_up = nn.Linear(dim, hidden_dim, bias=False)
+        self.w_down = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x_BTD)) * self.w_up(x_BTD))
+
+
+class GroupedQueryAttention(nn.Module):
+    """Multi-head attention with `n_kv_heads` key/value heads shared by groups of query heads.
+
+    With `qk_norm_eps` set (Qwen3), q and k get an RMSNorm over the head dim, per head, before
+    the rotary embedding. No biases. Attention goes through `posttrain.ops.attention`, so the
+    document mask and backend are decided by the caller's `AttentionMask`.
+    """
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm_eps: float | None = None):
+        super().__init__()
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+
+    def forward(
+        self, x_BTD: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        H, K, E = self.n_heads, self.n_kv_heads, self.head_dim
+        q_BTHE = self.wq(x_BTD).view(B, T, H, E)
+        k_BTKE = self.wk(x_BTD).view(B, T, K, E)
+        v_BTKE = self.wv(x_BTD).view(B, T, K, E)
+        if self.q_norm is not None:
+            q_BTHE, k_BTKE = self.q_norm(q_BTHE), self.k_norm(k_BTKE)
+        q_BHTE = apply_rotary(q_BTHE.transpose(1, 2), cos_BTE, sin_BTE)
+        k_BKTE = apply_rotary(k_BTKE.transpose(1, 2), cos_BTE, sin_BTE)
+        o_BHTE = document_attention(q_BHTE, k_BKTE, v_BTKE.transpose(1, 2), mask, scale=E**-0.5)
+        return self.wo(o_BHTE.transpose(1, 2).reshape(B, T, H * E))

@@ -1,0 +1,239 @@
+"""Build models, and load/save them as Hugging Face checkpoints (safetensors only).
+
+Architectures are registered by HF `model_type`; each brings a config dataclass (with
+`from_hf_dict`/`to_hf_dict`), a model class, and an HF adapter module exposing
+`hf_shapes(config)`, `redundant_tensors(config)`, `import_tensor(name, tensor, config)` and
+`export_tensors(model)`.
+
+Loading builds the model on the meta device and assigns tensors read straight from the
+safetensors files onto `device`: the model is never materialised twice and nothing is
+unpickled. Saving writes into a temporary directory next to the target and renames it into
+place. Both work on a whole (unsharded) model in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from posttrain.models.qwen3 import hf_adapter as qwen3_adapter
+from posttrain.models.qwen3.model import Qwen3Config, Qwen3Model
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SINGLE_SAFETENSORS = "model.safetensors"
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory does not match the model its config.json describes."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    config_cls: type
+    model_cls: type[torch.nn.Module]
+    adapter: ModuleType
+    tiny: dict[str, Any]  # kwargs for a tiny random config (tests, `verify --tiny`)
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "qwen3": Architecture(
+        Qwen3Config,
+        Qwen3Model,
+        qwen3_adapter,
+        tiny=dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+                  max_position_embeddings=512, eos_token_id=1),
+    ),
+}
+
+
+def get_architecture(model_type: str | None) -> Architecture:
+    if model_type not in ARCHITECTURES:
+        raise CheckpointError(f"unsupported model_type {model_type!r}; registered: {sorted(ARCHITECTURES)}")
+    return ARCHITECTURES[model_type]
+
+
+def tiny_config(model_type: str = "qwen3", **overrides: Any):
+    """A tiny random-init config of `model_type` (vocab not a multiple of 64, GQA)."""
+    arch = get_architecture(model_type)
+    return arch.config_cls(**{**arch.tiny, **overrides})
+
+
+def build_model(config, seed: int, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """A freshly initialised model for `config` (built on meta, materialised on `device`)."""
+    arch = get_architecture(config.model_type)
+    with torch.device("meta"):
+        model = arch.model_cls(config)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def _shard_files(path: Path) -> dict[str, list[str] | None]:
+    """`{file name: tensor names the index assigns to it}` (None: no index, single file)."""
+    index_file = path / SAFETENSORS_INDEX
+    if index_file.exists():
+        weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+        files: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(file, []).append(name)
+        return files
+    if (path / SINGLE_SAFETENSORS).exists():
+        return {SINGLE_SAFETENSORS: None}
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+        raise CheckpointError(f"{path} holds only pickle weights (*.bin/*.pt); we load safetensors only")
+    raise CheckpointError(f"{path} has neither {SAFETENSORS_INDEX} nor {SINGLE_SAFETENSORS}")
+
+
+def load_hf_checkpoint(
+    path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = torch.float32
+) -> torch.nn.Module:
+    """Load an HF-format checkpoint directory (config.json + safetensors) into our model.
+
+    Strict: an unknown tensor, a missing one, a wrong shape, a tensor listed twice or in the
+    wrong shard raises `CheckpointError` naming the tensor. Tensors are cast to `dtype`
+    (float32 by default; None keeps the stored dtype) and placed on `device`.
+    """
+    path = Path(path)
+    hf_config = json.loads((path / "config.json").read_text())
+    arch = get_architecture(hf_config.get("model_type"))
+    config = arch.config_cls.from_hf_dict(hf_config)
+    with torch.device("meta"):
+        model = arch.model_cls(config)
+
+    expected = arch.adapter.hf_shapes(config)
+    redundant = arch.adapter.redundant_tensors(config)  # {name: twin that it must equal}
+    state: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
+    extra: dict[str, torch.Tensor] = {}  # redundant tensors and the twins they are checked against
+    for file, indexed in _shard_files(path).items():
+        with safe_open(str(path / file), framework="pt", device=str(device)) as f:
+            names = list(f.keys())
+            if indexed is not None and set(names) != set(indexed):
+                stray = sorted(set(names) ^ set(indexed))
+                raise CheckpointError(f"{file} does not hold what {SAFETENSORS_INDEX} says: tensors {stray[:5]}")
+            for name in names:
+                if name in seen:
+                    raise CheckpointError(f"tensor {name!r} appears twice in {path}")
+                seen.add(name)
+                if name not in expected and name not in redundant:
+                    raise CheckpointError(f"unexpected tensor {name!r} in {file} for {config.model_type} config")
+                tensor = f.get_tensor(name)
+                want = expected.get(name, expected.get(redundant.get(name)))
+                if tuple(tensor.shape) != tuple(want):
+                    raise CheckpointError(
+                        f"tensor {name!r} in {file} has shape {tuple(tensor.shape)}, expected {tuple(want)}"
+                    )
+                if dtype is not None:
+                    tensor = tensor.to(dtype)
+                if name in redundant or name in redundant.values():
+                    extra[name] = tensor
+                if name in expected:
+                    our_name, ours = arch.adapter.import_tensor(name, tensor, config)
+                    state[our_name] = ours
+    missing = sorted(set(expected) - seen)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"checkpoint {path} is missing tensors {missing[:5]}{more}")
+    for name, twin in redundant.items():
+        if name in extra and not torch.equal(extra[name], extra[twin]):
+            raise CheckpointError(f"tensor {name!r} must equal {twin!r} for this config but differs")
+    model.load_state_dict(state, strict=True, assign=True)
+    return model
+
+
+# ---------------------------------------------------------------------------- saving
+
+
+def _plan_shards(tensors: list[tuple[str, torch.Tensor]], max_shard_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Group tensors in order into shards of at most `max_shard_bytes` (a bigger tensor goes alone)."""
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, tensor))
+        size += nbytes
+    return shards
+
+
+def _replace_dir(tmp: Path, target: Path) -> None:
+    """Move the finished `tmp` to `target`; an existing `target` is swapped out, then deleted."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(target, old)
+    os.rename(tmp, target)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def save_hf_checkpoint(
+    model: torch.nn.Module,
+    path: str | os.PathLike,
+    tokenizer: Any = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write `model` as an HF checkpoint directory at `path` and return the path.
+
+    Writes `model-0000i-of-0000n.safetensors` shards (each at most `max_shard_bytes` unless a
+    single tensor is larger), `model.safetensors.index.json`, `config.json`,
+    `generation_config.json` (bos/eos/pad ids) and, when given, the tokenizer files via
+    `tokenizer.save_pretrained`. Weights are stored in `dtype` (default: the model's).
+    Atomic: written to a temporary sibling directory, then renamed over `path`.
+    """
+    config = model.config
+    arch = get_architecture(config.model_type)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = [(n, t if dtype is None else t.to(dtype)) for n, t in arch.adapter.export_tensors(model)]
+    stored_dtype = tensors[0][1].dtype
+    shards = _plan_shards(tensors, max_shard_bytes)
+
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        weight_map, total_size = {}, 0
+        for i, shard in enumerate(shards, start=1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            cpu_tensors = {n: t.detach().to("cpu").contiguous() for n, t in shard}
+            save_file(cpu_tensors, str(tmp / file), metadata={"format": "pt"})
+            for name, tensor in shard:
+                weight_map[name] = file
+                total_size += tensor.numel() * tensor.element_size()
+        index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+        (tmp / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+        eos = config.eos_token_id
+        if eos is None and tokenizer is not None:
+            eos = tokenizer.eos_token_id
+        hf_config = config.to_hf_dict(dtype=str(stored_dtype).removeprefix("torch."))
+        hf_config["eos_token_id"] = eos
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        generation = {"bos_token_id": config.bos_token_id, "eos_token_id": eos, "pad_token_id": config.pad_token_id}
+        generation = {k: v for k, v in generation.items() if v is not None}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path

@@ -1,0 +1,78 @@
+"""Document-masked causal attention.
+
+Packed rows hold several documents; a token may attend to key `k` from query `q` iff
+`k <= q` and both belong to the same document (`doc_ids[q] == doc_ids[k]`). Padding has
+`doc_id == -1`, so padding attends only to earlier padding and no query row is ever fully
+masked (the diagonal is always allowed).
+
+Backends (chosen once per forward by `select_backend`, then shared by every layer):
+- "sdpa": `F.scaled_dot_product_attention` with a dense boolean `[B, 1, T, T]` mask. Works
+  everywhere, including backward on CPU; memory is O(B*T^2) booleans.
+- "flex" (future, GPU): FlexAttention with a BlockMask built from the same predicate. It
+  slots in by adding a branch to `build_attention_mask` and `document_attention`; CPU has no
+  flex backward (DESIGN.md §6), so CPU always uses "sdpa".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("sdpa",)
+
+
+def document_causal_mask(doc_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Boolean mask `[B, 1, T, T]`: `allowed[b, 0, q, k] = k <= q and doc[b, q] == doc[b, k]`."""
+    T = doc_ids_BT.shape[1]
+    causal_TT = torch.ones(T, T, dtype=torch.bool, device=doc_ids_BT.device).tril()
+    same_doc_BTT = doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]
+    return (same_doc_BTT & causal_TT)[:, None, :, :]
+
+
+def select_backend(device: torch.device | str) -> str:
+    """The attention backend for tensors on `device`. Only "sdpa" exists today.
+
+    This is the seam for FlexAttention: return "flex" for CUDA once it is implemented.
+    """
+    del device  # every device uses sdpa for now
+    return "sdpa"
+
+
+@dataclass
+class AttentionMask:
+    """A document-causal mask prepared once per forward for a given backend."""
+
+    backend: str
+    dense_B1TT: torch.Tensor | None = None  # "sdpa": boolean, True where attention is allowed
+
+
+def build_attention_mask(doc_ids_BT: torch.Tensor, backend: str | None = None) -> AttentionMask:
+    """Prepare the mask for `doc_ids_BT` (`[B, T]` long, `-1` for padding)."""
+    backend = backend or select_backend(doc_ids_BT.device)
+    if backend == "sdpa":
+        return AttentionMask(backend, dense_B1TT=document_causal_mask(doc_ids_BT))
+    raise ValueError(f"unknown attention backend {backend!r}; available: {BACKENDS}")
+
+
+def document_attention(
+    q_BHTE: torch.Tensor,
+    k_BKTE: torch.Tensor,
+    v_BKTE: torch.Tensor,
+    mask: AttentionMask,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Grouped-query attention under `mask`; returns `o_BHTE`.
+
+    `H` must be a multiple of `K` (query head `h` reads key/value head `h // (H // K)`).
+    `scale` defaults to `E ** -0.5`.
+    """
+    H, K = q_BHTE.shape[1], k_BKTE.shape[1]
+    if H % K != 0:
+        raise ValueError(f"query heads {H} not a multiple of key/value heads {K}")
+    if mask.backend == "sdpa":
+        return F.scaled_dot_product_attention(
+            q_BHTE, k_BKTE, v_BKTE, attn_mask=mask.dense_B1TT, scale=scale, enable_gqa=H != K
+        )
+    raise ValueError(f"unknown attention backend {mask.backend!r}; available: {BACKENDS}")

@@ -1,0 +1,67 @@
+"""Evaluate: the untrained base and the tuned model side by side on held-out data.
+
+For each model: held-out loss (per token, assistant tokens only) and the task metric from
+greedy generation (exact match of the final assistant answer). An evidently report
+compares the two models' outputs (lengths, correctness).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from posttrain.config.schema import SFTConfig
+from posttrain.data.chat import end_of_turn_token_ids, render_prompt
+from posttrain.data.packer import iter_batches
+from posttrain.data.records import ChatRecord
+from posttrain.eval.generate import greedy_generate
+from posttrain.eval.heldout import evaluate_loss
+from posttrain.eval.metrics import exact_match
+from posttrain.eval.report import build_comparison_frame, evidently_report_html
+from posttrain.models.registry import load_hf_checkpoint
+from posttrain.steps import pack as pack_step
+from posttrain.steps import tokenize as tokenize_step
+
+
+@dataclass
+class EvalResult:
+    metrics: dict[str, dict[str, float]]
+    examples: list[dict]
+    report_html: str
+
+
+def prompt_and_reference(record: ChatRecord) -> tuple[list[dict], str]:
+    """Everything before the last assistant turn is the prompt; that turn's content the reference."""
+    last = max(i for i, m in enumerate(record.messages) if m["role"] == "assistant")
+    return record.messages[:last], record.messages[last]["content"]
+
+
+def run(base_dir: str, tuned_dir: str, tokenizer, heldout: list[ChatRecord], config: SFTConfig) -> EvalResult:
+    if not heldout:
+        raise ValueError("evaluation needs held-out records: set data.heldout or data.heldout_fraction")
+    records = heldout[: config.eval.max_examples] if config.eval.max_examples else heldout
+    template_kwargs = config.tokenizer.chat_template_kwargs
+    tokenized = tokenize_step.run(records, tokenizer, template_kwargs, desc="tokenize held-out")
+    rows, _ = pack_step.run(tokenized.samples, config.pack, tokenizer.pad_token_id)
+    prompts, references = zip(*(prompt_and_reference(r) for r in records))
+    prompt_ids = [render_prompt(tokenizer, messages, **template_kwargs) for messages in prompts]
+    stop_ids = set(end_of_turn_token_ids(tokenizer)) | {tokenizer.eos_token_id}
+
+    metrics: dict[str, dict[str, float]] = {}
+    examples: list[dict] = []
+    for label, model_dir in (("base", base_dir), ("tuned", tuned_dir)):
+        model = load_hf_checkpoint(model_dir).eval()
+        with torch.no_grad():
+            loss = evaluate_loss(model, iter_batches(rows, config.eval.batch_size))
+            outputs = greedy_generate(model, prompt_ids, config.eval.max_new_tokens, stop_ids, config.eval.batch_size)
+        predictions = [tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
+        correct = [exact_match(p, r) for p, r in zip(predictions, references)]
+        metrics[label] = {"heldout_loss": loss, "exact_match": sum(correct) / len(correct)}
+        print(f"[evaluate] {label}: held-out loss {loss:.4f}, exact match {metrics[label]['exact_match']:.3f}")
+        for messages, reference, prediction, ok, ids in zip(prompts, references, predictions, correct, outputs):
+            examples.append({"model": label, "prompt": messages[-1]["content"], "reference": reference,
+                             "prediction": prediction, "correct": ok, "output_length": len(ids)})
+    frame = build_comparison_frame(examples)
+    report_html = evidently_report_html(frame[frame.model == "base"], frame[frame.model == "tuned"])
+    return EvalResult(metrics=metrics, examples=examples, report_html=report_html)

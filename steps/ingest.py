@@ -1,0 +1,96 @@
+"""Ingest: read every configured source into validated chat records.
+
+Malformed rows are not dropped: each becomes a `RejectedRow` (source file, line, reason),
+is counted per source, and is written to `rejected.jsonl` in the run directory.
+When `data.generate` is set, the embedded demo task and its tokenizer are generated
+first under `${generated}` and then read back through the same readers as real data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from posttrain.config.schema import GenerateConfig, SFTConfig, SourceConfig
+from posttrain.data.records import ChatRecord, RejectedRow
+from posttrain.data.sources import SourceSpec, read_chat_records, write_rejected
+from posttrain.steps.paths import generated_directory, resolve
+
+
+@dataclass
+class IngestResult:
+    train: list[ChatRecord]
+    heldout: list[ChatRecord]
+    rejected: list[RejectedRow]
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    rejected_path: str | None = None
+
+    def rejected_by_reason(self) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for row in self.rejected:
+            kind = row.reason.split(":")[-1].strip()
+            totals[kind] = totals.get(kind, 0) + 1
+        return totals
+
+
+def generate_demo_data(generate: GenerateConfig, run_dir: Path) -> Path:
+    """Write the demo dataset and train its tokenizer under `run_dir/generated` (deterministic)."""
+    from posttrain.data.demo import build_demo_tokenizer, write_arithmetic_dataset
+
+    out_dir = generated_directory(run_dir)
+    paths = write_arithmetic_dataset(
+        out_dir, num_train=generate.num_train, num_heldout=generate.num_heldout, seed=generate.seed
+    )
+    build_demo_tokenizer(
+        out_dir / "tokenizer", corpus_paths=[paths["train"]], vocab_size=generate.tokenizer_vocab_size
+    )
+    return out_dir
+
+
+def _spec(source: SourceConfig, run_dir: Path) -> SourceSpec:
+    fields = dataclasses.asdict(source)
+    fields["path"] = resolve(source.path, run_dir)
+    return SourceSpec(**fields)
+
+
+def run(config: SFTConfig, run_dir: Path) -> IngestResult:
+    if config.data.generate is not None:
+        generate_demo_data(config.data.generate, run_dir)
+    train: list[ChatRecord] = []
+    rejected: list[RejectedRow] = []
+    counts: dict[str, dict[str, int]] = {}
+    for source in config.data.sources:
+        records, bad = read_chat_records(_spec(source, run_dir))
+        counts[source.name] = {"kept": len(records), "rejected": len(bad), "read": len(records) + len(bad)}
+        print(f"[ingest] {source.name}: {len(records)} records kept, {len(bad)} rejected")
+        train.extend(records)
+        rejected.extend(bad)
+    if config.data.heldout is not None:
+        heldout, bad = read_chat_records(_spec(config.data.heldout, run_dir))
+        name = config.data.heldout.name
+        counts[name] = {"kept": len(heldout), "rejected": len(bad), "read": len(heldout) + len(bad)}
+        print(f"[ingest] {name} (held out): {len(heldout)} records kept, {len(bad)} rejected")
+        rejected.extend(bad)
+    else:
+        train, heldout = split_heldout(train, config.data.heldout_fraction, config.seed)
+    if not train:
+        raise ValueError("no usable training records: every row of every source was rejected (see rejected.jsonl)")
+    rejected_path = None
+    if rejected:
+        rejected_path = str(Path(run_dir) / "rejected.jsonl")
+        write_rejected(rejected, rejected_path)
+        print(f"[ingest] {len(rejected)} malformed rows kept aside in {rejected_path}")
+    return IngestResult(train=train, heldout=heldout, rejected=rejected, counts=counts, rejected_path=rejected_path)
+
+
+def split_heldout(records: list[ChatRecord], fraction: float, seed: int) -> tuple[list, list]:
+    """Deterministically hold out `fraction` of the records (none when fraction is 0)."""
+    if fraction <= 0:
+        return records, []
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    cut = max(1, int(len(records) * fraction))
+    held = set(order[:cut])
+    return [r for i, r in enumerate(records) if i not in held], [records[i] for i in sorted(held)]

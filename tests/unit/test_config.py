@@ -1,0 +1,70 @@
+"""Recipe configs: strict keys with the nearest valid key, typed values with allowed ranges, overrides."""
+
+from pathlib import Path
+
+import pytest
+
+from posttrain.config import ConfigError, load_sft_config
+from posttrain.config.loader import parse_sft_overrides, sft_config_from_dict
+from posttrain.config.schema import SFTConfig
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "sft"
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "tiny.yaml", "qwen3-0.6b.yaml"])
+def test_shipped_configs_load(name):
+    config = load_sft_config(CONFIGS / name)
+    assert isinstance(config, SFTConfig) and config.data.sources
+
+
+def test_unknown_key_names_key_file_and_nearest_valid_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((CONFIGS / "demo.yaml").read_text().replace("learning_rate:", "lerning_rate:"))
+    with pytest.raises(ConfigError) as err:
+        load_sft_config(bad)
+    message = str(err.value)
+    assert "'train.lerning_rate'" in message and str(bad) in message and "did you mean 'learning_rate'" in message
+
+
+def test_unknown_key_inside_a_list_item(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((CONFIGS / "demo.yaml").read_text().replace("kind: jsonl\n      path:", "kind: jsonl\n      pth:", 1))
+    with pytest.raises(ConfigError, match=r"'data\.sources\.0\.pth'.*did you mean 'path'"):
+        load_sft_config(bad)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ({"train.micro_batch_size": "eight"}, r"'train.micro_batch_size' .* must be int, got 'eight'"),
+    ({"train.learning_rate": 0}, r"'train.learning_rate' .* must be > 0"),
+    ({"pack.on_overflow": "cut"}, r"'pack.on_overflow' .* must be one of 'truncate', 'drop', 'error'"),
+    ({"train.min_lr_ratio": 1.5}, r"'train.min_lr_ratio' .* must be <= 1"),
+    ({"train.warmup_steps": True}, r"'train.warmup_steps' .* must be int"),
+])
+def test_wrong_type_or_range_names_field_and_allowed_values(override, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_sft_config(CONFIGS / "demo.yaml", overrides=override)
+
+
+def test_overrides_dotted_and_nested_forms():
+    config = load_sft_config(CONFIGS / "demo.yaml",
+                             overrides={"train.max_steps": 7, "model": {"hidden_size": 64}, "data.sources.0.limit": 5})
+    assert config.train.max_steps == 7 and config.model.hidden_size == 64 and config.data.sources[0].limit == 5
+
+
+def test_override_parser_rejects_typos_at_launch():
+    assert parse_sft_overrides('{"train.max_steps": 3}') == {"train.max_steps": 3}
+    with pytest.raises(ConfigError, match="did you mean 'max_steps'"):
+        parse_sft_overrides('{"train.max_step": 3}')
+
+
+def test_cross_field_rules():
+    base = {"name": "x", "data": {"sources": [{"name": "a", "kind": "jsonl", "path": "a.jsonl"}]},
+            "tokenizer": {"name_or_path": "builtin:qwen3"}}
+    with pytest.raises(ConfigError, match="name_or_path is not set"):
+        sft_config_from_dict({**base, "model": {"init": "pretrained"}})
+    with pytest.raises(ConfigError, match="multiple of"):
+        sft_config_from_dict({**base, "model": {"num_attention_heads": 3, "num_key_value_heads": 2}})
+    with pytest.raises(ConfigError, match="data.generate is not set"):
+        sft_config_from_dict({**base, "tokenizer": {"name_or_path": "${generated}/tokenizer"}})
+    with pytest.raises(ConfigError, match="missing required key 'data'"):
+        sft_config_from_dict({"name": "x", "tokenizer": {"name_or_path": "t"}})

@@ -1,0 +1,100 @@
+"""Local registry: versions count up, lineage round-trips, a failed registration leaves
+nothing behind, and a registered model loads in transformers and generates like ours."""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+import posttrain
+from posttrain.config.schema import TrainConfig
+from posttrain.eval.generate import greedy_generate
+from posttrain.models.registry import build_model, save_hf_checkpoint, tiny_config
+from posttrain.registry.local import list_versions, load_lineage, register_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(tiny_config(initializer_range=0.2), seed=5).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(model, tmp_path_factory):
+    return save_hf_checkpoint(model, tmp_path_factory.mktemp("export") / "checkpoint")
+
+
+def lineage(**metrics):
+    return {
+        "config": TrainConfig(learning_rate=3e-4),  # a dataclass: stored as a dict
+        "data": {"sources": [{"name": "train", "path": Path("/data/train.jsonl")}], "counts": {"train": 123}},
+        "metrics": metrics,
+    }
+
+
+def uri_to_path(uri: str) -> Path:
+    parsed = urllib.parse.urlparse(uri)
+    assert parsed.scheme == "file"
+    return Path(urllib.request.url2pathname(parsed.path))
+
+
+def test_versions_increment(tmp_path, hf_dir):
+    registry = tmp_path / "registry"
+    assert list_versions(registry, "demo") == []
+    first = register_model(registry, "demo", hf_dir, lineage(exact_match=0.1))
+    second = register_model(registry, "demo", hf_dir, lineage(exact_match=0.2))
+    other = register_model(registry, "other", hf_dir, lineage())
+    assert (first.version, second.version, other.version) == (1, 2, 1)
+    assert [e.version for e in list_versions(registry, "demo")] == [1, 2]
+    assert list_versions(registry, "demo")[1] == second
+    assert Path(second.path) == (registry / "demo" / "v2").resolve()
+    assert uri_to_path(second.uri) == Path(second.model_path)
+    assert sorted(p.name for p in (registry / "demo").iterdir()) == ["v1", "v2"]  # no staging left
+    copied = sorted(p.name for p in Path(second.model_path).iterdir())
+    assert copied == sorted(p.name for p in Path(hf_dir).iterdir())
+
+
+def test_lineage_round_trips(tmp_path, hf_dir):
+    entry = register_model(tmp_path, "demo", hf_dir, lineage(exact_match=0.75, heldout_loss=1.5))
+    record = load_lineage(entry.path)
+    assert record == load_lineage(entry.model_path)
+    assert record == json.loads((Path(entry.path) / "lineage.json").read_text())
+    assert record["config"]["learning_rate"] == 3e-4
+    assert record["data"] == {"sources": [{"name": "train", "path": "/data/train.jsonl"}], "counts": {"train": 123}}
+    assert record["metrics"] == {"exact_match": 0.75, "heldout_loss": 1.5}
+    assert (record["name"], record["version"], record["uri"]) == ("demo", 1, entry.uri)
+    assert record["code"]["package_version"] == posttrain.__version__
+    commit = record["code"]["git_commit"]
+    assert commit is None or (len(commit) == 40 and isinstance(record["code"]["git_dirty"], bool))
+    assert record["created_at"].endswith("+00:00")
+
+
+def test_failed_registration_leaves_nothing(tmp_path, hf_dir):
+    with pytest.raises(TypeError, match="not JSON-serialisable"):
+        register_model(tmp_path, "demo", hf_dir, {"metrics": {"bad": object()}})
+    assert list(Path(tmp_path, "demo").iterdir()) == []
+    with pytest.raises(FileNotFoundError):
+        register_model(tmp_path, "demo", tmp_path / "missing", lineage())
+    for bad_name in ("../escape", "a/b", ""):
+        with pytest.raises(ValueError):
+            register_model(tmp_path, bad_name, hf_dir, lineage())
+    assert register_model(tmp_path, "demo", hf_dir, lineage()).version == 1
+
+
+def test_registered_model_loads_in_transformers_and_generates(tmp_path, model, hf_dir):
+    from transformers import AutoModelForCausalLM
+
+    entry = register_model(tmp_path, "demo", hf_dir, lineage())
+    hf = AutoModelForCausalLM.from_pretrained(uri_to_path(entry.uri), dtype=torch.float32).eval()
+    prompt = [17, 42, 99, 3]
+    input_ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                          max_new_tokens=6, eos_token_id=None, pad_token_id=0)
+    generated = out[0, len(prompt):].tolist()
+    assert len(generated) == 6
+    assert generated == greedy_generate(model, [prompt], 6, set(), batch_size=1)[0]
