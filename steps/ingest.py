@@ -41,7 +41,8 @@ def generate_demo_data(generate: GenerateConfig, run_dir: Path) -> Path:
 
     out_dir = generated_directory(run_dir)
     paths = write_arithmetic_dataset(
-        out_dir, num_train=generate.num_train, num_heldout=generate.num_heldout, seed=generate.seed
+        out_dir, num_train=generate.num_train, num_heldout=generate.num_heldout, seed=generate.seed,
+        max_digits=generate.max_digits,
     )
     build_demo_tokenizer(
         out_dir / "tokenizer", corpus_paths=[paths["train"]], vocab_size=generate.tokenizer_vocab_size

