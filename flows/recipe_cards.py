@@ -7,24 +7,20 @@ import time
 
 import matplotlib.pyplot as plt
 from metaflow.cards import Image, Markdown, ProgressBar, Table
-from metaflow.plugins.cards.card_modules.components import UserComponent
 
 from posttrain.eval import plots
 
 MAX_TABLE_ROWS = 50
 
 
-class EmbeddedHTML(UserComponent):
-    """A self-contained HTML page (such as an evidently report) shown in an iframe inside the card."""
+def embedded_page(page: str, height: int = 900) -> Markdown:
+    """A self-contained HTML page (such as an evidently report) in an iframe inside the card.
 
-    def __init__(self, page: str, height: int = 900):
-        self._page = page
-        self._height = height
-
-    def render(self):
-        frame = (f'<iframe srcdoc="{html.escape(self._page, quote=True)}" '
-                 f'style="width:100%;height:{self._height}px;border:0"></iframe>')
-        return {"type": "html", "data": frame}
+    Cards render Markdown with raw HTML allowed; `srcdoc` keeps the page's scripts and styles
+    isolated from the card's own.
+    """
+    return Markdown(f'<iframe srcdoc="{html.escape(page, quote=True)}" '
+                    f'style="width:100%;height:{height}px;border:0"></iframe>')
 
 
 def figure_image(fig, label: str | None = None) -> Image:
@@ -69,10 +65,18 @@ def eval_section(card, metrics: dict) -> None:
 
 
 def examples_table(card, examples: list[dict]) -> None:
+    """Held-out prompts with the base and tuned predictions side by side."""
+    by_model: dict[str, list[dict]] = {}
+    for example in examples:
+        by_model.setdefault(example["model"], []).append(example)
+    base, tuned = by_model.get("base", []), by_model.get("tuned", [])
+
+    def shown(e: dict) -> str:
+        return f"{e['prediction']!r} {'✓' if e['correct'] else '✗'}"
+
     card.append(Markdown("## Sample outputs"))
-    card.append(Table([[e["model"], e["prompt"], e["reference"], e["prediction"], "yes" if e["correct"] else "no"]
-                       for e in examples[:MAX_TABLE_ROWS]],
-                      headers=["model", "prompt", "reference", "prediction", "correct"]))
+    card.append(Table([[b["prompt"], b["reference"], shown(b), shown(t)] for b, t in zip(base, tuned)][:MAX_TABLE_ROWS],
+                      headers=["prompt", "reference", "base", "tuned"]))
 
 
 class LiveTrainingCard:

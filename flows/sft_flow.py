@@ -114,7 +114,7 @@ class SFTFlow(FlowSpec):
         self.eval_metrics, self.eval_examples, self.evidently_html = result.metrics, result.examples, result.report_html
         card = current.card["evaluation"]
         cards.eval_section(card, self.eval_metrics)
-        card.append(cards.EmbeddedHTML(self.evidently_html))
+        card.append(cards.embedded_page(self.evidently_html))
         cards.examples_table(card, self.eval_examples)
         self.next(self.register)
 

@@ -42,7 +42,7 @@ def generate_demo_data(generate: GenerateConfig, run_dir: Path) -> Path:
     out_dir = generated_directory(run_dir)
     paths = write_arithmetic_dataset(
         out_dir, num_train=generate.num_train, num_heldout=generate.num_heldout, seed=generate.seed,
-        max_digits=generate.max_digits,
+        min_digits=generate.min_digits, max_digits=generate.max_digits,
     )
     build_demo_tokenizer(
         out_dir / "tokenizer", corpus_paths=[paths["train"]], vocab_size=generate.tokenizer_vocab_size

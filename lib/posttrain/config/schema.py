@@ -43,9 +43,15 @@ class GenerateConfig:
     task: Literal["arithmetic"] = "arithmetic"
     num_train: int = bounded(20000, ge=1)
     num_heldout: int = bounded(200, ge=1)
+    min_digits: int = bounded(1, ge=1, le=6)
     max_digits: int = bounded(3, ge=1, le=6)
     seed: int = 0
     tokenizer_vocab_size: int = bounded(384, ge=64)
+
+
+    def validate(self) -> None:
+        if self.min_digits > self.max_digits:
+            raise ConfigError(f"data.generate.min_digits ({self.min_digits}) > max_digits ({self.max_digits})")
 
 
 @dataclass
@@ -126,7 +132,7 @@ class TrainConfig:
     eps: float = bounded(1e-8, gt=0)
     max_grad_norm: float = bounded(1.0, gt=0)
     log_every: int = bounded(10, ge=1)
-    card_refresh_s: float = bounded(5.0, gt=0)
+    card_refresh_s: float = bounded(10.0, gt=0)
 
 
 @dataclass

@@ -39,13 +39,13 @@ CHAT_TEMPLATE = (
 # ---------------------------------------------------------------- dataset
 
 
-def _operand(rng: random.Random, max_digits: int) -> int:
-    digits = rng.randint(1, max_digits)
+def _operand(rng: random.Random, min_digits: int, max_digits: int) -> int:
+    digits = rng.randint(min_digits, max_digits)
     return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
 
 
-def _problem(rng: random.Random, max_digits: int) -> tuple[int, str, int]:
-    a, b, op = _operand(rng, max_digits), _operand(rng, max_digits), rng.choice("+-")
+def _problem(rng: random.Random, min_digits: int, max_digits: int) -> tuple[int, str, int]:
+    a, b, op = _operand(rng, min_digits, max_digits), _operand(rng, min_digits, max_digits), rng.choice("+-")
     if op == "-" and a < b:
         a, b = b, a
     return a, op, b
@@ -72,11 +72,13 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
 
 
 def write_arithmetic_dataset(out_dir, num_train: int, num_heldout: int, seed: int,
-                             max_digits: int = 3) -> dict[str, Path]:
+                             min_digits: int = 1, max_digits: int = 3) -> dict[str, Path]:
     """Write `train.jsonl` and `heldout.jsonl` under `out_dir`; return `{"train": ..., "heldout": ...}`.
 
-    Operands have 1 to `max_digits` digits (lengths drawn uniformly).
+    Operands have `min_digits` to `max_digits` digits (lengths drawn uniformly).
     """
+    if not 1 <= min_digits <= max_digits:
+        raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
     if num_train < 0 or num_heldout < 0:
         raise ValueError("num_train and num_heldout must be >= 0")
     rng = random.Random(seed)
@@ -87,7 +89,7 @@ def write_arithmetic_dataset(out_dir, num_train: int, num_heldout: int, seed: in
         attempts += 1
         if attempts > 20 * wanted + 1000:
             raise ValueError(f"cannot draw {wanted} distinct arithmetic problems")
-        problem = _problem(rng, max_digits)
+        problem = _problem(rng, min_digits, max_digits)
         problems.setdefault(_key(*problem), problem)
     ordered = list(problems.values())  # insertion order: deterministic
     heldout = [_record(*p, rng) for p in ordered[:num_heldout]]

@@ -55,11 +55,12 @@ def length_histogram(histogram: dict, title: str = "sample lengths (tokens)"):
 
 def packing_bar(efficiency: float):
     """One horizontal bar: real tokens versus padding in the packed rows."""
-    fig, ax = _figure(height=1.4)
-    ax.barh([0], [efficiency], color="tab:green", label=f"real tokens {efficiency:.1%}")
-    ax.barh([0], [1 - efficiency], left=[efficiency], color="lightgrey", label="padding")
+    fig, ax = _figure(height=1.6)
+    ax.barh([0], [efficiency], color="tab:green")
+    ax.barh([0], [1 - efficiency], left=[efficiency], color="lightgrey")
     ax.set_xlim(0, 1)
     ax.set_yticks([])
-    ax.legend(loc="lower center", ncol=2, bbox_to_anchor=(0.5, -0.9), frameon=False)
+    ax.set_title(f"token slots: {efficiency:.1%} real tokens (green), {1 - efficiency:.1%} padding (grey)",
+                 fontsize=10)
     fig.tight_layout()
     return fig
