@@ -1,29 +1,38 @@
-"""Record formats for SFT data and the validation of chat rows.
+"""Record kinds and their validation.
 
-Contracts (docs/architecture.md, "Data"):
+Contracts (docs/architecture.md, "Data"). Every record carries `source` (the file or
+dataset the row came from) and `line` (its JSONL line, 1-based, or its Parquet / `datasets`
+row index, 0-based):
 
-- `ChatRecord(messages, source, line)`: `messages` is a validated list of message dicts,
-  `source` the file (or dataset) the row came from, `line` its line (JSONL, 1-based) or row
-  index (Parquet / `datasets`, 0-based).
+- `ChatRecord(messages, source, line)`: a conversation for SFT (`validate_chat`).
+- `PreferenceRecord(prompt, chosen, rejected, source, line)`: `prompt` messages, then two
+  alternative continuations, each a list of messages that starts and ends with an assistant
+  turn (usually a single assistant message) (`validate_preference`).
+- `PromptRecord(prompt, reference, meta, source, line)`: prompt messages plus what a reward
+  function needs: `reference` (e.g. GSM8K's final answer, or None) and `meta` (a dict of
+  anything else) (`validate_prompt`).
+- `SequenceRecord(ids, source, line)`: raw non-negative token or item ids (`validate_sequence`).
 - `RejectedRow(source, line, reason, raw)`: a malformed row, kept aside with a short
   human-readable `reason` and the offending text (`raw`, truncated to `MAX_RAW_CHARS`).
   Every malformed row becomes one of these; nothing is dropped silently.
-- `validate_chat(obj)` checks one row and returns its cleaned messages, or raises
-  `RecordError(reason)`.
+- `validate_chat(obj)` and the other `validate_*` functions check one row and return its
+  cleaned parts, or raise `RecordError(reason)`; `validate_record(record)` checks a built
+  record of any kind.
 """
 
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_RAW_CHARS = 2000
 
 
 class RecordError(ValueError):
-    """A row is not a valid chat record; `reason` (also `str(err)`) says why, briefly."""
+    """A row is not a valid record; `reason` (also `str(err)`) says why, briefly."""
 
     def __init__(self, reason: str):
         super().__init__(reason)
@@ -35,6 +44,35 @@ class ChatRecord:
     messages: list[dict]
     source: str
     line: int
+
+
+@dataclass(slots=True)
+class PreferenceRecord:
+    prompt: list[dict]
+    chosen: list[dict]
+    rejected: list[dict]
+    source: str
+    line: int
+
+
+@dataclass(slots=True)
+class PromptRecord:
+    prompt: list[dict]
+    reference: str | None
+    meta: dict
+    source: str
+    line: int
+
+
+@dataclass(slots=True)
+class SequenceRecord:
+    ids: list[int]
+    source: str
+    line: int
+
+
+Record = Union[ChatRecord, PreferenceRecord, PromptRecord, SequenceRecord]
+RECORD_KINDS = (ChatRecord, PreferenceRecord, PromptRecord, SequenceRecord)
 
 
 @dataclass(slots=True)
@@ -88,9 +126,7 @@ def validate_chat(obj: Any, field: str = "messages") -> list[dict]:
         raise RecordError(f"'{field}' is not a list (got {_type_name(messages)})")
     if not messages:
         raise RecordError(f"'{field}' is empty")
-    cleaned = []
-    for i, message in enumerate(messages):
-        cleaned.append(_validate_message(i, message))
+    cleaned = [_validate_message(i, message) for i, message in enumerate(messages)]
     if not any(m["role"] == "assistant" for m in cleaned):
         raise RecordError("no assistant turn")
     if cleaned[0]["role"] == "assistant":
@@ -129,3 +165,124 @@ def _validate_message(i: int, message: Any) -> dict:
     if not content.strip() and not calls_tools:
         raise RecordError(f"message {i}: empty content")
     return message
+
+
+# ---------------------------------------------------------------- other record kinds
+
+
+def validate_messages(messages: Any, what: str) -> list[dict]:
+    """A non-empty list of messages, each checked as in `validate_chat` (no turn-order rules).
+
+    Reasons are prefixed with `what` ("chosen: message 0: empty content").
+    """
+    if not isinstance(messages, list):
+        raise RecordError(f"{what}: not a list of messages (got {_type_name(messages)})")
+    if not messages:
+        raise RecordError(f"{what}: no messages")
+    try:
+        return [_validate_message(i, message) for i, message in enumerate(messages)]
+    except RecordError as err:
+        raise RecordError(f"{what}: {err.reason}") from None
+
+
+def _validate_prompt_messages(prompt: Any) -> list[dict]:
+    cleaned = validate_messages(prompt, "prompt")
+    if not any(m["role"] == "user" for m in cleaned):
+        raise RecordError("prompt: no user turn")
+    if cleaned[0]["role"] == "assistant":
+        raise RecordError("prompt: starts with an assistant turn")
+    if cleaned[-1]["role"] == "assistant":
+        raise RecordError("prompt: ends with an assistant turn (nothing left to respond to)")
+    return cleaned
+
+
+def _validate_continuation(messages: Any, what: str) -> list[dict]:
+    cleaned = validate_messages(messages, what)
+    if cleaned[0]["role"] != "assistant":
+        raise RecordError(f"{what}: starts with a {cleaned[0]['role']} turn, not an assistant turn")
+    if cleaned[-1]["role"] != "assistant":
+        raise RecordError(f"{what}: ends with a {cleaned[-1]['role']} turn, not an assistant turn")
+    return cleaned
+
+
+def validate_preference(prompt: Any, chosen: Any, rejected: Any) -> tuple[list[dict], list[dict], list[dict]]:
+    """Check a preference pair and return `(prompt, chosen, rejected)`, cleaned.
+
+    `prompt`: messages with a user turn, neither starting nor ending with an assistant turn.
+    `chosen` / `rejected`: non-empty message lists that start and end with an assistant
+    turn (any turns in between are allowed: pairs whose transcripts diverge early), and
+    that differ from each other.
+    """
+    prompt = _validate_prompt_messages(prompt)
+    chosen = _validate_continuation(chosen, "chosen")
+    rejected = _validate_continuation(rejected, "rejected")
+    if chosen == rejected:
+        raise RecordError("chosen and rejected are identical")
+    return prompt, chosen, rejected
+
+
+def validate_prompt(prompt: Any, reference: Any = None, meta: Any = None) -> tuple[list[dict], str | None, dict]:
+    """Check a prompt for generation and return `(prompt, reference, meta)`, cleaned.
+
+    `prompt` as in `validate_preference`; `reference` None or a non-blank string; `meta`
+    None (becomes {}) or a dict.
+    """
+    prompt = _validate_prompt_messages(prompt)
+    if reference is not None:
+        if not isinstance(reference, str):
+            raise RecordError(f"reference is not a string (got {_type_name(reference)})")
+        if not reference.strip():
+            raise RecordError("reference is empty")
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict):
+        raise RecordError(f"meta is not an object (got {_type_name(meta)})")
+    return prompt, reference, meta
+
+
+def validate_sequence(ids: Any) -> list[int]:
+    """Check raw ids and return them as a list of Python ints: a non-empty list of
+    non-negative integers (bools are not ids; integral numpy scalars are accepted)."""
+    if not isinstance(ids, (list, tuple)):
+        raise RecordError(f"ids: not a list (got {_type_name(ids)})")
+    if not ids:
+        raise RecordError("ids: empty")
+    out = []
+    for i, value in enumerate(ids):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise RecordError(f"ids[{i}]: not an integer (got {_type_name(value)})")
+        if value < 0:
+            raise RecordError(f"ids[{i}]: negative ({value})")
+        out.append(int(value))
+    return out
+
+
+def validate_record(record: Any) -> None:
+    """Check a built record of any kind; raises `RecordError(reason)` when it is not valid."""
+    if isinstance(record, ChatRecord):
+        validate_chat({"messages": record.messages})
+    elif isinstance(record, PreferenceRecord):
+        validate_preference(record.prompt, record.chosen, record.rejected)
+    elif isinstance(record, PromptRecord):
+        validate_prompt(record.prompt, record.reference, record.meta)
+    elif isinstance(record, SequenceRecord):
+        validate_sequence(record.ids)
+    else:
+        raise RecordError(f"not a record (got {_type_name(record)})")
+
+
+def record_content(record: Record) -> dict:
+    """The content of a record without its origin (`source`, `line`), as plain JSON-able data.
+
+    `kind` names the record type; `meta` of a `PromptRecord` is left out (it describes the
+    row, it is not what a model sees or is scored against).
+    """
+    if isinstance(record, ChatRecord):
+        return {"kind": "chat", "messages": record.messages}
+    if isinstance(record, PreferenceRecord):
+        return {"kind": "preference", "prompt": record.prompt, "chosen": record.chosen, "rejected": record.rejected}
+    if isinstance(record, PromptRecord):
+        return {"kind": "prompt", "prompt": record.prompt, "reference": record.reference}
+    if isinstance(record, SequenceRecord):
+        return {"kind": "sequence", "ids": record.ids}
+    raise TypeError(f"not a record: {type(record).__name__}")
