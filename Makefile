@@ -5,11 +5,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/sft/demo.yaml
 
-# Runtime settings shared by run and test: offline hubs, a named Metaflow user,
-# and glibc allocator settings that make CPU training ~2x faster (DESIGN.md §6).
-export HF_HUB_OFFLINE := 1
-export HF_DATASETS_OFFLINE := 1
-export TRANSFORMERS_OFFLINE := 1
+# Runtime settings shared by run and test: offline hubs (the demo and the tests need no
+# network; `HF_HUB_OFFLINE=0 make run CONFIG=configs/sft/qwen3-0.6b.yaml` to download), a
+# named Metaflow user, and glibc allocator settings that make CPU training ~2x faster.
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
 export METAFLOW_USER ?= posttrain
 export MALLOC_MMAP_MAX_ := 0
 export MALLOC_TRIM_THRESHOLD_ := 68719476736

@@ -5,10 +5,13 @@ from __future__ import annotations
 import html
 import time
 
-import matplotlib.pyplot as plt
-from metaflow.cards import Image, Markdown, ProgressBar, Table
+import matplotlib
 
-from posttrain.eval import plots
+matplotlib.use("Agg")  # cards render on headless workers
+import matplotlib.pyplot as plt  # noqa: E402
+from metaflow.cards import Image, Markdown, ProgressBar, Table  # noqa: E402
+
+from posttrain.eval import plots  # noqa: E402
 
 MAX_TABLE_ROWS = 50
 
@@ -56,6 +59,19 @@ def pack_section(card, stats) -> None:
         f"**efficiency {stats.efficiency:.2%}** real tokens per slot "
         f"(truncated {stats.truncated}, dropped {stats.dropped})"))
     card.append(figure_image(plots.packing_bar(stats.efficiency)))
+
+
+def verify_section(card, verdict: dict | None) -> None:
+    if verdict is None:
+        card.append(Markdown("## Logit verification\nDisabled (`verify.enabled: false`)."))
+        return
+    card.append(Markdown(
+        f"## Logit verification against transformers\n**{'passed' if verdict['passed'] else 'FAILED'}**: "
+        f"max |diff| {verdict['max_abs_diff']:.2e}, mean {verdict['mean_abs_diff']:.2e}, "
+        f"tolerance {verdict['tolerance']:.0e}"))
+    card.append(Table([[c.get("name", ""), f"{c.get('max_abs_diff', float('nan')):.2e}",
+                        f"{c.get('mean_abs_diff', float('nan')):.2e}"] for c in verdict.get("cases", [])],
+                      headers=["case", "max |diff|", "mean |diff|"]))
 
 
 def eval_section(card, metrics: dict) -> None:

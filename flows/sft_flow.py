@@ -9,9 +9,9 @@ artifacts, so a notebook can inspect any stage (`notebooks/inspect_run.ipynb`). 
 (checkpoints, rejected rows, metrics.jsonl) go to `<output_dir>/SFTFlow/<run id>/`; the
 registered model's location is the artifact `model_uri`.
 
-Each step has a card: data sources and rejected rows, length histogram, packing
-efficiency, a live loss/throughput card while training, the evaluation table with an
-evidently report, and an overview card at the end.
+Cards: data sources and rejected rows (ingest), length histogram (tokenize), packing
+efficiency (pack), live loss and throughput (train), the logit verdict (verify), the
+evaluation table with an evidently report (evaluate), and an overview of the run (end).
 """
 
 from metaflow import Config, FlowSpec, Run, card, current, step
@@ -19,7 +19,7 @@ from metaflow import Config, FlowSpec, Run, card, current, step
 from posttrain.config.loader import DEFAULT_SFT_CONFIG, sft_config_from_dict
 
 import recipe_cards as cards
-from recipe_configs import parse_sft_config, parse_sft_overrides
+from recipe_configs import RecipeConfigError, parse_sft_config, parse_sft_overrides
 
 
 class SFTFlow(FlowSpec):
@@ -37,11 +37,15 @@ class SFTFlow(FlowSpec):
     @step
     def start(self):
         """Resolve the recipe (file + overrides) and the run directory."""
+        from posttrain.config import ConfigError
         from posttrain.config.loader import config_to_yaml
         from posttrain.steps.paths import run_directory
 
-        self.recipe = sft_config_from_dict(self.config.to_dict(), source="config",
-                                           overrides=self.overrides.to_dict())
+        try:
+            self.recipe = sft_config_from_dict(self.config.to_dict(), source="config",
+                                               overrides=self.overrides.to_dict())
+        except ConfigError as exc:  # a cross-field rule broken by the overrides
+            raise RecipeConfigError(str(exc)) from None
         self.recipe_yaml = config_to_yaml(self.recipe)
         self.run_dir = str(run_directory(self.recipe.output_dir, current.flow_name, current.run_id))
         print(f"[start] recipe '{self.recipe.name}', outputs in {self.run_dir}")
@@ -68,8 +72,8 @@ class SFTFlow(FlowSpec):
         result = tokenize.run(self.train_records, self._tokenizer(), self.recipe.tokenizer.chat_template_kwargs)
         self.samples, self.tokenize_stats = result.samples, result.stats
         self.rejected = self.rejected + result.rejected
-        self.data_counts["tokenize"] = {"kept": len(result.samples), "rejected": len(result.rejected),
-                                        "read": len(self.train_records)}
+        self.tokenize_counts = {"records": len(self.train_records), "samples": len(result.samples),
+                                "rejected": len(result.rejected)}
         cards.tokenize_section(current.card["tokenize"], self.tokenize_stats)
         self.next(self.pack)
 
@@ -96,12 +100,14 @@ class SFTFlow(FlowSpec):
         self.checkpoint_dir, self.base_dir = result.checkpoint_dir, result.base_dir
         self.next(self.verify)
 
+    @card(type="blank", id="verify")
     @step
     def verify(self):
         """Reload the exported checkpoint with transformers and compare logits with ours."""
         from posttrain.steps import verify
 
         self.verdict = verify.run(self.checkpoint_dir, self.recipe.verify) if self.recipe.verify.enabled else None
+        cards.verify_section(current.card["verify"], self.verdict)
         self.next(self.evaluate)
 
     @card(type="blank", id="evaluation")
@@ -142,11 +148,13 @@ class SFTFlow(FlowSpec):
         summary = self.train_summary
         card.append(cards.Markdown(
             f"# {self.recipe.name}\nModel registered at `{self.model_uri}`\n\n"
-            f"Training: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} over {summary['steps']} steps, "
+            f"Training: loss {summary['first_loss']:.3f} (step 1) -> {summary['final_loss']:.3f} "
+            f"(mean of the last 10 steps) over {summary['steps']} steps, "
             f"{summary['tokens_per_s']:.0f} real tokens/s, {summary['num_parameters'] / 1e6:.2f}M parameters."))
         heldout = {label: m["heldout_loss"] for label, m in self.eval_metrics.items()}
         card.append(cards.figure_image(plots.loss_curve(self.history, heldout), label="loss"))
         card.append(cards.figure_image(plots.throughput_curve(self.history), label="throughput"))
+        cards.verify_section(card, self.verdict)
         cards.eval_section(card, self.eval_metrics)
         cards.pack_section(card, self.pack_stats)
         cards.ingest_section(card, self.data_counts, self.rejected)

@@ -22,6 +22,7 @@ from posttrain.eval.report import build_comparison_frame, evidently_report_html
 from posttrain.models.registry import load_hf_checkpoint
 from posttrain.steps import pack as pack_step
 from posttrain.steps import tokenize as tokenize_step
+from posttrain.steps.train import pick_device
 
 
 @dataclass
@@ -46,15 +47,17 @@ def run(base_dir: str, tuned_dir: str, tokenizer, heldout: list[ChatRecord], con
     rows, _ = pack_step.run(tokenized.samples, config.pack, tokenizer.pad_token_id)
     prompts, references = zip(*(prompt_and_reference(r) for r in records))
     prompt_ids = [render_prompt(tokenizer, messages, **template_kwargs) for messages in prompts]
-    stop_ids = set(end_of_turn_token_ids(tokenizer)) | {tokenizer.eos_token_id}
+    stop_ids = set(end_of_turn_token_ids(tokenizer, **template_kwargs)) | {tokenizer.eos_token_id}
+    device = pick_device(config.train.device)
 
     metrics: dict[str, dict[str, float]] = {}
     examples: list[dict] = []
     for label, model_dir in (("base", base_dir), ("tuned", tuned_dir)):
-        model = load_hf_checkpoint(model_dir).eval()
+        model = load_hf_checkpoint(model_dir, device=device).eval()
         with torch.no_grad():
             loss = evaluate_loss(model, iter_batches(rows, config.eval.batch_size))
             outputs = greedy_generate(model, prompt_ids, config.eval.max_new_tokens, stop_ids, config.eval.batch_size)
+        del model
         predictions = [tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
         correct = [exact_match(p, r) for p, r in zip(predictions, references)]
         metrics[label] = {"heldout_loss": loss, "exact_match": sum(correct) / len(correct)}

@@ -27,13 +27,6 @@ class IngestResult:
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
     rejected_path: str | None = None
 
-    def rejected_by_reason(self) -> dict[str, int]:
-        totals: dict[str, int] = {}
-        for row in self.rejected:
-            kind = row.reason.split(":")[-1].strip()
-            totals[kind] = totals.get(kind, 0) + 1
-        return totals
-
 
 def generate_demo_data(generate: GenerateConfig, run_dir: Path) -> Path:
     """Write the demo dataset and train its tokenizer under `run_dir/generated` (deterministic)."""
@@ -51,9 +44,10 @@ def generate_demo_data(generate: GenerateConfig, run_dir: Path) -> Path:
 
 
 def _spec(source: SourceConfig, run_dir: Path) -> SourceSpec:
-    fields = dataclasses.asdict(source)
-    fields["path"] = resolve(source.path, run_dir)
-    return SourceSpec(**fields)
+    """The reader's spec from the config: the fields the reader knows, with `${generated}` resolved."""
+    values = {f.name: getattr(source, f.name) for f in dataclasses.fields(SourceSpec) if hasattr(source, f.name)}
+    values["path"] = resolve(source.path, run_dir)
+    return SourceSpec(**values)
 
 
 def run(config: SFTConfig, run_dir: Path) -> IngestResult:

@@ -70,7 +70,13 @@ def initial_model(config: SFTConfig, tokenizer, base_dir: Path):
     """The starting model, and the HF directory holding exactly it (written for random init)."""
     if config.model.init == "pretrained":
         source = resolve_pretrained(config.model.name_or_path)
-        return load_hf_checkpoint(source), source
+        model = load_hf_checkpoint(source)
+        if len(tokenizer) > model.config.vocab_size:
+            raise ValueError(
+                f"tokenizer has {len(tokenizer)} tokens but {source} was trained with a vocabulary of "
+                f"{model.config.vocab_size}: use the model's own tokenizer"
+            )
+        return model, source
     model = build_model(qwen3_config_for(config.model, len(tokenizer)), seed=config.train.seed)
     save_hf_checkpoint(model, base_dir, tokenizer=tokenizer)
     return model, base_dir
@@ -85,11 +91,17 @@ def total_steps_for(num_rows: int, config: SFTConfig) -> int:
 
 
 def step_batches(rows: PackedRows, config: SFTConfig, device: torch.device):
-    """Endless stream of optimizer steps: lists of `grad_accum_steps` micro-batches; reshuffled each epoch."""
+    """Endless stream of optimizer steps: lists of `grad_accum_steps` micro-batches.
+
+    Rows are reshuffled each epoch; a step may span an epoch boundary, so no micro-batch is
+    dropped and a dataset smaller than one step still trains.
+    """
+    if len(rows.input_ids) == 0:
+        raise ValueError("no packed rows to train on (every sample was dropped or rejected)")
     train = config.train
     epoch = 0
+    group = []
     while True:
-        group = []
         for batch in iter_batches(rows, train.micro_batch_size, shuffle_seed=train.seed + epoch):
             group.append({k: v.to(device) for k, v in batch.items()})
             if len(group) == train.grad_accum_steps:
@@ -127,7 +139,7 @@ def run(config: SFTConfig, tokenizer, rows: PackedRows, run_dir: Path,
     save_hf_checkpoint(model.to("cpu"), checkpoint_dir, tokenizer=tokenizer)
     history = log.records
     elapsed = time.perf_counter() - started
-    summary = {
+    summary = {  # first_loss: step 1; final_loss: mean of the last 10 steps (one step is noisy)
         "steps": len(history),
         "num_parameters": num_params,
         "first_loss": history[0]["loss"],

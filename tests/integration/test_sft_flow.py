@@ -1,15 +1,18 @@
 """The SFT flow end to end through `metaflow.Runner`, on the tiny config; then the notebook on its run."""
 
+import base64
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import typing
 from pathlib import Path
-from urllib.parse import urlparse
 
 import pytest
+
+from posttrain.registry.local import uri_to_path
 
 # Import torch (and its typing_extensions) before metaflow's Runner; see `typing_restored`.
 import torch  # noqa: F401
@@ -19,9 +22,8 @@ FLOW = REPO_ROOT / "flows" / "sft_flow.py"
 TINY = REPO_ROOT / "configs" / "sft" / "tiny.yaml"
 
 
-def flow_env(tmp: Path) -> dict:
-    env = dict(os.environ)
-    env["METAFLOW_DATASTORE_SYSROOT_LOCAL"] = str(tmp / "datastore")
+def flow_env() -> dict:
+    env = dict(os.environ)  # includes the session's METAFLOW_DATASTORE_SYSROOT_LOCAL (conftest)
     env["METAFLOW_USER"] = "posttrain-tests"
     # local Metaflow workers start the `python` on PATH: make it this interpreter's
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
@@ -77,7 +79,7 @@ def tiny_run(tmp_path_factory):
     config.write_text(TINY.read_text().replace(
         "      path: ${generated}/train.jsonl\n",
         f"      path: ${{generated}}/train.jsonl\n    - name: mixed\n      kind: jsonl\n      path: {mixed}\n"))
-    env = flow_env(tmp)
+    env = flow_env()
     overrides = {"output_dir": str(tmp / "outputs"), "register.registry_dir": str(tmp / "registry")}
     with typing_restored():
         runner = Runner(str(FLOW), show_output=False, env=env, cwd=str(tmp),
@@ -85,7 +87,6 @@ def tiny_run(tmp_path_factory):
         running = runner.run()
     with running:
         assert running.status == "successful", running.stdout + running.stderr
-        os.environ["METAFLOW_DATASTORE_SYSROOT_LOCAL"] = env["METAFLOW_DATASTORE_SYSROOT_LOCAL"]
         yield running.run, tmp, running.stdout
 
 
@@ -101,7 +102,7 @@ def test_flow_produces_a_registered_model_that_transformers_loads(tiny_run):
     assert data.verdict["passed"] and data.verdict["max_abs_diff"] <= 1e-4
     assert set(data.eval_metrics) == {"base", "tuned"}
 
-    model_dir = Path(urlparse(data.model_uri).path)
+    model_dir = uri_to_path(data.model_uri)
     assert model_dir.is_dir() and str(model_dir).startswith(str(tmp / "registry"))
     lineage = json.loads((model_dir.parent / "lineage.json").read_text())
     assert lineage["data"]["counts"]["arithmetic"]["kept"] == 300
@@ -146,16 +147,44 @@ def test_notebook_inspects_the_latest_run(tiny_run):
                        resources={"metadata": {"path": str(tmp)}}).execute()
     finally:
         os.environ.pop("POSTTRAIN_RUN")
-    outputs = "".join(o.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
-                      for o in cell.get("outputs", []))
-    assert run.pathspec in outputs and "model_uri:" in outputs
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    text = "".join(o.get("text", "") for o in outputs)
+    assert run.pathspec in text and "model_uri:" in text
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(images) >= 3  # length histogram, loss curve, throughput
+
+
+@pytest.mark.slow
+def test_cards_show_training_curves_verdict_and_evaluation(tiny_run):
+    run, tmp, _ = tiny_run
+
+    def card_html(step: str) -> str:
+        """The step's card, read the way a user would (`flow.py card get`), with its
+        embedded component data (base64 JSON) decoded."""
+        out = tmp / f"card-{step}.html"
+        pathspec = f"{run.id}/{step}/{run[step].task.id}"
+        subprocess.run([sys.executable, str(FLOW), "card", "get", pathspec, str(out)],
+                       env=flow_env(), cwd=tmp, check=True, capture_output=True, timeout=120)
+        page = out.read_text()
+        blobs = re.findall(r'window\.__MF_DATA__\["[^"]+"\] = "([A-Za-z0-9+/=]+)"', page)
+        assert blobs, f"no card data in {out}"
+        return page + "".join(base64.b64decode(b).decode("utf-8") for b in blobs)
+
+    train = card_html("train")
+    assert "Training (live)" in train and "training steps" in train and "data:image/png" in train
+    assert "Logit verification against transformers" in card_html("verify")
+    evaluation = card_html("evaluate")
+    assert "held-out loss" in evaluation and "<iframe srcdoc=" in evaluation
+    assert "output_length" in evaluation.split("<iframe srcdoc=", 1)[1]  # the evidently report inside
+    ingest = card_html("ingest")
+    assert "Rejected rows (4)" in ingest and "unknown role" in ingest
 
 
 def test_config_typo_fails_at_launch_and_names_key_file_and_nearest_key(tmp_path):
     bad = tmp_path / "typo.yaml"
     bad.write_text(TINY.read_text().replace("micro_batch_size:", "micro_bach_size:"))
     result = subprocess.run([sys.executable, str(FLOW), "--config", "config", str(bad), "run"],
-                            capture_output=True, text=True, env=flow_env(tmp_path), cwd=tmp_path, timeout=120)
+                            capture_output=True, text=True, env=flow_env(), cwd=tmp_path, timeout=120)
     message = result.stdout + result.stderr
     assert result.returncode != 0
     assert "unknown key 'train.micro_bach_size'" in message and str(bad) in message
@@ -166,7 +195,7 @@ def test_config_typo_fails_at_launch_and_names_key_file_and_nearest_key(tmp_path
 def test_override_with_wrong_type_names_the_field(tmp_path):
     result = subprocess.run([sys.executable, str(FLOW), "--config", "config", str(TINY),
                              "--config-value", "overrides", '{"pack.on_overflow": "cut"}', "run"],
-                            capture_output=True, text=True, env=flow_env(tmp_path), cwd=tmp_path, timeout=120)
+                            capture_output=True, text=True, env=flow_env(), cwd=tmp_path, timeout=120)
     message = result.stdout + result.stderr
     assert result.returncode != 0
     assert "'pack.on_overflow'" in message and "'truncate', 'drop', 'error'" in message

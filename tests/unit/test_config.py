@@ -68,3 +68,43 @@ def test_cross_field_rules():
         sft_config_from_dict({**base, "tokenizer": {"name_or_path": "${generated}/tokenizer"}})
     with pytest.raises(ConfigError, match="missing required key 'data'"):
         sft_config_from_dict({"name": "x", "tokenizer": {"name_or_path": "t"}})
+
+
+def test_errors_inside_optional_sections_keep_key_hint_and_range(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((CONFIGS / "demo.yaml").read_text().replace("num_train:", "num_trian:"))
+    with pytest.raises(ConfigError, match=r"'data\.generate\.num_trian'.*did you mean 'num_train'"):
+        load_sft_config(bad)
+    with pytest.raises(ConfigError, match=r"'data\.generate\.min_digits' .* must be <= 6"):
+        load_sft_config(CONFIGS / "demo.yaml", overrides={"data.generate.min_digits": 9})
+
+
+@pytest.mark.parametrize("override", [
+    {"data.heldout.path": "x.jsonl"},
+    {"data.heldout.limit": 50},
+    {"data.sources.1.limit": 100},
+    {"train": {"max_steps": 3}},
+    {"tokenizer.chat_template_kwargs.enable_thinking": False},
+])
+def test_override_parser_accepts_paths_the_probe_config_lacks(override):
+    assert parse_sft_overrides(__import__("json").dumps(override)) == override
+
+
+@pytest.mark.parametrize("override, expected", [
+    ({"data.heldout.pth": "x"}, "did you mean 'path'"),
+    ({"train.max_steps.x": 1}, "has no keys"),
+    ({"data.sources.first.path": "x"}, "not a list index"),
+    ({"data.generate.min_digits": 9}, "must be <= 6"),
+])
+def test_override_parser_rejects_bad_paths_types_and_ranges(override, expected):
+    with pytest.raises(ConfigError, match=expected):
+        parse_sft_overrides(__import__("json").dumps(override))
+
+
+def test_exactly_one_heldout_set():
+    with pytest.raises(ConfigError, match="not neither"):
+        load_sft_config(CONFIGS / "demo.yaml", overrides={"data.heldout": None})
+    with pytest.raises(ConfigError, match="not both"):
+        load_sft_config(CONFIGS / "demo.yaml", overrides={"data.heldout_fraction": 0.1})
+    config = load_sft_config(CONFIGS / "demo.yaml", overrides={"data.heldout": None, "data.heldout_fraction": 0.1})
+    assert config.data.heldout is None

@@ -104,3 +104,21 @@ def test_evaluate_loss_is_per_token_mean_and_restores_mode():
     assert evaluate_loss(model, iter(batches)) == pytest.approx(expected, rel=1e-6)
     assert model.training
     assert expected != pytest.approx(sum(float(s) / int(n) for s, n in sums) / 2, rel=1e-3)
+
+
+def test_exact_match_judges_worked_solutions_by_their_final_answer():
+    from posttrain.eval.metrics import exact_match
+
+    reference = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72"
+    assert exact_match("She sold 48 in April and 24 in May, 72 in all.\n#### 72", reference)
+    assert not exact_match("She sold 24 clips in May.\n#### 24", reference)
+    assert exact_match("#### 1,234", "#### 1234")
+
+
+def test_uri_to_path_decodes_escapes(tmp_path):
+    from posttrain.registry.local import uri_to_path
+
+    directory = tmp_path / "with space é"
+    assert uri_to_path(directory.as_uri()) == directory
+    with pytest.raises(ValueError, match="not a local model URI"):
+        uri_to_path("s3://bucket/model")

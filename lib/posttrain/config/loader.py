@@ -1,12 +1,8 @@
 """Loading recipe configs: YAML text or files in, validated dataclasses out.
 
-Flows read configs through Metaflow's `Config` with the parsers below, so a typo fails
-before any step runs:
-
-    config = Config("config", default=DEFAULT_SFT_CONFIG, parser="posttrain.config.loader.parse_sft_config")
-    overrides = Config("overrides", default_value="{}", parser="posttrain.config.loader.parse_sft_overrides")
-
-and override any value from the command line:
+Flows read configs through Metaflow's `Config` with the parsers below (wrapped by
+`flows/recipe_configs.py` so errors print without a traceback), so a typo fails before any
+step runs, and any value can be overridden from the command line:
 
     python flows/sft_flow.py --config-value overrides '{"train.max_steps": 20}' run
 """
@@ -22,7 +18,7 @@ from typing import Any
 import yaml
 
 from posttrain.config.schema import SFTConfig
-from posttrain.config.strict import ConfigError, apply_overrides, from_dict, to_dict
+from posttrain.config.strict import ConfigError, apply_overrides, check_overrides, from_dict, to_dict
 
 REPO_CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
 DEFAULT_SFT_CONFIG = str(REPO_CONFIG_DIR / "sft" / "demo.yaml")
@@ -88,28 +84,13 @@ def parse_sft_config(text: str) -> dict:
 def parse_sft_overrides(text: str) -> dict:
     """Metaflow `Config` parser for `overrides`: a mapping of dotted keys (or nested mappings).
 
-    Keys and values are checked against the schema here, so a typo fails at launch; the
-    values are applied to the recipe in the flow's first step.
+    Key paths, value types and ranges are checked against the schema here, so a typo fails
+    at launch; the values are applied to the recipe (and cross-field rules checked) in the
+    flow's first step.
     """
     overrides = parse_yaml(text, "--config-value overrides")
-    if overrides:
-        probe = apply_overrides(to_dict(_schema_probe()), overrides, source="--config-value overrides")
-        from_dict(SFTConfig, probe, source="--config-value overrides", invariants=False)
+    check_overrides(SFTConfig, overrides, source="--config-value overrides")
     return overrides
-
-
-def _schema_probe() -> SFTConfig:
-    """A minimal valid config used to type-check overrides before the real file is merged."""
-    return from_dict(
-        SFTConfig,
-        {
-            "name": "probe",
-            "data": {"sources": [{"name": "probe", "kind": "jsonl", "path": "probe.jsonl"}],
-                     "generate": {}},
-            "tokenizer": {"name_or_path": "probe"},
-        },
-        source="<probe>",
-    )
 
 
 def config_to_yaml(config: Any) -> str:

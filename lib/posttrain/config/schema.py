@@ -16,7 +16,14 @@ from posttrain.config.strict import ConfigError, bounded
 
 @dataclass
 class SourceConfig:
-    """One dataset source. `kind` picks the reader; the field mapping picks the columns."""
+    """One dataset source. `kind` picks the reader, `format` the adapter that turns a row into
+    records (`posttrain.data.formats`: chat, oasst_tree, oasst_tree_all, gsm8k_chat,
+    gsm8k_prompt, hh_rlhf, orca_dpo, preference, prompt, sequence) and `fields` maps the
+    format's logical fields to the row's columns (dotted paths allowed), e.g.
+    `{prompt: question, reference: final}`. `messages_field` / `prompt_field` /
+    `response_field` are the `chat` format's older spelling of that mapping.
+    `weight` (relative share of the mixture) and `cap` (most items taken from this source per
+    pass over it) drive the mixer (`posttrain.data.mixer`)."""
 
     name: str
     kind: Literal["jsonl", "parquet", "hf"]
@@ -28,12 +35,23 @@ class SourceConfig:
     response_field: Optional[str] = None
     system_prompt: Optional[str] = None
     limit: Optional[int] = bounded(None, ge=1)
+    format: str = "chat"
+    fields: dict = field(default_factory=dict)
+    weight: float = bounded(1.0, gt=0)
+    cap: Optional[int] = bounded(None, ge=1)
 
     def validate(self) -> None:
         if (self.prompt_field is None) != (self.response_field is None):
             raise ConfigError(
                 f"source '{self.name}': prompt_field and response_field go together (set both or neither)"
             )
+        from posttrain.data.formats import resolve_columns
+
+        try:
+            resolve_columns(self.format, self.fields, messages_field=self.messages_field,
+                            prompt_field=self.prompt_field, response_field=self.response_field)
+        except ValueError as err:
+            raise ConfigError(f"source '{self.name}': {err}") from None
 
 
 @dataclass
@@ -55,11 +73,26 @@ class GenerateConfig:
 
 
 @dataclass
+class FilterConfig:
+    """Record filters (`posttrain.data.filters`): token-length bounds on tokenized samples
+    (None: no bound) and exact de-duplication (first occurrence kept)."""
+
+    min_tokens: Optional[int] = bounded(None, ge=1)
+    max_tokens: Optional[int] = bounded(None, ge=1)
+    dedup: bool = True
+
+    def validate(self) -> None:
+        if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ConfigError(f"data.filters.min_tokens ({self.min_tokens}) > max_tokens ({self.max_tokens})")
+
+
+@dataclass
 class DataConfig:
     sources: list[SourceConfig]
     heldout: Optional[SourceConfig] = None
     heldout_fraction: float = bounded(0.0, ge=0.0, lt=1.0)
     generate: Optional[GenerateConfig] = None
+    filters: FilterConfig = field(default_factory=FilterConfig)
 
     def validate(self) -> None:
         if not self.sources:
@@ -139,8 +172,8 @@ class TrainConfig:
 class VerifyConfig:
     enabled: bool = True
     tolerance: float = bounded(1e-4, gt=0)
-    num_batches: int = bounded(2, ge=1)
-    seq_len: int = bounded(32, ge=4)
+    batch_size: int = bounded(3, ge=1)  # random padded sequences per comparison
+    seq_len: int = bounded(48, ge=8)
 
 
 @dataclass
@@ -179,3 +212,11 @@ class SFTConfig:
         )
         if uses_generated and self.data.generate is None:
             raise ConfigError("paths use ${generated} but data.generate is not set")
+        has_heldout_source = self.data.heldout is not None
+        if has_heldout_source == (self.data.heldout_fraction > 0):
+            raise ConfigError(
+                "evaluation needs exactly one held-out set: set data.heldout (a source) or "
+                f"data.heldout_fraction > 0, not {'both' if has_heldout_source else 'neither'}"
+            )
+        if has_heldout_source and self.data.heldout.name in {s.name for s in self.data.sources}:
+            raise ConfigError(f"data.heldout.name '{self.data.heldout.name}' is also the name of a training source")

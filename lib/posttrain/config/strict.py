@@ -50,12 +50,16 @@ def _describe(tp: Any) -> str:
 def _convert(tp: Any, value: Any, key: str, source: str, invariants: bool = True) -> Any:
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
-        errors = []
-        for option in get_args(tp):
+        options = [o for o in get_args(tp) if o is not type(None)]
+        if value is None and len(options) < len(get_args(tp)):
+            return None
+        if len(options) == 1:  # Optional[X]: X's own error says what is wrong inside the value
+            return _convert(options[0], value, key, source, invariants)
+        for option in options:
             try:
                 return _convert(option, value, key, source, invariants)
-            except ConfigError as exc:
-                errors.append(exc)
+            except ConfigError:
+                continue
         raise ConfigError(f"{_where(source, key)} must be {_describe(tp)}, got {value!r}")
     if tp is type(None):
         if value is None:
@@ -172,6 +176,56 @@ def apply_overrides(data: dict, overrides: dict, *, source: str = "overrides") -
         else:
             raise ConfigError(f"cannot set '{dotted}' from {source}: '{'.'.join(parts[:-1])}' is not a mapping")
     return result
+
+
+def check_overrides(cls: type, overrides: dict, *, source: str = "overrides") -> None:
+    """Check each override's key path, value type and range against the schema of `cls`.
+
+    Works without the config the overrides will apply to: list indices are accepted as they
+    are, and a mapping value is checked as a partial section (its keys must exist; required
+    keys need not be there). Cross-field rules run when the merged config is built.
+    """
+    for dotted, value in _flatten(overrides):
+        parts = dotted.split(".")
+        tp: Any = cls
+        field: dataclasses.Field | None = None
+        for i, part in enumerate(parts):
+            here = ".".join(parts[: i + 1])
+            tp = _strip_optional(tp)
+            field = None
+            if get_origin(tp) is list:
+                if not part.isdigit():
+                    raise ConfigError(f"'{here}' in {source}: '{part}' is not a list index")
+                (tp,) = get_args(tp)
+            elif dataclasses.is_dataclass(tp):
+                fields = {f.name: f for f in dataclasses.fields(tp)}
+                if part not in fields:
+                    nearest = difflib.get_close_matches(part, list(fields), n=1, cutoff=0.5)
+                    hint = f"; did you mean '{nearest[0]}'?" if nearest else ""
+                    raise ConfigError(f"unknown key '{here}' in {source}{hint} "
+                                      f"(valid keys here: {', '.join(sorted(fields))})")
+                field = fields[part]
+                tp = typing.get_type_hints(tp)[part]
+            elif tp is dict or get_origin(tp) is dict:
+                tp = Any
+            else:
+                raise ConfigError(f"'{here}' in {source}: a value of type {_describe(tp)} has no keys")
+        section = _strip_optional(tp)
+        if isinstance(value, dict) and dataclasses.is_dataclass(section):
+            check_overrides(section, value, source=f"{source} ('{dotted}')")
+            continue
+        converted = _convert(tp, value, dotted, source, invariants=False)
+        if field is not None:
+            _check_range(field, converted, dotted, source)
+
+
+def _strip_optional(tp: Any) -> Any:
+    """`X` for `Optional[X]`; anything else unchanged."""
+    if get_origin(tp) in (Union, types.UnionType):
+        options = [o for o in get_args(tp) if o is not type(None)]
+        if len(options) == 1:
+            return options[0]
+    return tp
 
 
 def _flatten(overrides: dict, prefix: str = ""):

@@ -1,4 +1,4 @@
-"""Dataset sources: read rows from JSONL, Parquet or Hugging Face `datasets` into chat records.
+"""Dataset sources: read rows from JSONL, Parquet or Hugging Face `datasets` into records.
 
 `SourceSpec` names one source (the config layer builds it). Readers yield
 `(line, raw)` per row: `raw` is the undecoded line (`str`, or `bytes` when it is not valid
@@ -6,14 +6,18 @@ UTF-8) for JSONL and a dict for Parquet / `datasets`. `line` is the 1-based file
 JSONL (blank lines are skipped and are not rows, but keep their numbers) and the 0-based
 row index for Parquet and `datasets`.
 
-`read_chat_records(spec)` turns every row into a `ChatRecord` or, when anything is wrong
-with it (bad JSON, bad UTF-8, missing field, failed `validate_chat`), a `RejectedRow` with
-file, line and reason. Only file-level problems raise: a missing file (`FileNotFoundError`)
-or an unreadable stream such as a truncated gzip (`SourceError`).
+`read_records(spec)` turns every row into the records of `spec.format` (see
+`posttrain.data.formats`: one row may give several, e.g. an OpenAssistant tree) or, when
+anything is wrong with it (bad JSON, bad UTF-8, missing field, failed validation), a
+`RejectedRow` with file, line and reason. Only file-level problems raise: a missing file
+(`FileNotFoundError`) or an unreadable stream such as a truncated gzip (`SourceError`).
+`read_chat_records(spec)` is the same for formats that make `ChatRecord`s.
 
-Field mapping: rows hold a list of messages under `messages_field` (a dotted path such as
-"input.messages" reaches into nested objects), or flat `prompt_field` / `response_field`
-strings that become a user turn and an assistant turn, after an optional `system_prompt`.
+Field mapping: `spec.fields` maps the format's logical fields to columns (dotted paths such
+as "input.messages" reach into nested objects). For the default `chat` format the older
+keys still work: a list of messages under `messages_field`, or flat `prompt_field` /
+`response_field` strings that become a user turn and an assistant turn, after an optional
+`system_prompt`.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ import glob
 import gzip
 import json
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from posttrain.data.records import ChatRecord, RecordError, RejectedRow, raw_text, validate_chat
+from posttrain.data.formats import get_format, get_path, parse_row, resolve_columns
+from posttrain.data.records import ChatRecord, RecordError, RejectedRow, raw_text
 
 KINDS = ("jsonl", "parquet", "hf")
 _GLOB_CHARS = set("*?[")
@@ -46,6 +51,11 @@ class SourceSpec:
     with the builder for its suffix: json, parquet, csv, arrow), a `save_to_disk` directory,
     or a dataset directory / hub id for `datasets.load_dataset(path, split=...)`.
     `split` and `streaming` apply to "hf" only. `limit` caps the rows read (good and bad).
+    `format` names the adapter (`posttrain.data.formats.FORMATS`) and `fields` maps its
+    logical fields to columns; `messages_field` / `prompt_field` / `response_field` are the
+    `chat` format's older spelling of the same mapping. `columns` is the resolved mapping.
+    `weight` and `cap` are not used by the reader: they are carried for the mixer
+    (`posttrain.data.mixer`).
     """
 
     name: str
@@ -58,6 +68,10 @@ class SourceSpec:
     response_field: str | None = None
     system_prompt: str | None = None
     limit: int | None = None
+    format: str = "chat"
+    fields: dict = field(default_factory=dict, hash=False)
+    weight: float = 1.0
+    cap: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "path", str(self.path))
@@ -69,6 +83,21 @@ class SourceSpec:
             raise ValueError(f"source '{self.name}': set both prompt_field and response_field, or neither")
         if self.limit is not None and self.limit < 0:
             raise ValueError(f"source '{self.name}': limit must be >= 0, got {self.limit}")
+        if not self.weight > 0:
+            raise ValueError(f"source '{self.name}': weight must be > 0, got {self.weight}")
+        if self.cap is not None and self.cap < 1:
+            raise ValueError(f"source '{self.name}': cap must be >= 1, got {self.cap}")
+        object.__setattr__(self, "fields", dict(self.fields or {}))
+        try:
+            resolve_columns(self.format, self.fields, messages_field=self.messages_field,
+                            prompt_field=self.prompt_field, response_field=self.response_field)
+        except ValueError as err:
+            raise ValueError(f"source '{self.name}': {err}") from None
+
+    @property
+    def columns(self) -> dict[str, str | None]:
+        return resolve_columns(self.format, self.fields, messages_field=self.messages_field,
+                               prompt_field=self.prompt_field, response_field=self.response_field)
 
 
 # ---------------------------------------------------------------- file lists
@@ -180,33 +209,13 @@ def iter_rows(spec: SourceSpec) -> Iterator[tuple[str, int, Any]]:
 # ---------------------------------------------------------------- records
 
 
-def _get(obj: dict, dotted: str) -> Any:
-    """`obj[dotted]`, or a nested lookup along "a.b.c"; raises `RecordError` when absent."""
-    if dotted in obj:
-        return obj[dotted]
-    value: Any = obj
-    for part in dotted.split("."):
-        if not isinstance(value, dict) or part not in value:
-            raise RecordError(f"missing '{dotted}' field")
-        value = value[part]
-    return value
+_get = get_path  # older name, kept for callers
 
 
 def row_to_messages(obj: Any, spec: SourceSpec) -> list[dict]:
-    """Apply the spec's field mapping to one decoded row and validate it (`RecordError` if bad)."""
-    if not isinstance(obj, dict):
-        raise RecordError(f"row is not a JSON object (got {'null' if obj is None else type(obj).__name__})")
-    if spec.prompt_field is None:
-        return validate_chat({spec.messages_field: _get(obj, spec.messages_field)}, field=spec.messages_field)
-    turns = []
-    for field, role in ((spec.prompt_field, "user"), (spec.response_field, "assistant")):
-        value = _get(obj, field)
-        if not isinstance(value, str):
-            raise RecordError(f"field '{field}' is not a string (got {type(value).__name__})")
-        turns.append({"role": role, "content": value})
-    if spec.system_prompt:
-        turns.insert(0, {"role": "system", "content": spec.system_prompt})
-    return validate_chat({"messages": turns})
+    """Apply a chat-format spec's field mapping to one decoded row and validate it (`RecordError` if bad)."""
+    (record,) = parse_row("chat", obj, columns=spec.columns, system_prompt=spec.system_prompt)
+    return record.messages
 
 
 def _decode(raw: Any) -> Any:
@@ -220,21 +229,36 @@ def _decode(raw: Any) -> Any:
     return raw
 
 
-def read_chat_records(spec: SourceSpec) -> tuple[list[ChatRecord], list[RejectedRow]]:
-    """Read every row of `spec`: good rows become `ChatRecord`s, malformed ones `RejectedRow`s.
+def read_records(spec: SourceSpec) -> tuple[list, list[RejectedRow]]:
+    """Read every row of `spec` through its format: good rows become records, malformed ones `RejectedRow`s.
 
-    Order follows the source. `len(records) + len(rejected)` is the number of rows read.
+    Order follows the source (a row that gives several records gives them in a row).
+    Every row read ends up either as at least one record or as exactly one `RejectedRow`.
     """
-    records: list[ChatRecord] = []
+    columns = spec.columns
+    records: list = []
     rejected: list[RejectedRow] = []
     for source, line, raw in iter_rows(spec):
         try:
-            messages = row_to_messages(_decode(raw), spec)
+            made = parse_row(spec.format, _decode(raw), columns=columns, source=source, line=line,
+                             system_prompt=spec.system_prompt)
         except RecordError as err:
             rejected.append(RejectedRow(source, line, err.reason, raw_text(raw)))
         else:
-            records.append(ChatRecord(messages, source, line))
+            records.extend(made)
     return records, rejected
+
+
+def read_chat_records(spec: SourceSpec) -> tuple[list[ChatRecord], list[RejectedRow]]:
+    """`read_records` for a format that makes `ChatRecord`s (`chat`, `oasst_tree*`, `gsm8k_chat`).
+
+    Raises `ValueError` for a format that makes another record kind.
+    """
+    kind = get_format(spec.format).kind
+    if kind is not ChatRecord:
+        raise ValueError(f"source '{spec.name}': format {spec.format!r} makes {kind.__name__}s, not chat "
+                         "records; use read_records")
+    return read_records(spec)
 
 
 def write_rejected(rejected: list[RejectedRow], path: str | Path) -> Path:

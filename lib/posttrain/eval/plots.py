@@ -1,15 +1,12 @@
 """Matplotlib figures of a run (loss, throughput, lengths, packing), shared by cards and notebooks.
 
-Figures are rendered with the non-interactive Agg backend so they work on headless
-workers; callers turn them into PNGs or show them inline.
+The library leaves the matplotlib backend alone: a notebook shows the figures inline,
+and headless callers (the flows' cards) select Agg themselves before importing this.
 """
 
 from __future__ import annotations
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def _figure(width: float = 6.0, height: float = 3.0):
@@ -62,5 +59,37 @@ def packing_bar(efficiency: float):
     ax.set_yticks([])
     ax.set_title(f"token slots: {efficiency:.1%} real tokens (green), {1 - efficiency:.1%} padding (grey)",
                  fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def length_histograms_by_source(histograms: dict[str, dict], title: str = "sample lengths by source (tokens)",
+                                log_x: bool = True):
+    """Step histograms of sample lengths, one line per source, on shared edges
+    (`posttrain.data.length_stats.LengthStats.histograms()`)."""
+    fig, ax = _figure()
+    for source, histogram in histograms.items():
+        edges, counts = histogram["edges"], histogram["counts"]
+        ax.stairs(counts, edges, lw=1.4, label=f"{source} ({sum(counts):,})")
+    if log_x:
+        ax.set_xscale("log")
+    ax.set_title(title)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("samples")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def source_counts_bar(summary: dict[str, dict]):
+    """Samples and tokens per source, side by side, from `LengthStats.summary()` (the
+    "total" entry is left out)."""
+    sources = [s for s in summary if s != "total"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(8.0, 0.5 + 0.4 * max(len(sources), 1)), dpi=100)
+    for ax, key, color in ((left, "samples", "tab:blue"), (right, "tokens", "tab:orange")):
+        ax.barh(sources, [summary[s][key] for s in sources], color=color)
+        ax.set_title(key)
+        ax.grid(alpha=0.3, axis="x")
+    right.set_yticks([])
     fig.tight_layout()
     return fig

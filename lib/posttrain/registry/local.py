@@ -33,7 +33,8 @@ MODEL_DIR = "model"
 @dataclasses.dataclass(frozen=True)
 class RegistryEntry:
     """One registered version. `path` is the entry directory (`.../NAME/vN`); `uri` is the
-    `file://` URI of its model directory, which `from_pretrained` and vLLM can load."""
+    `file://` URI of its model directory; `uri_to_path(uri)` gives the local directory that
+    `from_pretrained` and vLLM load."""
 
     name: str
     version: int
@@ -140,3 +141,13 @@ def load_lineage(entry_path: str | Path) -> dict:
     if path.name == MODEL_DIR and not (path / LINEAGE_FILE).exists():
         path = path.parent
     return json.loads((path / LINEAGE_FILE).read_text(encoding="utf-8"))
+
+
+def uri_to_path(uri: str) -> Path:
+    """The local directory of a `file://` model URI (percent-escapes decoded)."""
+    from urllib.parse import unquote, urlparse
+
+    parsed = urlparse(uri)
+    if parsed.scheme != "file":
+        raise ValueError(f"not a local model URI: {uri!r} (expected file://...)")
+    return Path(unquote(parsed.path))

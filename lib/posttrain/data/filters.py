@@ -1,0 +1,202 @@
+"""Record filters: invalid records, token-length bounds, exact de-duplication.
+
+`RecordFilter(min_tokens=None, max_tokens=None, dedup=True, dedup_on="content")` decides,
+record by record and in the order it sees them, whether a record is kept:
+
+1. invalid: the record fails `validate_record` (reason `"invalid: <why>"`);
+2. too short / too long: its token count is below `min_tokens` or above `max_tokens`
+   (bounds inclusive; None means no bound);
+3. duplicate: its key was seen before, in any source (first occurrence kept). The key is
+   a hash of the normalised content (`content_key`: record kind and content, not its
+   origin; strings NFC-normalised, CRLF -> LF, outer whitespace stripped) or, with
+   `dedup_on="tokens"`, of the token ids (`token_key`).
+
+The token count is `tokens` as given to `check`: an int, or anything with a length (a
+list of ids, a `TokenizedSample`); a `SequenceRecord` counts its own ids when `tokens` is
+None. Length bounds or token de-duplication without token information is a `ValueError`.
+A rejected record is kept aside as a `RejectedRow(record.source, record.line, reason, raw)`
+in `RecordFilter.rejected` and counted in `RecordFilter.stats`, a `FilterStats` keyed by
+the source name the caller passes and by reason kind (`REASONS`). Rows the reader already
+rejected can be counted there too (`FilterStats.add_read_rejections`, kind "invalid").
+
+API: `check(name, record, tokens=None) -> bool` (one record), `filter(name, records) -> kept`,
+`filter_with_tokens(name, records, tokens) -> (kept records, their tokens)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import unicodedata
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from posttrain.data.records import (
+    RecordError,
+    RejectedRow,
+    SequenceRecord,
+    raw_text,
+    record_content,
+    validate_record,
+)
+
+REASONS = ("invalid", "too_short", "too_long", "duplicate")
+DEDUP_ON = ("content", "tokens")
+
+
+@dataclass
+class FilterStats:
+    """Per-source counts: `kept[name]` and `rejected[name][reason_kind]`."""
+
+    kept: dict[str, int] = field(default_factory=dict)
+    rejected: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def add_kept(self, name: str, n: int = 1) -> None:
+        self.kept[name] = self.kept.get(name, 0) + n
+
+    def add_rejected(self, name: str, kind: str, n: int = 1) -> None:
+        if kind not in REASONS:
+            raise ValueError(f"unknown rejection kind {kind!r}; expected one of {REASONS}")
+        self.kept.setdefault(name, 0)
+        per_source = self.rejected.setdefault(name, {})
+        per_source[kind] = per_source.get(kind, 0) + n
+
+    def add_read_rejections(self, name: str, rows: Sequence[RejectedRow]) -> None:
+        """Count rows the reader rejected (malformed input) as kind "invalid"."""
+        if rows:
+            self.add_rejected(name, "invalid", len(rows))
+
+    def total_rejected(self, name: str | None = None) -> int:
+        names = [name] if name is not None else list(self.rejected)
+        return sum(sum(self.rejected.get(n, {}).values()) for n in names)
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        """`{name: {"kept": n, "rejected": {kind: n}}}` for every source seen."""
+        names = list(dict.fromkeys([*self.kept, *self.rejected]))
+        return {n: {"kept": self.kept.get(n, 0), "rejected": dict(self.rejected.get(n, {}))} for n in names}
+
+
+# ---------------------------------------------------------------- keys
+
+
+def _normalise(value: Any) -> Any:
+    if isinstance(value, str):
+        return unicodedata.normalize("NFC", value.replace("\r\n", "\n")).strip()
+    if isinstance(value, dict):
+        return {str(k): _normalise(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_normalise(v) for v in value]
+    return value
+
+
+def content_key(record: Any) -> bytes:
+    """16-byte hash of a record's normalised content (kind included; source and line not)."""
+    text = json.dumps(_normalise(record_content(record)), sort_keys=True, ensure_ascii=False,
+                      separators=(",", ":"), default=str)
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+
+
+def token_ids(tokens: Any) -> Sequence[int]:
+    """The ids in `tokens`: an object with `input_ids` (a `TokenizedSample`) or a sequence of ints."""
+    ids = getattr(tokens, "input_ids", tokens)
+    if isinstance(ids, (int, np.integer)) or ids is None:
+        raise ValueError("de-duplication on tokens needs the token ids, not a count")
+    return ids
+
+
+def token_key(tokens: Any) -> bytes:
+    """16-byte hash of token ids (int64, in order)."""
+    data = np.asarray(token_ids(tokens), dtype=np.int64).tobytes()
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def token_count(record: Any, tokens: Any = None) -> int | None:
+    """`tokens` as a count (int, or its length); a `SequenceRecord`'s own length when None."""
+    if tokens is None:
+        return len(record.ids) if isinstance(record, SequenceRecord) else None
+    if isinstance(tokens, (int, np.integer)):
+        return int(tokens)
+    return len(token_ids(tokens))
+
+
+# ---------------------------------------------------------------- the filter
+
+
+class RecordFilter:
+    """Stateful filter over a stream of records from several sources (see module docstring)."""
+
+    def __init__(self, min_tokens: int | None = None, max_tokens: int | None = None, dedup: bool = True,
+                 dedup_on: str = "content"):
+        if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
+            raise ValueError(f"min_tokens ({min_tokens}) > max_tokens ({max_tokens})")
+        if dedup_on not in DEDUP_ON:
+            raise ValueError(f"dedup_on must be one of {DEDUP_ON}, got {dedup_on!r}")
+        self.min_tokens, self.max_tokens = min_tokens, max_tokens
+        self.dedup, self.dedup_on = dedup, dedup_on
+        self.stats = FilterStats()
+        self.rejected: list[RejectedRow] = []
+        self._first: dict[bytes, tuple[str, int]] = {}
+
+    @classmethod
+    def from_config(cls, config: Any, dedup_on: str = "content") -> "RecordFilter":
+        """From a `FilterConfig` (`min_tokens`, `max_tokens`, `dedup`)."""
+        return cls(config.min_tokens, config.max_tokens, config.dedup, dedup_on)
+
+    @property
+    def needs_tokens(self) -> bool:
+        return self.min_tokens is not None or self.max_tokens is not None or (self.dedup and self.dedup_on == "tokens")
+
+    def _reason(self, record: Any, tokens: Any) -> tuple[str, str] | None:
+        try:
+            validate_record(record)
+        except RecordError as err:
+            return "invalid", f"invalid: {err.reason}"
+        if self.min_tokens is not None or self.max_tokens is not None:
+            n = token_count(record, tokens)
+            if n is None:
+                raise ValueError("token-length bounds need the record's tokens (pass tokens=...)")
+            if self.min_tokens is not None and n < self.min_tokens:
+                return "too_short", f"too short: {n} tokens < min_tokens {self.min_tokens}"
+            if self.max_tokens is not None and n > self.max_tokens:
+                return "too_long", f"too long: {n} tokens > max_tokens {self.max_tokens}"
+        if self.dedup:
+            if self.dedup_on == "tokens":
+                if tokens is None and not isinstance(record, SequenceRecord):
+                    raise ValueError("de-duplication on tokens needs the record's tokens (pass tokens=...)")
+                key = token_key(record.ids if tokens is None else tokens)
+            else:
+                key = content_key(record)
+            first = self._first.get(key)
+            if first is not None:
+                return "duplicate", f"duplicate of {first[0]} line {first[1]}"
+            self._first[key] = (record.source, record.line)
+        return None
+
+    def check(self, name: str, record: Any, tokens: Any = None) -> bool:
+        """True when `record` (from source `name`) is kept; otherwise it is recorded as rejected."""
+        verdict = self._reason(record, tokens)
+        if verdict is None:
+            self.stats.add_kept(name)
+            return True
+        kind, reason = verdict
+        self.stats.add_rejected(name, kind)
+        try:
+            raw = raw_text(record_content(record))
+        except TypeError:
+            raw = raw_text(repr(record))
+        self.rejected.append(RejectedRow(getattr(record, "source", name), getattr(record, "line", -1), reason, raw))
+        return False
+
+    def filter(self, name: str, records: Iterable[Any]) -> list:
+        """The kept records of one source, in order (no token information: a `SequenceRecord`
+        counts its ids; other kinds need `filter_with_tokens` when bounds are set)."""
+        return [r for r in records if self.check(name, r)]
+
+    def filter_with_tokens(self, name: str, records: Sequence[Any], tokens: Sequence[Any]) -> tuple[list, list]:
+        """`(kept records, their tokens)` of one source, in order; `tokens[i]` belongs to `records[i]`."""
+        if len(tokens) != len(records):
+            raise ValueError(f"{len(records)} records but {len(tokens)} token entries")
+        kept = [(r, t) for r, t in zip(records, tokens) if self.check(name, r, t)]
+        return [r for r, _ in kept], [t for _, t in kept]

@@ -1,0 +1,142 @@
+"""Attention never crosses documents, on every path that builds a mask: the mask function,
+the attention op, the model on packed rows (from the stream packer and the prefetcher) and
+on right-padded rows, and generation's left-padded batches.
+
+The check is behavioural: perturb one document's tokens (or the padding) and assert that
+nothing computed for any other document changes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from posttrain.data.packer import StreamPacker
+from posttrain.data.prefetch import PackedBatchPrefetcher
+from posttrain.eval.generate import PAD_ID, greedy_generate, left_pad
+from posttrain.models.registry import build_model, tiny_config
+from posttrain.ops.attention import build_attention_mask, document_attention, document_causal_mask
+
+ATOL = 1e-6  # other documents must be unaffected; allow only float reassociation noise
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(tiny_config(initializer_range=0.2), seed=3).eval()
+
+
+def random_doc_ids(gen, B, T):
+    """Rows of consecutive documents of random lengths, with trailing padding (-1)."""
+    doc_ids = torch.full((B, T), -1, dtype=torch.long)
+    for b in range(B):
+        at, d = 0, 0
+        end = T - int(torch.randint(0, T // 4, (), generator=gen))
+        while at < end:
+            n = min(int(torch.randint(1, 12, (), generator=gen)), end - at)
+            doc_ids[b, at:at + n] = d
+            at, d = at + n, d + 1
+    return doc_ids
+
+
+def test_document_causal_mask_is_the_predicate():
+    gen = torch.Generator().manual_seed(0)
+    doc_ids = random_doc_ids(gen, 3, 40)
+    mask = document_causal_mask(doc_ids)
+    assert mask.shape == (3, 1, 40, 40) and mask.dtype == torch.bool
+    for b in range(3):
+        for q in range(40):
+            for k in range(40):
+                allowed = k <= q and doc_ids[b, q] == doc_ids[b, k]
+                assert bool(mask[b, 0, q, k]) == allowed
+    assert mask.diagonal(dim1=-2, dim2=-1).all()  # no query row is ever fully masked (padding included)
+
+
+def test_attention_op_ignores_other_documents():
+    gen = torch.Generator().manual_seed(1)
+    B, H, K, T, E = 2, 4, 2, 48, 8
+    doc_ids = random_doc_ids(gen, B, T)
+    q, k, v = (torch.randn(B, n, T, E, generator=gen) for n in (H, K, K))
+    base = document_attention(q, k, v, build_attention_mask(doc_ids))
+    for b in range(B):
+        for doc in range(int(doc_ids[b].max()) + 1):
+            inside = doc_ids[b] == doc
+            q2, k2, v2 = q.clone(), k.clone(), v.clone()
+            for t in (q2, k2, v2):
+                t[b, :, inside] += torch.randn(t[b, :, inside].shape, generator=gen) * 3
+            out = document_attention(q2, k2, v2, build_attention_mask(doc_ids))
+            others = torch.ones(B, T, dtype=torch.bool)
+            others[b] = ~inside
+            assert (out - base).abs().permute(0, 2, 1, 3)[others].max() <= ATOL
+            assert (out - base).abs().permute(0, 2, 1, 3)[b, inside].max() > 1e-3  # the perturbation is seen
+
+
+def packed_batch(vocab_size, seed=2):
+    rng = np.random.default_rng(seed)
+    samples = [(rng.integers(2, vocab_size, int(n)), np.ones(int(n), dtype=np.int64)) for n in rng.integers(3, 20, 30)]
+    with PackedBatchPrefetcher(samples, StreamPacker(48, pad_id=0, window=8), batch_size=3) as pf:
+        return next(pf)
+
+
+@torch.no_grad()
+def test_model_on_packed_rows_never_mixes_documents(model):
+    batch = packed_batch(model.config.vocab_size)
+    ids, pos, docs = batch["input_ids"], batch["position_ids"], batch["doc_ids"]
+    assert (docs.amax(dim=1) >= 2).all()  # every row holds several documents
+    base = model.compute_logits(model(ids, pos, docs))
+    gen = torch.Generator().manual_seed(5)
+    for b in range(ids.shape[0]):
+        for doc in [*range(int(docs[b].max()) + 1), -1]:  # every document, then the padding
+            inside = docs[b] == doc
+            if not inside.any():
+                continue
+            ids2 = ids.clone()
+            ids2[b, inside] = torch.randint(2, model.config.vocab_size, (int(inside.sum()),), generator=gen)
+            out = model.compute_logits(model(ids2, pos, docs))
+            others = torch.ones_like(docs, dtype=torch.bool)
+            others[b] = ~inside
+            assert (out - base)[others].abs().max() <= ATOL, (b, doc)
+            if doc >= 0:
+                assert (out - base)[b, inside].abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_model_on_right_padded_rows_ignores_padding(model):
+    gen = torch.Generator().manual_seed(6)
+    lengths = [20, 7, 13]
+    T = max(lengths)
+    real = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+    ids = torch.where(real, torch.randint(2, model.config.vocab_size, (3, T), generator=gen), 0)
+    pos = torch.arange(T).expand(3, T)
+    docs = torch.where(real, 0, -1)
+    base = model.compute_logits(model(ids, pos, docs))
+    noisy = torch.where(real, ids, torch.randint(2, model.config.vocab_size, (3, T), generator=gen))
+    out = model.compute_logits(model(noisy, pos, docs))
+    assert (out - base)[real].abs().max() <= ATOL
+
+
+@torch.no_grad()
+def test_generation_left_padded_batches_never_mix_prompts(model):
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(2, 250, (n,), generator=gen).tolist() for n in (5, 1, 9, 3, 12)]
+    ids, pos, docs = left_pad(prompts, torch.device("cpu"))
+    assert (ids[docs < 0] == PAD_ID).all()
+    base = model.compute_logits(model(ids, pos, docs))
+    real = docs >= 0
+    for b in range(len(prompts)):
+        ids2 = ids.clone()
+        ids2[b, real[b]] = torch.randint(2, 250, (int(real[b].sum()),), generator=gen)
+        out = model.compute_logits(model(ids2, pos, docs))
+        others = real.clone()
+        others[b] = False
+        assert (out - base)[others].abs().max() <= ATOL
+    # whatever sits in the padding is invisible to the real tokens
+    noisy = torch.where(real, ids, torch.randint(2, 250, ids.shape, generator=gen))
+    assert (model.compute_logits(model(noisy, pos, docs)) - base)[real].abs().max() <= ATOL
+
+    # end to end: changing one prompt changes nothing generated for the others in its batch
+    outputs = greedy_generate(model, prompts, 6, set(), batch_size=len(prompts))
+    changed = [list(p) for p in prompts]
+    changed[2] = torch.randint(2, 250, (9,), generator=gen).tolist()
+    again = greedy_generate(model, changed, 6, set(), batch_size=len(prompts))
+    assert [o for i, o in enumerate(again) if i != 2] == [o for i, o in enumerate(outputs) if i != 2]
