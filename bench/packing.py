@@ -15,18 +15,23 @@ The headline is "heavy" when it ran (the throughput target is defined on it), el
 Each `datasets` entry holds: `dataset`, `num_samples`, `tokens`, `lengths` (mean, p50, p90,
 p99, max), `row_length`, `window`, `batch_rows`, `on_overflow` (+ `truncated`/`split`/
 `dropped` counts), `packing_efficiency`, `packed_rows`, `padded_efficiency`,
-`padded_batches`, `packer_tokens_per_s` (median of 3 runs of `StreamPacker` over the
-whole set, one thread, inputs as stored: lists for "real", numpy arrays for "heavy"),
-`prefetch_tokens_per_s` (the same through `PackedBatchPrefetcher`: thread, queue, torch
-batches), `resume_exact` (packing stopped at 1/3 and 2/3 of the rows and resumed from the
-state dict gives the uninterrupted rows bit for bit), and `throughput` (below) with
-`effective_throughput_ratio` copied to the top of the entry. A dataset that cannot run is
-`{"dataset": name, "skipped": reason}`.
+`padded_batches`, `ideal_ratio`, `packer_tokens_per_s` (median of 3 runs of
+`StreamPacker.iter_rows` over the whole set, row by row, in one thread; inputs as stored:
+token lists for "real", numpy arrays for "heavy"), `prefetch_tokens_per_s` (the same
+through `PackedBatchPrefetcher`: thread, bounded queue, torch batches), `resume_exact`
+(packing stopped at 1/3 and 2/3 of the rows and resumed from the JSON-round-tripped state
+dict gives the uninterrupted rows bit for bit), `seconds`, and `throughput` (below:
+`steps_each`, `packed_tokens_per_s`, `padded_tokens_per_s`, `effective_throughput_ratio`,
+`packed_epoch_s`, `padded_epoch_s`, `sampled_ratio`, mean `packed_step_s`/`padded_step_s`,
+`timed_padded_efficiency`, `model`) whose `effective_throughput_ratio` is copied to the top
+of the entry. A dataset that cannot run is `{"dataset": name, "skipped": reason}`.
+The full run takes about 1.5 minutes on 2 quiet cores (the real mix ~1 minute of it);
+`--quick` about 15 seconds.
 
 Datasets
 - "heavy": synthetic, heavy-tailed: lengths ~ lognormal(median L/20, sigma 1.2), rounded and
-  clipped to [1, L] (most samples short, about 1 in 200 at the row length L), token ids
-  uniform in a 250-token vocabulary, loss mask ~ Bernoulli(0.6). Fixed seed.
+  clipped to [1, L] (at L=512: mean 51, 78% at most 64 tokens, 1.2% over 3L/4, 0.6% at L),
+  token ids uniform in a 250-token vocabulary, loss mask ~ Bernoulli(0.6). Fixed seed.
 - "real": reads ../shared/data in place (nothing is copied): the 564 OASST conversations,
   the 7,473 GSM8K train problems (question as the user turn, worked answer as the
   assistant turn) and the 284 Orca DPO pairs (system + user + the preferred answer), each
@@ -39,19 +44,28 @@ Effective throughput. The same samples in the same order are batched two ways wi
 same token budget of B*L slots per step: (a) packed rows, `[B, L]`; (b) pad-to-longest:
 consecutive samples, as many as fit `n * longest <= B * L`, each padded to the longest of
 its batch (one document per row; a split sample's pieces are separate samples here too).
-Each batch runs through full training steps (forward, backward, AdamW) of our tiny Qwen3
-(`build_model(tiny_config(...))`, 2 layers, hidden 64; vocabulary 250 for "heavy", the real
-151,669 for "real") via `Trainer.train_step`. `steps` batches of each kind, spread evenly
-over the epoch, run alternately (a, b, a, b, ...) in one process, so machine noise hits
-both. Every batch runs twice in a row and only the second step is timed: the first step of
-a new tensor shape pays one-off kernel and allocator costs (~0.1 s here), which would
-otherwise be charged to nearly every padded batch (their shapes vary) and to no packed one;
-leaving them out favours the padded baseline. Real tokens per second = sum of real
-(non-padding) tokens / sum of timed step times; `effective_throughput_ratio` = packed /
-padded. `ideal_ratio` = packing_efficiency / padded_efficiency is what the ratio
-would be if a padded slot cost as much as a packed one; the measured ratio is lower when
-attention dominates, because dense masked attention costs O(T) per slot and padded batches
-are often shorter than L.
+`padded_efficiency` is over all of (b). Batches run through full training steps (forward,
+backward, AdamW) of our tiny Qwen3 (`build_model(tiny_config(...))`, 2 layers, hidden 64;
+vocabulary 250 for "heavy", the real 151,669 for "real") via `Trainer.train_step`, in one
+process, alternating (a, b, a, b, ...) so machine noise hits both. Timed: `steps` packed
+batches spread evenly over the epoch, and `steps` padded batches, one per shape stratum
+(the padded batches sorted by longest length and cut into `steps` equal strata; the middle
+batch of each), in stream order. Every timed batch runs twice in a row and only the second
+step is timed: the first step of a new tensor shape pays one-off kernel and allocator costs
+(~0.1 s here) that would otherwise be charged to nearly every padded batch (their shapes
+vary) and to no packed one; leaving them out favours the padded baseline.
+
+A step's cost depends on its shape (padding is computed like real tokens), so each side's
+epoch time is estimated from its timed steps: packed = batches x mean step time; padded =
+sum over strata of batches in the stratum x its timed step. Both epochs train the same
+real tokens, so `effective_throughput_ratio` = padded epoch time / packed epoch time =
+real tokens/s packed over padded. (With the 151,669-token vocabulary of "real", the loss
+part of a step scales with its loss tokens rather than its shape, so that estimate is
+rougher.) `sampled_ratio` is the plain ratio of real tokens/s over the timed steps alone.
+`ideal_ratio` = packing_efficiency / padded_efficiency is what the ratio would be if a
+padded slot cost as much as a packed one; the measured ratio is lower when attention
+dominates, because dense masked attention costs O(T) per slot and padded batches are often
+shorter than L.
 
 Allocator settings matter on CPU (docs/benchmarks.md); `settings` records them.
 """
@@ -83,8 +97,8 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 TARGETS = {"packing_efficiency": 0.99, "packer_tokens_per_s": 1_000_000, "effective_throughput_ratio": 4.7}
 
 FULL = {
-    "heavy": dict(row_length=512, batch_rows=32, samples=100_000, window=256, steps=12),
-    "real": dict(row_length=2048, batch_rows=4, window=256, steps=3, per_source=None),
+    "heavy": dict(row_length=512, batch_rows=32, samples=100_000, window=256, steps=10),
+    "real": dict(row_length=2048, batch_rows=4, window=256, steps=5, per_source=None),
 }
 QUICK = {
     "heavy": dict(row_length=128, batch_rows=8, samples=3_000, window=64, steps=1),
@@ -220,40 +234,68 @@ def padded_batch(pieces, group: tuple[int, int, int]) -> dict:
 
 
 def evenly(items: list, k: int) -> list:
+    """`k` items at the middles of `k` equal strata of `items` (all of them if fewer)."""
     if len(items) <= k:
         return list(items)
-    return [items[int(i)] for i in np.linspace(0, len(items) - 1, k).round()]
+    return [items[int((i + 0.5) * len(items) / k)] for i in range(k)]
 
 
-def throughput(rows: PackedRows, pieces, groups, batch_rows: int, vocab_size: int, steps: int) -> dict:
-    """Alternate packed and padded training steps; real tokens per second of each."""
+def strata(groups: list[tuple[int, int, int]], k: int) -> list[tuple[int, int]]:
+    """Split the padded batches into `k` equal strata by shape (longest length, then position)
+    and return `(representative, stratum size)` per stratum, the representative being the
+    stratum's middle batch; in stream order."""
+    order = sorted(range(len(groups)), key=lambda i: (groups[i][2], groups[i][0]))
+    k = min(k, len(order))
+    bounds = [int(i * len(order) / k) for i in range(k + 1)]
+    picked = [(order[(a + b) // 2], b - a) for a, b in zip(bounds, bounds[1:])]
+    return sorted(picked, key=lambda p: groups[p[0]][0])
+
+
+def throughput(rows: PackedRows, pieces, groups, batch_rows: int, vocab_size: int, steps: int,
+               real_tokens: int) -> dict:
+    """Time packed and padded training steps alternately; estimate each epoch's time.
+
+    The cost of a step depends on the batch's shape (padding is computed like real tokens),
+    so: packed epoch = number of packed batches x mean packed step time (the last, partial
+    batch counted as a full one); padded epoch = sum over `steps` shape strata of (batches
+    in the stratum x time of its middle batch). Both epochs train the same real tokens, so
+    the ratio of epoch times is the ratio of real tokens per second. `sampled_ratio` is the
+    plain ratio over the timed steps alone (noisier: the timed padded batches' real-token
+    counts need not match their strata's).
+    """
     packed = evenly(list(iter_batches(rows, batch_rows, drop_last=True)), steps)
-    padded = [padded_batch(pieces, g) for g in evenly(groups, steps)]
+    chosen = strata(groups, steps)
+    padded = [padded_batch(pieces, groups[g]) for g, _ in chosen]
     config = tiny_config(vocab_size=vocab_size)
     model = build_model(config, seed=0)
     trainer = Trainer(model, TrainConfig(device="cpu", warmup_steps=0, learning_rate=1e-3), total_steps=10**6)
     for _ in range(2):  # process warm-up (thread pools, allocator)
         trainer.train_step([packed[0]])
-    totals = {"packed": [0.0, 0, 0], "padded": [0.0, 0, 0]}  # seconds, real tokens, slots
+    timed = {"packed": [], "padded": []}  # (seconds, real tokens, slots) per timed step
     for i, (a, b) in enumerate(zip(packed, padded), start=1):
         for kind, batch in (("packed", a), ("padded", b)):
             trainer.train_step([batch])  # untimed: the first step of a new shape pays one-off costs
             metrics = trainer.train_step([batch])
-            totals[kind][0] += metrics["step_time_s"]
-            totals[kind][1] += metrics["tokens"]
-            totals[kind][2] += batch["input_ids"].numel()
-        log(f"  step pair {i}/{len(packed)}: packed {totals['packed'][1] / totals['packed'][0]:,.0f} tok/s, "
-            f"padded {totals['padded'][1] / totals['padded'][0]:,.0f} tok/s")
-    rate = {k: v[1] / v[0] for k, v in totals.items()}
+            timed[kind].append((metrics["step_time_s"], metrics["tokens"], batch["input_ids"].numel()))
+        log(f"  step pair {i}/{len(padded)}: packed {a['input_ids'].shape[0]}x{a['input_ids'].shape[1]} "
+            f"{timed['packed'][-1][0]:.3f}s, padded {b['input_ids'].shape[0]}x{b['input_ids'].shape[1]} "
+            f"{timed['padded'][-1][0]:.3f}s")
+    mean_packed_s = statistics.fmean(t for t, _, _ in timed["packed"])
+    packed_epoch = -(-rows.num_rows // batch_rows) * mean_packed_s
+    padded_epoch = sum(size * t for (_, size), (t, _, _) in zip(chosen, timed["padded"]))
+    total = {k: [sum(x[j] for x in v) for j in range(3)] for k, v in timed.items()}
+    sampled = {k: v[1] / v[0] for k, v in total.items()}
     return {
-        "steps_each": len(packed),
-        "packed_tokens_per_s": round(rate["packed"]),
-        "padded_tokens_per_s": round(rate["padded"]),
-        "effective_throughput_ratio": round(rate["packed"] / rate["padded"], 3),
-        "packed_step_s": round(totals["packed"][0] / len(packed), 4),
-        "padded_step_s": round(totals["padded"][0] / len(packed), 4),
-        "measured_padded_efficiency": round(totals["padded"][1] / totals["padded"][2], 4),
-        "measured_packed_efficiency": round(totals["packed"][1] / totals["packed"][2], 4),
+        "steps_each": len(padded),
+        "packed_tokens_per_s": round(real_tokens / packed_epoch),
+        "padded_tokens_per_s": round(real_tokens / padded_epoch),
+        "effective_throughput_ratio": round(padded_epoch / packed_epoch, 3),
+        "packed_epoch_s": round(packed_epoch, 1),
+        "padded_epoch_s": round(padded_epoch, 1),
+        "sampled_ratio": round(sampled["packed"] / sampled["padded"], 3),
+        "packed_step_s": round(mean_packed_s, 4),
+        "padded_step_s": round(total["padded"][0] / len(padded), 4),
+        "timed_padded_efficiency": round(total["padded"][1] / total["padded"][2], 4),
         "model": {"num_hidden_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
                   "vocab_size": config.vocab_size,
                   "parameters": sum(p.numel() for p in model.parameters())},
@@ -280,7 +322,7 @@ def run_dataset(name: str, samples, sources, vocab_size: int, cfg: dict, on_over
     padded_eff = stats.real_tokens / padded_slots
     log(f"{name}: pad-to-longest at {B}x{L} slots: efficiency {padded_eff:.4f} over {len(groups):,} batches; "
         f"timing {cfg['steps']} training steps of each, alternating")
-    timing = throughput(rows, pieces, groups, B, vocab_size, cfg["steps"])
+    timing = throughput(rows, pieces, groups, B, vocab_size, cfg["steps"], stats.real_tokens)
     log(f"{name}: effective throughput ratio {timing['effective_throughput_ratio']:.2f} "
         f"(ideal {stats.efficiency / padded_eff:.2f})")
 

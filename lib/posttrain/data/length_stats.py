@@ -102,9 +102,11 @@ class LengthStats:
 
     def histogram(self, source: str | None = None, bins: int = 32, log: bool = True,
                   max_length: int | None = None) -> dict[str, list]:
-        """`{"edges": [...], "counts": [...]}` of sample lengths: `bins` bins from 1 to
-        `max_length` (default: the longest sample), log-spaced by default (lengths are
-        heavy-tailed). Empty samples fall in the first bin."""
+        """`{"edges": [...], "counts": [...]}` of sample lengths: `bins` bins `[edge_i,
+        edge_i+1)` from 1 to `max_length` (default: the longest sample), log-spaced by
+        default (lengths are heavy-tailed; duplicate rounded edges are merged, so there may
+        be fewer bins). Empty samples count in the first bin, lengths beyond `max_length`
+        in the last."""
         return _histogram(self.counts(source), _edges(self.counts(), bins, log, max_length))
 
     def histograms(self, bins: int = 32, log: bool = True, max_length: int | None = None) -> dict[str, dict]:
