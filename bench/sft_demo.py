@@ -37,11 +37,12 @@ def main() -> None:
         data = ingest.run(config, run_dir)
         tokenizer = load_tokenizer(resolve(config.tokenizer.name_or_path, run_dir))
         seconds["ingest"], clock = time.perf_counter() - clock, time.perf_counter()
-        samples = tokenize.run(data.train, tokenizer, config.tokenizer.chat_template_kwargs)
+        samples = tokenize.run(data.train, tokenizer, config.tokenizer.chat_template_kwargs, config.data.filters)
         seconds["tokenize"], clock = time.perf_counter() - clock, time.perf_counter()
-        rows, pack_stats = pack.run(samples.samples, config.pack, tokenizer.pad_token_id)
+        packed = pack.run(samples.samples, config, tokenizer.pad_token_id)
+        pack_stats = packed.stats
         seconds["pack"], clock = time.perf_counter() - clock, time.perf_counter()
-        result = train.run(config, tokenizer, rows, run_dir)
+        result = train.run(config, tokenizer, samples.samples, pack_stats.num_rows, run_dir)
         seconds["train"], clock = time.perf_counter() - clock, time.perf_counter()
         evaluation = evaluate.run(result.base_dir, result.checkpoint_dir, tokenizer, data.heldout, config)
         seconds["evaluate"] = time.perf_counter() - clock
@@ -51,7 +52,7 @@ def main() -> None:
         "config": str(Path(args.config).name),
         "overrides": json.loads(args.overrides),
         "num_parameters": summary["num_parameters"],
-        "train_samples": len(samples.samples),
+        "train_samples": samples.stats.num_samples,
         "steps": summary["steps"],
         "packing_efficiency": round(pack_stats.efficiency, 4),
         "loss_first": round(summary["first_loss"], 4),

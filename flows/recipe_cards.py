@@ -49,16 +49,24 @@ def ingest_section(card, counts: dict, rejected: list) -> None:
 def tokenize_section(card, stats) -> None:
     card.append(Markdown(
         f"## Tokenized samples\n{stats.num_samples} samples, {stats.num_tokens} tokens, "
-        f"{stats.num_loss_tokens} trained (assistant) tokens; lengths {stats.length_percentiles}"))
-    card.append(figure_image(plots.length_histogram(stats.length_histogram)))
+        f"{stats.num_loss_tokens} trained (assistant) tokens"))
+    card.append(Table([[name, s["samples"], s["tokens"], s["p50"], s["p90"], s["max"]] for name, s in stats.lengths.items()],
+                      headers=["source", "samples", "tokens", "p50 length", "p90 length", "max length"]))
+    card.append(figure_image(plots.length_histograms_by_source(stats.length_histograms)))
+    card.append(figure_image(plots.source_counts_bar(stats.lengths)))
+    card.append(Markdown("## Filters (kept and rejected per source)"))
+    card.append(Table([[name, f["kept"], ", ".join(f"{k}: {v}" for k, v in f["rejected"].items()) or "none"]
+                       for name, f in stats.filters.items()], headers=["source", "kept", "rejected"]))
 
 
-def pack_section(card, stats) -> None:
+def pack_section(card, stats, samples_per_source: dict) -> None:
     card.append(Markdown(
-        f"## Packing\n{stats.num_samples} samples into {stats.num_rows} rows: "
+        f"## Packing (one pass over the mixture)\n{stats.num_samples} samples into {stats.num_rows} rows: "
         f"**efficiency {stats.efficiency:.2%}** real tokens per slot "
-        f"(truncated {stats.truncated}, dropped {stats.dropped})"))
+        f"(truncated {stats.truncated}, split {stats.split}, dropped {stats.dropped})"))
     card.append(figure_image(plots.packing_bar(stats.efficiency)))
+    card.append(Table([[name, count] for name, count in samples_per_source.items()],
+                      headers=["source", "samples per epoch (mixer pass)"]))
 
 
 def verify_section(card, verdict: dict | None) -> None:

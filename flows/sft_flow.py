@@ -66,36 +66,43 @@ class SFTFlow(FlowSpec):
     @card(type="blank", id="tokenize")
     @step
     def tokenize(self):
-        """Render each conversation with the tokenizer's chat template; assistant-only loss masks."""
+        """Render each conversation with the tokenizer's chat template (assistant-only loss masks), then filter."""
         from posttrain.steps import tokenize
 
-        result = tokenize.run(self.train_records, self._tokenizer(), self.recipe.tokenizer.chat_template_kwargs)
+        result = tokenize.run(self.train_records, self._tokenizer(), self.recipe.tokenizer.chat_template_kwargs,
+                              self.recipe.data.filters)
         self.samples, self.tokenize_stats = result.samples, result.stats
         self.rejected = self.rejected + result.rejected
-        self.tokenize_counts = {"records": len(self.train_records), "samples": len(result.samples),
-                                "rejected": len(result.rejected)}
+        if result.rejected:  # keep the filters' rejections aside too, with ingest's
+            from pathlib import Path
+
+            from posttrain.data.sources import write_rejected
+
+            self.rejected_path = str(write_rejected(self.rejected, Path(self.run_dir) / "rejected.jsonl"))
         cards.tokenize_section(current.card["tokenize"], self.tokenize_stats)
         self.next(self.pack)
 
     @card(type="blank", id="pack")
     @step
     def pack(self):
-        """Best-fit packing into fixed-length rows with restarting positions and document ids."""
+        """One pass over the weighted mixture, best-fit packed: rows per epoch and efficiency."""
         from posttrain.steps import pack
 
-        self.packed_rows, self.pack_stats = pack.run(self.samples, self.recipe.pack, self._tokenizer().pad_token_id)
-        cards.pack_section(current.card["pack"], self.pack_stats)
+        result = pack.run(self.samples, self.recipe, self._tokenizer().pad_token_id)
+        self.packed_rows, self.pack_stats, self.samples_per_source = result.rows, result.stats, result.samples_per_source
+        cards.pack_section(current.card["pack"], self.pack_stats, self.samples_per_source)
         self.next(self.train)
 
     @card(type="blank", id="training", refresh_interval=5)
     @step
     def train(self):
-        """Train our model on the packed rows; the card shows loss and throughput live."""
+        """Train our model on rows packed on the fly; the card shows loss and throughput live."""
         from posttrain.steps import train
 
-        total = train.total_steps_for(len(self.packed_rows.input_ids), self.recipe)
+        rows_per_epoch = self.pack_stats.num_rows
+        total = train.total_steps_for(rows_per_epoch, self.recipe)
         live = cards.LiveTrainingCard(current.card["training"], total, self.recipe.train.card_refresh_s)
-        result = train.run(self.recipe, self._tokenizer(), self.packed_rows, self.run_dir, on_step=live)
+        result = train.run(self.recipe, self._tokenizer(), self.samples, rows_per_epoch, self.run_dir, on_step=live)
         self.history, self.train_summary = result.history, result.summary
         self.checkpoint_dir, self.base_dir = result.checkpoint_dir, result.base_dir
         self.next(self.verify)
@@ -156,7 +163,7 @@ class SFTFlow(FlowSpec):
         card.append(cards.figure_image(plots.throughput_curve(self.history), label="throughput"))
         cards.verify_section(card, self.verdict)
         cards.eval_section(card, self.eval_metrics)
-        cards.pack_section(card, self.pack_stats)
+        cards.pack_section(card, self.pack_stats, self.samples_per_source)
         cards.ingest_section(card, self.data_counts, self.rejected)
         print(f"[end] model_uri = {self.model_uri}")
 

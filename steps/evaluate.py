@@ -13,14 +13,13 @@ import torch
 
 from posttrain.config.schema import SFTConfig
 from posttrain.data.chat import end_of_turn_token_ids, render_prompt
-from posttrain.data.packer import iter_batches
+from posttrain.data.packer import iter_batches, pack_samples
 from posttrain.data.records import ChatRecord
 from posttrain.eval.generate import greedy_generate
 from posttrain.eval.heldout import evaluate_loss
 from posttrain.eval.metrics import exact_match
 from posttrain.eval.report import build_comparison_frame, evidently_report_html
 from posttrain.models.registry import load_hf_checkpoint
-from posttrain.steps import pack as pack_step
 from posttrain.steps import tokenize as tokenize_step
 from posttrain.steps.train import pick_device
 
@@ -43,8 +42,9 @@ def run(base_dir: str, tuned_dir: str, tokenizer, heldout: list[ChatRecord], con
         raise ValueError("evaluation needs held-out records: set data.heldout or data.heldout_fraction")
     records = heldout[: config.eval.max_examples] if config.eval.max_examples else heldout
     template_kwargs = config.tokenizer.chat_template_kwargs
-    tokenized = tokenize_step.run(records, tokenizer, template_kwargs, desc="tokenize held-out")
-    rows, _ = pack_step.run(tokenized.samples, config.pack, tokenizer.pad_token_id)
+    samples, _ = tokenize_step.render(records, tokenizer, template_kwargs, desc="tokenize held-out")
+    rows, _ = pack_samples(samples, config.pack.row_length, tokenizer.pad_token_id, window=config.pack.window,
+                           on_overflow=config.pack.on_overflow)
     prompts, references = zip(*(prompt_and_reference(r) for r in records))
     prompt_ids = [render_prompt(tokenizer, messages, **template_kwargs) for messages in prompts]
     stop_ids = set(end_of_turn_token_ids(tokenizer, **template_kwargs)) | {tokenizer.eos_token_id}

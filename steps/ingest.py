@@ -1,9 +1,13 @@
-"""Ingest: read every configured source into validated chat records.
+"""Ingest: read every configured source, through its format adapter, into chat records.
 
 Malformed rows are not dropped: each becomes a `RejectedRow` (source file, line, reason),
 is counted per source, and is written to `rejected.jsonl` in the run directory.
 When `data.generate` is set, the embedded demo task and its tokenizer are generated
 first under `${generated}` and then read back through the same readers as real data.
+
+SFT trains on conversations: chat formats give them directly, preference formats
+(`hh_rlhf`, `orca_dpo`, `preference`) give their prompt plus the chosen reply; formats that
+give other record kinds (prompts, raw sequences) are a configuration error here.
 """
 
 from __future__ import annotations
@@ -14,14 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from posttrain.config.schema import GenerateConfig, SFTConfig, SourceConfig
-from posttrain.data.records import ChatRecord, RejectedRow
-from posttrain.data.sources import SourceSpec, read_chat_records, write_rejected
+from posttrain.data.records import ChatRecord, PreferenceRecord, RejectedRow
+from posttrain.data.sources import SourceSpec, read_records, write_rejected
 from posttrain.steps.paths import generated_directory, resolve
 
 
 @dataclass
 class IngestResult:
-    train: list[ChatRecord]
+    train: dict[str, list[ChatRecord]]  # by source name, in config order
     heldout: list[ChatRecord]
     rejected: list[RejectedRow]
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -43,34 +47,58 @@ def generate_demo_data(generate: GenerateConfig, run_dir: Path) -> Path:
     return out_dir
 
 
+MIXER_FIELDS = ("weight", "cap")  # used by the mixer, not the reader
+
+
 def _spec(source: SourceConfig, run_dir: Path) -> SourceSpec:
     """The reader's spec from the config: the fields the reader knows, with `${generated}` resolved."""
-    values = {f.name: getattr(source, f.name) for f in dataclasses.fields(SourceSpec) if hasattr(source, f.name)}
+    values = {f.name: getattr(source, f.name) for f in dataclasses.fields(SourceSpec)
+              if hasattr(source, f.name) and f.name not in MIXER_FIELDS}
     values["path"] = resolve(source.path, run_dir)
     return SourceSpec(**values)
+
+
+def as_conversation(record, source: SourceConfig) -> ChatRecord:
+    """The conversation SFT trains on: a chat record itself, or a preference pair's prompt + chosen."""
+    if isinstance(record, ChatRecord):
+        return record
+    if isinstance(record, PreferenceRecord):
+        return ChatRecord(record.prompt + record.chosen, record.source, record.line)
+    raise ValueError(
+        f"source '{source.name}' (format '{source.format}') gives {type(record).__name__}s; SFT trains on "
+        "conversations: use a chat format (chat, oasst_tree, gsm8k_chat) or a preference format (chosen side)"
+    )
+
+
+def read_conversations(source: SourceConfig, run_dir: Path) -> tuple[list[ChatRecord], list[RejectedRow]]:
+    records, rejected = read_records(_spec(source, run_dir))
+    return [as_conversation(r, source) for r in records], rejected
 
 
 def run(config: SFTConfig, run_dir: Path) -> IngestResult:
     if config.data.generate is not None:
         generate_demo_data(config.data.generate, run_dir)
-    train: list[ChatRecord] = []
+    train: dict[str, list[ChatRecord]] = {}
     rejected: list[RejectedRow] = []
     counts: dict[str, dict[str, int]] = {}
     for source in config.data.sources:
-        records, bad = read_chat_records(_spec(source, run_dir))
+        records, bad = read_conversations(source, run_dir)
         counts[source.name] = {"kept": len(records), "rejected": len(bad), "read": len(records) + len(bad)}
         print(f"[ingest] {source.name}: {len(records)} records kept, {len(bad)} rejected")
-        train.extend(records)
+        train[source.name] = records
         rejected.extend(bad)
     if config.data.heldout is not None:
-        heldout, bad = read_chat_records(_spec(config.data.heldout, run_dir))
+        heldout, bad = read_conversations(config.data.heldout, run_dir)
         name = config.data.heldout.name
         counts[name] = {"kept": len(heldout), "rejected": len(bad), "read": len(heldout) + len(bad)}
         print(f"[ingest] {name} (held out): {len(heldout)} records kept, {len(bad)} rejected")
         rejected.extend(bad)
     else:
-        train, heldout = split_heldout(train, config.data.heldout_fraction, config.seed)
-    if not train:
+        heldout = []
+        for name, records in train.items():
+            train[name], held = split_heldout(records, config.data.heldout_fraction, config.seed)
+            heldout.extend(held)
+    if not any(train.values()):
         raise ValueError("no usable training records: every row of every source was rejected (see rejected.jsonl)")
     rejected_path = None
     if rejected:
@@ -86,6 +114,6 @@ def split_heldout(records: list[ChatRecord], fraction: float, seed: int) -> tupl
         return records, []
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)
-    cut = max(1, int(len(records) * fraction))
+    cut = int(len(records) * fraction)
     held = set(order[:cut])
     return [r for i, r in enumerate(records) if i not in held], [records[i] for i in sorted(held)]

@@ -1,18 +1,22 @@
-"""Tokenize: render each chat record through the tokenizer's own chat template.
+"""Tokenize: render each chat record through the tokenizer's own chat template, then filter.
 
-Produces `TokenizedSample`s (token ids + assistant-only loss mask). A record that renders
-to no trainable token is rejected with its source and line, not silently dropped; a
-template that cannot be masked at all stops the run (`ChatTemplateError`).
+Produces `TokenizedSample`s (token ids + assistant-only loss mask) per source. Filters
+(`data.filters`: token-length bounds, exact de-duplication across sources) and records that
+render to no trainable token are rejected with source, line and reason and counted per
+source, never silently dropped. A template that cannot be masked at all stops the run
+(`ChatTemplateError`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 from tqdm import tqdm
 
+from posttrain.config.schema import FilterConfig
 from posttrain.data.chat import TokenizedSample, render_conversation
+from posttrain.data.filters import RecordFilter
+from posttrain.data.length_stats import LengthStats
 from posttrain.data.records import ChatRecord, RejectedRow
 
 
@@ -21,38 +25,69 @@ class TokenizeStats:
     num_samples: int
     num_tokens: int
     num_loss_tokens: int
-    length_percentiles: dict[str, int]
-    length_histogram: dict[str, list] = field(default_factory=dict)
+    lengths: dict[str, dict]  # per source and "total": samples, tokens, min, max, mean, p50, p90, p99
+    length_histograms: dict[str, dict] = field(default_factory=dict)  # per source, shared edges
+    filters: dict[str, dict] = field(default_factory=dict)  # per source: kept, rejected by reason
 
 
 @dataclass
 class TokenizeResult:
-    samples: list[TokenizedSample]
+    samples: dict[str, list[TokenizedSample]]
     rejected: list[RejectedRow]
     stats: TokenizeStats
 
 
-def run(records: list[ChatRecord], tokenizer, template_kwargs: dict | None = None,
-        desc: str = "tokenize") -> TokenizeResult:
-    template_kwargs = template_kwargs or {}
-    samples: list[TokenizedSample] = []
-    rejected: list[RejectedRow] = []
+def _render_each(records: list[ChatRecord], tokenizer, template_kwargs: dict, desc: str):
+    """`(record, sample)` per record, in order; `sample` is None when nothing in it trains."""
     for record in tqdm(records, desc=f"[{desc}]", unit="rec", mininterval=2.0):
         sample = render_conversation(tokenizer, record.messages, **template_kwargs)
-        if not any(sample.loss_mask):
-            rejected.append(RejectedRow(record.source, record.line, "no trainable assistant token", ""))
-            continue
-        samples.append(sample)
-    return TokenizeResult(samples=samples, rejected=rejected, stats=describe(samples))
+        yield record, (sample if any(sample.loss_mask) else None)
 
 
-def describe(samples: list[TokenizedSample]) -> TokenizeStats:
-    lengths = np.array([len(s.input_ids) for s in samples] or [0])
-    counts, edges = np.histogram(lengths, bins=min(30, max(1, len(set(lengths.tolist())))))
-    return TokenizeStats(
-        num_samples=len(samples),
-        num_tokens=int(lengths.sum()),
-        num_loss_tokens=int(sum(sum(s.loss_mask) for s in samples)),
-        length_percentiles={f"p{q}": int(np.percentile(lengths, q)) for q in (0, 50, 90, 99, 100)},
-        length_histogram={"counts": counts.tolist(), "edges": edges.tolist()},
+def _untrainable(record: ChatRecord) -> RejectedRow:
+    return RejectedRow(record.source, record.line, "no trainable assistant token", "")
+
+
+def render(records: list[ChatRecord], tokenizer, template_kwargs: dict | None = None,
+           desc: str = "tokenize") -> tuple[list[TokenizedSample], list[RejectedRow]]:
+    """Render records in order; those with no trainable token are rejected (returned aside)."""
+    samples, rejected = [], []
+    for record, sample in _render_each(records, tokenizer, template_kwargs or {}, desc):
+        if sample is None:
+            rejected.append(_untrainable(record))
+        else:
+            samples.append(sample)
+    return samples, rejected
+
+
+def run(records: dict[str, list[ChatRecord]], tokenizer, template_kwargs: dict | None = None,
+        filters: FilterConfig | None = None) -> TokenizeResult:
+    """Render every source's records, then apply the filters (dedup across sources, in config order)."""
+    record_filter = RecordFilter.from_config(filters or FilterConfig(), dedup_on="tokens")
+    lengths = LengthStats()
+    samples: dict[str, list[TokenizedSample]] = {}
+    rejected: list[RejectedRow] = []
+    for name, source_records in records.items():
+        kept_records, rendered = [], []
+        for record, sample in _render_each(source_records, tokenizer, template_kwargs or {}, f"tokenize {name}"):
+            if sample is None:
+                rejected.append(_untrainable(record))
+                record_filter.stats.add_rejected(name, "no trainable token")
+            else:
+                kept_records.append(record)
+                rendered.append(sample)
+        _, kept = record_filter.filter_with_tokens(name, kept_records, rendered)
+        samples[name] = list(lengths.observe(kept, name))
+        print(f"[tokenize] {name}: {len(samples[name])} samples kept, "
+              f"{len(source_records) - len(samples[name])} rejected")
+    rejected.extend(record_filter.rejected)
+    all_samples = [s for group in samples.values() for s in group]
+    stats = TokenizeStats(
+        num_samples=len(all_samples),
+        num_tokens=sum(len(s.input_ids) for s in all_samples),
+        num_loss_tokens=sum(sum(s.loss_mask) for s in all_samples),
+        lengths=lengths.summary(),
+        length_histograms=lengths.histograms(),
+        filters=record_filter.stats.as_dict(),
     )
+    return TokenizeResult(samples=samples, rejected=rejected, stats=stats)

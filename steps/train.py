@@ -10,12 +10,13 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from posttrain.config.schema import ModelConfig, SFTConfig
-from posttrain.data.packer import PackedRows, iter_batches
+from posttrain.data.chat import TokenizedSample
+from posttrain.data.mixture import build_mixer, training_batches
 from posttrain.models.qwen3.model import Qwen3Config
 from posttrain.models.registry import build_model, load_hf_checkpoint, save_hf_checkpoint
 from posttrain.train.metrics import MetricsLog, format_step
@@ -82,58 +83,59 @@ def initial_model(config: SFTConfig, tokenizer, base_dir: Path):
     return model, base_dir
 
 
-def total_steps_for(num_rows: int, config: SFTConfig) -> int:
+def total_steps_for(rows_per_epoch: int, config: SFTConfig) -> int:
+    """`train.max_steps`, or enough steps for `train.epochs` passes over the mixture."""
     train = config.train
     if train.max_steps is not None:
         return train.max_steps
     rows_per_step = train.micro_batch_size * train.grad_accum_steps
-    return max(1, math.ceil(train.epochs * num_rows / rows_per_step))
+    return max(1, math.ceil(train.epochs * rows_per_epoch / rows_per_step))
 
 
-def step_batches(rows: PackedRows, config: SFTConfig, device: torch.device):
-    """Endless stream of optimizer steps: lists of `grad_accum_steps` micro-batches.
+def step_batches(batches: Iterator[dict], config: SFTConfig, device: torch.device) -> Iterator[list[dict]]:
+    """Optimizer steps: lists of `grad_accum_steps` micro-batches from the packed stream.
 
-    Rows are reshuffled each epoch; a step may span an epoch boundary, so no micro-batch is
-    dropped and a dataset smaller than one step still trains.
+    The stream runs across epochs (the mixer reshuffles each pass), so a step may span an
+    epoch boundary and no micro-batch is dropped.
     """
-    if len(rows.input_ids) == 0:
-        raise ValueError("no packed rows to train on (every sample was dropped or rejected)")
-    train = config.train
-    epoch = 0
     group = []
-    while True:
-        for batch in iter_batches(rows, train.micro_batch_size, shuffle_seed=train.seed + epoch):
-            group.append({k: v.to(device) for k, v in batch.items()})
-            if len(group) == train.grad_accum_steps:
-                yield group
-                group = []
-        epoch += 1
+    for batch in batches:
+        group.append({k: v.to(device) for k, v in batch.items()})
+        if len(group) == config.train.grad_accum_steps:
+            yield group
+            group = []
 
 
-def run(config: SFTConfig, tokenizer, rows: PackedRows, run_dir: Path,
-        on_step: Callable[[dict], None] | None = None) -> TrainResult:
+def run(config: SFTConfig, tokenizer, samples: dict[str, list[TokenizedSample]], rows_per_epoch: int,
+        run_dir: Path, on_step: Callable[[dict], None] | None = None) -> TrainResult:
+    """Train on the weighted mixture of `samples`, packed on the fly ahead of the trainer.
+
+    `rows_per_epoch` (from the pack step) sets the schedule length for `train.epochs`.
+    """
     run_dir = Path(run_dir)
     device = pick_device(config.train.device)
     torch.manual_seed(config.train.seed)
     model, base_dir = initial_model(config, tokenizer, run_dir / "base")
     model.to(device)
     num_params = sum(p.numel() for p in model.parameters())
-    total_steps = total_steps_for(len(rows.input_ids), config)
-    print(f"[train] {num_params / 1e6:.2f}M parameters on {device}; {len(rows.input_ids)} rows, "
+    total_steps = total_steps_for(rows_per_epoch, config)
+    print(f"[train] {num_params / 1e6:.2f}M parameters on {device}; {rows_per_epoch} rows per epoch, "
           f"{total_steps} steps of {config.train.micro_batch_size}x{config.train.grad_accum_steps} rows")
 
     trainer = Trainer(model, config.train, total_steps=total_steps)
     log = MetricsLog(run_dir / "metrics.jsonl")
+    mixer = build_mixer(samples, config.data.sources, seed=config.seed)
     started = time.perf_counter()
-    for _, micro_batches in zip(range(total_steps), step_batches(rows, config, device)):
-        metrics = trainer.train_step(micro_batches)
-        metrics["elapsed_s"] = time.perf_counter() - started
-        log.append(metrics)
-        step = metrics["step"]
-        if step == 1 or step % config.train.log_every == 0 or step == total_steps:
-            print(format_step(metrics, total_steps))
-        if on_step is not None:
-            on_step(metrics)
+    with training_batches(mixer, config.pack, tokenizer.pad_token_id, config.train.micro_batch_size) as batches:
+        for _, micro_batches in zip(range(total_steps), step_batches(batches, config, device)):
+            metrics = trainer.train_step(micro_batches)
+            metrics["elapsed_s"] = time.perf_counter() - started
+            log.append(metrics)
+            step = metrics["step"]
+            if step == 1 or step % config.train.log_every == 0 or step == total_steps:
+                print(format_step(metrics, total_steps))
+            if on_step is not None:
+                on_step(metrics)
 
     checkpoint_dir = run_dir / "checkpoint"
     save_hf_checkpoint(model.to("cpu"), checkpoint_dir, tokenizer=tokenizer)

@@ -31,10 +31,10 @@ def flow_env() -> dict:
 
 
 GOOD_ROWS = [
-    {"messages": [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "2"}]},
-    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 9 - 4?"},
-                  {"role": "assistant", "content": "5"}]},
-    {"messages": [{"role": "user", "content": "What is 3 + 3?"}, {"role": "assistant", "content": "6"}]},
+    {"messages": [{"role": "user", "content": "What is 12000 + 1?"}, {"role": "assistant", "content": "12001"}]},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 9000 - 4?"},
+                  {"role": "assistant", "content": "8996"}]},
+    {"messages": [{"role": "user", "content": "What is 3000 + 3000?"}, {"role": "assistant", "content": "6000"}]},
 ]
 BAD_LINES = {  # line number in the mixed file -> expected reason fragment
     2: "invalid JSON",
@@ -45,14 +45,15 @@ BAD_LINES = {  # line number in the mixed file -> expected reason fragment
 
 
 def write_mixed_source(path: Path) -> None:
-    """Good rows on lines 1, 3 and 6; malformed ones on the lines of BAD_LINES."""
+    """Good rows on lines 1, 3 and 6; malformed ones on the lines of BAD_LINES; line 8 repeats line 1."""
     lines = [json.dumps(GOOD_ROWS[0]),
              '{"messages": [{"role": "user", "content": "broken"',
              json.dumps(GOOD_ROWS[1]),
              json.dumps({"messages": [{"role": "bot", "content": "hi"}, {"role": "assistant", "content": "x"}]}),
              json.dumps({"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "x"}]}),
              json.dumps(GOOD_ROWS[2]),
-             json.dumps({"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "x"}]})]
+             json.dumps({"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "x"}]}),
+             json.dumps(GOOD_ROWS[0])]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -121,16 +122,21 @@ def test_malformed_rows_are_reported_kept_aside_and_no_good_row_is_lost(tiny_run
     run, tmp, stdout = tiny_run
     data = run.data
     mixed = str(tmp / "mixed.jsonl")
-    assert data.data_counts["mixed"] == {"kept": 3, "rejected": 4, "read": 7}
+    assert data.data_counts["mixed"] == {"kept": 4, "rejected": 4, "read": 8}
     reported = {r.line: r.reason for r in data.rejected if r.source == mixed}
-    assert set(reported) == set(BAD_LINES)
+    assert set(reported) == set(BAD_LINES) | {8}
     for line, fragment in BAD_LINES.items():
         assert fragment in reported[line]
     kept_aside = [json.loads(line) for line in Path(data.rejected_path).read_text().splitlines()]
-    assert sorted(r["line"] for r in kept_aside if r["source"] == mixed) == sorted(BAD_LINES)
-    trained = [r.messages for r in data.train_records if r.source == mixed]
-    assert trained == [row["messages"] for row in GOOD_ROWS]
-    assert len(data.train_records) == 300 + len(GOOD_ROWS)
+    assert sorted(r["line"] for r in kept_aside if r["source"] == mixed) == sorted(BAD_LINES) + [8]
+    read = [r.messages for r in data.train_records["mixed"]]
+    assert read == [row["messages"] for row in GOOD_ROWS] + [GOOD_ROWS[0]["messages"]]
+    # the repeated row is removed by de-duplication, kept aside with its reason
+    assert data.tokenize_stats.filters["mixed"] == {"kept": 3, "rejected": {"duplicate": 1}}
+    duplicate = [r for r in data.rejected if r.source == mixed and r.line == 8]
+    assert len(duplicate) == 1 and "duplicate" in duplicate[0].reason
+    assert {name: len(samples) for name, samples in data.samples.items()} == {"arithmetic": 300, "mixed": 3}
+    assert data.samples_per_source == {"arithmetic": 300, "mixed": 3}  # every sample once per epoch
     assert "4 rejected" in stdout
 
 
@@ -198,4 +204,4 @@ def test_override_with_wrong_type_names_the_field(tmp_path):
                             capture_output=True, text=True, env=flow_env(), cwd=tmp_path, timeout=120)
     message = result.stdout + result.stderr
     assert result.returncode != 0
-    assert "'pack.on_overflow'" in message and "'truncate', 'drop', 'error'" in message
+    assert "'pack.on_overflow'" in message and "'truncate', 'split', 'drop', 'error'" in message

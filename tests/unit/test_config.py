@@ -36,7 +36,7 @@ def test_unknown_key_inside_a_list_item(tmp_path):
 @pytest.mark.parametrize("override, expected", [
     ({"train.micro_batch_size": "eight"}, r"'train.micro_batch_size' .* must be int, got 'eight'"),
     ({"train.learning_rate": 0}, r"'train.learning_rate' .* must be > 0"),
-    ({"pack.on_overflow": "cut"}, r"'pack.on_overflow' .* must be one of 'truncate', 'drop', 'error'"),
+    ({"pack.on_overflow": "cut"}, r"'pack.on_overflow' .* must be one of 'truncate', 'split', 'drop', 'error'"),
     ({"train.min_lr_ratio": 1.5}, r"'train.min_lr_ratio' .* must be <= 1"),
     ({"train.warmup_steps": True}, r"'train.warmup_steps' .* must be int"),
 ])

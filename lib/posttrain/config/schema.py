@@ -22,8 +22,9 @@ class SourceConfig:
     format's logical fields to the row's columns (dotted paths allowed), e.g.
     `{prompt: question, reference: final}`. `messages_field` / `prompt_field` /
     `response_field` are the `chat` format's older spelling of that mapping.
-    `weight` (relative share of the mixture) and `cap` (most items taken from this source per
-    pass over it) drive the mixer (`posttrain.data.mixer`)."""
+    `weight` (relative share of the mixture; default: the source's size, so every sample is
+    seen once per epoch) and `cap` (most items taken from this source per pass over it)
+    drive the mixer (`posttrain.data.mixer`)."""
 
     name: str
     kind: Literal["jsonl", "parquet", "hf"]
@@ -37,7 +38,7 @@ class SourceConfig:
     limit: Optional[int] = bounded(None, ge=1)
     format: str = "chat"
     fields: dict = field(default_factory=dict)
-    weight: float = bounded(1.0, gt=0)
+    weight: Optional[float] = bounded(None, gt=0)
     cap: Optional[int] = bounded(None, ge=1)
 
     def validate(self) -> None:
@@ -145,7 +146,8 @@ class ModelConfig:
 class PackConfig:
     row_length: int = bounded(512, ge=8)
     window: int = bounded(256, ge=1)
-    on_overflow: Literal["truncate", "drop", "error"] = "truncate"
+    on_overflow: Literal["truncate", "split", "drop", "error"] = "truncate"
+    prefetch_depth: int = bounded(4, ge=1)  # batches packed ahead of training
 
 
 @dataclass
