@@ -16,7 +16,7 @@ import torch
 
 from posttrain.config.schema import ModelConfig, SFTConfig
 from posttrain.data.chat import TokenizedSample
-from posttrain.data.mixture import build_mixer, training_batches
+from posttrain.data.mixture import training_batches
 from posttrain.models.qwen3.model import Qwen3Config
 from posttrain.models.registry import build_model, load_hf_checkpoint, save_hf_checkpoint
 from posttrain.train.metrics import MetricsLog, format_step
@@ -124,9 +124,9 @@ def run(config: SFTConfig, tokenizer, samples: dict[str, list[TokenizedSample]],
 
     trainer = Trainer(model, config.train, total_steps=total_steps)
     log = MetricsLog(run_dir / "metrics.jsonl")
-    mixer = build_mixer(samples, config.data.sources, seed=config.seed)
     started = time.perf_counter()
-    with training_batches(mixer, config.pack, tokenizer.pad_token_id, config.train.micro_batch_size) as batches:
+    with training_batches(samples, config.data.sources, config.seed, config.pack, tokenizer.pad_token_id,
+                          config.train.micro_batch_size) as batches:
         for _, micro_batches in zip(range(total_steps), step_batches(batches, config, device)):
             metrics = trainer.train_step(micro_batches)
             metrics["elapsed_s"] = time.perf_counter() - started

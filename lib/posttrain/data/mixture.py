@@ -4,11 +4,18 @@
 `weight` weighs its size, so one pass over the mixer sees every sample once); `pack_one_pass`
 packs exactly one such pass for statistics and inspection; `training_batches` streams packed
 batches for as long as training asks, packing in a background thread ahead of the trainer.
+
+Resume: `training_batches(...).state_dict()` taken after any batch, passed back as `state`
+to `training_batches` over the same samples, sources and seed, continues with exactly the
+batches the uninterrupted stream would have produced (the mixer is replayed to the number
+of samples the packer had consumed; the packer's pending window is restored from the state).
 """
 
 from __future__ import annotations
 
 from typing import Iterator, Sequence
+
+from tqdm import tqdm
 
 from posttrain.config.schema import PackConfig, SourceConfig
 from posttrain.data.chat import TokenizedSample
@@ -30,21 +37,32 @@ def packer_for(pack: PackConfig, pad_id: int) -> StreamPacker:
     return StreamPacker(pack.row_length, pad_id, window=pack.window, on_overflow=pack.on_overflow)
 
 
-def _items(mixer: Mixer, limit: int | None = None) -> Iterator[TokenizedSample]:
+def _items(mixer: Mixer, limit: int | None = None, start: int = 0) -> Iterator[TokenizedSample]:
+    """The mixer's samples from index `start` (earlier ones are drawn and skipped: exact and cheap)."""
     for i, (_, sample) in enumerate(mixer):
         if limit is not None and i >= limit:
             return
-        yield sample
+        if i >= start:
+            yield sample
 
 
 def pack_one_pass(mixer: Mixer, pack: PackConfig, pad_id: int) -> tuple[PackedRows, PackStats]:
     """The rows of one pass over the mixture (`mixer.pass_size` samples) and their stats."""
     packer = packer_for(pack, pad_id)
-    rows = packer.pack_all(_items(mixer, mixer.pass_size))
+    samples = tqdm(_items(mixer, mixer.pass_size), total=mixer.pass_size, desc="[pack]", unit="sample",
+                   mininterval=2.0)
+    rows = packer.pack_all(samples)
     return rows, packer.stats
 
 
-def training_batches(mixer: Mixer, pack: PackConfig, pad_id: int, batch_size: int) -> PackedBatchPrefetcher:
-    """Endless packed batches `[batch_size, row_length]`, packed ahead in a background thread
-    (bounded by `pack.prefetch_depth` batches). Close it (or use it as a context manager)."""
-    return PackedBatchPrefetcher(_items(mixer), packer_for(pack, pad_id), batch_size, depth=pack.prefetch_depth)
+def training_batches(samples: dict[str, Sequence[TokenizedSample]], sources: Sequence[SourceConfig], seed: int,
+                     pack: PackConfig, pad_id: int, batch_size: int, state: dict | None = None) -> PackedBatchPrefetcher:
+    """Endless packed batches `[batch_size, row_length]` of the mixture, packed ahead in a
+    background thread (at most `pack.prefetch_depth` batches ahead). `state`: a previous
+    stream's `state_dict()` to resume from. Close it (or use it as a context manager)."""
+
+    def upstream(start: int) -> Iterator[TokenizedSample]:
+        return _items(build_mixer(samples, sources, seed), start=start)
+
+    return PackedBatchPrefetcher(upstream, packer_for(pack, pad_id), batch_size, depth=pack.prefetch_depth,
+                                 state=state)
