@@ -147,11 +147,12 @@ def _summarise(counts: np.ndarray) -> dict:
 def _edges(counts: np.ndarray, bins: int, log: bool, max_length: int | None) -> np.ndarray:
     present = np.flatnonzero(counts)
     top = max_length if max_length is not None else (int(present[-1]) if len(present) else 1)
-    top = max(top, 2)
+    low = max(int(present[0]), 1) if len(present) else 1  # start at the shortest sample, not at 1
+    top = max(top, low + 1)
     if log:
-        edges = np.unique(np.round(np.geomspace(1, top + 1, bins + 1)).astype(np.int64))
+        edges = np.unique(np.round(np.geomspace(low, top + 1, bins + 1)).astype(np.int64))
     else:
-        edges = np.unique(np.round(np.linspace(1, top + 1, bins + 1)).astype(np.int64))
+        edges = np.unique(np.round(np.linspace(low, top + 1, bins + 1)).astype(np.int64))
     return edges
 
 

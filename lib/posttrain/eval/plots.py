@@ -7,6 +7,7 @@ and headless callers (the flows' cards) select Agg themselves before importing t
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import EngFormatter, MaxNLocator
 
 
 def _figure(width: float = 6.0, height: float = 3.0):
@@ -90,6 +91,8 @@ def source_counts_bar(summary: dict[str, dict]):
         ax.barh(sources, [summary[s][key] for s in sources], color=color)
         ax.set_title(key)
         ax.grid(alpha=0.3, axis="x")
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 175k, not 175000
+        ax.xaxis.set_major_locator(MaxNLocator(4))
     right.set_yticks([])
     fig.tight_layout()
     return fig
