@@ -1,4 +1,4 @@
-"""Train: build (or load) our model, run AdamW over the packed rows, export HF safetensors.
+"""Train: build (or load) our model, run AdamW over rows packed on the fly, export HF safetensors.
 
 The untrained starting point is exported too (`base/`), so evaluation can compare the
 base and tuned models on the same held-out data.
@@ -137,10 +137,10 @@ def run(config: SFTConfig, tokenizer, samples: dict[str, list[TokenizedSample]],
             if on_step is not None:
                 on_step(metrics)
 
+    elapsed = time.perf_counter() - started  # training only, not the export below
     checkpoint_dir = run_dir / "checkpoint"
     save_hf_checkpoint(model.to("cpu"), checkpoint_dir, tokenizer=tokenizer)
     history = log.records
-    elapsed = time.perf_counter() - started
     summary = {  # first_loss: step 1; final_loss: mean of the last 10 steps (one step is noisy)
         "steps": len(history),
         "num_parameters": num_params,
