@@ -26,6 +26,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from posttrain.models.llama import hf_adapter as llama_adapter
+from posttrain.models.llama.model import LlamaConfig, LlamaModel
 from posttrain.models.qwen3 import hf_adapter as qwen3_adapter
 from posttrain.models.qwen3.model import Qwen3Config, Qwen3Model
 
@@ -54,6 +56,14 @@ ARCHITECTURES: dict[str, Architecture] = {
         tiny=dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
                   max_position_embeddings=512, eos_token_id=1),
+    ),
+    "llama": Architecture(
+        LlamaConfig,
+        LlamaModel,
+        llama_adapter,
+        tiny=dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                  rope_theta=500000.0, max_position_embeddings=512, bos_token_id=0, eos_token_id=1),
     ),
 }
 

@@ -1,5 +1,6 @@
-"""`python -m posttrain.verify MODEL_DIR` (or `--tiny qwen3`): print one JSON verdict line;
-exit 0 when it passed, 1 when it did not."""
+"""`python -m posttrain.verify MODEL_DIR` (or `--tiny MODEL_TYPE`, or `--all-tiny` for every
+registered architecture): print one JSON verdict line per model; exit 0 when all passed, 1 when
+any did not."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from posttrain.models.registry import ARCHITECTURES
 from posttrain.verify.logits import build_tiny_checkpoint, verify_checkpoint
 
 
@@ -29,25 +31,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model_dir", nargs="?", help="HF checkpoint directory (config.json + safetensors)")
     parser.add_argument("--tiny", metavar="MODEL_TYPE",
                         help="build a tiny random checkpoint of this type and verify it")
+    parser.add_argument("--all-tiny", action="store_true",
+                        help=f"verify a tiny random checkpoint of every registered type ({', '.join(ARCHITECTURES)})")
     parser.add_argument("--tolerance", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seq-len", type=int, default=48)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
-    if (args.model_dir is None) == (args.tiny is None):
-        parser.error("give exactly one of MODEL_DIR or --tiny MODEL_TYPE")
+    if sum([args.model_dir is not None, args.tiny is not None, args.all_tiny]) != 1:
+        parser.error("give exactly one of MODEL_DIR, --tiny MODEL_TYPE or --all-tiny")
 
     def run(model_dir) -> dict:
         return verify_checkpoint(model_dir, tolerance=args.tolerance, seed=args.seed, seq_len=args.seq_len,
                                  device=args.device)
 
-    if args.tiny:
+    def run_tiny(model_type: str) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
-            verdict = run(build_tiny_checkpoint(args.tiny, Path(tmp) / "tiny", seed=args.seed))
+            try:
+                model_dir = build_tiny_checkpoint(model_type, Path(tmp) / "tiny", seed=args.seed)
+            except Exception as exc:  # e.g. an unknown model type: a failed verdict, not a traceback
+                return {"arch": model_type, "max_abs_diff": math.inf, "mean_abs_diff": math.inf,
+                        "tolerance": args.tolerance, "passed": False, "error": f"{type(exc).__name__}: {exc}"}
+            return run(model_dir)
+
+    if args.model_dir is not None:
+        jobs = [lambda: run(args.model_dir)]
     else:
-        verdict = run(args.model_dir)
-    print(json.dumps(_json_safe(verdict)))
-    return 0 if verdict["passed"] else 1
+        model_types = list(ARCHITECTURES) if args.all_tiny else [args.tiny]
+        jobs = [lambda t=t: run_tiny(t) for t in model_types]
+    all_passed = True
+    for job in jobs:
+        verdict = job()
+        all_passed &= bool(verdict["passed"])
+        print(json.dumps(_json_safe(verdict)), flush=True)
+    return 0 if all_passed else 1
 
 
 if __name__ == "__main__":

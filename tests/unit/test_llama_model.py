@@ -1,0 +1,282 @@
+"""Llama model: logits and gradients equal transformers' LlamaForCausalLM; packing is exact;
+checkpoints round-trip both ways; config is strict; `verify --all-tiny` covers it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from posttrain.models.llama import hf_adapter
+from posttrain.models.llama.model import LlamaConfig, LlamaModel, UnsupportedConfigError
+from posttrain.models.registry import ARCHITECTURES, build_model, load_hf_checkpoint, save_hf_checkpoint, tiny_config
+from posttrain.ops.losses import causal_lm_loss
+from posttrain.verify.__main__ import main as verify_main
+from posttrain.verify.logits import randomize_weights_
+
+CONFIGS = {
+    "gqa-untied": tiny_config("llama"),
+    "gqa-tied": tiny_config("llama", tie_word_embeddings=True),
+    # head_dim != hidden/heads (H*E = 96 != D = 48), 3 query heads per kv head, vocab a multiple of 64
+    "odd-shapes-tied": tiny_config("llama", vocab_size=128, hidden_size=48, num_attention_heads=6,
+                                   num_key_value_heads=2, head_dim=16, intermediate_size=80, rope_theta=1e4,
+                                   tie_word_embeddings=True),
+    "mha-3-layers": tiny_config("llama", num_hidden_layers=3, num_key_value_heads=4, rms_norm_eps=1e-6),
+}
+
+
+def random_model(config, seed=0):
+    return randomize_weights_(build_model(config, seed=seed), seed=seed + 1).eval()
+
+
+def hf_twin(model: LlamaModel) -> transformers.LlamaForCausalLM:
+    """transformers' LlamaForCausalLM holding exactly our weights (through our adapter)."""
+    hf_config = transformers.LlamaConfig.from_dict(model.config.to_hf_dict())
+    hf_config._attn_implementation = "eager"
+    hf = transformers.LlamaForCausalLM(hf_config)
+    missing, unexpected = hf.load_state_dict(
+        {k: v.clone() for k, v in hf_adapter.export_tensors(model)}, strict=False
+    )
+    assert unexpected == []
+    assert set(missing) <= ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    if model.config.tie_word_embeddings:
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    return hf.eval()
+
+
+def run_ours(model, input_ids, position_ids, doc_ids):
+    with torch.no_grad():
+        return model.compute_logits(model(input_ids, position_ids, doc_ids))
+
+
+def test_registered():
+    assert "llama" in ARCHITECTURES and "qwen3" in ARCHITECTURES
+    config = tiny_config("llama")
+    assert type(config) is LlamaConfig and config.padded_vocab_size == 256
+    model = build_model(config, seed=0)
+    assert type(model) is LlamaModel
+    assert not any("norm" in n for n, _ in model.layers[0].attention.named_parameters())  # no q/k norm
+    assert all(m.bias is None for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_match_transformers(name):
+    config = CONFIGS[name]
+    model = random_model(config)
+    hf = hf_twin(model)
+    gen = torch.Generator().manual_seed(2)
+    B, T = 2, 24
+    input_ids = torch.randint(0, config.vocab_size, (B, T), generator=gen)
+    # rows start at different positions (one far out) to exercise the rotary tables
+    position_ids = torch.arange(T)[None, :] + torch.tensor([[0], [300]])
+    doc_ids = torch.zeros(B, T, dtype=torch.long)
+
+    ours = run_ours(model, input_ids, position_ids, doc_ids)
+    with torch.no_grad():
+        theirs = hf(input_ids=input_ids, position_ids=position_ids).logits
+    assert ours.shape == theirs.shape == (B, T, config.vocab_size)
+    assert theirs.abs().mean() > 0.1  # logits are O(1): the comparison is not vacuous
+    assert (ours - theirs).abs().max() <= 1e-4
+
+
+def test_packed_row_equals_documents_alone():
+    config = CONFIGS["gqa-untied"]
+    model = random_model(config, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    lengths, pad = [7, 11, 5], 4
+    docs = [torch.randint(0, config.vocab_size, (n,), generator=gen) for n in lengths]
+    input_ids = torch.cat([*docs, torch.zeros(pad, dtype=torch.long)])[None]
+    position_ids = torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(pad, dtype=torch.long)])[None]
+    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)] + [torch.full((pad,), -1)])[None]
+
+    packed = run_ours(model, input_ids, position_ids, doc_ids)[0]
+    assert torch.isfinite(packed).all()
+    start = 0
+    for doc in docs:
+        n = len(doc)
+        alone = run_ours(model, doc[None], torch.arange(n)[None], torch.zeros(1, n, dtype=torch.long))[0]
+        assert (packed[start : start + n] - alone).abs().max() <= 1e-5
+        start += n
+    # a model that ignored the document mask would fail the check above
+    leaky = run_ours(model, input_ids, position_ids, torch.zeros_like(doc_ids))[0]
+    assert (leaky[7:18] - packed[7:18]).abs().max() > 1e-2
+
+
+def hf_load(path):
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return hf.eval()
+
+
+def sample_inputs(config, B=2, T=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, config.vocab_size, (B, T), generator=gen)
+    return ids, torch.arange(T).expand(B, T), torch.zeros(B, T, dtype=torch.long)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_save_then_transformers_loads_same_logits(tmp_path, tied):
+    model = random_model(tiny_config("llama", tie_word_embeddings=tied))
+    out = save_hf_checkpoint(model, tmp_path / "ckpt")
+    config_json = json.loads((out / "config.json").read_text())
+    assert config_json["model_type"] == "llama" and config_json["architectures"] == ["LlamaForCausalLM"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert ("lm_head.weight" in index["weight_map"]) == (not tied)  # as save_pretrained does
+    assert len(index["weight_map"]) == 2 + 9 * 2 + (not tied)
+
+    hf = hf_load(out)
+    assert type(hf) is transformers.LlamaForCausalLM
+    assert hf.model.embed_tokens.weight.shape == (250, 64)  # vocab padding removed
+    ids, pos, doc = sample_inputs(model.config)
+    ours = run_ours(model, ids, pos, doc)
+    with torch.no_grad():
+        theirs = hf(input_ids=ids).logits
+    assert ours.abs().mean() > 0.1
+    assert (ours - theirs).abs().max() <= 1e-4
+    assert load_hf_checkpoint(out).config == model.config  # and back into ours, config intact
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_transformers_checkpoint_loads_in_ours(tmp_path, tied):
+    cfg = transformers.LlamaConfig(
+        vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, initializer_range=0.2, tie_word_embeddings=tied, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+    )  # head_dim not given: transformers derives hidden/heads = 16
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms are initialised to 1; make them matter
+        for name, p in hf.named_parameters():
+            if p.ndim == 1:
+                p.uniform_(0.5, 1.5)
+    hf.save_pretrained(tmp_path / "hf")
+
+    model = load_hf_checkpoint(tmp_path / "hf")
+    assert type(model) is LlamaModel
+    assert model.config.rope_theta == 50000.0 and model.config.tie_word_embeddings is tied
+    assert (model.config.head_dim, model.config.rms_norm_eps) == (16, 1e-5)
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
+    assert torch.count_nonzero(model.output_weight[250:]) == 0
+    ids, pos, doc = sample_inputs(model.config, seed=1)
+    with torch.no_grad():
+        theirs = hf(input_ids=ids).logits
+    assert theirs.abs().mean() > 0.1
+    assert (run_ours(model, ids, pos, doc) - theirs).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_gradients_match_transformers(tied):
+    """Same weights, same right-padded batch, summed next-token CE: our loss (chunked, through
+    `output_weight`) and transformers' give the same gradient for every tensor."""
+    config = tiny_config("llama", tie_word_embeddings=tied)
+    model = random_model(config, seed=5).train()
+    hf = hf_twin(model).train()
+    gen = torch.Generator().manual_seed(6)
+    B, T = 3, 20
+    lengths = torch.tensor([T, 13, 6])
+    real_BT = torch.arange(T)[None, :] < lengths[:, None]
+    input_ids = torch.where(real_BT, torch.randint(0, config.vocab_size, (B, T), generator=gen), 0)
+    labels = torch.full((B, T), -100)
+    labels[:, :-1] = torch.where(real_BT[:, 1:], input_ids[:, 1:], -100)
+    position_ids = torch.arange(T).expand(B, T)
+    batch = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
+             "doc_ids": torch.where(real_BT, 0, -1)}
+
+    loss_ours, n_tokens = causal_lm_loss(model, batch, chunk_size=16)
+    loss_ours.backward()
+    logits = hf(input_ids=input_ids, attention_mask=real_BT.long(), position_ids=position_ids).logits
+    loss_hf = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    loss_hf.backward()
+    assert int(n_tokens) == int(lengths.sum() - B)
+    assert abs(loss_ours.item() - loss_hf.item()) <= 1e-4 * abs(loss_hf.item())
+
+    ours = dict(model.named_parameters())
+    theirs = dict(hf.named_parameters())
+    assert ours["tok_embeddings.weight"].grad[config.vocab_size:].abs().max() == 0  # padded rows
+    compared = 0
+    for hf_name, our_name in hf_adapter.hf_to_ours(config).items():
+        g_ours = ours[our_name].grad[: theirs[hf_name].shape[0]]
+        g_hf = theirs[hf_name].grad
+        assert g_hf.abs().max() > 0, hf_name
+        rel = (g_ours - g_hf).abs().max() / g_hf.abs().max()
+        assert rel <= 1e-4, (hf_name, rel.item())
+        compared += 1
+    assert compared == len(hf_adapter.hf_shapes(config)) == len(theirs)
+
+
+def test_config_hf_roundtrip(tmp_path):
+    config = tiny_config("llama", tie_word_embeddings=True, rope_theta=1e6, bos_token_id=3, eos_token_id=[1, 2])
+    d = config.to_hf_dict()
+    assert LlamaConfig.from_hf_dict(d) == config
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    hf = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert type(hf) is transformers.LlamaConfig
+    assert hf.rope_parameters["rope_theta"] == 1e6 and hf.tie_word_embeddings is True
+    assert (hf.head_dim, hf.num_key_value_heads, hf.vocab_size) == (16, 2, 250)
+    assert LlamaConfig.from_hf_dict(hf.to_dict()) == config  # what transformers writes reads back
+
+
+def test_config_legacy_form_and_defaults():
+    d = tiny_config("llama").to_hf_dict()
+    del d["rope_parameters"], d["head_dim"], d["num_key_value_heads"], d["mlp_bias"]
+    d.update(rope_theta=5e5, rope_scaling=None, torch_dtype="bfloat16", pretraining_tp=1, _name_or_path="x")
+    cfg = LlamaConfig.from_hf_dict(d)
+    assert cfg.rope_theta == 5e5
+    # transformers' defaults: head_dim = hidden / heads, kv heads = heads
+    assert (cfg.head_dim, cfg.num_key_value_heads) == (16, cfg.num_attention_heads)
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"attention_bias": True}, "attention_bias"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"attention_dropout": 0.1}, "attention_dropout"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 8192, "rope_theta": 5e5}}, "rope_parameters"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    ({"model_type": "qwen3"}, "model_type"),
+    ({"architectures": ["LlamaForSequenceClassification"]}, "architectures"),
+    ({"rope_theta": 123.0}, "rope_theta"),  # conflicts with rope_parameters
+])
+def test_config_rejects_what_changes_numerics(change, field):
+    d = {**tiny_config("llama").to_hf_dict(), **change}
+    with pytest.raises(UnsupportedConfigError, match=field):
+        LlamaConfig.from_hf_dict(d)
+
+
+def test_config_dataclass_rejects_bias():
+    with pytest.raises(UnsupportedConfigError, match="mlp_bias"):
+        tiny_config("llama", mlp_bias=True)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        tiny_config("llama", num_key_value_heads=3)
+
+
+def test_all_tiny_cli():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "posttrain.verify", "--all-tiny", "--seq-len", "16"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    verdicts = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    assert [v["arch"] for v in verdicts] == list(ARCHITECTURES)
+    for v in verdicts:
+        assert {"arch", "max_abs_diff", "mean_abs_diff", "tolerance", "passed"} <= set(v)
+        assert v["passed"] is True and 0 <= v["mean_abs_diff"] <= v["max_abs_diff"] <= v["tolerance"] == 1e-4
+        assert [c["name"] for c in v["cases"]] == ["padded", "packed"]
+
+
+def test_all_tiny_fails_when_any_fails(capsys):
+    assert verify_main(["--all-tiny", "--seq-len", "8", "--tolerance=-1"]) == 1
+    verdicts = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [v["arch"] for v in verdicts] == list(ARCHITECTURES)
+    assert all(v["passed"] is False and v["max_abs_diff"] > 0 for v in verdicts)
+    assert verify_main(["--tiny", "llama", "--seq-len", "8"]) == 0
+    assert json.loads(capsys.readouterr().out.strip())["arch"] == "llama"
+    with pytest.raises(SystemExit):
+        verify_main(["--all-tiny", "--tiny", "llama"])
