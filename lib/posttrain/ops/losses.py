@@ -1,7 +1,10 @@
 """Losses that own the output projection.
 
 `chunked_cross_entropy` projects hidden states to logits a chunk of rows at a time, so the full
-`[N, V]` logits never exist; backward recomputes each chunk's logits (it saves only its inputs).
+`[N, V]` logits never exist. When gradients are wanted, forward also turns each chunk's
+probabilities into its gradient contributions while the chunk is at hand (the loss is a scalar:
+backward only scales them), so each chunk costs three matmuls, as the naive loss does, instead
+of four with recomputation in backward.
 With V = 151,936 the logits of a 4k-token row are 2.3 GiB in float32; a chunk of 512 rows is
 0.3 GiB.
 
@@ -38,53 +41,93 @@ def _softmax_(logits_cV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return probs_cV, (sum_c1.log() + max_c1).squeeze(1)
 
 
+def _chunked_grads(hidden_ND, w_VD, labels_N, chunk_size, need_hidden, need_weight, padded_rows, loss_sum=None):
+    """One pass over the chunks: gradients of the summed loss (upstream gradient 1) and, if
+    `loss_sum` (a scalar accumulator) is given, the loss added into it.
+
+    Returns `(grad_hidden_ND or None, grad_weight_VD or None)`; the weight gradient has
+    `padded_rows` rows (rows beyond `w_VD`'s stay zero), accumulated in `_acc_dtype` and
+    returned in the weight's dtype.
+    """
+    acc = _acc_dtype(hidden_ND.dtype)
+    grad_hidden_ND = torch.empty_like(hidden_ND) if need_hidden else None
+    grad_w_PD = None
+    if need_weight:
+        grad_w_PD = torch.zeros((padded_rows, w_VD.shape[1]), dtype=acc, device=w_VD.device)
+        grad_w_VD = grad_w_PD[: w_VD.shape[0]]  # contiguous view: padded rows get no gradient
+    # one logits buffer reused by every chunk (when logits are computed in `acc` already): a
+    # fresh [c, V] block per chunk fragments the heap and made the peak vary run to run
+    N = hidden_ND.shape[0]
+    buf_cV = None
+    if hidden_ND.dtype == acc and N > 0:
+        buf_cV = torch.empty((min(chunk_size, N), w_VD.shape[0]), dtype=acc, device=hidden_ND.device)
+    for start in range(0, N, chunk_size):
+        h_cD = hidden_ND[start : start + chunk_size]
+        labels_c = labels_N[start : start + chunk_size]
+        valid_c1 = (labels_c != IGNORE_INDEX)[:, None]
+        target_c1 = labels_c.clamp(min=0)[:, None]
+        if buf_cV is not None:
+            logits_cV = torch.mm(h_cD, w_VD.T, out=buf_cV[: h_cD.shape[0]])
+        else:
+            logits_cV = _chunk_logits(h_cD, w_VD)
+        if loss_sum is not None:
+            target_c = logits_cV.gather(1, target_c1).squeeze(1)
+        # d(lse - target)/dlogits = softmax - onehot(target); zero for ignored rows
+        grad_cV, lse_c = _softmax_(logits_cV)
+        if loss_sum is not None:
+            loss_sum += torch.where(valid_c1.squeeze(1), lse_c - target_c, 0.0).sum()
+        if not (need_hidden or need_weight):
+            continue
+        grad_cV.scatter_add_(1, target_c1, -valid_c1.to(acc))
+        grad_cV.mul_(valid_c1)
+        grad_cV = grad_cV.to(hidden_ND.dtype)
+        if need_hidden:
+            torch.mm(grad_cV, w_VD, out=grad_hidden_ND[start : start + chunk_size])
+        if need_weight:
+            if grad_cV.dtype == acc:
+                torch.addmm(grad_w_VD, grad_cV.T, h_cD, out=grad_w_VD)  # addmm_ is invisible to FlopCounterMode
+            else:
+                grad_w_VD += (grad_cV.T @ h_cD).to(acc)
+    if grad_w_PD is not None and grad_w_PD.dtype != w_VD.dtype:
+        grad_w_PD = grad_w_PD.to(w_VD.dtype)
+    return grad_hidden_ND, grad_w_PD
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Forward computes the loss and, when a gradient will be needed, the gradients for an
+    upstream gradient of 1 in the same pass over the chunks (the loss is a scalar, so backward
+    only scales them). That costs three matmuls per chunk instead of the four of
+    forward-then-recompute-in-backward, at the price of holding `grad_weight` `[V, D]` (and
+    `grad_hidden` `[N, D]`) from forward to backward. A second backward through the same graph
+    (`retain_graph=True`) recomputes the chunks from the saved inputs.
+    """
+
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, labels_N, vocab_size, chunk_size):
+    def forward(ctx, hidden_ND, weight_VD, labels_N, vocab_size, chunk_size, need_hidden, need_weight):
         ctx.save_for_backward(hidden_ND, weight_VD, labels_N)
         ctx.vocab_size, ctx.chunk_size = vocab_size, chunk_size
-        w_VD = weight_VD[:vocab_size]
         loss_sum = torch.zeros((), dtype=_acc_dtype(hidden_ND.dtype), device=hidden_ND.device)
-        for start in range(0, hidden_ND.shape[0], chunk_size):
-            labels_c = labels_N[start : start + chunk_size]
-            valid_c = labels_c != IGNORE_INDEX
-            logits_cV = _chunk_logits(hidden_ND[start : start + chunk_size], w_VD)
-            target_c = logits_cV.gather(1, labels_c.clamp(min=0)[:, None]).squeeze(1)
-            _, lse_c = _softmax_(logits_cV)
-            loss_sum += torch.where(valid_c, lse_c - target_c, 0.0).sum()
+        ctx.grads = _chunked_grads(
+            hidden_ND, weight_VD[:vocab_size], labels_N, chunk_size, need_hidden, need_weight,
+            weight_VD.shape[0], loss_sum=loss_sum,
+        )
         return loss_sum
 
     @staticmethod
     def backward(ctx, grad_loss):
-        hidden_ND, weight_VD, labels_N = ctx.saved_tensors
-        V, chunk_size = ctx.vocab_size, ctx.chunk_size
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        w_VD = weight_VD[:V]
-        grad_hidden_ND = torch.empty_like(hidden_ND) if need_hidden else None
-        # accumulate the weight gradient in float32 (float64 for float64 inputs) across chunks
-        acc = _acc_dtype(hidden_ND.dtype)
-        grad_w_VD = torch.zeros(w_VD.shape, dtype=acc, device=w_VD.device) if need_weight else None
-        for start in range(0, hidden_ND.shape[0], chunk_size):
-            h_cD = hidden_ND[start : start + chunk_size]
-            labels_c = labels_N[start : start + chunk_size]
-            valid_c1 = (labels_c != IGNORE_INDEX)[:, None]
-            # d(lse - target)/dlogits = softmax - onehot(target); zero for ignored rows
-            grad_cV, _ = _softmax_(_chunk_logits(h_cD, w_VD))
-            grad_cV.scatter_add_(1, labels_c.clamp(min=0)[:, None], -valid_c1.to(acc))
-            grad_cV.mul_(valid_c1 * grad_loss)
-            grad_cV = grad_cV.to(hidden_ND.dtype)
-            if need_hidden:
-                grad_hidden_ND[start : start + chunk_size] = grad_cV @ w_VD
-            if need_weight:
-                if grad_cV.dtype == acc:
-                    grad_w_VD.addmm_(grad_cV.T, h_cD)
-                else:
-                    grad_w_VD += (grad_cV.T @ h_cD).to(acc)
-        grad_weight_VD = None
-        if need_weight:
-            grad_weight_VD = torch.zeros_like(weight_VD)  # padded vocab rows get no gradient
-            grad_weight_VD[:V] = grad_w_VD
-        return grad_hidden_ND, grad_weight_VD, None, None, None
+        grads, ctx.grads = ctx.grads, None  # precomputed by forward; used (in place) once
+        if grads is None or (need_hidden and grads[0] is None) or (need_weight and grads[1] is None):
+            # a second backward through a retained graph (or gradients forward did not make)
+            hidden_ND, weight_VD, labels_N = ctx.saved_tensors
+            grads = _chunked_grads(
+                hidden_ND, weight_VD[: ctx.vocab_size], labels_N, ctx.chunk_size, need_hidden,
+                need_weight, weight_VD.shape[0],
+            )
+        grad_hidden_ND, grad_weight_VD = grads
+        grad_hidden_ND = grad_hidden_ND.mul_(grad_loss) if need_hidden and grad_hidden_ND is not None else None
+        grad_weight_VD = grad_weight_VD.mul_(grad_loss) if need_weight and grad_weight_VD is not None else None
+        return grad_hidden_ND, grad_weight_VD, None, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -101,7 +144,10 @@ def chunked_cross_entropy(
     - Rows with label `-100` contribute nothing (an all-ignored or empty input gives 0).
     - Returns a float32 scalar (float64 for float64 inputs; a sum, not a mean). Logits are
       computed in the input dtype, softmax in float32. Peak extra memory is about
-      `chunk_size * vocab_size` float32s.
+      `chunk_size * vocab_size` float32s plus the gradients (`[V, D]` and `[N, D]`).
+    - With grad mode on and an input requiring grad, forward computes the gradients too (three
+      matmuls per chunk, as much as forward + backward): evaluate under `torch.no_grad()`,
+      where it computes the loss alone (one matmul per chunk).
     """
     if hidden_ND.ndim != 2 or weight_VD.ndim != 2 or hidden_ND.shape[1] != weight_VD.shape[1]:
         raise ValueError(
@@ -113,7 +159,11 @@ def chunked_cross_entropy(
         raise ValueError(f"vocab_size {vocab_size} outside (0, {weight_VD.shape[0]}]")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    return _ChunkedCrossEntropy.apply(hidden_ND, weight_VD, labels_N, vocab_size, chunk_size)
+    grad_on = torch.is_grad_enabled()
+    return _ChunkedCrossEntropy.apply(
+        hidden_ND, weight_VD, labels_N, vocab_size, chunk_size,
+        grad_on and hidden_ND.requires_grad, grad_on and weight_VD.requires_grad,
+    )
 
 
 def causal_lm_loss(

@@ -1,0 +1,249 @@
+"""Chunked cross-entropy benchmark: peak memory, time and gradients of our
+`chunked_cross_entropy` against the naive loss (full logits, then `F.cross_entropy`).
+
+    python bench/chunked_ce.py [--quick] [--rounds N] [--calls N] [--chunk-size C]
+
+Progress goes to stderr; the LAST stdout line is one JSON object:
+
+    {"benchmark": "chunked_ce", "peak_mem_ratio": naive/chunked, "grad_max_rel_diff": ...,
+     "time_ratio": chunked/naive, "loss_rel_diff": ..., "peak_bytes": {...}, "times_s": {...},
+     "targets": {...}, "met": {...}, "settings": {...}, "seconds": ...}
+
+Settings (defaults): V = 151,936, hidden D = 1024, T = 4096 tokens, float32; labels uniform in
+[0, V) with every 64th position -100 (64 ignored). hidden ~ N(0, 1) (what a final RMSNorm
+gives), weight ~ N(0, 0.02). Fixed seed; both variants get bit-identical inputs.
+`--quick`: V = 8,192, D = 256, T = 512, chunk 128 (a few seconds).
+
+Variants, each one forward plus `loss.backward()` with `reduction="sum"` and hidden and
+weight both requiring grad:
+- naive: `logits = hidden @ weight.T` (`[T, V]`), `F.cross_entropy(logits, labels,
+  ignore_index=-100, reduction="sum")`.
+- chunked: `posttrain.ops.losses.chunked_cross_entropy(hidden, weight, labels, V)`.
+
+Method. Every measurement of a variant runs in a fresh child process (`--child VARIANT`) that
+builds the inputs, warms the thread pool with a small matmul, then records its resident set
+(VmRSS) as the baseline, resets the kernel's RSS high-water mark (`echo 5 >
+/proc/self/clear_refs`) and runs the variant once. Its peak is VmHWM after that call minus the
+baseline: the most memory the loss and its backward held above the inputs at any moment
+(gradients included). Torch's CPU allocations are invisible to tracemalloc, and a shared
+process would carry one variant's freed heap into the other's figure, hence one child per
+variant. (Where clear_refs is unavailable the fallback is `ru_maxrss`, which then also covers
+the input construction.)
+
+Time: wall time of the forward+backward call, median over `--rounds` children per variant;
+rounds alternate naive, chunked, naive, chunked, ... so machine noise hits both. Each timed
+call is its child's first: it pays first-touch page faults for what it allocates (the naive
+loss allocates far more). `--calls N` adds N-1 further timed calls per child (their memory is
+not counted): under the glibc settings below a repeated naive call grew the heap to 18.6 GiB
+(fragmentation), which is why the default is one call. Children inherit the environment,
+with glibc's `MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736` set if absent (the
+Makefile's setting; docs/benchmarks.md compares figures only under it).
+
+Gradients: the first naive child saves its hidden and weight gradients to a temporary file;
+the first chunked child, after its timed calls, loads them and reports
+`grad_max_rel_diff = max over {hidden, weight} of max|g_chunked - g_naive| / max|g_naive|`
+(and the same for the loss value). The file is deleted at the end.
+
+The full run (3 rounds) takes about 3 minutes on 2 cores and needs about 11 GiB (the naive
+child); `--quick` a few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FULL = dict(vocab_size=151_936, hidden=1024, tokens=4096, chunk_size=None)
+QUICK = dict(vocab_size=8192, hidden=256, tokens=512, chunk_size=128)
+IGNORE_EVERY = 64
+SEED = 0
+TARGETS = {"peak_mem_ratio": ">= 5", "grad_max_rel_diff": "<= 1e-5", "time_ratio": "<= 1.15"}
+MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
+
+
+def log(msg: str) -> None:
+    print(f"[chunked_ce] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------- child side
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_high_water() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def make_inputs(vocab_size: int, hidden: int, tokens: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(SEED)
+    hidden_ND = torch.randn(tokens, hidden, generator=gen)
+    weight_VD = torch.randn(vocab_size, hidden, generator=gen).mul_(0.02)
+    labels_N = torch.randint(0, vocab_size, (tokens,), generator=gen)
+    labels_N[::IGNORE_EVERY] = -100
+    return hidden_ND.requires_grad_(), weight_VD.requires_grad_(), labels_N
+
+
+def run_child(args: argparse.Namespace) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from posttrain.ops.losses import DEFAULT_CHUNK_SIZE, chunked_cross_entropy
+
+    settings = json.loads(args.settings)
+    V, chunk = settings["vocab_size"], settings["chunk_size"] or DEFAULT_CHUNK_SIZE
+    hidden_ND, weight_VD, labels_N = make_inputs(V, settings["hidden"], settings["tokens"])
+
+    def naive():
+        logits_NV = hidden_ND @ weight_VD.T
+        return F.cross_entropy(logits_NV, labels_N, ignore_index=-100, reduction="sum")
+
+    def chunked():
+        return chunked_cross_entropy(hidden_ND, weight_VD, labels_N, V, chunk_size=chunk)
+
+    fn = {"naive": naive, "chunked": chunked}[args.child]
+    torch.ones(64, 64) @ torch.ones(64, 64)  # start the thread pool outside the measurement
+
+    baseline_kib = _status_kib("VmRSS")
+    hwm_reset = _reset_high_water()
+    maxrss_before_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    times, loss_value, peak_kib, method = [], None, None, None
+    for call in range(args.calls):
+        hidden_ND.grad = weight_VD.grad = None
+        start = time.perf_counter()
+        loss = fn()
+        loss.backward()
+        times.append(time.perf_counter() - start)
+        loss_value = loss.item()
+        if call > 0:
+            continue
+        if hwm_reset and baseline_kib is not None:  # the first call's peak only
+            peak_kib, method = _status_kib("VmHWM") - baseline_kib, "VmHWM after clear_refs minus VmRSS before"
+        else:
+            peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - (baseline_kib or maxrss_before_kib)
+            method = "ru_maxrss minus VmRSS before (fallback)"
+    out = {"variant": args.child, "peak_bytes": peak_kib * 1024, "baseline_bytes": (baseline_kib or 0) * 1024,
+           "times_s": times, "loss": loss_value, "peak_method": method, "threads": torch.get_num_threads()}
+
+    if args.save_grads:
+        torch.save({"hidden": hidden_ND.grad, "weight": weight_VD.grad, "loss": loss_value}, args.save_grads)
+    if args.compare_grads:
+        ref = torch.load(args.compare_grads)
+        diffs = {}
+        for name, got in (("hidden", hidden_ND.grad), ("weight", weight_VD.grad)):
+            diffs[name] = ((got - ref[name]).abs().max() / ref[name].abs().max()).item()
+        out["grad_rel_diff"] = diffs
+        out["loss_rel_diff"] = abs(loss_value - ref["loss"]) / abs(ref["loss"])
+    print(json.dumps(out), flush=True)
+
+
+# ------------------------------------------------------------------------------ parent side
+
+
+def spawn(variant: str, settings: dict, calls: int, env: dict, save: str | None = None,
+          compare: str | None = None) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", variant,
+           "--settings", json.dumps(settings), "--calls", str(calls)]
+    if save:
+        cmd += ["--save-grads", save]
+    if compare:
+        cmd += ["--compare-grads", compare]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{variant} child failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    log(f"{variant}: peak {result['peak_bytes'] / 2**30:.3f} GiB, "
+        f"calls {', '.join(f'{t:.2f}' for t in result['times_s'])} s, loss {result['loss']:.6g}")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small V/D/T: a smoke run")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating naive/chunked child pairs")
+    parser.add_argument("--calls", type=int, default=1, help="timed forward+backward calls per child")
+    parser.add_argument("--chunk-size", type=int, default=None, help="chunk rows (default: the loss's default)")
+    parser.add_argument("--child", choices=("naive", "chunked"), help=argparse.SUPPRESS)
+    parser.add_argument("--settings", help=argparse.SUPPRESS)
+    parser.add_argument("--save-grads", help=argparse.SUPPRESS)
+    parser.add_argument("--compare-grads", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        run_child(args)
+        return
+    if args.rounds < 1 or args.calls < 1:
+        parser.error("need --rounds >= 1 and --calls >= 1")
+
+    t0 = time.perf_counter()
+    settings = dict(QUICK if args.quick else FULL)
+    if args.chunk_size is not None:
+        settings["chunk_size"] = args.chunk_size
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
+    from posttrain.ops.losses import DEFAULT_CHUNK_SIZE
+
+    settings["chunk_size"] = settings["chunk_size"] or DEFAULT_CHUNK_SIZE
+    env = {**MALLOC_ENV, **os.environ}
+    log(f"settings {settings}, rounds {args.rounds}, calls per child {args.calls}")
+
+    results: dict[str, list[dict]] = {"naive": [], "chunked": []}
+    with tempfile.TemporaryDirectory(prefix="chunked_ce_") as tmp:
+        ref = os.path.join(tmp, "naive_grads.pt")
+        for r in range(args.rounds):
+            results["naive"].append(spawn("naive", settings, args.calls, env, save=ref if r == 0 else None))
+            results["chunked"].append(spawn("chunked", settings, args.calls, env, compare=ref if r == 0 else None))
+
+    peak = {v: max(x["peak_bytes"] for x in rs) for v, rs in results.items()}
+    times = {v: statistics.median(t for x in rs for t in x["times_s"]) for v, rs in results.items()}
+    grad = results["chunked"][0]["grad_rel_diff"]
+    summary = {
+        "benchmark": "chunked_ce",
+        "peak_mem_ratio": round(peak["naive"] / peak["chunked"], 3),
+        "grad_max_rel_diff": max(grad.values()),
+        "time_ratio": round(times["chunked"] / times["naive"], 4),
+        "loss_rel_diff": results["chunked"][0]["loss_rel_diff"],
+        "grad_rel_diff": grad,
+        "peak_bytes": peak,
+        "peak_gib": {v: round(b / 2**30, 3) for v, b in peak.items()},
+        "times_s": {v: round(t, 3) for v, t in times.items()},
+        "all_times_s": {v: [[round(t, 3) for t in x["times_s"]] for x in rs] for v, rs in results.items()},
+        "targets": TARGETS,
+        "settings": {**settings, "dtype": "float32", "ignored_positions": len(range(0, settings["tokens"], IGNORE_EVERY)),
+                     "rounds": args.rounds, "calls_per_child": args.calls, "threads": results["naive"][0]["threads"],
+                     "peak_method": results["naive"][0]["peak_method"],
+                     "malloc": {k: env.get(k) for k in MALLOC_ENV}, "quick": args.quick},
+        "seconds": None,
+    }
+    summary["met"] = {
+        "peak_mem_ratio": summary["peak_mem_ratio"] >= 5,
+        "grad_max_rel_diff": summary["grad_max_rel_diff"] <= 1e-5,
+        "time_ratio": summary["time_ratio"] <= 1.15,
+    }
+    summary["seconds"] = round(time.perf_counter() - t0, 1)
+    log(f"peak_mem_ratio {summary['peak_mem_ratio']}, grad_max_rel_diff {summary['grad_max_rel_diff']:.3g}, "
+        f"time_ratio {summary['time_ratio']} ({summary['seconds']} s)")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

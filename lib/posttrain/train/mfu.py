@@ -1,0 +1,215 @@
+"""Analytic training FLOPs and model FLOPs utilisation (MFU) for our Qwen3 (dense) models.
+
+What is counted: matrix multiplications only, `2*m*n*k` FLOPs each, the convention of
+`torch.utils.flop_counter.FlopCounterMode` (norms, rotary, softmax, SiLU and the embedding
+lookup are left out; they are a fraction of a percent at real sizes). A training step
+(forward + backward) costs 3x the forward: backward computes a gradient for the matmul's
+input and one for its weight, each as large as the forward. LoRA changes this (below).
+
+Per token, per layer (D hidden, H query heads, K key/value heads, E head dim, F MLP size):
+    q, k, v, o projections     2*D*(H*E + 2*K*E + H*E)
+    SwiGLU (gate, up, down)    2*3*D*F
+Attention scores `q @ k^T` and the weighted values `p @ v` cost `2 * 2*H*E` per (query, key)
+pair. They are counted per document of a packed row, never across documents: a document of
+length L contributes L*L pairs ("square", the default: what a dense kernel computes for the
+document, the usual MFU convention, and what the eager attention of our FLOP-counter test
+runs) or L*(L+1)/2 pairs with `causal_pairs=True` (only the pairs a causal mask keeps, what
+a block-skipping kernel ideally computes). The padded/packed row length never enters: our
+CPU path (SDPA with a dense `[T, T]` mask) computes every row's full `T*T` block, but the
+cross-document and padding part is waste, and MFU counts useful model FLOPs only.
+
+Output projection: our loss (`posttrain.ops.losses.causal_lm_loss`) drops positions whose
+label is -100 before projecting, so the projection costs `2*D*V` per loss token only (V the
+real vocabulary, not the padded embedding rows), x3 for training (`chunked_cross_entropy`
+runs exactly three matmuls per chunk: logits, grad of hidden, grad of weight). Pass
+`num_loss_tokens`; it defaults to every token carrying a loss.
+
+LoRA (`lora=LoraSpec(rank, targets)`): a frozen base linear costs its forward and the
+backward to its input, 2x its forward (no weight gradient); the adapter's two matmuls (`A`:
+in -> r, `B`: r -> out) cost 3x. Non-target matrices are frozen too (2x), as is the output
+projection when `lora.train_output` is false. The backward to the first layer's input is
+counted although nothing upstream needs it (embeddings are frozen): a small overcount.
+
+`doc_lengths` is a list of rows, each a list of document lengths (the real tokens); build it
+from a batch with `doc_lengths_from_doc_ids` (padding, `doc_id == -1`, left out unless
+`include_padding=True`, which counts it as documents, as the hardware computes it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+# Dense peak FLOP/s per device, for `peak_flops()`. GPU figures are the vendor's dense
+# (no-sparsity) tensor-core peaks. CPUs have no standard peak: pass your own number
+# (for example cores x clock x FLOPs per cycle, or a measured large-matmul rate).
+PEAK_FLOPS: dict[str, float] = {
+    "h100-sxm/bf16": 989e12,
+    "h100-sxm/fp32": 67e12,
+    "h200/bf16": 989e12,
+    "a100/bf16": 312e12,
+    "a100/fp32": 19.5e12,
+}
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """LoRA adapters of rank `rank` on the unified module names in `targets`."""
+
+    rank: int
+    targets: tuple[str, ...] = LORA_TARGETS
+    train_output: bool = False  # whether the output projection is trained (else frozen)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.targets) - set(LORA_TARGETS)
+        if unknown or self.rank <= 0:
+            raise ValueError(f"LoraSpec needs rank > 0 and targets from {LORA_TARGETS}, got {self}")
+
+
+@dataclass
+class StepFlops:
+    """Training FLOPs of one step (forward + backward), by part, and the tokens they cover."""
+
+    linear: float  # q/k/v/o and MLP projections, all layers
+    attention: float  # scores and weighted values, per document
+    output: float  # output projection over the loss tokens
+    num_tokens: int  # tokens counted (the real ones unless padding was passed as documents)
+    num_loss_tokens: int
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return self.linear + self.attention + self.output
+
+    @property
+    def per_token(self) -> float:
+        return self.total / self.num_tokens if self.num_tokens else 0.0
+
+
+def _layer_matrices(config) -> dict[str, tuple[int, int]]:
+    """`{unified name: (in_features, out_features)}` of one decoder layer's matrices."""
+    D, F = config.hidden_size, config.intermediate_size
+    H, K, E = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    return {"q": (D, H * E), "k": (D, K * E), "v": (D, K * E), "o": (H * E, D),
+            "gate": (D, F), "up": (D, F), "down": (F, D)}
+
+
+def step_flops(
+    config,
+    doc_lengths: Sequence[Sequence[int]],
+    num_loss_tokens: int | None = None,
+    lora: LoraSpec | None = None,
+    causal_pairs: bool = False,
+    backward: bool = True,
+) -> StepFlops:
+    """FLOPs of one training step over documents `doc_lengths` (rows of lengths).
+
+    `backward=False` gives the forward alone. See the module docstring for what is counted.
+    """
+    lengths = [int(n) for row in doc_lengths for n in row]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"negative document length in {doc_lengths}")
+    tokens = sum(lengths)
+    loss_tokens = tokens if num_loss_tokens is None else int(num_loss_tokens)
+    if not 0 <= loss_tokens <= tokens:
+        raise ValueError(f"num_loss_tokens {loss_tokens} outside [0, {tokens}]")
+    trained, frozen = (3.0, 2.0) if backward else (1.0, 1.0)
+    L = config.num_hidden_layers
+
+    linear_per_token = 0.0
+    for name, (n_in, n_out) in _layer_matrices(config).items():
+        base = 2.0 * n_in * n_out
+        if lora is None:
+            linear_per_token += trained * base
+        else:
+            linear_per_token += frozen * base
+            if name in lora.targets:
+                linear_per_token += trained * 2.0 * lora.rank * (n_in + n_out)
+    linear = L * tokens * linear_per_token
+
+    H, E = config.num_attention_heads, config.head_dim
+    pairs = sum(n * (n + 1) // 2 if causal_pairs else n * n for n in lengths)
+    # activations always need their gradients (LoRA or not): x3 in training
+    attention = L * pairs * 2 * (2.0 * H * E) * (3.0 if backward else 1.0)
+
+    out_mult = trained if (lora is None or lora.train_output) else frozen
+    output = out_mult * 2.0 * config.hidden_size * config.vocab_size * loss_tokens
+    return StepFlops(linear=linear, attention=attention, output=output, num_tokens=tokens,
+                     num_loss_tokens=loss_tokens,
+                     parts={"linear_per_token": linear_per_token, "attention_pairs": float(pairs)})
+
+
+def flops_per_token(
+    config,
+    doc_lengths: Sequence[Sequence[int]] | None = None,
+    seq_len: int | None = None,
+    num_loss_tokens: int | None = None,
+    lora: LoraSpec | None = None,
+    causal_pairs: bool = False,
+) -> float:
+    """Training FLOPs per token: for the documents `doc_lengths`, or, without them, for one
+    document of `seq_len` tokens (every token carrying a loss unless `num_loss_tokens`)."""
+    if doc_lengths is None:
+        if seq_len is None:
+            raise ValueError("give doc_lengths or seq_len")
+        doc_lengths = [[seq_len]]
+    return step_flops(config, doc_lengths, num_loss_tokens, lora, causal_pairs).per_token
+
+
+def doc_lengths_from_doc_ids(doc_ids_BT: torch.Tensor, include_padding: bool = False) -> list[list[int]]:
+    """Lengths of the runs of equal document ids in each row (`-1` = padding, left out
+    unless `include_padding`). Documents of a packed row are contiguous runs."""
+    rows = []
+    for row in doc_ids_BT.tolist():
+        lengths: list[int] = []
+        prev = None
+        for doc in row:
+            if doc != prev:
+                lengths.append(0)
+                prev = doc
+            lengths[-1] += 1 if (include_padding or doc != -1) else 0
+        rows.append([n for n in lengths if n])
+    return rows
+
+
+def batch_step_flops(config, batch: dict[str, torch.Tensor], lora: LoraSpec | None = None,
+                     causal_pairs: bool = False, include_padding: bool = False) -> StepFlops:
+    """`step_flops` for a packed batch (`doc_ids`, `labels` as in `causal_lm_loss`)."""
+    num_loss = int((batch["labels"] != -100).sum())
+    lengths = doc_lengths_from_doc_ids(batch["doc_ids"], include_padding=include_padding)
+    return step_flops(config, lengths, num_loss, lora, causal_pairs)
+
+
+def peak_flops(device: str | float | int, table: dict[str, float] | None = None) -> float:
+    """Peak FLOP/s: a number passes through; a name (e.g. "h100-sxm/bf16") is looked up in
+    `table` (default `PEAK_FLOPS`). CPUs have no standard peak: give a number."""
+    if isinstance(device, (int, float)) and not isinstance(device, bool):
+        if device <= 0:
+            raise ValueError(f"peak FLOP/s must be positive, got {device}")
+        return float(device)
+    table = PEAK_FLOPS if table is None else table
+    if device not in table:
+        raise ValueError(f"no peak FLOP/s known for {device!r}; known: {sorted(table)}. Pass a number instead")
+    return table[device]
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the device's peak (0..1)."""
+    if peak_flops <= 0:
+        raise ValueError(f"peak_flops must be positive, got {peak_flops}")
+    return tokens_per_s * flops_per_token / peak_flops
+
+
+def mfu_from_step(step: StepFlops, step_time_s: float, peak: float, num_devices: int = 1) -> float:
+    """MFU of a step that took `step_time_s` on `num_devices` devices of peak `peak` each."""
+    return step.total / step_time_s / (peak * num_devices)
+
+
+__all__: Iterable[str] = (
+    "LoraSpec", "PEAK_FLOPS", "StepFlops", "batch_step_flops", "doc_lengths_from_doc_ids",
+    "flops_per_token", "mfu", "mfu_from_step", "peak_flops", "step_flops",
+)
