@@ -44,10 +44,10 @@ def test_fails_when_our_weights_differ(tiny_dir, tensor):
 
 def test_fails_when_document_masking_breaks(tiny_dir, monkeypatch):
     """A model that lets documents see each other passes the padded case but not the packed one."""
-    import posttrain.models.qwen3.model as qwen3_model
+    import posttrain.models.decoder as decoder
     from posttrain.ops.attention import build_attention_mask
 
-    monkeypatch.setattr(qwen3_model, "build_attention_mask", lambda doc_ids: build_attention_mask(doc_ids.clamp(max=0)))
+    monkeypatch.setattr(decoder, "build_attention_mask", lambda doc_ids: build_attention_mask(doc_ids.clamp(max=0)))
     verdict = verify_models(load_hf_checkpoint(tiny_dir), hf_model(tiny_dir), tolerance=1e-4)
     cases = {c["name"]: c for c in verdict["cases"]}
     assert cases["padded"]["max_abs_diff"] <= 1e-4
