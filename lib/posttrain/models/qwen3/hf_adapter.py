@@ -1,117 +1,17 @@
 """Qwen3 parameter names and layouts: ours <-> Hugging Face safetensors.
 
-The only layout change is the vocabulary: our embedding and head have `padded_vocab_size`
-rows, HF's have `vocab_size`. Export drops the padded rows; import appends zero rows.
-
-Tied models: HF's `save_pretrained` writes no `lm_head.weight` (transformers ties it on load),
-so we export none either. On import a tied checkpoint may still carry `lm_head.weight` (some
-tools write it); `redundant_tensors` declares it, and the loader accepts it only if it equals
-`model.embed_tokens.weight`.
+Qwen3 is the shared dense decoder with per-head q/k norms; the mapping (vocabulary padding,
+tied heads) is `posttrain.models.dense_adapter`'s.
 """
 
-from __future__ import annotations
+from posttrain.models.dense_adapter import DenseDecoderAdapter, pad_vocab
 
-from collections.abc import Iterator
+_ADAPTER = DenseDecoderAdapter("qwen3", qk_norm=True)
 
-import torch
+hf_to_ours = _ADAPTER.hf_to_ours
+hf_shapes = _ADAPTER.hf_shapes
+import_tensor = _ADAPTER.import_tensor
+export_tensors = _ADAPTER.export_tensors
+redundant_tensors = _ADAPTER.redundant_tensors
 
-from posttrain.models.qwen3.model import Qwen3Config
-
-_EMBED = "model.embed_tokens.weight"
-_LM_HEAD = "lm_head.weight"
-
-# per-layer HF suffix -> our suffix
-_LAYER_NAMES = {
-    "input_layernorm.weight": "attention_norm.weight",
-    "self_attn.q_proj.weight": "attention.wq.weight",
-    "self_attn.k_proj.weight": "attention.wk.weight",
-    "self_attn.v_proj.weight": "attention.wv.weight",
-    "self_attn.o_proj.weight": "attention.wo.weight",
-    "self_attn.q_norm.weight": "attention.q_norm.weight",
-    "self_attn.k_norm.weight": "attention.k_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "feed_forward.w_gate.weight",
-    "mlp.up_proj.weight": "feed_forward.w_up.weight",
-    "mlp.down_proj.weight": "feed_forward.w_down.weight",
-}
-_VOCAB_ROWS = {_EMBED, _LM_HEAD}  # tensors whose first dim is the vocabulary
-
-
-def hf_to_ours(config: Qwen3Config) -> dict[str, str]:
-    """Every HF tensor name a checkpoint of `config` must hold -> our parameter name."""
-    names = {_EMBED: "tok_embeddings.weight", "model.norm.weight": "norm.weight"}
-    if not config.tie_word_embeddings:
-        names[_LM_HEAD] = "output.weight"
-    for i in range(config.num_hidden_layers):
-        for hf_suffix, our_suffix in _LAYER_NAMES.items():
-            names[f"model.layers.{i}.{hf_suffix}"] = f"layers.{i}.{our_suffix}"
-    return names
-
-
-def hf_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
-    """The shape of every HF tensor of a `config` checkpoint (real, unpadded vocabulary)."""
-    V, D, F = config.vocab_size, config.hidden_size, config.intermediate_size
-    H, K, E = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    layer = {
-        "input_layernorm.weight": (D,),
-        "self_attn.q_proj.weight": (H * E, D),
-        "self_attn.k_proj.weight": (K * E, D),
-        "self_attn.v_proj.weight": (K * E, D),
-        "self_attn.o_proj.weight": (D, H * E),
-        "self_attn.q_norm.weight": (E,),
-        "self_attn.k_norm.weight": (E,),
-        "post_attention_layernorm.weight": (D,),
-        "mlp.gate_proj.weight": (F, D),
-        "mlp.up_proj.weight": (F, D),
-        "mlp.down_proj.weight": (D, F),
-    }
-    shapes = {_EMBED: (V, D), "model.norm.weight": (D,)}
-    if not config.tie_word_embeddings:
-        shapes[_LM_HEAD] = (V, D)
-    for i in range(config.num_hidden_layers):
-        shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
-    return shapes
-
-
-def import_tensor(hf_name: str, tensor: torch.Tensor, config: Qwen3Config) -> tuple[str, torch.Tensor]:
-    """Map one HF tensor to `(our_name, tensor in our layout)`; pads vocab rows with zeros.
-
-    Raises `KeyError` naming the tensor if `hf_name` is not part of a `config` checkpoint.
-    Shapes are the loader's job (compare against `hf_shapes` first).
-    """
-    names = hf_to_ours(config)
-    if hf_name not in names:
-        raise KeyError(f"unexpected tensor {hf_name!r} for this qwen3 config")
-    if hf_name in _VOCAB_ROWS:
-        tensor = pad_vocab(tensor, config.padded_vocab_size)
-    return names[hf_name], tensor
-
-
-def export_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_name, tensor)` for every tensor of the HF checkpoint, vocab padding removed.
-
-    Tied models yield no `lm_head.weight` (matching `save_pretrained`). Tensors are detached
-    views of the model's parameters where possible; copy them before mutating.
-    """
-    config: Qwen3Config = model.config
-    params = dict(model.named_parameters())
-    for hf_name, our_name in hf_to_ours(config).items():
-        tensor = params[our_name].detach()
-        if hf_name in _VOCAB_ROWS:
-            tensor = tensor[: config.vocab_size]
-        yield hf_name, tensor
-
-
-def redundant_tensors(config: Qwen3Config) -> dict[str, str]:
-    """Tensors a checkpoint may carry besides `hf_shapes`, each of which must equal its twin:
-    `{hf_name: twin_hf_name}`. A tied model's optional `lm_head.weight` duplicates the embedding."""
-    return {_LM_HEAD: _EMBED} if config.tie_word_embeddings else {}
-
-
-def pad_vocab(tensor_VD: torch.Tensor, padded_rows: int) -> torch.Tensor:
-    """Append zero rows up to `padded_rows`."""
-    extra = padded_rows - tensor_VD.shape[0]
-    if extra == 0:
-        return tensor_VD
-    zeros = tensor_VD.new_zeros((extra, *tensor_VD.shape[1:]))
-    return torch.cat([tensor_VD, zeros], dim=0)
+__all__ = ["export_tensors", "hf_shapes", "hf_to_ours", "import_tensor", "pad_vocab", "redundant_tensors"]
