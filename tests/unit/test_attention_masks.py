@@ -140,3 +140,18 @@ def test_generation_left_padded_batches_never_mix_prompts(model):
     changed[2] = torch.randint(2, 250, (9,), generator=gen).tolist()
     again = greedy_generate(model, changed, 6, set(), batch_size=len(prompts))
     assert [o for i, o in enumerate(again) if i != 2] == [o for i, o in enumerate(outputs) if i != 2]
+
+
+def test_sliding_window_mask_matches_definition_within_documents():
+    from posttrain.ops.attention import document_causal_mask
+
+    doc_ids_BT = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, -1, -1]])
+    window = 3
+    got = document_causal_mask(doc_ids_BT, window=window)[0, 0]
+    T = doc_ids_BT.shape[1]
+    for q in range(T):
+        for k in range(T):
+            want = k <= q and q - k < window and bool(doc_ids_BT[0, q] == doc_ids_BT[0, k])
+            assert bool(got[q, k]) == want, (q, k)
+    # a window as long as the row is the plain document-causal mask
+    assert torch.equal(document_causal_mask(doc_ids_BT, window=T), document_causal_mask(doc_ids_BT))

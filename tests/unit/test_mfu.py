@@ -14,6 +14,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import posttrain.models.layers as layers
+from eager_attention import eager_document_attention
 from posttrain.models.registry import build_model, tiny_config
 from posttrain.ops.attention import build_attention_mask, document_attention
 from posttrain.ops.losses import causal_lm_loss
@@ -26,29 +27,6 @@ from posttrain.train.mfu import (
     peak_flops,
     step_flops,
 )
-
-
-def eager_document_attention(q_BHTE, k_BKTE, v_BKTE, mask, scale=None):
-    """Per-document causal attention with explicit matmuls. Documents are the runs where the
-    mask's sub-diagonal is allowed (a new document starts where `q` may not see `q - 1`)."""
-    B, H, T, E = q_BHTE.shape
-    groups = H // k_BKTE.shape[1]
-    k_BHTE = k_BKTE.repeat_interleave(groups, dim=1)
-    v_BHTE = v_BKTE.repeat_interleave(groups, dim=1)
-    scale = E**-0.5 if scale is None else scale
-    sub_diag_BT = mask.dense_B1TT[:, 0].diagonal(offset=-1, dim1=1, dim2=2)  # [B, T-1]
-    rows = []
-    for b in range(B):
-        starts = [0] + [q + 1 for q in range(T - 1) if not bool(sub_diag_BT[b, q])] + [T]
-        outs = []
-        for s, e in zip(starts[:-1], starts[1:]):
-            q_HLE, k_HLE, v_HLE = q_BHTE[b, :, s:e], k_BHTE[b, :, s:e], v_BHTE[b, :, s:e]
-            scores_HLL = (q_HLE @ k_HLE.transpose(-1, -2)) * scale
-            causal_LL = torch.ones(e - s, e - s, dtype=torch.bool).tril()
-            probs_HLL = scores_HLL.masked_fill(~causal_LL, float("-inf")).softmax(-1)
-            outs.append(probs_HLL @ v_HLE)
-        rows.append(torch.cat(outs, dim=1))
-    return torch.stack(rows)
 
 
 @pytest.fixture

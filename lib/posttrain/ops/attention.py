@@ -23,10 +23,19 @@ import torch.nn.functional as F
 BACKENDS = ("sdpa",)
 
 
-def document_causal_mask(doc_ids_BT: torch.Tensor) -> torch.Tensor:
-    """Boolean mask `[B, 1, T, T]`: `allowed[b, 0, q, k] = k <= q and doc[b, q] == doc[b, k]`."""
+def document_causal_mask(doc_ids_BT: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Boolean mask `[B, 1, T, T]`: `allowed[b, 0, q, k] = k <= q and doc[b, q] == doc[b, k]`.
+
+    With `window` (sliding-window attention), also `q - k < window`: a query sees itself and
+    the `window - 1` tokens before it, as transformers' sliding-window layers do. Documents
+    are contiguous runs of a row, so the distance in the row is the distance in the document.
+    """
     T = doc_ids_BT.shape[1]
     causal_TT = torch.ones(T, T, dtype=torch.bool, device=doc_ids_BT.device).tril()
+    if window is not None:
+        if window < 1:
+            raise ValueError(f"sliding window must be >= 1, got {window}")
+        causal_TT = causal_TT.triu(-(window - 1))
     same_doc_BTT = doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]
     return (same_doc_BTT & causal_TT)[:, None, :, :]
 
@@ -46,13 +55,16 @@ class AttentionMask:
 
     backend: str
     dense_B1TT: torch.Tensor | None = None  # "sdpa": boolean, True where attention is allowed
+    window: int | None = None  # sliding window it was built with (None: full causal)
 
 
-def build_attention_mask(doc_ids_BT: torch.Tensor, backend: str | None = None) -> AttentionMask:
-    """Prepare the mask for `doc_ids_BT` (`[B, T]` long, `-1` for padding)."""
+def build_attention_mask(doc_ids_BT: torch.Tensor, backend: str | None = None,
+                         window: int | None = None) -> AttentionMask:
+    """Prepare the mask for `doc_ids_BT` (`[B, T]` long, `-1` for padding); `window` as in
+    `document_causal_mask`. Models with mixed layer types build one mask per type."""
     backend = backend or select_backend(doc_ids_BT.device)
     if backend == "sdpa":
-        return AttentionMask(backend, dense_B1TT=document_causal_mask(doc_ids_BT))
+        return AttentionMask(backend, dense_B1TT=document_causal_mask(doc_ids_BT, window), window=window)
     raise ValueError(f"unknown attention backend {backend!r}; available: {BACKENDS}")
 
 

@@ -1,4 +1,9 @@
-"""Analytic training FLOPs and model FLOPs utilisation (MFU) for our Qwen3 (dense) models.
+"""Analytic training FLOPs and model FLOPs utilisation (MFU) for every architecture.
+
+Each architecture describes its layers as `LayerFlopSpec`s (weight matrices with how many
+times each is applied per token, attention heads and dims): dense configs get
+`dense_layer_spec` per layer; a config with other layers (MoE: router + top-k expert
+matrices; mixed sliding/full attention) defines `flop_layers()`.
 
 What is counted: matrix multiplications only, `2*m*n*k` FLOPs each, the convention of
 `torch.utils.flop_counter.FlopCounterMode` (norms, rotary, softmax, SiLU and the embedding
@@ -90,12 +95,60 @@ class StepFlops:
         return self.total / self.num_tokens if self.num_tokens else 0.0
 
 
-def _layer_matrices(config) -> dict[str, tuple[int, int]]:
-    """`{unified name: (in_features, out_features)}` of one decoder layer's matrices."""
+@dataclass(frozen=True)
+class Matmul:
+    """One weight matrix of a layer: `n_in -> n_out`, applied `per_token` times per token
+    (1 for dense layers; top-k for each routed-expert matrix of an MoE layer)."""
+
+    name: str  # unified name: q, k, v, o, gate, up, down, router, ... (LoRA targets match it)
+    n_in: int
+    n_out: int
+    per_token: float = 1.0
+
+
+@dataclass(frozen=True)
+class LayerFlopSpec:
+    """What one decoder layer multiplies: its weight matrices, and its attention's query heads
+    and head dims (`qk_dim` for scores, `v_dim` for weighted values). `window` (sliding-window
+    layers) bounds the keys a query attends to in the `causal_pairs` count; the default
+    "square" count is a dense kernel's `L*L` per document either way."""
+
+    matmuls: tuple[Matmul, ...]
+    num_heads: int
+    qk_dim: int
+    v_dim: int
+    window: int | None = None
+
+
+def dense_layer_spec(config) -> LayerFlopSpec:
+    """The spec of a Llama-style dense layer (GQA attention + gated MLP) from config fields."""
     D, F = config.hidden_size, config.intermediate_size
     H, K, E = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    return {"q": (D, H * E), "k": (D, K * E), "v": (D, K * E), "o": (H * E, D),
-            "gate": (D, F), "up": (D, F), "down": (F, D)}
+    matmuls = (Matmul("q", D, H * E), Matmul("k", D, K * E), Matmul("v", D, K * E), Matmul("o", H * E, D),
+               Matmul("gate", D, F), Matmul("up", D, F), Matmul("down", F, D))
+    return LayerFlopSpec(matmuls, num_heads=H, qk_dim=E, v_dim=E)
+
+
+def layer_flop_specs(config) -> list[LayerFlopSpec]:
+    """One spec per decoder layer: `config.flop_layers()` when the architecture's config
+    defines it (MoE, sliding-window or otherwise non-dense layers), else the dense spec for
+    each of `num_hidden_layers` layers."""
+    if hasattr(config, "flop_layers"):
+        return list(config.flop_layers())
+    return [dense_layer_spec(config)] * config.num_hidden_layers
+
+
+def _attention_pairs(lengths: Sequence[int], causal_pairs: bool, window: int | None) -> int:
+    """(query, key) pairs attention computes over documents of `lengths` (see module docstring)."""
+    if not causal_pairs:
+        return sum(n * n for n in lengths)
+    total = 0
+    for n in lengths:
+        if window is None or window >= n:
+            total += n * (n + 1) // 2
+        else:  # the first `window` queries see 1..window keys, the rest see `window` each
+            total += window * (window + 1) // 2 + (n - window) * window
+    return total
 
 
 def step_flops(
@@ -118,29 +171,31 @@ def step_flops(
     if not 0 <= loss_tokens <= tokens:
         raise ValueError(f"num_loss_tokens {loss_tokens} outside [0, {tokens}]")
     trained, frozen = (3.0, 2.0) if backward else (1.0, 1.0)
-    L = config.num_hidden_layers
 
     linear_per_token = 0.0
-    for name, (n_in, n_out) in _layer_matrices(config).items():
-        base = 2.0 * n_in * n_out
-        if lora is None:
-            linear_per_token += trained * base
-        else:
-            linear_per_token += frozen * base
-            if name in lora.targets:
-                linear_per_token += trained * 2.0 * lora.rank * (n_in + n_out)
-    linear = L * tokens * linear_per_token
-
-    H, E = config.num_attention_heads, config.head_dim
-    pairs = sum(n * (n + 1) // 2 if causal_pairs else n * n for n in lengths)
-    # activations always need their gradients (LoRA or not): x3 in training
-    attention = L * pairs * 2 * (2.0 * H * E) * (3.0 if backward else 1.0)
+    attention = 0.0
+    pairs_total = 0
+    for spec in layer_flop_specs(config):
+        for m in spec.matmuls:
+            base = 2.0 * m.n_in * m.n_out * m.per_token
+            if lora is None:
+                linear_per_token += trained * base
+            else:
+                linear_per_token += frozen * base
+                if m.name in lora.targets:
+                    linear_per_token += trained * 2.0 * lora.rank * (m.n_in + m.n_out) * m.per_token
+        pairs = _attention_pairs(lengths, causal_pairs, spec.window)
+        pairs_total += pairs
+        # scores (qk_dim) and weighted values (v_dim) per pair and head; activations always
+        # need their gradients (LoRA or not): x3 in training
+        attention += pairs * 2.0 * spec.num_heads * (spec.qk_dim + spec.v_dim) * (3.0 if backward else 1.0)
+    linear = tokens * linear_per_token
 
     out_mult = trained if (lora is None or lora.train_output) else frozen
     output = out_mult * 2.0 * config.hidden_size * config.vocab_size * loss_tokens
     return StepFlops(linear=linear, attention=attention, output=output, num_tokens=tokens,
                      num_loss_tokens=loss_tokens,
-                     parts={"linear_per_token": linear_per_token, "attention_pairs": float(pairs)})
+                     parts={"linear_per_token": linear_per_token, "attention_pairs": float(pairs_total)})
 
 
 def flops_per_token(
@@ -210,6 +265,7 @@ def mfu_from_step(step: StepFlops, step_time_s: float, peak: float, num_devices:
 
 
 __all__: Iterable[str] = (
-    "LoraSpec", "PEAK_FLOPS", "StepFlops", "batch_step_flops", "doc_lengths_from_doc_ids",
+    "LayerFlopSpec", "LoraSpec", "Matmul", "PEAK_FLOPS", "StepFlops", "batch_step_flops", "dense_layer_spec",
+    "layer_flop_specs", "doc_lengths_from_doc_ids",
     "flops_per_token", "mfu", "mfu_from_step", "peak_flops", "step_flops",
 )
