@@ -9,7 +9,7 @@ and tokenizer are generated for the run (see `GenerateConfig`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from posttrain.config.strict import ConfigError, bounded
 
@@ -113,6 +113,29 @@ class TokenizerConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (`posttrain.models.lora.apply_lora`): rank-`rank` updates `B @ A` scaled by
+    `alpha / rank` on the layers' linear maps named in `targets` (unified names: q, k, v, o
+    attention projections; gate, up, down dense-MLP projections), `dropout` on the adapter's
+    input. Every other weight is frozen, the output projection too unless `train_output`
+    (for a tied model that trains the shared embedding)."""
+
+    rank: int = bounded(ge=1)
+    alpha: float = bounded(gt=0)
+    dropout: float = bounded(0.0, ge=0, lt=1)
+    targets: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = field(
+        default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"]
+    )
+    train_output: bool = False
+
+    def validate(self) -> None:
+        if not self.targets:
+            raise ConfigError("model.lora.targets must name at least one module")
+        if len(set(self.targets)) != len(self.targets):
+            raise ConfigError(f"model.lora.targets has duplicates: {self.targets}")
+
+
+@dataclass
 class ModelConfig:
     """Our model definition. `init: random` builds it from the sizes here; `init: pretrained`
     loads `name_or_path` (a local Hugging Face directory or a hub id) and ignores the sizes."""
@@ -131,6 +154,7 @@ class ModelConfig:
     max_position_embeddings: int = bounded(4096, ge=16)
     tie_word_embeddings: bool = True
     initializer_range: float = bounded(0.02, gt=0)
+    lora: Optional[LoraConfig] = None  # LoRA fine-tuning (None: train every weight)
 
     def validate(self) -> None:
         if self.init == "pretrained" and not self.name_or_path:
@@ -151,7 +175,37 @@ class PackConfig:
 
 
 @dataclass
+class HealthConfig:
+    """Training health checks (`posttrain.train.health`).
+
+    A step whose loss or gradient norm is NaN/Inf is skipped (no optimizer update, schedule
+    not advanced); `max_consecutive_bad_steps` of them in a row stop training. A loss above
+    `spike_factor` x the median loss of the last `window` finite steps is flagged as a spike,
+    a gradient norm above `max_grad_norm_alert` (if set) or above `grad_explosion_factor` x
+    the median of the last `window` finite gradient norms as an explosion; flagged steps are
+    still applied. Running references need `min_history` finite steps first."""
+
+    spike_factor: float = bounded(3.0, gt=1)
+    grad_explosion_factor: float = bounded(10.0, gt=1)
+    max_grad_norm_alert: Optional[float] = bounded(None, gt=0)
+    window: int = bounded(50, ge=1)
+    min_history: int = bounded(5, ge=1)
+    max_consecutive_bad_steps: int = bounded(5, ge=1)
+
+
+@dataclass
 class TrainConfig:
+    """Optimisation, precision and logging of a training run (`posttrain.train.trainer`).
+
+    `lr_schedule`: linear warmup, then `cosine` or `linear` decay to `min_lr_ratio`.
+    `mixed_precision: bf16` runs forward and loss under bf16 autocast; parameters, gradients
+    and optimizer state stay float32. `activation_checkpointing` recomputes each decoder
+    block in backward; `compile` compiles each decoder block with `torch.compile`.
+    `peak_flops`: the device's peak FLOP/s, a number or a name in
+    `posttrain.train.mfu.PEAK_FLOPS` (e.g. "h100-sxm/bf16"); MFU is reported when set.
+    `tensorboard`: write TensorBoard event files beside the JSONL metrics; `progress_bar`:
+    a tqdm bar on a terminal (a plain line every `log_every` steps elsewhere)."""
+
     seed: int = 0
     device: Literal["cpu", "cuda", "auto"] = "auto"
     max_steps: Optional[int] = bounded(None, ge=1)
@@ -168,6 +222,26 @@ class TrainConfig:
     max_grad_norm: float = bounded(1.0, gt=0)
     log_every: int = bounded(10, ge=1)
     card_refresh_s: float = bounded(10.0, gt=0)
+    lr_schedule: Literal["cosine", "linear"] = "cosine"
+    mixed_precision: Literal["no", "bf16"] = "no"
+    activation_checkpointing: bool = False
+    compile: bool = False
+    peak_flops: Optional[Union[float, str]] = None
+    tensorboard: bool = True
+    progress_bar: bool = True
+    health: HealthConfig = field(default_factory=HealthConfig)
+
+    def validate(self) -> None:
+        if isinstance(self.peak_flops, str):
+            from posttrain.train.mfu import PEAK_FLOPS
+
+            if self.peak_flops not in PEAK_FLOPS:
+                raise ConfigError(
+                    f"train.peak_flops '{self.peak_flops}' is not a known device; give a number (FLOP/s) "
+                    f"or one of {sorted(PEAK_FLOPS)}"
+                )
+        elif self.peak_flops is not None and self.peak_flops <= 0:
+            raise ConfigError(f"train.peak_flops must be positive, got {self.peak_flops}")
 
 
 @dataclass
@@ -193,6 +267,41 @@ class RegisterConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How training is spread over workers (`posttrain.parallel`; docs/parallel.md).
+
+    `num_workers` SPMD processes form a `dp_size x tp_size` device mesh (dims "dp", "tp").
+    `strategy`: "none" (one worker), "ddp" (replicated parameters, gradients summed over
+    "dp"), "fsdp" (FSDP2: parameters, gradients and optimizer state sharded over "dp"),
+    "tp" (tensor parallel over "tp", dp_size 1), "fsdp+tp" (both). `dp_size` defaults to
+    `num_workers // tp_size`. `backend`: torch.distributed backend (default: nccl on CUDA,
+    else gloo)."""
+
+    strategy: Literal["none", "ddp", "fsdp", "tp", "fsdp+tp"] = "none"
+    num_workers: int = bounded(1, ge=1)
+    dp_size: Optional[int] = bounded(None, ge=1)
+    tp_size: int = bounded(1, ge=1)
+    backend: Optional[Literal["gloo", "nccl"]] = None
+
+    @property
+    def dp(self) -> int:
+        return self.dp_size if self.dp_size is not None else self.num_workers // self.tp_size
+
+    def validate(self) -> None:
+        if self.dp * self.tp_size != self.num_workers:
+            raise ConfigError(
+                f"parallel: dp_size ({self.dp}) x tp_size ({self.tp_size}) must equal num_workers ({self.num_workers})"
+            )
+        uses_tp = self.strategy in ("tp", "fsdp+tp")
+        if self.tp_size > 1 and not uses_tp:
+            raise ConfigError(f"parallel.tp_size is {self.tp_size} but strategy {self.strategy!r} has no tensor parallelism")
+        if self.strategy == "tp" and self.dp > 1:
+            raise ConfigError(f"parallel.strategy 'tp' needs dp_size 1 (got {self.dp}); use 'fsdp+tp'")
+        if self.strategy == "none" and self.num_workers > 1:
+            raise ConfigError(f"parallel.strategy 'none' runs one worker, num_workers is {self.num_workers}")
+
+
+@dataclass
 class SFTConfig:
     """The SFT recipe: data -> tokenize -> pack -> train -> verify -> evaluate -> register."""
 
@@ -205,6 +314,7 @@ class SFTConfig:
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     register: RegisterConfig = field(default_factory=RegisterConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output_dir: str = "outputs"
     seed: int = 0
 

@@ -1,11 +1,12 @@
-"""AdamW and its learning-rate schedule (linear warmup, then cosine decay to a floor).
+"""AdamW and its learning-rate schedule (linear warmup, then cosine or linear decay to a floor).
 
 Parameter groups: every parameter with 2 or more dimensions (matrices, the embedding) gets
 weight decay; 1-D parameters (norm weights, biases) get none. Tied parameters appear once.
 
 Schedule, as a multiplier of `learning_rate` for the optimizer step with 0-based index `step`:
     step <  warmup_steps:   (step + 1) / warmup_steps                 (reaches 1.0 at warmup_steps-1)
-    step >= warmup_steps:   cosine from 1.0 at `warmup_steps` to `min_lr_ratio` at `total_steps-1`
+    step >= warmup_steps:   cosine (or linear, `lr_schedule: linear`) from 1.0 at `warmup_steps`
+                            to `min_lr_ratio` at `total_steps-1`
     step >= total_steps-1:  min_lr_ratio
 If `warmup_steps >= total_steps` the run never leaves warmup (the config asked for that); if
 warmup ends on the last step or later there is nothing to decay over and the lr stays at peak.
@@ -64,15 +65,21 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
     )
 
 
-def lr_lambda(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
+SCHEDULES = ("cosine", "linear")
+
+
+def lr_lambda(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: float, schedule: str = "cosine") -> float:
     """Multiplier of the peak learning rate for optimizer step `step` (0-based); see module doc."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown lr schedule {schedule!r}; known: {SCHEDULES}")
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
     decay_steps = total_steps - 1 - warmup_steps
     if decay_steps <= 0:  # no step left to decay over: stay at the peak
         return 1.0
     progress = min(1.0, (step - warmup_steps) / decay_steps)
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    remaining = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * remaining
 
 
 def build_scheduler(
@@ -80,10 +87,11 @@ def build_scheduler(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR over `lr_lambda`: right after construction the optimizer holds the lr of step 0;
     call `scheduler.step()` once after each `optimizer.step()`."""
+    lr_lambda(0, 1, 0, 0.0, cfg.lr_schedule)  # rejects an unknown schedule now, not at the first step
     if total_steps < 1:
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
 
     def multiplier(step: int) -> float:
-        return lr_lambda(step, total_steps, cfg.warmup_steps, cfg.min_lr_ratio)
+        return lr_lambda(step, total_steps, cfg.warmup_steps, cfg.min_lr_ratio, cfg.lr_schedule)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)

@@ -1,30 +1,67 @@
 """The step-level trainer: one call of `train_step` is one optimizer step.
 
-Loss normalisation is per token across all micro-batches of a step: the loss tokens of every
-micro-batch are counted first, then each micro-batch backpropagates `loss_sum / total_tokens`.
+Loss normalisation is per token across all micro-batches of a step AND all data-parallel
+workers: the loss tokens of every micro-batch are counted first and (with a process group)
+summed over the ranks, then each micro-batch backpropagates `loss_sum / global_loss_tokens`.
 The gradient therefore equals the gradient of the mean loss over all loss tokens of the step,
-exactly as if the micro-batches were one batch (a mean of per-micro-batch means would weight
-the tokens of short micro-batches more).
+exactly as if every rank's micro-batches were one batch on one device (a mean of per-batch or
+per-rank means would weight the tokens of short batches more).
 
-Single device, no mixed precision: the model runs in the dtype it was built in. Batches are
-moved to the model's device if they are not already there.
+Contract for the cross-rank gradient reduction: each rank's gradient is its share of that
+global mean, so the ranks' gradients must be SUMMED, never averaged.
+- `grad_sync="allreduce_sum"`: the trainer all-reduces (SUM) every gradient after backward;
+  for a plain model replicated on every rank (no DDP, no FSDP).
+- `grad_sync="none"`: something else reduces with SUM, e.g. FSDP2 configured with a
+  reduce-scatter divide factor of 1 (`posttrain.parallel`), or there is one rank.
+- `grad_sync="auto"` (default): "allreduce_sum" when the group has more than one rank and no
+  parameter is a DTensor, else "none". A `DistributedDataParallel` model is refused (it
+  averages).
+The reported `loss` is the global mean per loss token; `tokens` (real tokens) and MFU are
+global too; `grad_norm` is the norm of the reduced (global) gradient.
+
+Health (`posttrain.train.health`): a step with a non-finite loss or gradient norm is skipped
+(gradients dropped, no optimizer or scheduler step; every rank sees the same global values,
+so all ranks skip together). `step` counts `train_step` calls, skipped ones included; the
+schedule advances only on applied steps.
+
+Options (`TrainConfig`): `mixed_precision: bf16` runs the loss function (model forward and
+loss) under `torch.autocast(device, bfloat16)`; parameters, gradients and AdamW state stay
+float32. `activation_checkpointing` and `compile` act on each decoder block of
+`model.layers` from outside the model; parameter names do not change (so state dicts and
+`export_weights` are the same with or without them).
+
+Batches are moved to the model's device if they are not already there.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import random
 import time
-from typing import Callable
+from types import SimpleNamespace
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
 
 from posttrain.config.schema import TrainConfig
 from posttrain.ops.losses import IGNORE_INDEX, causal_lm_loss
+from posttrain.train.health import HealthMonitor
 from posttrain.train.optim import build_optimizer, build_scheduler
 
-
 LossFn = Callable[[torch.nn.Module, dict], tuple[torch.Tensor, torch.Tensor | int]]
+DEFAULT_GROUP = "default"
+GRAD_SYNCS = ("auto", "none", "allreduce_sum")
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -41,33 +78,133 @@ def count_loss_tokens(batch: dict) -> torch.Tensor:
     return (batch["labels"] != IGNORE_INDEX).sum()
 
 
-class Trainer:
-    """AdamW + warmup/cosine schedule + grad clipping over `model`.
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder blocks (`model.layers`) that activation checkpointing and compile act on."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        raise ValueError(f"{type(model).__name__} has no `layers` ModuleList of decoder blocks")
+    return list(layers)
 
-    `total_steps` is the length of the schedule (the cosine reaches `min_lr_ratio` on the
-    last step). `loss_fn(model, batch) -> (loss_sum, num_loss_tokens)` must sum (not average)
-    the loss over the positions where `labels != -100`; its token count is checked against
-    that definition.
+
+def _checkpointed(forward: Callable, *args, **kwargs):
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder block's activations in backward (non-reentrant
+    `torch.utils.checkpoint`). Replaces the blocks' `forward` on the instance, so module
+    structure and parameter names stay as they are."""
+    for block in decoder_blocks(model):
+        if isinstance(block.forward, functools.partial) and block.forward.func is _checkpointed:
+            continue  # already applied
+        block.forward = functools.partial(_checkpointed, block.forward)
+
+
+def apply_compile(model: torch.nn.Module) -> None:
+    """`torch.compile` each decoder block in place (`nn.Module.compile`; names unchanged)."""
+    for block in decoder_blocks(model):
+        block.compile()
+
+
+def resolve_group(process_group):
+    """The data-parallel group: the default group when `process_group` is `DEFAULT_GROUP` and
+    torch.distributed is initialised, else None (single process)."""
+    if process_group == DEFAULT_GROUP:
+        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    return process_group
+
+
+def _full_weights_view(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> SimpleNamespace:
+    """What an adapter's `export_tensors(model)` reads (`config`, `named_parameters`,
+    `state_dict`), over a full state dict instead of the (possibly sharded) live model."""
+    return SimpleNamespace(config=model.config, named_parameters=lambda: iter(weights.items()),
+                           state_dict=lambda: dict(weights))
+
+
+class Trainer:
+    """AdamW + warmup/decay schedule + grad clipping + health checks over `model`.
+
+    `total_steps` is the length of the schedule (it reaches `min_lr_ratio` on the last step).
+    `loss_fn(model, batch) -> (loss_sum, num_loss_tokens)` must sum (not average) the loss over
+    the positions where `labels != -100`; its token count is checked against that definition.
+    `process_group`: the data-parallel group (default: the default group when
+    torch.distributed is initialised; None: no cross-rank reduction). `grad_sync`: see the
+    module docstring. Build the trainer after the model is on its device and sharded.
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, total_steps: int, loss_fn: LossFn = causal_lm_loss):
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, total_steps: int, loss_fn: LossFn = causal_lm_loss,
+                 process_group=DEFAULT_GROUP, grad_sync: str = "auto"):
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise ValueError("DistributedDataParallel averages gradients; pass the plain model "
+                             "(grad_sync='allreduce_sum' sums them as the per-token loss needs)")
+        if grad_sync not in GRAD_SYNCS:
+            raise ValueError(f"grad_sync must be one of {GRAD_SYNCS}, got {grad_sync!r}")
         self.model = model
         self.cfg = cfg
         self.total_steps = total_steps
         self.loss_fn = loss_fn
+        self.group = resolve_group(process_group)
+        self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
+        if grad_sync == "auto":
+            sharded = any(isinstance(p, DTensor) for p in model.parameters())
+            grad_sync = "allreduce_sum" if self.world_size > 1 and not sharded else "none"
+        self.grad_sync = grad_sync
+        if cfg.mixed_precision == "bf16":
+            wrong = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
+            if wrong:
+                raise ValueError(f"mixed_precision 'bf16' keeps float32 master weights; parameter {wrong[0]!r} "
+                                 f"is {dict(model.named_parameters())[wrong[0]].dtype}")
+        if cfg.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        if cfg.compile:
+            apply_compile(model)
+        self.peak_flops = None
+        if cfg.peak_flops is not None:
+            from posttrain.train.mfu import peak_flops
+
+            self.peak_flops = peak_flops(cfg.peak_flops)
         self.optimizer = build_optimizer(model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, total_steps)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self.step = 0  # optimizer steps completed
+        self.health = HealthMonitor(cfg.health)
+        self.step = 0  # train_step calls completed (skipped steps included)
+
+    # ------------------------------------------------------------------ one step
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.group is not None and self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        return tensor
+
+    def _sync_grads(self) -> None:
+        """SUM-all-reduce every gradient, flattened per dtype into one buffer (one collective each)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self.params:
+            if p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = self._all_reduce(torch.cat([g.reshape(-1) for g in grads]))
+            torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+    def _step_flops(self, micro_batches: list[dict]) -> float:
+        from posttrain.train.mfu import batch_step_flops
+
+        return sum(batch_step_flops(self.model.config, b).total for b in micro_batches)
+
+    def _autocast(self, device: torch.device):
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.cfg.mixed_precision == "bf16")
 
     def train_step(self, micro_batches: list[dict]) -> dict:
         """One optimizer step over `micro_batches` (dicts of `[B, T]` long tensors).
 
-        Returns metrics: `step` (1-based, after this step), `loss` (mean per loss token over
-        the step), `lr` (used by this step), `grad_norm` (total L2 norm before clipping),
-        `grad_clipped` (whether clipping scaled the gradients), `tokens` (real tokens,
-        `doc_ids >= 0`), `loss_tokens`, `tokens_per_s`, `step_time_s`.
-        Raises ValueError if the micro-batches hold no loss token at all.
+        Returns metrics: `step` (1-based, after this step), `loss` (global mean per loss token),
+        `lr` (the one this step used or would have used), `grad_norm` (global L2 norm before
+        clipping), `grad_clipped`, `tokens` (real tokens, `doc_ids >= 0`, all ranks),
+        `loss_tokens` (all ranks), `tokens_per_s`, `step_time_s`, `mfu` (when `peak_flops` is
+        configured; over `world_size` devices), health flags (`health`, `nonfinite`,
+        `loss_spike`, `grad_explosion`), `skipped` and `skipped_steps` (total so far).
+        Raises ValueError if the step holds no loss token on any rank, TrainingHealthError
+        after `max_consecutive_bad_steps` non-finite steps in a row.
         """
         if not micro_batches:
             raise ValueError("train_step needs at least one micro-batch")
@@ -76,51 +213,75 @@ class Trainer:
         self.model.train()
         micro_batches = [batch_to(b, device) for b in micro_batches]
 
-        counts = torch.stack([count_loss_tokens(b) for b in micro_batches]).tolist()
-        total_loss_tokens = sum(counts)
+        counts = torch.stack([count_loss_tokens(b) for b in micro_batches])
+        real = torch.stack([(b["doc_ids"] >= 0).sum() for b in micro_batches]).sum()
+        flops = self._step_flops(micro_batches) if self.peak_flops is not None else 0.0
+        totals = torch.stack([counts.sum().double(), real.double(), torch.tensor(flops, dtype=torch.float64, device=device)])
+        total_loss_tokens, tokens, flops = (int(v) if i < 2 else float(v) for i, v in enumerate(self._all_reduce(totals).tolist()))
+        counts = counts.tolist()
         if total_loss_tokens == 0:
             raise ValueError("no loss tokens in this step's micro-batches (every label is -100)")
-        tokens = torch.stack([(b["doc_ids"] >= 0).sum() for b in micro_batches]).sum()
 
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum_total = torch.zeros((), dtype=torch.float64, device=device)
         reported = []
         for batch in micro_batches:
-            loss_sum, num_loss_tokens = self.loss_fn(self.model, batch)
+            with self._autocast(device):
+                loss_sum, num_loss_tokens = self.loss_fn(self.model, batch)
             (loss_sum / total_loss_tokens).backward()
             loss_sum_total += loss_sum.detach().double()
             reported.append(torch.as_tensor(num_loss_tokens, device=device))
         if torch.stack(reported).tolist() != counts:
             raise RuntimeError(f"loss_fn counted {torch.stack(reported).tolist()} loss tokens, labels have {counts}")
+        if self.grad_sync == "allreduce_sum":
+            self._sync_grads()
 
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
+        loss = float(self._all_reduce(loss_sum_total)) / total_loss_tokens
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        grad_norm = float(norm)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)  # dropped before a possible TrainingHealthError
+        verdict = self.health.check(self.step + 1, loss, grad_norm)
+        if not verdict.skip:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_grad_norm, norm)
+            self.optimizer.step()
+            self.scheduler.step()
         self.step += 1
 
-        loss = float(loss_sum_total) / total_loss_tokens
-        grad_norm = float(grad_norm)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_time = time.perf_counter() - start
-        num_tokens = int(tokens)
-        return {
+        metrics = {
             "step": self.step,
             "loss": loss,
             "lr": lr,
             "grad_norm": grad_norm,
-            "grad_clipped": grad_norm > self.cfg.max_grad_norm,
-            "tokens": num_tokens,
+            "grad_clipped": (not verdict.skip) and grad_norm > self.cfg.max_grad_norm,
+            "tokens": tokens,
             "loss_tokens": total_loss_tokens,
-            "tokens_per_s": num_tokens / step_time,
+            "tokens_per_s": tokens / step_time,
             "step_time_s": step_time,
+            **verdict.as_metrics(),
+            "skipped": verdict.skip,
+            "skipped_steps": self.health.skipped_steps,
         }
+        if self.peak_flops is not None:
+            metrics["mfu"] = flops / step_time / (self.peak_flops * self.world_size)
+        return metrics
+
+    # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        """Everything needed to resume exactly: model, optimizer, scheduler, step and RNG states
-        (python, numpy, torch, cuda). Tensors and plain Python values only, so
-        `torch.load(..., weights_only=True)` reads it back."""
+        """Everything needed to resume exactly: model and optimizer (through
+        `torch.distributed.checkpoint.state_dict.get_state_dict`: parameter-name keys, plain
+        tensors for a plain model, DTensor shards under FSDP2, ready for DCP), scheduler, step,
+        health counters and RNG states (python, numpy, torch, cuda; this rank's). Tensors and
+        plain Python values only, so `torch.load(..., weights_only=True)` reads it back."""
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
         kind, keys, pos, has_gauss, gauss = np.random.get_state()
         rng = {
             "python": random.getstate(),
@@ -130,19 +291,25 @@ class Trainer:
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optim_state,
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
+            "health": self.health.state_dict(),
             "rng": rng,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a `state_dict()`; the model must have the same architecture and device layout."""
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Restore a `state_dict()` (via `set_state_dict`'s model/optimizer halves); the model
+        must have the same architecture and parallel layout. Model keys are strict; optimizer
+        state may lack parameters that never had a step (e.g. every step so far skipped)."""
+        set_model_state_dict(self.model, state["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
+                                 options=StateDictOptions(strict=False))
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
+        if "health" in state:
+            self.health.load_state_dict(state["health"])
         rng = state["rng"]
         random.setstate(rng["python"])
         kind, keys, pos, has_gauss, gauss = rng["numpy"]
@@ -150,3 +317,25 @@ class Trainer:
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """`(hf_name, tensor)` over the full, unsharded weights in Hugging Face names (the
+        architecture adapter's `export_tensors`), plus `lm_head.weight` for tied models (a
+        rollout engine needs it; HF checkpoints leave it out).
+
+        The full weights come from `get_model_state_dict(full_state_dict=True,
+        cpu_offload=True)`: on a plain single-process model they are views of the live
+        parameters (copy before mutating); under a process group the call is collective and
+        only rank 0 receives tensors (other ranks yield nothing, but must call it too).
+        """
+        from posttrain.models.registry import get_architecture
+
+        weights = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not weights:
+            return
+        config = self.model.config
+        adapter = get_architecture(config.model_type).adapter
+        for name, tensor in adapter.export_tensors(_full_weights_view(self.model, weights)):
+            yield name, tensor
+            if name == "model.embed_tokens.weight" and getattr(config, "tie_word_embeddings", False):
+                yield "lm_head.weight", tensor
