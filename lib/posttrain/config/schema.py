@@ -141,6 +141,9 @@ class ModelConfig:
     loads `name_or_path` (a local Hugging Face directory or a hub id) and ignores the sizes."""
 
     arch: Literal["qwen3"] = "qwen3"
+    # "transformers": train any AutoModelForCausalLM through posttrain.models.hf_backend
+    # (init: pretrained only; packed rows only where the model honours restarting position ids)
+    backend: Literal["native", "transformers"] = "native"
     init: Literal["random", "pretrained"] = "random"
     name_or_path: Optional[str] = None
     hidden_size: int = bounded(128, ge=8)

@@ -1,0 +1,238 @@
+"""The `transformers` fallback backend: any `AutoModelForCausalLM` behind our model contract.
+
+`HFCausalLM(hf_model)` exposes what the trainer and the losses need from one of our models:
+`forward(input_ids_BT, position_ids_BT, doc_ids_BT) -> hidden_BTD` (the decoder's last hidden
+state, i.e. what transformers feeds its `lm_head`), `output_weight` (the `lm_head` weight
+`[V, D]`, so the chunked loss owns the projection and full logits never exist in training),
+`compute_logits(hidden_BTD)`, and `config` (the transformers config: `vocab_size`,
+`model_type`, `hidden_size`, ...).
+
+Batches:
+- Padded rows (at most one document per row, `doc_ids == -1` on padding) always work: they
+  run with `attention_mask = doc_ids >= 0` and the given position ids.
+- Packed rows (several documents in a row) run with `attention_mask=None` and
+  `use_cache=False`, the only way transformers turns restarting `position_ids` into
+  document masks (`masking_utils.find_packed_sequence_indices`). Not every model class does
+  that (some build masks without the position ids, some take no position ids at all), so at
+  wrap time a probe runs one packed row of two documents and compares the second document's
+  hidden states to a forward of it alone. A packed batch given to a model that failed the
+  probe raises `PackingNotSupported`; so does a row whose position restarts disagree with
+  its `doc_ids` (the model would see other documents than the batch says).
+
+Refused at wrap time with `UnsupportedModel`: a model without a linear `lm_head`, an
+`lm_head` with a bias (the chunked loss projects with a weight only), an `lm_head` whose row
+count differs from `config.vocab_size`, and any model whose logits are not exactly
+`lm_head(last_hidden_state)` (logit soft-capping, logit scaling, ...), checked by a probe
+and named from the config where a known attribute explains it.
+
+Weights load from safetensors only (`use_safetensors=True`); remote code is never run.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BACKENDS = ("native", "transformers")
+# config attributes that make transformers change the logits after lm_head
+_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier",
+                         "output_multiplier_scale")
+_PROBE_LENGTHS = (5, 7)  # the two documents of the packing probe
+
+
+class UnsupportedModel(ValueError):
+    """The transformers model cannot be trained through our loss as it is."""
+
+
+class PackingNotSupported(ValueError):
+    """A packed batch (several documents in a row) reached a model that cannot mask documents."""
+
+
+def _probe_tolerance(dtype: torch.dtype) -> float:
+    """Relative tolerance for "same numbers up to kernel differences" in `dtype`."""
+    return 1e-4 if torch.finfo(dtype).bits >= 32 else 3e-2
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    scale = b.float().abs().max().clamp(min=1.0)
+    return bool((a.float() - b.float()).abs().max() <= _probe_tolerance(a.dtype) * scale)
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM with our model contract (see the module docstring).
+
+    `hf_model` is kept as the submodule `hf`, so `state_dict()` names are transformers' own
+    prefixed by `hf.`; `save_pretrained(path)` writes a normal transformers checkpoint.
+    `probe_packing=False` skips the packing probe and treats packing as unsupported.
+    """
+
+    def __init__(self, hf_model: nn.Module, probe_packing: bool = True):
+        super().__init__()
+        self.hf = hf_model
+        self.config = hf_model.config
+        self.base = hf_model.base_model
+        if self.base is hf_model:
+            raise UnsupportedModel(f"{type(hf_model).__name__} has no separate base model to read hidden states from")
+        head = hf_model.get_output_embeddings()
+        name = type(hf_model).__name__
+        if not isinstance(head, nn.Linear):
+            raise UnsupportedModel(f"{name}: output embeddings are {type(head).__name__}, not an nn.Linear lm_head")
+        if head.bias is not None:
+            raise UnsupportedModel(f"{name}: lm_head has a bias; the chunked loss projects with lm_head.weight only")
+        if head.weight.shape[0] != self.config.vocab_size:
+            raise UnsupportedModel(
+                f"{name}: lm_head.weight has {head.weight.shape[0]} rows but config.vocab_size is {self.config.vocab_size}"
+            )
+        self.lm_head = head
+        self._takes_position_ids = "position_ids" in _forward_params(self.base)
+        self._check_logits_are_plain_projection()
+        self.supports_packing = probe_packing and self._takes_position_ids and self._probe_packing()
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The `lm_head` weight `[V, D]` (the input embedding when transformers ties them)."""
+        return self.lm_head.weight
+
+    def forward(
+        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor
+    ) -> torch.Tensor:
+        """Last hidden states `[B, T, D]` (what transformers' `lm_head` consumes)."""
+        if bool((doc_ids_BT > 0).any()):
+            if not self.supports_packing:
+                raise PackingNotSupported(
+                    f"model {type(self.hf).__name__} ({self.config.model_type}) does not support packed rows "
+                    "(restarting position_ids); use padded batches with one document per row"
+                )
+            _check_restarts_match_documents(position_ids_BT, doc_ids_BT)
+            return self._hidden(input_ids_BT, position_ids_BT, attention_mask_BT=None)
+        return self._hidden(input_ids_BT, position_ids_BT, attention_mask_BT=(doc_ids_BT >= 0).long())
+
+    def compute_logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
+        """Full logits `[B, T, V]` (generation/verification only); equal to transformers' logits."""
+        return F.linear(hidden_BTD, self.output_weight)
+
+    def save_pretrained(self, path: str | os.PathLike, **kwargs: Any) -> None:
+        """Write a transformers checkpoint (safetensors) of the wrapped model."""
+        self.hf.save_pretrained(path, safe_serialization=True, **kwargs)
+
+    # ------------------------------------------------------------------ internals
+
+    def _hidden(self, input_ids_BT, position_ids_BT, attention_mask_BT) -> torch.Tensor:
+        kwargs = {"input_ids": input_ids_BT, "attention_mask": attention_mask_BT, "use_cache": False}
+        if self._takes_position_ids:
+            kwargs["position_ids"] = position_ids_BT
+        return self.base(**kwargs).last_hidden_state
+
+    def _probe_ids(self, length: int, seed: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, min(self.config.vocab_size, 1000), (1, length), generator=gen)
+        return ids.to(self.lm_head.weight.device)
+
+    @torch.no_grad()
+    def _check_logits_are_plain_projection(self) -> None:
+        for attr in _LOGIT_POSTPROCESSING:
+            value = getattr(self.config, attr, None)
+            if value not in (None, 1, 1.0, 0, 0.0, False):
+                raise UnsupportedModel(
+                    f"{type(self.hf).__name__}: config.{attr}={value!r} changes the logits after lm_head, "
+                    "which the chunked loss does not apply; use a native architecture"
+                )
+        ids_BT = self._probe_ids(sum(_PROBE_LENGTHS), seed=0)
+        with _eval_mode(self.hf):
+            theirs = self.hf(input_ids=ids_BT, use_cache=False).logits
+            ours = self.compute_logits(self._hidden(ids_BT, _arange_like(ids_BT), torch.ones_like(ids_BT)))
+        if theirs.shape != ours.shape or not _close(ours, theirs):
+            raise UnsupportedModel(
+                f"{type(self.hf).__name__}: its logits are not lm_head(last_hidden_state) (an extra op after the "
+                "head, e.g. soft-capping or scaling); the chunked loss cannot reproduce them"
+            )
+
+    @torch.no_grad()
+    def _probe_packing(self) -> bool:
+        """Whether a packed row of two documents gives each document its solo hidden states."""
+        first, second = (self._probe_ids(n, seed=i + 1) for i, n in enumerate(_PROBE_LENGTHS))
+        packed_ids = torch.cat([first, second], dim=1)
+        packed_pos = torch.cat([_arange_like(first), _arange_like(second)], dim=1)
+        with _eval_mode(self.hf):
+            packed = self._hidden(packed_ids, packed_pos, attention_mask_BT=None)
+            alone = self._hidden(second, _arange_like(second), attention_mask_BT=torch.ones_like(second))
+        return _close(packed[:, first.shape[1]:], alone)
+
+
+def _forward_params(module: nn.Module) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(module.forward).parameters)
+
+
+def _arange_like(ids_BT: torch.Tensor) -> torch.Tensor:
+    return torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
+
+
+class _eval_mode:
+    """Context manager: `module.eval()` inside, the previous train/eval mode restored after."""
+
+    def __init__(self, module: nn.Module):
+        self.module, self.was_training = module, module.training
+
+    def __enter__(self):
+        self.module.eval()
+
+    def __exit__(self, *exc):
+        self.module.train(self.was_training)
+
+
+def _check_restarts_match_documents(position_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor) -> None:
+    """transformers splits documents where positions do not step by 1; that must be exactly
+    where `doc_ids` changes (padding, one position-0 token each, splits on its own)."""
+    new_doc_BT = torch.ones_like(doc_ids_BT, dtype=torch.bool)
+    new_doc_BT[:, 1:] = doc_ids_BT[:, 1:] != doc_ids_BT[:, :-1]
+    restart_BT = torch.ones_like(new_doc_BT)
+    restart_BT[:, 1:] = position_ids_BT[:, 1:] - position_ids_BT[:, :-1] != 1
+    real_BT = doc_ids_BT >= 0
+    bad_BT = (new_doc_BT != restart_BT) & real_BT
+    if bool(bad_BT.any()):
+        row, col = (int(i) for i in bad_BT.nonzero()[0])
+        raise PackingNotSupported(
+            f"packed row {row}: position_ids do not restart exactly where doc_ids change (column {col}); "
+            "transformers derives document boundaries from restarting position ids"
+        )
+
+
+def load_hf_backend(
+    path_or_id: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    attn_implementation: str | None = None,
+    probe_packing: bool = True,
+) -> HFCausalLM:
+    """Load any `AutoModelForCausalLM` checkpoint (safetensors only, no remote code) and wrap it.
+
+    `attn_implementation=None` lets transformers choose (SDPA where the class supports it).
+    """
+    import transformers
+
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path_or_id), dtype=dtype, use_safetensors=True, trust_remote_code=False,
+        attn_implementation=attn_implementation,
+    )
+    return HFCausalLM(hf_model.to(device), probe_packing=probe_packing)
+
+
+def build_training_model(model_cfg: Any, device: torch.device | str = "cpu") -> HFCausalLM:
+    """The training model for a recipe's `model` section with `backend: transformers`.
+
+    That backend starts from a pretrained checkpoint only (`init: pretrained`,
+    `name_or_path` a local directory or hub id); the native backend is built by
+    `posttrain.models.registry` as before.
+    """
+    backend = getattr(model_cfg, "backend", "native")
+    if backend != "transformers":
+        raise ValueError(f"build_training_model builds the transformers backend; model.backend is {backend!r}")
+    if model_cfg.init != "pretrained" or not model_cfg.name_or_path:
+        raise ValueError("model.backend 'transformers' needs model.init: pretrained and model.name_or_path")
+    return load_hf_backend(model_cfg.name_or_path, device=device)
