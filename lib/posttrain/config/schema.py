@@ -305,6 +305,22 @@ class ParallelConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Training checkpoints (`posttrain.train.checkpoint`): complete state (model, optimizer,
+    scheduler, data position, RNG, step) every `every_steps` optimizer steps and after the last,
+    the newest `keep_last` kept. `directory`: where they go (default `<run dir>/train_state`,
+    which survives a task retry and `resume` of the flow). Training resumes from the newest
+    complete checkpoint there; if there is none, from `resume_from` (a checkpoint directory,
+    e.g. `.../train_state/step_00000100`) when set. `enabled: false` neither saves nor resumes."""
+
+    enabled: bool = True
+    every_steps: int = bounded(100, ge=1)
+    keep_last: int = bounded(2, ge=1)
+    directory: Optional[str] = None
+    resume_from: Optional[str] = None
+
+
+@dataclass
 class SFTConfig:
     """The SFT recipe: data -> tokenize -> pack -> train -> verify -> evaluate -> register."""
 
@@ -318,6 +334,7 @@ class SFTConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     register: RegisterConfig = field(default_factory=RegisterConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output_dir: str = "outputs"
     seed: int = 0
 
