@@ -1,0 +1,268 @@
+"""LoRA adapters in PEFT's on-disk format: export from our model, import onto it.
+
+An adapter directory holds `adapter_config.json` (`peft_type: LORA`, `task_type: CAUSAL_LM`,
+`r`, `lora_alpha`, `lora_dropout`, `target_modules` in Hugging Face module names, the base
+model) and `adapter_model.safetensors` with one `lora_A` and one `lora_B` per adapted module,
+keyed as PEFT keys them on a `transformers` causal LM:
+`base_model.model.<HF module>.lora_A.weight` (`[R, I]`) and `...lora_B.weight` (`[O, R]`),
+e.g. `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`. This is what
+`peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter_dir)`
+loads; PEFT computes `scaling = lora_alpha / r` as we do.
+
+HF module names come from the architecture's adapter: `hf_to_ours(config)` maps every HF
+tensor name to ours, so `<HF module>.weight -> <our module>.weight` inverted names each of
+our adapted modules. The adapter must store those weights unchanged (no permutation or
+fusion), or the low-rank factors would need the same transform: this is checked.
+
+`target_modules` is the list of leaf names (`q_proj`, `gate_proj`, ...) when those pick out
+exactly the adapted modules among the checkpoint's modules (PEFT matches a list entry
+against the end of a module name), else a regex (PEFT full-matches a string) listing them.
+
+Not supported (a clear `LoraError`): exporting a model whose output projection was trained
+(`train_output`; export merged instead), and importing adapters with DoRA, rsLoRA, LoRA
+biases, per-module ranks or alphas, `modules_to_save`, or adapters on only some layers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from posttrain.config.schema import LoraConfig
+from posttrain.models.lora import TARGET_MODULES, LoraError, apply_lora, lora_modules
+from posttrain.models.registry import get_architecture
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+KEY_PREFIX = "base_model.model."
+_WEIGHT = ".weight"
+
+
+def hf_module_names(model: torch.nn.Module) -> dict[str, str]:
+    """`{our module name: HF module name}` for every module whose weight the HF checkpoint of
+    `model.config` holds under a single `<module>.weight` name."""
+    hf_to_ours = get_architecture(model.config.model_type).adapter.hf_to_ours(model.config)
+    ours_to_hf: dict[str, str | None] = {}
+    for hf_name, our_name in hf_to_ours.items():
+        if hf_name.endswith(_WEIGHT) and our_name.endswith(_WEIGHT):
+            ours = our_name.removesuffix(_WEIGHT)
+            # a weight assembled from several HF tensors (fused experts) has no single module
+            ours_to_hf[ours] = None if ours in ours_to_hf else hf_name.removesuffix(_WEIGHT)
+    return {ours: hf for ours, hf in ours_to_hf.items() if hf is not None}
+
+
+def _all_hf_modules(model: torch.nn.Module) -> list[str]:
+    hf_to_ours = get_architecture(model.config.model_type).adapter.hf_to_ours(model.config)
+    return [n.rsplit(".", 1)[0] for n in hf_to_ours]
+
+
+def _check_plain_layout(model: torch.nn.Module, pairs: dict[str, str]) -> None:
+    """Raise unless the adapter imports each adapted weight unchanged (checked on one module
+    per target kind, with a probe tensor whose every entry differs)."""
+    config = model.config
+    adapter = get_architecture(config.model_type).adapter
+    shapes = adapter.hf_shapes(config)
+    checked: set[str] = set()
+    for ours, hf in pairs.items():
+        kind = re.sub(r"\.\d+\.", ".N.", ours)
+        if kind in checked:
+            continue
+        checked.add(kind)
+        shape = shapes[f"{hf}{_WEIGHT}"]
+        probe = torch.arange(int(torch.Size(shape).numel()), dtype=torch.int64).reshape(shape)
+        name, imported = adapter.import_tensor(f"{hf}{_WEIGHT}", probe, config)
+        if name != f"{ours}{_WEIGHT}" or not torch.equal(imported, probe):
+            raise LoraError(f"{hf}{_WEIGHT} is not stored as our {ours}{_WEIGHT} is (the HF adapter transforms "
+                            f"it), so its LoRA factors cannot be exported as they are")
+
+
+def _adapted_hf_names(model: torch.nn.Module) -> dict[str, str]:
+    """`{our adapted module: HF module}`; `LoraError` if some adapted module has no HF twin."""
+    adapted = lora_modules(model)
+    if not adapted:
+        raise LoraError(f"{type(model).__name__} has no LoRA adapters")
+    names = hf_module_names(model)
+    missing = [m for m in adapted if m not in names]
+    if missing:
+        raise LoraError(f"adapted modules {missing[:3]} have no single Hugging Face module to name them by")
+    pairs = {m: names[m] for m in adapted}
+    _check_plain_layout(model, pairs)
+    return pairs
+
+
+def _leaf_matches(module: str, entries: list[str]) -> bool:
+    """PEFT's rule for a list of target names: equal to, or a dotted suffix of, the module name."""
+    return any(module == e or module.endswith(f".{e}") for e in entries)
+
+
+def peft_target_modules(adapted_hf: list[str], all_hf: list[str]) -> list[str] | str:
+    """`target_modules` that makes PEFT adapt exactly `adapted_hf` among `all_hf` (see module doc)."""
+    leaves = sorted({m.rsplit(".", 1)[-1] for m in adapted_hf})
+    if {m for m in all_hf if _leaf_matches(m, leaves)} == set(adapted_hf):
+        return leaves
+    return "^(?:" + "|".join(re.escape(m) for m in sorted(adapted_hf)) + ")$"
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_peft_adapter(
+    model: torch.nn.Module, path: str | os.PathLike, base_model_name_or_path: str | None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write `model`'s LoRA adapters as a PEFT adapter directory at `path` and return it.
+
+    `base_model_name_or_path` is recorded for PEFT (the HF directory or hub id of the base).
+    Tensors are stored in `dtype` (default: the adapters' own). Each file is written to a
+    temporary name and renamed into place.
+    """
+    cfg: LoraConfig | None = getattr(model, "lora_config", None)
+    pairs = _adapted_hf_names(model)
+    if cfg is None:
+        raise LoraError("model has LoRA modules but no `lora_config`; apply adapters with apply_lora")
+    if cfg.train_output:
+        raise LoraError("the output projection was trained (train_output); a PEFT LoRA adapter cannot hold it: "
+                        "export the merged model instead")
+    adapted = lora_modules(model)
+    tensors = {}
+    for ours, hf in pairs.items():
+        for factor in ("lora_A", "lora_B"):
+            tensor = getattr(adapted[ours], factor).detach()
+            tensors[f"{KEY_PREFIX}{hf}.{factor}{_WEIGHT}"] = (tensor if dtype is None else tensor.to(dtype)).cpu().contiguous()
+    alpha = int(cfg.alpha) if float(cfg.alpha).is_integer() else cfg.alpha
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": None if base_model_name_or_path is None else str(base_model_name_or_path),
+        "revision": None,
+        "inference_mode": True,
+        "r": cfg.rank,
+        "lora_alpha": alpha,
+        "lora_dropout": cfg.dropout,
+        "target_modules": peft_target_modules(list(pairs.values()), _all_hf_modules(model)),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "lora_bias": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _write_atomic(path / ADAPTER_WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    _write_atomic(path / ADAPTER_CONFIG, lambda p: p.write_text(json.dumps(adapter_config, indent=2) + "\n"))
+    return path
+
+
+# settings whose non-default values change what an adapter computes and that we do not implement
+# (the values allowed; absent counts as allowed)
+_SUPPORTED_ONLY = {"use_dora": (False, None), "use_rslora": (False, None), "lora_bias": (False, None),
+                   "bias": ("none", None), "fan_in_fan_out": (False, None), "rank_pattern": ({}, None),
+                   "alpha_pattern": ({}, None), "modules_to_save": (None, []), "layers_to_transform": (None, [])}
+
+
+def read_adapter_config(path: str | os.PathLike) -> dict:
+    """`adapter_config.json` of a PEFT LoRA adapter directory, checked for what we support."""
+    file = Path(path) / ADAPTER_CONFIG
+    if not file.exists():
+        raise LoraError(f"{path} has no {ADAPTER_CONFIG}")
+    config = json.loads(file.read_text())
+    if config.get("peft_type") != "LORA":
+        raise LoraError(f"{file}: peft_type is {config.get('peft_type')!r}, only 'LORA' is supported")
+    for key, allowed in _SUPPORTED_ONLY.items():
+        if key in config and config[key] not in allowed:
+            raise LoraError(f"{file}: {key}={config[key]!r} is not supported (only {allowed[0]!r})")
+    if not isinstance(config.get("r"), int) or "target_modules" not in config:
+        raise LoraError(f"{file}: needs an integer 'r' and 'target_modules'")
+    return config
+
+
+def _selected_hf_modules(target_modules: list[str] | str, candidates: list[str]) -> list[str]:
+    if isinstance(target_modules, str):
+        return [m for m in candidates if re.fullmatch(target_modules, m)]
+    return [m for m in candidates if _leaf_matches(m, list(target_modules))]
+
+
+def _lora_config_for(model: torch.nn.Module, adapter_config: dict, source: Path) -> tuple[LoraConfig, dict[str, str]]:
+    """Our `LoraConfig` for an adapter, and `{our module: HF module}` of the modules it adapts."""
+    hf_to_ours = {hf: ours for ours, hf in hf_module_names(model).items()}
+    selected = _selected_hf_modules(adapter_config["target_modules"], _all_hf_modules(model))
+    if not selected:
+        raise LoraError(f"{source}: target_modules {adapter_config['target_modules']!r} match no module of this model")
+    pattern = re.compile(r"layers\.(\d+)\.(.+)")
+    suffix_to_target = {path: t for t, path in TARGET_MODULES.items()}
+    targets: dict[str, set[int]] = {}
+    pairs = {}
+    for hf in selected:
+        match = pattern.fullmatch(hf_to_ours.get(hf, ""))
+        target = suffix_to_target.get(match.group(2)) if match else None
+        if target is None:
+            raise LoraError(f"{source}: {hf} is not a LoRA target we support ({list(TARGET_MODULES)})")
+        targets.setdefault(target, set()).add(int(match.group(1)))
+        pairs[hf_to_ours[hf]] = hf
+    num_layers = len(model.layers)
+    for target, layers in targets.items():
+        if len(layers) != num_layers:
+            raise LoraError(f"{source}: target {target!r} is adapted in {len(layers)} of {num_layers} layers; "
+                            "adapters on only some layers are not supported")
+    ordered = [t for t in TARGET_MODULES if t in targets]
+    cfg = LoraConfig(rank=adapter_config["r"], alpha=float(adapter_config.get("lora_alpha", 8)),
+                     dropout=float(adapter_config.get("lora_dropout", 0.0)), targets=ordered)
+    return cfg, pairs
+
+
+@torch.no_grad()
+def load_peft_adapter(model: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
+    """Load a PEFT LoRA adapter directory onto `model` (in place) and return it.
+
+    A model without adapters gets them first (`apply_lora` with the adapter's rank, alpha,
+    dropout and targets); a model with adapters must have the same ones. Strict: a missing,
+    unexpected or misshapen tensor raises `LoraError` naming it. Reads safetensors only.
+    """
+    path = Path(path)
+    adapter_config = read_adapter_config(path)
+    cfg, pairs = _lora_config_for(model, adapter_config, path)
+    current: LoraConfig | None = getattr(model, "lora_config", None)
+    if current is None:
+        apply_lora(model, cfg)
+    elif (current.rank, current.alpha, sorted(current.targets)) != (cfg.rank, cfg.alpha, sorted(cfg.targets)):
+        raise LoraError(f"{path}: adapter (rank {cfg.rank}, alpha {cfg.alpha}, targets {cfg.targets}) does not match "
+                        f"the model's adapters (rank {current.rank}, alpha {current.alpha}, targets {current.targets})")
+    adapted = lora_modules(model)
+    _check_plain_layout(model, pairs)
+    expected = {f"{KEY_PREFIX}{hf}.{factor}{_WEIGHT}": (ours, factor)
+                for ours, hf in pairs.items() for factor in ("lora_A", "lora_B")}
+    weights = path / ADAPTER_WEIGHTS
+    if not weights.exists():
+        raise LoraError(f"{path} has no {ADAPTER_WEIGHTS} (only safetensors adapters are loaded)")
+    seen = set()
+    with safe_open(str(weights), framework="pt", device="cpu") as f:
+        for key in f.keys():
+            if key not in expected:
+                raise LoraError(f"unexpected tensor {key!r} in {weights}")
+            ours, factor = expected[key]
+            param = getattr(adapted[ours], factor)
+            tensor = f.get_tensor(key)
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise LoraError(f"tensor {key!r} in {weights} has shape {tuple(tensor.shape)}, "
+                                f"expected {tuple(param.shape)}")
+            param.copy_(tensor)
+            seen.add(key)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise LoraError(f"{weights} is missing tensors {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+    return model
