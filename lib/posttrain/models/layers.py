@@ -35,29 +35,36 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (rotate-half layout, "default" RoPE without scaling).
+    """Rotary position embedding (rotate-half layout): "default" RoPE, or "linear" RoPE scaling
+    with `linear_factor != 1` (inverse frequencies divided by the factor, as transformers does).
 
     `forward(position_ids_BT, dtype) -> (cos_BTE, sin_BTE)`. Positions are explicit, so they can
     restart at 0 for each document of a packed row. Tables are computed in float32.
     """
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, linear_factor: float = 1.0):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary head_dim must be even, got {head_dim}")
+        if not linear_factor > 0:
+            raise ValueError(f"rotary linear_factor must be positive, got {linear_factor}")
         self.head_dim = head_dim
         self.theta = float(theta)
+        self.linear_factor = float(linear_factor)
 
     def forward(self, position_ids_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         E, device = self.head_dim, position_ids_BT.device
         exponent = torch.arange(0, E, 2, dtype=torch.float32, device=device) / E
         inv_freq = 1.0 / (self.theta**exponent)  # [E/2]
+        if self.linear_factor != 1.0:
+            inv_freq = inv_freq / self.linear_factor
         freqs_BTe = position_ids_BT[..., None].float() * inv_freq
         angles_BTE = torch.cat((freqs_BTe, freqs_BTe), dim=-1)
         return angles_BTE.cos().to(dtype), angles_BTE.sin().to(dtype)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, theta={self.theta}"
+        factor = f", linear_factor={self.linear_factor}" if self.linear_factor != 1.0 else ""
+        return f"head_dim={self.head_dim}, theta={self.theta}{factor}"
 
 
 def apply_rotary(x_BHTE: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor) -> torch.Tensor:
@@ -83,22 +90,26 @@ class SwiGLU(nn.Module):
 class GroupedQueryAttention(nn.Module):
     """Multi-head attention with `n_kv_heads` key/value heads shared by groups of query heads.
 
-    With `qk_norm_eps` set (Qwen3), q and k get an RMSNorm over the head dim, per head, before
-    the rotary embedding. No biases. Attention goes through `posttrain.ops.attention`, so the
-    document mask and backend are decided by the caller's `AttentionMask`.
+    With `qk_norm_eps` set (Qwen3, Gemma3), q and k get a `norm_cls(head_dim, qk_norm_eps)` norm
+    (default `RMSNorm`) over the head dim, per head, before the rotary embedding. Scores are
+    scaled by `scale` (default `head_dim ** -0.5`). No biases. Attention goes through
+    `posttrain.ops.attention`, so the document mask and backend are decided by the caller's
+    `AttentionMask`.
     """
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm_eps: float | None = None):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm_eps: float | None = None,
+                 scale: float | None = None, norm_cls: type[nn.Module] = RMSNorm):
         super().__init__()
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.scale = head_dim**-0.5 if scale is None else float(scale)
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
-        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
-        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.q_norm = norm_cls(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = norm_cls(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 
     def forward(
         self, x_BTD: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor, mask: AttentionMask
@@ -112,5 +123,5 @@ class GroupedQueryAttention(nn.Module):
             q_BTHE, k_BTKE = self.q_norm(q_BTHE), self.k_norm(k_BTKE)
         q_BHTE = apply_rotary(q_BTHE.transpose(1, 2), cos_BTE, sin_BTE)
         k_BKTE = apply_rotary(k_BTKE.transpose(1, 2), cos_BTE, sin_BTE)
-        o_BHTE = document_attention(q_BHTE, k_BKTE, v_BTKE.transpose(1, 2), mask, scale=E**-0.5)
+        o_BHTE = document_attention(q_BHTE, k_BKTE, v_BTKE.transpose(1, 2), mask, scale=self.scale)
         return self.wo(o_BHTE.transpose(1, 2).reshape(B, T, H * E))
