@@ -8,10 +8,16 @@ of four with recomputation in backward.
 With V = 151,936 the logits of a 4k-token row are 2.3 GiB in float32; a chunk of 512 rows is
 0.3 GiB.
 
+Final-logit soft-capping (Gemma 2/3): with `logit_softcap=c` the cross-entropy is taken over
+`c * tanh(logits / c)` instead of the logits, and the gradient goes through the tanh
+(`d/dlogits = (softmax - onehot) * (1 - tanh^2)`); a second chunk-sized buffer holds that
+factor, so the peak extra memory doubles.
+
 `causal_lm_loss` is the SFT loss: it runs the model, keeps only positions that carry a label
 (labels are already shifted, `-100` = no loss; docs/architecture.md), and sums their token
 cross-entropies. Normalising (dividing by the loss-token count across micro-batches and
-workers) is the trainer's job.
+workers) is the trainer's job. A model whose logits are soft-capped says so with a
+`logit_softcap` attribute (a float); models without one are not capped.
 """
 
 from __future__ import annotations
@@ -41,9 +47,22 @@ def _softmax_(logits_cV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return probs_cV, (sum_c1.log() + max_c1).squeeze(1)
 
 
-def _chunked_grads(hidden_ND, w_VD, labels_N, chunk_size, need_hidden, need_weight, padded_rows, loss_sum=None):
+def _softcap_(logits_cV: torch.Tensor, cap: float, dcap_buf: torch.Tensor | None) -> torch.Tensor | None:
+    """In place: `logits = cap * tanh(logits / cap)`, transformers' order of operations. With
+    `dcap_buf` (`[>= c, V]`), also return the derivative `1 - tanh^2` `[c, V]` written into it."""
+    tanh_cV = logits_cV.div_(cap).tanh_()
+    dcap_cV = None
+    if dcap_buf is not None:
+        dcap_cV = torch.mul(tanh_cV, tanh_cV, out=dcap_buf[: tanh_cV.shape[0]]).neg_().add_(1.0)
+    tanh_cV.mul_(cap)
+    return dcap_cV
+
+
+def _chunked_grads(hidden_ND, w_VD, labels_N, chunk_size, need_hidden, need_weight, padded_rows, loss_sum=None,
+                   logit_softcap=None):
     """One pass over the chunks: gradients of the summed loss (upstream gradient 1) and, if
-    `loss_sum` (a scalar accumulator) is given, the loss added into it.
+    `loss_sum` (a scalar accumulator) is given, the loss added into it. `logit_softcap` caps
+    the logits (`c * tanh(logits / c)`) before the softmax.
 
     Returns `(grad_hidden_ND or None, grad_weight_VD or None)`; the weight gradient has
     `padded_rows` rows (rows beyond `w_VD`'s stay zero), accumulated in `_acc_dtype` and
@@ -61,6 +80,9 @@ def _chunked_grads(hidden_ND, w_VD, labels_N, chunk_size, need_hidden, need_weig
     buf_cV = None
     if hidden_ND.dtype == acc and N > 0:
         buf_cV = torch.empty((min(chunk_size, N), w_VD.shape[0]), dtype=acc, device=hidden_ND.device)
+    dcap_buf_cV = None
+    if logit_softcap is not None and (need_hidden or need_weight) and N > 0:
+        dcap_buf_cV = torch.empty((min(chunk_size, N), w_VD.shape[0]), dtype=acc, device=hidden_ND.device)
     for start in range(0, N, chunk_size):
         h_cD = hidden_ND[start : start + chunk_size]
         labels_c = labels_N[start : start + chunk_size]
@@ -70,6 +92,8 @@ def _chunked_grads(hidden_ND, w_VD, labels_N, chunk_size, need_hidden, need_weig
             logits_cV = torch.mm(h_cD, w_VD.T, out=buf_cV[: h_cD.shape[0]])
         else:
             logits_cV = _chunk_logits(h_cD, w_VD)
+        if logit_softcap is not None:
+            dcap_cV = _softcap_(logits_cV, logit_softcap, dcap_buf_cV)
         if loss_sum is not None:
             target_c = logits_cV.gather(1, target_c1).squeeze(1)
         # d(lse - target)/dlogits = softmax - onehot(target); zero for ignored rows
@@ -80,6 +104,8 @@ def _chunked_grads(hidden_ND, w_VD, labels_N, chunk_size, need_hidden, need_weig
             continue
         grad_cV.scatter_add_(1, target_c1, -valid_c1.to(acc))
         grad_cV.mul_(valid_c1)
+        if logit_softcap is not None:
+            grad_cV.mul_(dcap_cV)  # chain rule through the cap
         grad_cV = grad_cV.to(hidden_ND.dtype)
         if need_hidden:
             torch.mm(grad_cV, w_VD, out=grad_hidden_ND[start : start + chunk_size])
@@ -103,13 +129,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, labels_N, vocab_size, chunk_size, need_hidden, need_weight):
+    def forward(ctx, hidden_ND, weight_VD, labels_N, vocab_size, chunk_size, need_hidden, need_weight,
+                logit_softcap):
         ctx.save_for_backward(hidden_ND, weight_VD, labels_N)
-        ctx.vocab_size, ctx.chunk_size = vocab_size, chunk_size
+        ctx.vocab_size, ctx.chunk_size, ctx.logit_softcap = vocab_size, chunk_size, logit_softcap
         loss_sum = torch.zeros((), dtype=_acc_dtype(hidden_ND.dtype), device=hidden_ND.device)
         ctx.grads = _chunked_grads(
             hidden_ND, weight_VD[:vocab_size], labels_N, chunk_size, need_hidden, need_weight,
-            weight_VD.shape[0], loss_sum=loss_sum,
+            weight_VD.shape[0], loss_sum=loss_sum, logit_softcap=logit_softcap,
         )
         return loss_sum
 
@@ -122,12 +149,12 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             hidden_ND, weight_VD, labels_N = ctx.saved_tensors
             grads = _chunked_grads(
                 hidden_ND, weight_VD[: ctx.vocab_size], labels_N, ctx.chunk_size, need_hidden,
-                need_weight, weight_VD.shape[0],
+                need_weight, weight_VD.shape[0], logit_softcap=ctx.logit_softcap,
             )
         grad_hidden_ND, grad_weight_VD = grads
         grad_hidden_ND = grad_hidden_ND.mul_(grad_loss) if need_hidden and grad_hidden_ND is not None else None
         grad_weight_VD = grad_weight_VD.mul_(grad_loss) if need_weight and grad_weight_VD is not None else None
-        return grad_hidden_ND, grad_weight_VD, None, None, None, None, None
+        return grad_hidden_ND, grad_weight_VD, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -136,8 +163,12 @@ def chunked_cross_entropy(
     labels_N: torch.Tensor,
     vocab_size: int,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Sum over rows of `cross_entropy(hidden_ND @ weight_VD[:vocab_size].T, labels_N)`.
+
+    With `logit_softcap=c` (> 0) the logits are first capped to `c * tanh(logits / c)`
+    (Gemma's final-logit soft-capping); gradients flow through the tanh.
 
     - `weight_VD` may have padded rows beyond `vocab_size`; they never receive probability and
       get a zero gradient.
@@ -159,10 +190,14 @@ def chunked_cross_entropy(
         raise ValueError(f"vocab_size {vocab_size} outside (0, {weight_VD.shape[0]}]")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if logit_softcap is not None:
+        if not logit_softcap > 0:
+            raise ValueError(f"logit_softcap must be positive or None, got {logit_softcap}")
+        logit_softcap = float(logit_softcap)
     grad_on = torch.is_grad_enabled()
     return _ChunkedCrossEntropy.apply(
         hidden_ND, weight_VD, labels_N, vocab_size, chunk_size,
-        grad_on and hidden_ND.requires_grad, grad_on and weight_VD.requires_grad,
+        grad_on and hidden_ND.requires_grad, grad_on and weight_VD.requires_grad, logit_softcap,
     )
 
 
@@ -173,13 +208,15 @@ def causal_lm_loss(
 
     `batch` holds `[B, T]` long tensors `input_ids`, `labels` (already shifted; -100 = no
     loss), `position_ids`, `doc_ids`. Only positions with a label are projected to logits, in
-    chunks, through `model.output_weight`. `loss_sum` is a float32 scalar; `num_loss_tokens` a
+    chunks, through `model.output_weight`, soft-capped when the model has a non-None
+    `logit_softcap`. `loss_sum` is a float32 scalar; `num_loss_tokens` a
     long scalar tensor (kept on device: no sync). Divide by the total loss tokens of the step.
     """
     hidden_BTD = model(batch["input_ids"], batch["position_ids"], batch["doc_ids"])
     labels_BT = batch["labels"]
     keep_BT = labels_BT != IGNORE_INDEX
     loss_sum = chunked_cross_entropy(
-        hidden_BTD[keep_BT], model.output_weight, labels_BT[keep_BT], model.config.vocab_size, chunk_size
+        hidden_BTD[keep_BT], model.output_weight, labels_BT[keep_BT], model.config.vocab_size, chunk_size,
+        logit_softcap=getattr(model, "logit_softcap", None),
     )
     return loss_sum, keep_BT.sum()
