@@ -1,0 +1,315 @@
+"""Custom output heads on top of any of our models' hidden states, saved with the checkpoint.
+
+- `ValueHead` (`[D] -> 1`, with an optional bias) and `RewardModel(backbone, head)`:
+  `forward(input_ids_BT, position_ids_BT, doc_ids_BT) -> values_BT`, one scalar per token;
+  `sequence_scores(values_BT, doc_ids_BT)` reads each document's value at its last real token.
+- `ReplacedHead` (`[V_new, D]`, rows padded to a multiple of 64 like our own heads) and
+  `ReplacedHeadLM(backbone, head)`: a causal LM over a custom output vocabulary. Its
+  `output_weight` is the new head and its `config.vocab_size` is `V_new`, so
+  `posttrain.ops.losses.causal_lm_loss` trains it unchanged. The input embedding keeps the
+  backbone's vocabulary.
+
+A backbone is anything with our model contract: a registered architecture or the transformers
+fallback (`posttrain.models.hf_backend.HFCausalLM`).
+
+On disk (`save_with_head` / `load_with_head`): the backbone as a normal HF checkpoint
+directory (registry.save_hf_checkpoint, or transformers' save_pretrained for the fallback),
+plus `head.safetensors` (real rows only: the padding is not stored) and `head_config.json`
+(`kind`, sizes, backbone backend) in the same directory. Loading is strict: an unknown,
+missing or wrongly shaped head tensor, or a head whose hidden size is not the backbone's,
+raises `CheckpointError` naming it. The directory is written next to its target and
+renamed into place.
+
+`export_sequence_classifier(reward_model, path)` writes a reward model the way transformers
+users expect it: `AutoModelForSequenceClassification` with `num_labels=1` (the value head as
+`score.weight`, no bias, no `lm_head`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from posttrain.models.registry import CheckpointError, _replace_dir, get_architecture, load_hf_checkpoint, save_hf_checkpoint
+
+HEAD_WEIGHTS = "head.safetensors"
+HEAD_CONFIG = "head_config.json"
+VOCAB_PAD_MULTIPLE = 64
+
+
+class ValueHead(nn.Module):
+    """A scalar per token: `values_BT = hidden_BTD @ w_D (+ b)`. Stored as `score.weight`
+    `[1, D]` (and `score.bias` `[1]`), transformers' sequence-classification names."""
+
+    kind = "value"
+
+    def __init__(self, hidden_size: int, bias: bool = True):
+        super().__init__()
+        self.score = nn.Linear(hidden_size, 1, bias=bias)
+
+    def forward(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
+        return self.score(hidden_BTD).squeeze(-1)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
+        """Weight ~ N(0, std), bias 0; deterministic for a seed."""
+        gen = torch.Generator(device=self.score.weight.device).manual_seed(seed)
+        self.score.weight.normal_(0.0, std, generator=gen)
+        if self.score.bias is not None:
+            self.score.bias.zero_()
+
+    def head_config(self) -> dict[str, Any]:
+        return {"kind": self.kind, "hidden_size": self.score.in_features, "bias": self.score.bias is not None}
+
+    def stored_tensors(self) -> dict[str, torch.Tensor]:
+        return {name: p for name, p in self.named_parameters()}
+
+    def load_stored(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.load_state_dict(tensors, strict=True, assign=True)
+
+
+class ReplacedHead(nn.Module):
+    """A new output projection over `vocab_size` ids: `weight` `[V_padded, D]`, padding rows 0.
+    Stored as `lm_head.weight` `[vocab_size, D]` (the real rows)."""
+
+    kind = "replaced"
+
+    def __init__(self, hidden_size: int, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+        padded = math.ceil(vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+        self.weight = nn.Parameter(torch.zeros(padded, hidden_size))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
+        """Real rows ~ N(0, std), padding rows 0; deterministic for a seed."""
+        gen = torch.Generator(device=self.weight.device).manual_seed(seed)
+        self.weight.normal_(0.0, std, generator=gen)
+        self.weight[self.vocab_size :].zero_()
+
+    def head_config(self) -> dict[str, Any]:
+        return {"kind": self.kind, "hidden_size": self.weight.shape[1], "vocab_size": self.vocab_size}
+
+    def stored_tensors(self) -> dict[str, torch.Tensor]:
+        return {"lm_head.weight": self.weight[: self.vocab_size]}
+
+    @torch.no_grad()
+    def load_stored(self, tensors: dict[str, torch.Tensor]) -> None:
+        real_VD = tensors["lm_head.weight"]
+        weight = torch.zeros(self.weight.shape, dtype=real_VD.dtype, device=real_VD.device)
+        weight[: self.vocab_size] = real_VD
+        self.weight = nn.Parameter(weight)
+
+
+class RewardModel(nn.Module):
+    """`backbone` hidden states through a `ValueHead`: `forward(...) -> values_BT`."""
+
+    def __init__(self, backbone: nn.Module, head: ValueHead):
+        super().__init__()
+        _check_hidden_size(backbone, head)
+        self.backbone, self.head = backbone, head
+        self.config = backbone.config
+
+    def forward(
+        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor
+    ) -> torch.Tensor:
+        return self.head(self.backbone(input_ids_BT, position_ids_BT, doc_ids_BT))
+
+
+class ReplacedHeadLM(nn.Module):
+    """`backbone` with its output projection replaced by a `ReplacedHead`.
+
+    `config` is a copy of the backbone's with `vocab_size` set to the head's (the backbone
+    keeps its own config and its input vocabulary); the backbone's own head, if untied, is
+    left unused and untouched.
+    """
+
+    def __init__(self, backbone: nn.Module, head: ReplacedHead):
+        super().__init__()
+        _check_hidden_size(backbone, head)
+        self.backbone, self.head = backbone, head
+        self.config = _with_vocab_size(backbone.config, head.vocab_size)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The new head `[V_padded, D]`."""
+        return self.head.weight
+
+    def forward(
+        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor
+    ) -> torch.Tensor:
+        return self.backbone(input_ids_BT, position_ids_BT, doc_ids_BT)
+
+    def compute_logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
+        """Logits `[B, T, V_new]` over the custom vocabulary."""
+        return F.linear(hidden_BTD, self.head.weight[: self.head.vocab_size])
+
+
+def _hidden_size(backbone: nn.Module) -> int:
+    return int(backbone.config.hidden_size)
+
+
+def _check_hidden_size(backbone: nn.Module, head: nn.Module) -> None:
+    want, got = _hidden_size(backbone), head.head_config()["hidden_size"]
+    if want != got:
+        raise ValueError(f"{type(head).__name__} has hidden_size {got}, the backbone's hidden states have {want}")
+
+
+def _with_vocab_size(config: Any, vocab_size: int) -> Any:
+    if dataclasses.is_dataclass(config):
+        return dataclasses.replace(config, vocab_size=vocab_size)
+    config = copy.deepcopy(config)
+    config.vocab_size = vocab_size
+    return config
+
+
+def sequence_scores(values_BT: torch.Tensor, doc_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Each document's value at its last real token, `[N]` in row-major document order (with
+    one document per row: one score per row, in row order)."""
+    real_BT = doc_ids_BT >= 0
+    last_BT = real_BT.clone()
+    last_BT[:, :-1] &= doc_ids_BT[:, 1:] != doc_ids_BT[:, :-1]
+    return values_BT[last_BT]
+
+
+# ---------------------------------------------------------------------------- checkpoint
+
+
+def _backend_of(backbone: nn.Module) -> str:
+    from posttrain.models.hf_backend import HFCausalLM
+
+    return "transformers" if isinstance(backbone, HFCausalLM) else "native"
+
+
+def save_with_head(model: RewardModel | ReplacedHeadLM, path: str | os.PathLike, tokenizer: Any = None) -> Path:
+    """Write the backbone as an HF checkpoint at `path`, plus `head.safetensors` and
+    `head_config.json`; atomic (staged next to `path`, then renamed). Returns `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.head-tmp-{uuid.uuid4().hex[:8]}")
+    backend = _backend_of(model.backbone)
+    try:
+        if backend == "transformers":
+            model.backbone.save_pretrained(staging)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(staging))
+        else:
+            save_hf_checkpoint(model.backbone, staging, tokenizer=tokenizer)
+        tensors = {n: t.detach().to("cpu").contiguous() for n, t in model.head.stored_tensors().items()}
+        save_file(tensors, str(staging / HEAD_WEIGHTS), metadata={"format": "pt"})
+        head_config = {**model.head.head_config(), "backbone": backend}
+        (staging / HEAD_CONFIG).write_text(json.dumps(head_config, indent=2) + "\n")
+        _replace_dir(staging, path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return path
+
+
+def _build_head(head_config: dict[str, Any], path: Path) -> ValueHead | ReplacedHead:
+    kind = head_config.get("kind")
+    try:
+        if kind == ValueHead.kind:
+            return ValueHead(int(head_config["hidden_size"]), bias=bool(head_config["bias"]))
+        if kind == ReplacedHead.kind:
+            return ReplacedHead(int(head_config["hidden_size"]), int(head_config["vocab_size"]))
+    except KeyError as err:
+        raise CheckpointError(f"{path / HEAD_CONFIG}: kind {kind!r} needs the field {err.args[0]!r}") from None
+    raise CheckpointError(f"{path / HEAD_CONFIG}: unknown head kind {kind!r} (expected 'value' or 'replaced')")
+
+
+def _read_head_tensors(head: nn.Module, file: Path, device, dtype) -> dict[str, torch.Tensor]:
+    """The head's stored tensors from `file`, strictly: every expected name, nothing else,
+    every shape as expected."""
+    expected = {n: tuple(t.shape) for n, t in head.stored_tensors().items()}
+    tensors: dict[str, torch.Tensor] = {}
+    with safe_open(str(file), framework="pt", device=str(device)) as f:
+        for name in f.keys():
+            if name not in expected:
+                raise CheckpointError(f"unexpected tensor {name!r} in {file.name}; a {head.kind} head has {sorted(expected)}")
+            tensor = f.get_tensor(name)
+            if tuple(tensor.shape) != expected[name]:
+                raise CheckpointError(
+                    f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, expected {expected[name]}"
+                )
+            tensors[name] = tensor if dtype is None else tensor.to(dtype)
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise CheckpointError(f"{file.name} is missing tensors {missing}")
+    return tensors
+
+
+def load_with_head(
+    path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = torch.float32
+) -> RewardModel | ReplacedHeadLM:
+    """Load what `save_with_head` wrote: backbone (strict, safetensors only) plus head (strict)."""
+    path = Path(path)
+    if not (path / HEAD_CONFIG).exists():
+        raise CheckpointError(f"{path} has no {HEAD_CONFIG}: not a checkpoint with a custom head")
+    head_config = json.loads((path / HEAD_CONFIG).read_text())
+    if head_config.get("backbone", "native") == "transformers":
+        from posttrain.models.hf_backend import load_hf_backend
+
+        backbone = load_hf_backend(path, dtype=dtype or torch.float32, device=device)
+    else:
+        backbone = load_hf_checkpoint(path, device=device, dtype=dtype)
+    head = _build_head(head_config, path)
+    if head_config["hidden_size"] != _hidden_size(backbone):
+        raise CheckpointError(
+            f"{path / HEAD_CONFIG}: head hidden_size {head_config['hidden_size']} but the backbone's is "
+            f"{_hidden_size(backbone)}"
+        )
+    if not (path / HEAD_WEIGHTS).exists():
+        raise CheckpointError(f"{path} has {HEAD_CONFIG} but no {HEAD_WEIGHTS}")
+    head.load_stored(_read_head_tensors(head, path / HEAD_WEIGHTS, device, dtype))
+    return RewardModel(backbone, head) if isinstance(head, ValueHead) else ReplacedHeadLM(backbone, head)
+
+
+def export_sequence_classifier(
+    model: RewardModel, path: str | os.PathLike, pad_token_id: int, dtype: torch.dtype | None = None
+) -> Path:
+    """Write `model` (a registered native backbone) as a transformers sequence classifier with
+    `num_labels=1`: `AutoModelForSequenceClassification.from_pretrained(path)` scores a
+    right-padded batch at each row's last non-`pad_token_id` token, like `sequence_scores`.
+
+    transformers' `score` has no bias, so a value head with a nonzero bias is refused.
+    Single `model.safetensors` file; the backbone's `lm_head` is not written.
+    """
+    bias = model.head.score.bias
+    if bias is not None and bool(bias.detach().ne(0).any()):
+        raise ValueError("score.bias is nonzero; transformers' sequence-classification score has no bias")
+    config = model.backbone.config
+    arch = get_architecture(config.model_type)
+    tensors = {n: t for n, t in arch.adapter.export_tensors(model.backbone) if n != "lm_head.weight"}
+    tensors["score.weight"] = model.head.score.weight
+    tensors = {n: (t if dtype is None else t.to(dtype)).detach().to("cpu").contiguous() for n, t in tensors.items()}
+    stored = next(iter(tensors.values())).dtype
+    hf_config = config.to_hf_dict(dtype=str(stored).removeprefix("torch."))
+    hf_config["architectures"] = [a.replace("ForCausalLM", "ForSequenceClassification") for a in hf_config["architectures"]]
+    hf_config.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0}, pad_token_id=pad_token_id)
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.seqcls-tmp-{uuid.uuid4().hex[:8]}")
+    staging.mkdir()
+    try:
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        _replace_dir(staging, path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return path
