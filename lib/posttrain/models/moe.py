@@ -10,9 +10,11 @@ expert only on the tokens routed to it, so an expert layer costs N*k expert pass
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -64,4 +66,59 @@ def routed_experts(
     return y_SD.view(N, k, D).sum(dim=1)
 
 
-__all__ = ["ExpertFn", "routed_experts"]
+def load_balancing_loss(
+    router_logits_NX: Sequence[torch.Tensor], top_k: int, valid_N: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Switch-Transformer load-balancing loss over MoE layers, as transformers computes it:
+    `X * sum_e f_e * P_e`, with `f_e` the fraction of (token, choice) assignments to expert `e`
+    (top-k of the softmax, so `sum_e f_e = k`) and `P_e` the mean router probability of `e`,
+    both pooled over all layers' tokens. `valid_N` (bool, one entry per row of each layer's
+    logits) leaves padding out. Softmax in float32; differentiable through `P` only.
+    """
+    X = router_logits_NX[0].shape[-1]
+    device = router_logits_NX[0].device
+    assigned_X = torch.zeros(X, dtype=torch.float32, device=device)
+    prob_X = torch.zeros(X, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    for logits_NX in router_logits_NX:
+        probs_NX = F.softmax(logits_NX.float(), dim=-1)
+        idx_Nk = torch.topk(probs_NX, top_k, dim=-1).indices
+        w_N = torch.ones(probs_NX.shape[0], device=device) if valid_N is None else valid_N.to(device).float()
+        assigned_X = assigned_X.scatter_add(0, idx_Nk.reshape(-1), w_N.repeat_interleave(top_k))
+        prob_X = prob_X + (probs_NX * w_N[:, None]).sum(dim=0)
+        rows = rows + w_N.sum()
+    return X * ((assigned_X / rows) * (prob_X / rows)).sum()
+
+
+class SwiGLUExperts(nn.Module):
+    """`X` SwiGLU experts without biases, fused into 3-D parameters (F: expert MLP size):
+
+        w_gate [X, F, D], w_up [X, F, D], w_down [X, D, F]
+        expert e: x -> w_down[e] @ (silu(w_gate[e] @ x) * (w_up[e] @ x))
+
+    `forward(x_ND, expert_idx_Nk, expert_weight_Nk) -> y_ND` dispatches with `routed_experts`.
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w_gate = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w_up = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w_down = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+
+    def forward(self, x_ND: torch.Tensor, expert_idx_Nk: torch.Tensor, expert_weight_Nk: torch.Tensor) -> torch.Tensor:
+        # Unbind once rather than index per expert: indexing a parameter X times would make
+        # backward allocate X full-size zero gradients; unbind's backward stacks the slices.
+        w_gate_FD, w_up_FD, w_down_DF = self.w_gate.unbind(0), self.w_up.unbind(0), self.w_down.unbind(0)
+
+        def expert_fn(e: int, x_nD: torch.Tensor) -> torch.Tensor:
+            return F.linear(F.silu(F.linear(x_nD, w_gate_FD[e])) * F.linear(x_nD, w_up_FD[e]), w_down_DF[e])
+
+        return routed_experts(x_ND, expert_idx_Nk, expert_weight_Nk, self.num_experts, expert_fn)
+
+    def extra_repr(self) -> str:
+        X, F_, D = self.w_gate.shape
+        return f"num_experts={X}, dim={D}, hidden_dim={F_}"
+
+
+__all__ = ["ExpertFn", "SwiGLUExperts", "load_balancing_loss", "routed_experts"]

@@ -3,7 +3,10 @@
 Architectures are registered by HF `model_type`; each brings a config dataclass (with
 `from_hf_dict`/`to_hf_dict`), a model class, and an HF adapter module exposing
 `hf_shapes(config)`, `redundant_tensors(config)`, `import_tensor(name, tensor, config)` and
-`export_tensors(model)`.
+`export_tensors(model)`. An adapter whose parameters are assembled from several HF tensors
+(MoE experts: split on disk, fused in memory) also exposes `fused_shapes(config)`
+(`{our_name: shape}`) and has `import_tensor` return `(our_name, tensor, index)` for such a
+tensor, meaning row `index` of that fused parameter.
 
 Loading builds the model on the meta device and assigns tensors read straight from the
 safetensors files onto `device`: the model is never materialised twice and nothing is
@@ -30,6 +33,8 @@ from posttrain.models.llama import hf_adapter as llama_adapter
 from posttrain.models.llama.model import LlamaConfig, LlamaModel
 from posttrain.models.qwen3 import hf_adapter as qwen3_adapter
 from posttrain.models.qwen3.model import Qwen3Config, Qwen3Model
+from posttrain.models.qwen3_moe import hf_adapter as qwen3_moe_adapter
+from posttrain.models.qwen3_moe.model import Qwen3MoeConfig, Qwen3MoeModel
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SINGLE_SAFETENSORS = "model.safetensors"
@@ -64,6 +69,16 @@ ARCHITECTURES: dict[str, Architecture] = {
         tiny=dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
                   rope_theta=500000.0, max_position_embeddings=512, bos_token_id=0, eos_token_id=1),
+    ),
+    "qwen3_moe": Architecture(
+        Qwen3MoeConfig,
+        Qwen3MoeModel,
+        qwen3_moe_adapter,
+        # 4 layers, layer 2 dense (mlp_only_layers), 8 experts, top-2 renormalised
+        tiny=dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+                  max_position_embeddings=512, eos_token_id=1, moe_intermediate_size=32, num_experts=8,
+                  num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(2,)),
     ),
 }
 
@@ -128,6 +143,7 @@ def load_hf_checkpoint(
     expected = arch.adapter.hf_shapes(config)
     redundant = arch.adapter.redundant_tensors(config)  # {name: twin that it must equal}
     state: dict[str, torch.Tensor] = {}
+    fused = _FusedParameters(getattr(arch.adapter, "fused_shapes", lambda _: {})(config), device)
     seen: set[str] = set()
     extra: dict[str, torch.Tensor] = {}  # redundant tensors and the twins they are checked against
     for file, indexed in _shard_files(path).items():
@@ -153,8 +169,12 @@ def load_hf_checkpoint(
                 if name in redundant or name in redundant.values():
                     extra[name] = tensor
                 if name in expected:
-                    our_name, ours = arch.adapter.import_tensor(name, tensor, config)
-                    state[our_name] = ours
+                    imported = arch.adapter.import_tensor(name, tensor, config)
+                    if len(imported) == 3:
+                        fused.copy_row(name, *imported)
+                    else:
+                        our_name, ours = imported
+                        state[our_name] = ours
     missing = sorted(set(expected) - seen)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -162,8 +182,46 @@ def load_hf_checkpoint(
     for name, twin in redundant.items():
         if name in extra and not torch.equal(extra[name], extra[twin]):
             raise CheckpointError(f"tensor {name!r} must equal {twin!r} for this config but differs")
+    state.update(fused.complete())
     model.load_state_dict(state, strict=True, assign=True)
     return model
+
+
+class _FusedParameters:
+    """Fused parameters filled row by row from separate checkpoint tensors (MoE experts).
+
+    Each is allocated once, on the target device, when its first row arrives (in that row's
+    dtype, so `dtype=None` keeps the stored one); rows are copied in, so no second full copy
+    of the parameter exists.
+    """
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], device: torch.device | str):
+        self.shapes, self.device = shapes, device
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.rows: dict[str, set[int]] = {name: set() for name in shapes}
+
+    def copy_row(self, hf_name: str, our_name: str, row: torch.Tensor, index: int) -> None:
+        if our_name not in self.shapes:
+            raise CheckpointError(f"tensor {hf_name!r} maps to {our_name!r}, which is not a fused parameter")
+        shape = self.shapes[our_name]
+        if not 0 <= index < shape[0] or tuple(row.shape) != tuple(shape[1:]):
+            raise CheckpointError(
+                f"tensor {hf_name!r} {tuple(row.shape)} does not fit row {index} of {our_name!r} {tuple(shape)}"
+            )
+        if index in self.rows[our_name]:
+            raise CheckpointError(f"tensor {hf_name!r} fills row {index} of {our_name!r} a second time")
+        if our_name not in self.tensors:
+            self.tensors[our_name] = torch.empty(shape, dtype=row.dtype, device=self.device)
+        self.tensors[our_name][index].copy_(row)
+        self.rows[our_name].add(index)
+
+    def complete(self) -> dict[str, torch.Tensor]:
+        """The filled parameters; raises naming a parameter with rows no tensor provided."""
+        for name, shape in self.shapes.items():
+            if len(self.rows[name]) != shape[0]:
+                unfilled = sorted(set(range(shape[0])) - self.rows[name])
+                raise CheckpointError(f"fused parameter {name!r} has no tensor for rows {unfilled[:5]}")
+        return self.tensors
 
 
 # ---------------------------------------------------------------------------- saving

@@ -1,0 +1,243 @@
+"""Qwen3-MoE: our config dataclass and single-device model (HF model_type "qwen3_moe").
+
+The Qwen3 decoder (q/k RMSNorm per head before RoPE, GQA, no biases) in which most layers'
+MLP is a sparse mixture of experts. Layer `i` is an MoE layer iff `num_experts > 0`,
+`i not in mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`; the others keep the
+dense SwiGLU MLP of size `intermediate_size`.
+
+MoE layer (token choice): router logits `x @ router^T` `[N, X]`, softmax over all experts in
+float32, top-k, optionally renormalised to sum 1 (`norm_topk_prob`), cast back to the
+activation dtype; each token's output is the weighted sum of its k experts (SwiGLU of size
+`moe_intermediate_size`), computed only for the routed tokens (`posttrain.models.moe`).
+
+Internal parameter names (HF names live in `hf_adapter.py`):
+    tok_embeddings.weight                          [V_padded, D]
+    layers.{i}.attention_norm.weight               [D]
+    layers.{i}.attention.{wq,wk,wv,wo}.weight      [H*E, D], [K*E, D], [K*E, D], [D, H*E]
+    layers.{i}.attention.{q_norm,k_norm}.weight    [E]
+    layers.{i}.ffn_norm.weight                     [D]
+  dense layers:
+    layers.{i}.feed_forward.{w_gate,w_up}.weight   [F, D]
+    layers.{i}.feed_forward.w_down.weight          [D, F]
+  MoE layers (X experts of size Fm = moe_intermediate_size, fused):
+    layers.{i}.moe.router.weight                   [X, D]
+    layers.{i}.moe.experts.{w_gate,w_up}           [X, Fm, D]
+    layers.{i}.moe.experts.w_down                  [X, D, Fm]
+    norm.weight                                    [D]
+    output.weight                                  [V_padded, D]   (untied models only)
+
+Not implemented (config.json values asking for them raise `UnsupportedConfigError` naming the
+field): sliding-window attention, biases, RoPE scaling, activations other than silu, dropout.
+The router's load-balancing loss (which transformers adds to its loss only with
+`output_router_logits`) is available from `Qwen3MoeModel.router_aux_loss` after a forward
+with `record_router_logits=True`; `causal_lm_loss` does not add it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from posttrain.models.decoder import DecoderBlock, DecoderLM
+from posttrain.models.moe import SwiGLUExperts, load_balancing_loss
+from posttrain.models.qwen3.model import Qwen3Config, UnsupportedConfigError
+from posttrain.ops.attention import AttentionMask
+from posttrain.train.mfu import LayerFlopSpec, Matmul, dense_layer_spec
+
+__all__ = ["Qwen3MoeConfig", "Qwen3MoeModel", "SparseMoe", "UnsupportedConfigError"]
+
+# MoE fields of config.json (all optional, transformers' defaults below); `num_local_experts`
+# is the name transformers' own `to_dict()` writes for `num_experts`.
+_MOE_HF_FIELDS = {
+    "moe_intermediate_size", "num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob",
+    "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "output_router_logits",
+}
+_HF_KV_HEADS_DEFAULT = 4  # transformers' Qwen3MoeConfig default when config.json omits it
+
+
+@dataclass
+class Qwen3MoeConfig(Qwen3Config):
+    """Qwen3-MoE hyper-parameters: Qwen3's (HF names) plus the MoE fields (HF defaults).
+
+    `router_aux_loss_coef` and `output_router_logits` do not change logits; they are carried
+    so a round trip through config.json keeps them (see the module docstring for the loss).
+    """
+
+    model_type: ClassVar[str] = "qwen3_moe"
+
+    moe_intermediate_size: int = 768
+    num_experts: int = 128
+    num_experts_per_tok: int = 8
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
+        for name in ("moe_intermediate_size", "num_experts_per_tok", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"Qwen3MoeConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ValueError(f"Qwen3MoeConfig.num_experts must be an int >= 0, got {self.num_experts!r}")
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"Qwen3MoeConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}"
+            )
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"Qwen3MoeConfig.mlp_only_layers {bad} outside [0, {self.num_hidden_layers})")
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer `i` has a sparse MoE MLP (transformers' rule), else a dense one."""
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "Qwen3MoeConfig":
+        """Build from a transformers config.json dict (model_type "qwen3_moe").
+
+        The MoE fields are read here; everything else goes through `Qwen3Config.from_hf_dict`
+        (same strictness: a field that would change numerics and that we do not implement
+        raises `UnsupportedConfigError` naming it). Missing `head_dim` means
+        `hidden_size // num_attention_heads` and missing `num_key_value_heads` means 4, as in
+        transformers' Qwen3MoeConfig (Qwen3's defaults differ).
+        """
+        if d.get("model_type") != cls.model_type:
+            raise UnsupportedConfigError(f"config.json model_type is {d.get('model_type')!r}, expected 'qwen3_moe'")
+        archs = d.get("architectures")
+        if archs is not None and list(archs) != ["Qwen3MoeForCausalLM"]:
+            raise UnsupportedConfigError(
+                f"config.json architectures {archs} unsupported; expected ['Qwen3MoeForCausalLM']"
+            )
+        moe: dict[str, Any] = {}
+        for key in _MOE_HF_FIELDS - {"num_local_experts", "num_experts"}:
+            if d.get(key) is not None:
+                moe[key] = d[key]
+        experts = {d[k] for k in ("num_experts", "num_local_experts") if d.get(k) is not None}
+        if len(experts) > 1:
+            raise UnsupportedConfigError(f"config.json num_experts and num_local_experts disagree: {sorted(experts)}")
+        if experts:
+            moe["num_experts"] = experts.pop()
+        if moe.get("output_router_logits") is not None:
+            moe["output_router_logits"] = bool(moe["output_router_logits"])
+
+        base = {k: v for k, v in d.items() if k not in _MOE_HF_FIELDS and k != "architectures"}
+        base["model_type"] = Qwen3Config.model_type
+        if base.get("head_dim") is None and "hidden_size" in d and d.get("num_attention_heads"):
+            base["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        if "num_key_value_heads" not in base:
+            base["num_key_value_heads"] = _HF_KV_HEADS_DEFAULT
+        dense = Qwen3Config.from_hf_dict(base)
+        try:
+            return cls(**{f.name: getattr(dense, f.name) for f in fields(Qwen3Config)}, **moe)
+        except ValueError as exc:
+            raise UnsupportedConfigError(f"config.json: {exc}") from exc
+
+    def to_hf_dict(self, dtype: str = "float32") -> dict[str, Any]:
+        """A config.json dict that transformers (5.x) loads as Qwen3MoeForCausalLM."""
+        d = super().to_hf_dict(dtype)
+        d.pop("layer_types")  # not a Qwen3-MoE field
+        d["architectures"] = ["Qwen3MoeForCausalLM"]
+        d.update(
+            moe_intermediate_size=self.moe_intermediate_size,
+            num_experts=self.num_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
+            norm_topk_prob=self.norm_topk_prob,
+            decoder_sparse_step=self.decoder_sparse_step,
+            mlp_only_layers=list(self.mlp_only_layers),
+            router_aux_loss_coef=self.router_aux_loss_coef,
+            output_router_logits=self.output_router_logits,
+        )
+        return d
+
+    def flop_layers(self) -> list[LayerFlopSpec]:
+        """Per-layer matmuls for MFU: attention as dense; an MoE layer adds the router
+        `[D -> X]` once per token and each expert matrix `num_experts_per_tok` times."""
+        dense = dense_layer_spec(self)
+        attention = tuple(m for m in dense.matmuls if m.name in ("q", "k", "v", "o"))
+        D, Fm, k = self.hidden_size, self.moe_intermediate_size, self.num_experts_per_tok
+        moe = LayerFlopSpec(
+            attention + (Matmul("router", D, self.num_experts), Matmul("gate", D, Fm, per_token=k),
+                         Matmul("up", D, Fm, per_token=k), Matmul("down", Fm, D, per_token=k)),
+            num_heads=dense.num_heads, qk_dim=dense.qk_dim, v_dim=dense.v_dim,
+        )
+        return [moe if self.is_moe_layer(i) else dense for i in range(self.num_hidden_layers)]
+
+
+class SparseMoe(nn.Module):
+    """Router + fused SwiGLU experts: `forward(x_BTD) -> y_BTD` (see the module docstring).
+
+    With `record_router_logits` set, each forward keeps its router logits `[B*T, X]` in
+    `router_logits_NX` (for the load-balancing loss).
+    """
+
+    def __init__(self, config: Qwen3MoeConfig):
+        super().__init__()
+        D, X = config.hidden_size, config.num_experts
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.router = nn.Linear(D, X, bias=False)
+        self.experts = SwiGLUExperts(X, D, config.moe_intermediate_size)
+        self.record_router_logits = False
+        self.router_logits_NX: torch.Tensor | None = None
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
+        logits_NX = self.router(x_ND)
+        probs_NX = F.softmax(logits_NX, dim=-1, dtype=torch.float32)
+        weight_Nk, idx_Nk = torch.topk(probs_NX, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weight_Nk = weight_Nk / weight_Nk.sum(dim=-1, keepdim=True)
+        self.router_logits_NX = logits_NX if self.record_router_logits else None
+        y_ND = self.experts(x_ND, idx_Nk, weight_Nk.to(logits_NX.dtype))
+        return y_ND.view_as(x_BTD)
+
+
+class MoeDecoderBlock(DecoderBlock):
+    """The Qwen3 decoder block with a sparse MoE (`moe`) in place of the dense `feed_forward`."""
+
+    def __init__(self, config: Qwen3MoeConfig):
+        super().__init__(config, qk_norm=True)
+        del self.feed_forward
+        self.moe = SparseMoe(config)
+
+    def forward(
+        self, x_BTD: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        x_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_BTE, sin_BTE, mask)
+        return x_BTD + self.moe(self.ffn_norm(x_BTD))
+
+
+class Qwen3MoeModel(DecoderLM):
+    """Qwen3-MoE decoder up to the final norm; see `DecoderLM` for the forward contract."""
+
+    def __init__(self, config: Qwen3MoeConfig):
+        super().__init__(config, qk_norm=True)
+        for i in range(config.num_hidden_layers):
+            if config.is_moe_layer(i):
+                self.layers[i] = MoeDecoderBlock(config)
+
+    def moe_layers(self) -> list[SparseMoe]:
+        return [layer.moe for layer in self.layers if isinstance(layer, MoeDecoderBlock)]
+
+    def record_router_logits(self, enabled: bool = True) -> None:
+        """Keep (or stop keeping) each MoE layer's router logits from the next forward on."""
+        for moe in self.moe_layers():
+            moe.record_router_logits = enabled
+            moe.router_logits_NX = None
+
+    def router_aux_loss(self, doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """The load-balancing loss of the last forward (transformers' `aux_loss`, before
+        `router_aux_loss_coef`), over the tokens whose `doc_ids >= 0` when given (padding is
+        left out, as transformers does with an attention mask). Needs `record_router_logits()`."""
+        logits = [moe.router_logits_NX for moe in self.moe_layers()]
+        if not logits or any(t is None for t in logits):
+            raise RuntimeError("router_aux_loss needs a forward after model.record_router_logits(True)")
+        valid_N = None if doc_ids_BT is None else (doc_ids_BT.reshape(-1) >= 0)
+        return load_balancing_loss(logits, self.config.num_experts_per_tok, valid_N)
