@@ -29,6 +29,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from posttrain.models.gemma3 import hf_adapter as gemma3_adapter
+from posttrain.models.gemma3.model import Gemma3Config, Gemma3Model
 from posttrain.models.llama import hf_adapter as llama_adapter
 from posttrain.models.llama.model import LlamaConfig, LlamaModel
 from posttrain.models.qwen3 import hf_adapter as qwen3_adapter
@@ -79,6 +81,19 @@ ARCHITECTURES: dict[str, Architecture] = {
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
                   max_position_embeddings=512, eos_token_id=1, moe_intermediate_size=32, num_experts=8,
                   num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(2,)),
+    ),
+    "gemma3_text": Architecture(
+        Gemma3Config,
+        Gemma3Model,
+        gemma3_adapter,
+        # 6 layers (2 sliding : 1 full), window 8 < the verifier's 48 tokens, scale != head_dim,
+        # linear RoPE scaling on full layers, final-logit soft-capping; tied (Gemma's default)
+        tiny=dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                  sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                  rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling_factor=8.0,
+                  final_logit_softcapping=30.0, max_position_embeddings=512, bos_token_id=2, eos_token_id=1,
+                  pad_token_id=0),
     ),
 }
 

@@ -1,0 +1,457 @@
+"""Gemma 3 text decoder (HF model_type "gemma3_text", `Gemma3ForCausalLM`): config and model.
+
+What sets it apart from the Llama-style decoder (`models/decoder.py`):
+- embeddings multiplied by `sqrt(hidden_size)`, rounded to the model dtype first (as
+  transformers does: in bfloat16, sqrt(1152) becomes 34.0);
+- `(1 + weight)` RMSNorm (`GemmaRMSNorm`): normalised and scaled in float32, cast back last;
+  weights start at zero;
+- sandwich norms: a norm before and after attention and before and after the MLP;
+- per-head q/k norms (`GemmaRMSNorm`) before RoPE; scores scaled by `query_pre_attn_scalar ** -0.5`;
+- GeGLU MLP with the tanh approximation of GELU ("gelu_pytorch_tanh");
+- layers of two kinds (`layer_types`): "sliding_attention" (a query sees itself and the
+  `sliding_window - 1` tokens before it, RoPE base `rope_local_base_freq`) and "full_attention"
+  (RoPE base `rope_theta`, optionally "linear" RoPE scaling by `rope_scaling_factor`);
+- optional final-logit soft-capping `c * tanh(logits / c)` (`final_logit_softcapping`),
+  applied by `compute_logits` and, through `logit_softcap`, by the loss;
+- the embedding's `pad_token_id` row gets no gradient from the lookup (transformers builds it
+  with `padding_idx`); with tied embeddings the output projection still trains that row.
+
+Internal parameter names (HF names live in `hf_adapter.py`):
+    tok_embeddings.weight                               [V_padded, D]
+    layers.{i}.attention_norm.weight                    [D]   input_layernorm
+    layers.{i}.attention.{wq,wk,wv,wo}.weight           [H*E, D], [K*E, D], [K*E, D], [D, H*E]
+    layers.{i}.attention.{q_norm,k_norm}.weight         [E]
+    layers.{i}.post_attention_norm.weight               [D]   post_attention_layernorm
+    layers.{i}.ffn_norm.weight                          [D]   pre_feedforward_layernorm
+    layers.{i}.feed_forward.{w_gate,w_up}.weight        [F, D]
+    layers.{i}.feed_forward.w_down.weight               [D, F]
+    layers.{i}.post_ffn_norm.weight                     [D]   post_feedforward_layernorm
+    norm.weight                                         [D]
+    output.weight                                       [V_padded, D]   (untied models only)
+
+Not implemented (config.json values asking for them raise `UnsupportedConfigError` naming the
+field): attention logit soft-capping (transformers 5.24's Gemma3 attention does not apply
+`attn_logit_softcapping` either, so there is nothing to match; Gemma 3 checkpoints set it to
+null), bidirectional attention, attention biases, dropout, activations other than
+gelu_pytorch_tanh, RoPE types other than default (and linear on full-attention layers).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from posttrain.models.layers import GroupedQueryAttention, RotaryEmbedding, SwiGLU
+from posttrain.models.qwen3.model import _IGNORED_HF_FIELDS as _COMMON_IGNORED_HF_FIELDS
+from posttrain.models.qwen3.model import VOCAB_PAD_MULTIPLE, UnsupportedConfigError
+from posttrain.ops.attention import AttentionMask, build_attention_mask
+from posttrain.train.mfu import LayerFlopSpec, dense_layer_spec
+
+__all__ = ["Gemma3Config", "Gemma3Model", "GemmaRMSNorm", "UnsupportedConfigError"]
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+LAYER_TYPES = (SLIDING, FULL)
+DEFAULT_SLIDING_WINDOW_PATTERN = 6  # transformers' default: every 6th layer is full attention
+
+# config.json fields that do not change the model's numerics; accepted and ignored on import.
+_IGNORED_HF_FIELDS = (_COMMON_IGNORED_HF_FIELDS - {"sliding_window", "max_window_layers"}) | {
+    "cache_implementation",  # generation-time KV cache choice
+    "hidden_act",  # transformers' Gemma3 reads `hidden_activation` only
+}
+# config.json fields we read; anything neither read nor ignored is an error.
+_READ_HF_FIELDS = {
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "hidden_activation", "max_position_embeddings", "initializer_range",
+    "rms_norm_eps", "pad_token_id", "eos_token_id", "bos_token_id", "tie_word_embeddings", "rope_parameters",
+    "rope_scaling", "rope_theta", "rope_local_base_freq", "attention_bias", "attention_dropout",
+    "query_pre_attn_scalar", "sliding_window", "sliding_window_pattern", "layer_types",
+    "final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention",
+}
+_REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def pattern_layer_types(num_layers: int, pattern: int = DEFAULT_SLIDING_WINDOW_PATTERN) -> list[str]:
+    """Layer types of an older config's `sliding_window_pattern`: every `pattern`-th layer is full."""
+    return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
+
+
+@dataclass
+class Gemma3Config:
+    """Gemma 3 text hyper-parameters (HF field names; HF's defaults where optional).
+
+    `layer_types` defaults to transformers' pattern (5 sliding, then 1 full). `rope_theta` is the
+    full-attention layers' RoPE base, `rope_local_base_freq` the sliding layers';
+    `rope_scaling_factor` (None: no scaling) is the full layers' "linear" RoPE factor.
+    `bos/eos/pad_token_id` are carried for config.json; `pad_token_id` also names the
+    embedding row that gets no lookup gradient.
+    """
+
+    model_type: ClassVar[str] = "gemma3_text"
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_local_base_freq: float = 10_000.0
+    rope_scaling_factor: float | None = None
+    query_pre_attn_scalar: float = 256
+    sliding_window: int | None = 4096
+    layer_types: list[str] | None = None
+    final_logit_softcapping: float | None = None
+    max_position_embeddings: int = 131_072
+    tie_word_embeddings: bool = True
+    initializer_range: float = 0.02
+    bos_token_id: int | None = 2
+    eos_token_id: int | list[int] | None = 1
+    pad_token_id: int | None = 0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"Gemma3Config.{name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for the rotary embedding, got {self.head_dim}")
+        if self.layer_types is None:
+            self.layer_types = pattern_layer_types(self.num_hidden_layers)
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - set(LAYER_TYPES):
+            raise ValueError(
+                f"Gemma3Config.layer_types must hold {self.num_hidden_layers} entries from {LAYER_TYPES}, "
+                f"got {self.layer_types}"
+            )
+        if SLIDING in self.layer_types and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
+            raise ValueError(f"Gemma3Config.sliding_window must be a positive int, got {self.sliding_window!r}")
+        for name in ("final_logit_softcapping", "rope_scaling_factor"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"Gemma3Config.{name} must be positive or None, got {value!r}")
+        if not self.query_pre_attn_scalar > 0:
+            raise ValueError(f"Gemma3Config.query_pre_attn_scalar must be positive, got {self.query_pre_attn_scalar}")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"Gemma3Config.pad_token_id={self.pad_token_id} outside [0, {self.vocab_size})")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """`vocab_size` rounded up to a multiple of 64 (the embedding/head row count)."""
+        return math.ceil(self.vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+
+    def flop_layers(self) -> list[LayerFlopSpec]:
+        """Per-layer FLOP specs for `posttrain.train.mfu`: dense layers, the sliding ones windowed."""
+        full = dense_layer_spec(self)
+        sliding = replace(full, window=self.sliding_window)
+        return [sliding if t == SLIDING else full for t in self.layer_types]
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "Gemma3Config":
+        """Build from a transformers config.json dict (model_type "gemma3_text").
+
+        Strict: raises `UnsupportedConfigError` naming the field for anything that changes
+        numerics and is not implemented, and for unknown fields. Reads the transformers-5 form
+        (`rope_parameters` per layer type, `layer_types`) and the older one (`rope_theta`,
+        `rope_local_base_freq`, `rope_scaling` for the full layers, `sliding_window_pattern`).
+        """
+        if d.get("model_type") != cls.model_type:
+            raise UnsupportedConfigError(
+                f"config.json model_type is {d.get('model_type')!r}, expected 'gemma3_text' "
+                "(a multimodal 'gemma3' checkpoint's text_config is not loaded by this class)"
+            )
+        archs = d.get("architectures")
+        if archs is not None and list(archs) != ["Gemma3ForCausalLM"]:
+            raise UnsupportedConfigError(
+                f"config.json architectures {archs} unsupported; expected ['Gemma3ForCausalLM']"
+            )
+        known = _READ_HF_FIELDS | _IGNORED_HF_FIELDS
+        unknown = sorted(k for k in d if k not in known and not k.startswith("_"))
+        if unknown:
+            raise UnsupportedConfigError(
+                f"config.json has fields this Gemma3 implementation does not know: {unknown}. If they do "
+                "not change numerics, add them to _IGNORED_HF_FIELDS in posttrain/models/gemma3/model.py"
+            )
+        missing = [k for k in _REQUIRED_HF_FIELDS if k not in d]
+        if missing:
+            raise UnsupportedConfigError(f"config.json lacks required fields {missing}")
+
+        def require(field_name: str, ok: bool, want: str) -> None:
+            if not ok:
+                raise UnsupportedConfigError(
+                    f"config.json {field_name}={d.get(field_name)!r} unsupported (need {want})"
+                )
+
+        require("hidden_activation", d.get("hidden_activation", "gelu_pytorch_tanh") == "gelu_pytorch_tanh",
+                "'gelu_pytorch_tanh'")
+        require("attention_bias", not d.get("attention_bias", False), "false")
+        require("attention_dropout", not d.get("attention_dropout", 0.0), "0.0")
+        require("use_bidirectional_attention", not d.get("use_bidirectional_attention", False), "false")
+        require("attn_logit_softcapping", d.get("attn_logit_softcapping") is None,
+                "null: transformers' Gemma3 attention does not apply it, so there is no reference to match")
+
+        skip = {"rope_theta", "rope_local_base_freq", "layer_types"}
+        kwargs = {f.name: d[f.name] for f in fields(cls) if f.name in d and f.name not in skip}
+        for name in ("num_key_value_heads", "head_dim", "query_pre_attn_scalar", "rms_norm_eps"):
+            if kwargs.get(name) is None:
+                kwargs.pop(name, None)  # transformers' defaults
+        kwargs.update(_rope_from_hf(d, full_default=cls.rope_theta, sliding_default=cls.rope_local_base_freq))
+        layer_types = d.get("layer_types")
+        if layer_types is None:
+            pattern = d.get("sliding_window_pattern") or DEFAULT_SLIDING_WINDOW_PATTERN
+            layer_types = pattern_layer_types(d["num_hidden_layers"], pattern)
+        if len(layer_types) != d["num_hidden_layers"] or set(layer_types) - set(LAYER_TYPES):
+            raise UnsupportedConfigError(
+                f"config.json layer_types={layer_types} unsupported: need {d['num_hidden_layers']} entries "
+                f"from {LAYER_TYPES}"
+            )
+        kwargs["layer_types"] = list(layer_types)
+        return cls(**kwargs)
+
+    def to_hf_dict(self, dtype: str = "float32") -> dict[str, Any]:
+        """A config.json dict that transformers (5.x) loads as Gemma3ForCausalLM.
+
+        Writes `rope_parameters` per layer type (transformers 5) and also the top-level
+        `rope_theta`, `rope_local_base_freq` and `rope_scaling` older readers expect.
+        `dtype` names the dtype the weights are stored in.
+        """
+        full_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(self.rope_theta)}
+        rope_scaling = None
+        if self.rope_scaling_factor is not None:
+            rope_scaling = {"rope_type": "linear", "factor": float(self.rope_scaling_factor)}
+            full_rope.update(rope_scaling)
+        return {
+            "architectures": ["Gemma3ForCausalLM"],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {
+                SLIDING: {"rope_type": "default", "rope_theta": float(self.rope_local_base_freq)},
+                FULL: full_rope,
+            },
+            "rope_theta": float(self.rope_theta),
+            "rope_local_base_freq": float(self.rope_local_base_freq),
+            "rope_scaling": rope_scaling,
+            "query_pre_attn_scalar": self.query_pre_attn_scalar,
+            "sliding_window": self.sliding_window,
+            "layer_types": list(self.layer_types),
+            "final_logit_softcapping": self.final_logit_softcapping,
+            "attn_logit_softcapping": None,
+            "use_bidirectional_attention": False,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "dtype": dtype,
+            "use_cache": True,
+        }
+
+
+def _rope_from_hf(d: dict[str, Any], full_default: float, sliding_default: float) -> dict[str, Any]:
+    """`rope_theta`, `rope_local_base_freq` and `rope_scaling_factor` from either config.json form.
+
+    Like transformers, a legacy `rope_scaling` applies to the full-attention layers. Only
+    "default" RoPE (and "linear" on full layers) is supported; conflicting bases raise.
+    """
+    params = d.get("rope_parameters")
+    if params is None:
+        params = {}
+    if not isinstance(params, dict) or set(params) - set(LAYER_TYPES):
+        raise UnsupportedConfigError(
+            f"config.json rope_parameters={params!r} unsupported: need a dict keyed by layer type {LAYER_TYPES}"
+        )
+    full = dict(params.get(FULL) or {})
+    sliding = dict(params.get(SLIDING) or {})
+    scaling = d.get("rope_scaling")
+    if scaling is not None:
+        if not isinstance(scaling, dict):
+            raise UnsupportedConfigError(f"config.json rope_scaling must be a dict or null, got {scaling!r}")
+        full.update(scaling)
+
+    def rope_type(p: dict[str, Any]) -> str:
+        return p.get("rope_type", p.get("type", "default"))
+
+    full_extra = sorted(set(full) - {"rope_type", "type", "rope_theta", "factor"})
+    if rope_type(full) not in ("default", "linear") or full_extra or (rope_type(full) == "default") != (
+        "factor" not in full
+    ):
+        raise UnsupportedConfigError(
+            f"config.json rope_parameters/rope_scaling for {FULL} = {full!r} unsupported: only rope_type "
+            "'default', or 'linear' with a factor"
+        )
+    if rope_type(sliding) != "default" or set(sliding) - {"rope_type", "type", "rope_theta"}:
+        raise UnsupportedConfigError(
+            f"config.json rope_parameters for {SLIDING} = {sliding!r} unsupported: only rope_type 'default'"
+        )
+
+    def theta(name: str, candidates: list[Any], default: float) -> float:
+        values = {float(v) for v in candidates if v is not None}
+        if len(values) > 1:
+            raise UnsupportedConfigError(f"config.json gives conflicting {name} values {sorted(values)}")
+        return values.pop() if values else default
+
+    factor = full.get("factor") if rope_type(full) == "linear" else None
+    return {
+        "rope_theta": theta("rope_theta", [full.get("rope_theta"), d.get("rope_theta")], full_default),
+        "rope_local_base_freq": theta(
+            "rope_local_base_freq", [sliding.get("rope_theta"), d.get("rope_local_base_freq")], sliding_default
+        ),
+        "rope_scaling_factor": None if factor is None else float(factor),
+    }
+
+
+class GemmaRMSNorm(nn.Module):
+    """`x / sqrt(mean(x^2) + eps) * (1 + weight)` over the last dim, all in float32, cast back to
+    the input dtype at the end (Llama's RMSNorm casts before the weight; Gemma after)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_fp32 = x.float()
+        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class GeGLU(SwiGLU):
+    """`w_down(gelu_tanh(w_gate(x)) * w_up(x))`, no biases (SwiGLU's weights, another activation)."""
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.gelu(self.w_gate(x_BTD), approximate="tanh") * self.w_up(x_BTD))
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Embedding lookup times `scale`, the scale first rounded to the weight's dtype."""
+
+    def __init__(self, num_embeddings: int, dim: int, scale: float, padding_idx: int | None = None):
+        super().__init__(num_embeddings, dim, padding_idx=padding_idx)
+        self.scale = scale
+
+    def forward(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
+        x_BTD = super().forward(input_ids_BT)
+        # a Python float (no device tensor, no sync) holding the dtype-rounded value
+        scale = torch.tensor(self.scale, dtype=torch.float32).to(x_BTD.dtype).item()
+        return x_BTD * scale
+
+
+class Gemma3Block(nn.Module):
+    """Sandwich-norm block: `x += post_norm(attn(norm(x))); x += post_norm(mlp(norm(x)))`."""
+
+    def __init__(self, config: Gemma3Config):
+        super().__init__()
+        D, eps = config.hidden_size, config.rms_norm_eps
+        self.attention_norm = GemmaRMSNorm(D, eps)
+        self.attention = GroupedQueryAttention(
+            D, config.num_attention_heads, config.num_key_value_heads, config.head_dim, qk_norm_eps=eps,
+            scale=config.query_pre_attn_scalar**-0.5, norm_cls=GemmaRMSNorm,
+        )
+        self.post_attention_norm = GemmaRMSNorm(D, eps)
+        self.ffn_norm = GemmaRMSNorm(D, eps)
+        self.feed_forward = GeGLU(D, config.intermediate_size)
+        self.post_ffn_norm = GemmaRMSNorm(D, eps)
+
+    def forward(
+        self, x_BTD: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        x_BTD = x_BTD + self.post_attention_norm(self.attention(self.attention_norm(x_BTD), cos_BTE, sin_BTE, mask))
+        return x_BTD + self.post_ffn_norm(self.feed_forward(self.ffn_norm(x_BTD)))
+
+
+class Gemma3Model(nn.Module):
+    """Gemma 3 text decoder up to the final norm; the output projection belongs to the loss.
+
+    `forward(input_ids_BT, position_ids_BT, doc_ids_BT) -> hidden_BTD`: all `[B, T]` long;
+    positions restart per document, `doc_ids` number documents in a row (`-1` for padding).
+    One mask and one rotary table per layer type are built per forward.
+    """
+
+    def __init__(self, config: Gemma3Config):
+        super().__init__()
+        self.config = config
+        V, D = config.padded_vocab_size, config.hidden_size
+        self.tok_embeddings = ScaledEmbedding(V, D, scale=D**0.5, padding_idx=config.pad_token_id)
+        self.rotary = nn.ModuleDict({
+            SLIDING: RotaryEmbedding(config.head_dim, config.rope_local_base_freq),
+            FULL: RotaryEmbedding(config.head_dim, config.rope_theta, linear_factor=config.rope_scaling_factor or 1.0),
+        })
+        self.layers = nn.ModuleList(Gemma3Block(config) for _ in range(config.num_hidden_layers))
+        self.norm = GemmaRMSNorm(D, config.rms_norm_eps)
+        self.output = None if config.tie_word_embeddings else nn.Linear(D, V, bias=False)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The output projection `[V_padded, D]`: the embedding when tied, else the head."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    @property
+    def logit_softcap(self) -> float | None:
+        """Final-logit soft-capping `c` (logits -> `c * tanh(logits / c)`), read by the loss."""
+        return self.config.final_logit_softcapping
+
+    def forward(
+        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor
+    ) -> torch.Tensor:
+        x_BTD = self.tok_embeddings(input_ids_BT)
+        windows = {SLIDING: self.config.sliding_window, FULL: None}
+        rope, masks = {}, {}
+        for layer_type in set(self.config.layer_types):
+            rope[layer_type] = self.rotary[layer_type](position_ids_BT, x_BTD.dtype)
+            masks[layer_type] = build_attention_mask(doc_ids_BT, window=windows[layer_type])
+        for layer, layer_type in zip(self.layers, self.config.layer_types):
+            x_BTD = layer(x_BTD, *rope[layer_type], masks[layer_type])
+        return self.norm(x_BTD)
+
+    def compute_logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
+        """Full (soft-capped) logits `[B, T, vocab_size]` over the real vocabulary."""
+        logits_BTV = F.linear(hidden_BTD, self.output_weight[: self.config.vocab_size])
+        cap = self.logit_softcap
+        return logits_BTV if cap is None else torch.tanh(logits_BTV / cap) * cap
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialise in place like transformers: matrices ~ N(0, initializer_range), norm
+        weights 0 (the norms scale by `1 + weight`), the `pad_token_id` embedding row and
+        padded vocabulary rows 0. Deterministic for a given seed and device."""
+        device = self.tok_embeddings.weight.device
+        if device.type == "meta":
+            raise RuntimeError("init_weights on a meta model: call model.to_empty(device=...) first")
+        gen = torch.Generator(device=device).manual_seed(seed)
+        for param in self.parameters():
+            if param.ndim == 1:
+                param.zero_()
+            else:
+                param.normal_(0.0, self.config.initializer_range, generator=gen)
+        V, pad = self.config.vocab_size, self.config.pad_token_id
+        self.tok_embeddings.weight[V:].zero_()
+        if pad is not None:
+            self.tok_embeddings.weight[pad].zero_()
+        if self.output is not None:
+            self.output.weight[V:].zero_()
