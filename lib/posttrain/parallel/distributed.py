@@ -1,0 +1,137 @@
+"""torch.distributed setup for SPMD workers, and a local multi-process launcher.
+
+`init_distributed(rank, world_size, master_addr, master_port)` joins the default process
+group (gloo on CPU, NCCL when CUDA is present, unless `backend` says otherwise);
+`shutdown_distributed()` leaves it. `free_port()` picks a TCP port for the rendezvous.
+
+`spawn_local(fn, world_size, *args)` runs `fn(*args)` on `world_size` fresh local
+processes (multiprocessing "spawn"), each with the process group initialised, and returns
+the per-rank results in rank order. A rank that raises makes `spawn_local` raise
+`WorkerError` carrying that rank's traceback; the other ranks are terminated. It is what
+the unit tests use; the Ray driver (`posttrain.parallel.workers`) does the same with actors.
+`fn` and `args` must be picklable (module-level functions).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class WorkerError(RuntimeError):
+    """An SPMD worker raised; the message holds its rank and its traceback."""
+
+    def __init__(self, rank: int, worker_traceback: str):
+        super().__init__(f"worker rank {rank} failed:\n{worker_traceback}")
+        self.rank = rank
+        self.worker_traceback = worker_traceback
+
+
+def default_backend() -> str:
+    """"nccl" where CUDA is available, else "gloo"."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on `host` a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> None:
+    """Join the default process group as `rank` of `world_size` (TCP rendezvous at
+    `master_addr:master_port`). Also sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (and
+    LOCAL_RANK, assuming one node) so libraries that read them agree. On CUDA the rank uses
+    device `rank % device_count`."""
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised in this process")
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+    )
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def shutdown_distributed() -> None:
+    """Destroy the default process group if there is one (idempotent)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_spmd(fn: Callable[..., Any], args: tuple, rank: int, world_size: int, master_addr: str,
+             master_port: int, backend: str | None = None) -> Any:
+    """Initialise the process group, run `fn(*args)`, always tear the group down."""
+    init_distributed(rank, world_size, master_addr, master_port, backend)
+    try:
+        return fn(*args)
+    finally:
+        shutdown_distributed()
+
+
+def _spawned(rank: int, world_size: int, port: int, backend: str | None, fn: Callable, args: tuple,
+             results: Any, received: Any) -> None:
+    try:
+        results.put((rank, True, run_spmd(fn, args, rank, world_size, "127.0.0.1", port, backend)))
+    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+        results.put((rank, False, traceback.format_exc()))
+    # tensors travel through shared memory that this process serves: stay until they are read
+    received.wait(timeout=60)
+
+
+def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
+                timeout_s: float = 300.0) -> list[Any]:
+    """Run `fn(*args)` on `world_size` local processes with torch.distributed initialised;
+    return their results by rank (see module docstring). Results must be picklable."""
+    ctx = mp.get_context("spawn")
+    results, received = ctx.Queue(), ctx.Event()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_spawned, args=(rank, world_size, port, backend, fn, args, results, received),
+                    daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    out: dict[int, Any] = {}
+    try:
+        while len(out) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"spawn_local: no result from ranks {sorted(set(range(world_size)) - set(out))} "
+                                   f"within {timeout_s}s") from None
+            if not ok:
+                raise WorkerError(rank, value)
+            out[rank] = value
+    finally:
+        received.set()
+        for proc in procs:
+            proc.join(timeout=5 if len(out) == world_size else 0.1)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+    return [out[rank] for rank in range(world_size)]

@@ -1,0 +1,109 @@
+"""FSDP2 and DDP on 2 CPU ranks (gloo): one Trainer step over a global batch split across the
+ranks equals a single-process step over the whole batch (loss and updated parameters), and
+a DCP save/load of the sharded model and optimizer restores them exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from posttrain.config.schema import ParallelConfig, TrainConfig
+from posttrain.models.registry import build_model, tiny_config
+from posttrain.parallel.apply import apply_parallelism
+from posttrain.parallel.distributed import spawn_local
+from posttrain.parallel.mesh import build_device_mesh, dp_group
+from posttrain.train.trainer import Trainer
+
+T = 24
+VOCAB = 250
+
+
+def global_batch(seed: int, rows: int = 4) -> dict:
+    """`rows` packed rows of two documents each plus padding; every row has a different
+    number of loss tokens, so ranks holding different rows see different counts."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (rows, T), generator=gen)
+    labels = torch.full((rows, T), -100)
+    position_ids = torch.zeros(rows, T, dtype=torch.long)
+    doc_ids = torch.full((rows, T), -1)
+    for r in range(rows):
+        first, second = 8 + r, 10 - r  # the rest of the row is padding
+        for d, (start, n) in enumerate([(0, first), (first, second)]):
+            doc_ids[r, start : start + n] = d
+            position_ids[r, start : start + n] = torch.arange(n)
+            keep = torch.arange(start + n - 1 - (n // (1 + r + d)), start + n - 1)  # trainable tail
+            labels[r, keep] = ids[r, keep + 1]
+        ids[r, first + second :] = 0
+    return {"input_ids": ids, "labels": labels, "position_ids": position_ids, "doc_ids": doc_ids}
+
+
+def rank_rows(batch: dict, rank: int, world_size: int) -> dict:
+    return {k: v[rank::world_size] for k, v in batch.items()}
+
+
+def train_config(eps: float) -> TrainConfig:
+    return TrainConfig(learning_rate=1e-3, warmup_steps=0, weight_decay=0.1, max_grad_norm=1.0, eps=eps,
+                       device="cpu", tensorboard=False, progress_bar=False)
+
+
+def tiny_model(dtype: torch.dtype) -> torch.nn.Module:
+    return build_model(tiny_config("qwen3"), seed=0).to(dtype)
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full parameters (collective under a process group; every rank receives them)."""
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+    return {k: v.detach().clone() for k, v in get_model_state_dict(model, options=options).items()}
+
+
+def single_process_steps(steps: int, dtype: torch.dtype, eps: float) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = tiny_model(dtype)
+    trainer = Trainer(model, train_config(eps), total_steps=10, process_group=None)
+    losses = [trainer.train_step([global_batch(seed=s)])["loss"] for s in range(steps)]
+    return losses, full_state(model)
+
+
+def sharded_steps(strategy: str, steps: int, dtype: torch.dtype, eps: float) -> tuple[list[float], dict[str, torch.Tensor]]:
+    world = dist.get_world_size()
+    config = ParallelConfig(strategy=strategy, num_workers=world)
+    mesh = build_device_mesh(config)
+    model = apply_parallelism(tiny_model(dtype), config, mesh)
+    trainer = Trainer(model, train_config(eps), total_steps=10, process_group=dp_group(mesh))
+    assert trainer.grad_sync == "none"  # FSDP2 reduces (with SUM)
+    rank = dist.get_rank()
+    losses = [trainer.train_step([rank_rows(global_batch(seed=s), rank, world)])["loss"] for s in range(steps)]
+    return losses, full_state(model)
+
+
+def test_batch_ranks_see_different_loss_token_counts():
+    batch = global_batch(seed=0)
+    counts = [int((rank_rows(batch, r, 2)["labels"] != -100).sum()) for r in range(2)]
+    assert counts[0] != counts[1] and min(counts) > 0, counts
+
+
+# AdamW's first steps move each weight by about lr * g / (|g| + eps), whose sensitivity to g
+# peaks at lr / (4 eps) near |g| = eps. In fp32 the sharded and the single-process gradients
+# differ by summation order, up to ~1e-8 here; with the default eps (1e-8) that moved weights
+# apart by 4.6e-6, with eps 1e-6 by 1.2e-6 (measured). So fp32 runs use eps 1e-4 (sensitivity
+# <= 2.5) and fp64 runs, where the noise is ~1e-17, keep the default eps.
+CASES = [("fsdp", torch.float32, 1e-4, 1e-6), ("ddp", torch.float32, 1e-4, 1e-6), ("fsdp", torch.float64, 1e-8, 1e-10)]
+
+
+@pytest.mark.parametrize("strategy,dtype,eps,tol", CASES, ids=["fsdp-fp32", "ddp-fp32", "fsdp-fp64"])
+def test_two_rank_steps_equal_one_process_steps(strategy, dtype, eps, tol):
+    ref_losses, ref_params = single_process_steps(2, dtype, eps)
+    results = spawn_local(sharded_steps, 2, strategy, 2, dtype, eps)
+    worst = 0.0
+    for rank, (losses, params) in enumerate(results):
+        assert losses == pytest.approx(ref_losses, abs=1e-6), (rank, losses, ref_losses)
+        assert params.keys() == ref_params.keys()
+        for name, ref in ref_params.items():
+            assert params[name].dtype == dtype
+            diff = (params[name] - ref).abs().max().item()
+            assert diff <= tol, f"rank {rank} {strategy} {name}: max |diff| {diff:.3g}"
+            worst = max(worst, diff)
+    print(f"{strategy} {dtype}: max |param diff| {worst:.3g}, losses {ref_losses}")
+    init = tiny_model(dtype).state_dict()
+    assert any((ref_params[n] - init[n]).abs().max() > 1e-4 for n in init)  # the steps moved the weights
