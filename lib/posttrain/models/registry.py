@@ -31,6 +31,8 @@ from safetensors.torch import save_file
 
 from posttrain.models.gemma3 import hf_adapter as gemma3_adapter
 from posttrain.models.gemma3.model import Gemma3Config, Gemma3Model
+from posttrain.models.gpt_oss import hf_adapter as gpt_oss_adapter
+from posttrain.models.gpt_oss.model import GptOssConfig, GptOssModel
 from posttrain.models.llama import hf_adapter as llama_adapter
 from posttrain.models.llama.model import LlamaConfig, LlamaModel
 from posttrain.models.qwen3 import hf_adapter as qwen3_adapter
@@ -94,6 +96,20 @@ ARCHITECTURES: dict[str, Architecture] = {
                   rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling_factor=8.0,
                   final_logit_softcapping=30.0, max_position_embeddings=512, bos_token_id=2, eos_token_id=1,
                   pad_token_id=0),
+    ),
+    "gpt_oss": Architecture(
+        GptOssConfig,
+        GptOssModel,
+        gpt_oss_adapter,
+        # 4 layers alternating sliding (window 8 < the verifier's 48 tokens) / full, 4 experts top-2,
+        # YaRN x4 over 32 original positions (extrapolated, ramped and interpolated frequencies),
+        # a SwiGLU limit the random tiny weights reach
+        tiny=dict(vocab_size=250, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                  num_experts_per_tok=2, sliding_window=8, rope_theta=150000.0,
+                  rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
+                                    beta_fast=32.0, beta_slow=1.0, truncate=False),
+                  max_position_embeddings=128, swiglu_limit=3.0, eos_token_id=1),
     ),
 }
 
