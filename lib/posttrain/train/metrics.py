@@ -1,5 +1,6 @@
-"""Per-step training metrics: a JSONL log (one object per line, flushed each step) and the
-one-line progress format printed to the terminal."""
+"""Per-step training metrics: a JSONL log (one object per line, flushed each step), a sink
+that fans a step's metrics out to several logs (JSONL, TensorBoard), and the one-line
+progress format printed to the terminal."""
 
 from __future__ import annotations
 
@@ -33,6 +34,52 @@ class MetricsLog:
         """All records of a JSONL metrics file, in order."""
         with Path(path).open(encoding="utf-8") as f:
             return [json.loads(line) for line in f if line.strip()]
+
+
+class MetricsSinks:
+    """Fans `append(metrics)` out to every sink (objects with `append`, optionally `close`).
+
+    `records` are the first sink's that keeps them (a `MetricsLog`), so callers that read
+    the history keep working.
+    """
+
+    def __init__(self, *sinks):
+        self.sinks = [s for s in sinks if s is not None]
+
+    @property
+    def records(self) -> list[dict]:
+        for sink in self.sinks:
+            if hasattr(sink, "records"):
+                return sink.records
+        return []
+
+    def append(self, metrics: dict) -> None:
+        for sink in self.sinks:
+            sink.append(metrics)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            close = getattr(sink, "close", None)
+            if callable(close):
+                close()
+
+    def __enter__(self) -> "MetricsSinks":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_metrics(run_dir: str | Path, tensorboard: bool = True) -> MetricsSinks:
+    """The usual sinks of a run: `run_dir/metrics.jsonl`, plus TensorBoard event files in
+    `run_dir/tensorboard/` when `tensorboard` is true."""
+    run_dir = Path(run_dir)
+    sinks = [MetricsLog(run_dir / "metrics.jsonl")]
+    if tensorboard:
+        from posttrain.train.tensorboard import TensorBoardLog
+
+        sinks.append(TensorBoardLog(run_dir / "tensorboard"))
+    return MetricsSinks(*sinks)
 
 
 def _duration(seconds: float) -> str:

@@ -1,0 +1,167 @@
+"""Training health: non-finite steps are skipped without touching weights, optimizer or
+schedule; spikes and explosions are flagged while the step is applied; a run of bad steps
+stops with a clear error."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from posttrain.config.schema import HealthConfig
+from posttrain.ops.losses import causal_lm_loss
+from posttrain.train.health import HealthMonitor, TrainingHealthError
+from posttrain.train.trainer import Trainer
+
+from test_trainer import T, config, packed_row, tiny_model
+
+
+class Injected:
+    """`causal_lm_loss`, made bad on chosen calls (1-based): `loss` scales the loss sum (NaN or a
+    factor), `grad` scales the gradient flowing back into the final hidden states."""
+
+    def __init__(self, loss: dict[int, float] | None = None, grad: dict[int, float] | None = None):
+        self.loss, self.grad, self.calls = loss or {}, grad or {}, 0
+
+    def __call__(self, model, batch):
+        self.calls += 1
+        if self.calls in self.grad:
+            factor = self.grad[self.calls]
+
+            def scale_grad(_module, _inputs, hidden_BTD):
+                hidden_BTD.register_hook(lambda g: g * factor)
+
+            handle = model.norm.register_forward_hook(scale_grad)
+        loss_sum, n = causal_lm_loss(model, batch)
+        if self.calls in self.grad:
+            handle.remove()
+        if self.calls in self.loss:
+            loss_sum = loss_sum * self.loss[self.calls]
+        return loss_sum, n
+
+
+def batches(n: int):
+    gen = torch.Generator().manual_seed(5)
+    return [packed_row(gen, [T], [T - 1]) for _ in range(n)]
+
+
+def health(**overrides) -> HealthConfig:
+    return HealthConfig(**{"min_history": 3, "window": 10, **overrides})
+
+
+def snapshot(trainer: Trainer):
+    params = [p.detach().clone() for p in trainer.model.parameters()]
+    opt = copy.deepcopy(trainer.optimizer.state_dict())
+    return params, opt, trainer.scheduler.last_epoch
+
+
+def assert_same(before, trainer: Trainer):
+    params, opt, epoch = before
+    assert all(torch.equal(a, b) for a, b in zip(params, trainer.model.parameters()))
+    now = trainer.optimizer.state_dict()
+    for key, state in opt["state"].items():
+        for name, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(now["state"][key][name])), (key, name)
+    assert trainer.scheduler.last_epoch == epoch
+
+
+@pytest.mark.parametrize("where", ["loss", "grad"])
+def test_nonfinite_step_is_skipped_and_leaves_state_untouched(where):
+    bad = {3: float("nan")} if where == "loss" else {3: float("inf")}
+    loss_fn = Injected(loss=bad) if where == "loss" else Injected(grad=bad)
+    trainer = Trainer(tiny_model(), config(learning_rate=1e-3, warmup_steps=2, health=health()), total_steps=10,
+                      loss_fn=loss_fn)
+    data = batches(5)
+    for b in data[:2]:
+        assert trainer.train_step([b])["health"] == "ok"
+    before = snapshot(trainer)
+    lr_before = trainer.optimizer.param_groups[0]["lr"]
+    metrics = trainer.train_step([data[2]])
+    assert metrics["health"] == "nonfinite" and metrics["nonfinite"] and metrics["skipped"]
+    assert metrics["skipped_steps"] == 1 and metrics["step"] == 3
+    assert not metrics["grad_clipped"]
+    if where == "grad":
+        assert metrics["loss"] == metrics["loss"]  # the loss itself was finite
+    assert_same(before, trainer)
+    assert all(p.grad is None for p in trainer.model.parameters())  # gradients dropped
+    after = trainer.train_step([data[3]])
+    assert after["health"] == "ok" and after["lr"] == lr_before  # the schedule did not advance
+    assert not all(torch.equal(a, b) for a, b in zip(before[0], trainer.model.parameters()))
+
+
+def test_consecutive_nonfinite_steps_raise_with_a_clear_message():
+    loss_fn = Injected(loss={2: float("nan"), 3: float("inf"), 4: float("nan")})
+    trainer = Trainer(tiny_model(), config(health=health(max_consecutive_bad_steps=3)), total_steps=10,
+                      loss_fn=loss_fn)
+    trainer.health.mark_checkpoint("/runs/x/checkpoints/step-1", 1)
+    data = batches(4)
+    trainer.train_step([data[0]])
+    trainer.train_step([data[1]])
+    trainer.train_step([data[2]])
+    with pytest.raises(TrainingHealthError) as err:
+        trainer.train_step([data[3]])
+    message = str(err.value)
+    for part in ("3 consecutive non-finite steps (2..4)", "step 2: loss=nan", "step 3: loss=inf",
+                 "/runs/x/checkpoints/step-1 (step 1)"):
+        assert part in message, message
+
+
+def test_a_good_step_resets_the_bad_streak():
+    monitor = HealthMonitor(health(max_consecutive_bad_steps=2))
+    monitor.check(1, float("nan"), 1.0)
+    monitor.check(2, 1.0, 1.0)
+    monitor.check(3, 1.0, float("nan"))
+    with pytest.raises(TrainingHealthError, match=r"\(3\.\.4\).*no checkpoint was recorded"):
+        monitor.check(4, float("inf"), 1.0)
+    assert monitor.skipped_steps == 3
+
+
+def test_loss_spike_is_flagged_and_the_step_still_applied():
+    loss_fn = Injected(loss={5: 20.0})
+    trainer = Trainer(tiny_model(), config(learning_rate=1e-3, health=health(spike_factor=3.0)), total_steps=10,
+                      loss_fn=loss_fn)
+    data = batches(6)
+    flags = [trainer.train_step([b]) for b in data[:4]]
+    assert [m["health"] for m in flags] == ["ok"] * 4
+    before = snapshot(trainer)
+    spike = trainer.train_step([data[4]])
+    assert spike["loss_spike"] and spike["health"] in ("loss_spike", "grad_explosion") and not spike["skipped"]
+    assert not all(torch.equal(a, b) for a, b in zip(before[0], trainer.model.parameters()))
+    assert trainer.scheduler.last_epoch == before[2] + 1
+
+
+def test_grad_explosion_is_flagged_relative_and_absolute():
+    loss_fn = Injected(grad={5: 1000.0})
+    trainer = Trainer(tiny_model(), config(health=health(grad_explosion_factor=10.0)), total_steps=10, loss_fn=loss_fn)
+    data = batches(6)
+    ok = [trainer.train_step([b]) for b in data[:4]]
+    assert not any(m["grad_explosion"] for m in ok)
+    boom = trainer.train_step([data[4]])
+    assert boom["health"] == "grad_explosion" and boom["grad_explosion"] and not boom["loss_spike"]
+    assert not boom["skipped"] and boom["grad_norm"] > 10 * max(m["grad_norm"] for m in ok)
+
+    alert = ok[0]["grad_norm"] / 2
+    absolute = Trainer(tiny_model(), config(health=health(max_grad_norm_alert=alert)), total_steps=10)
+    first = absolute.train_step([data[0]])  # no history needed for the absolute threshold
+    assert first["grad_explosion"] and first["health"] == "grad_explosion"
+
+
+def test_no_flags_before_min_history():
+    monitor = HealthMonitor(health(min_history=3))
+    assert monitor.check(1, 1.0, 1.0).health == "ok"
+    assert monitor.check(2, 100.0, 1000.0).health == "ok"  # not enough history yet
+    monitor.check(3, 1.0, 1.0)
+    verdict = monitor.check(4, 100.0, 1.0)
+    assert verdict.loss_spike and not verdict.grad_explosion
+
+
+def test_monitor_state_round_trips():
+    monitor = HealthMonitor(health())
+    for step, loss in enumerate([2.0, 1.9, float("nan"), 1.8], start=1):
+        monitor.check(step, loss, 0.5)
+    monitor.mark_checkpoint("ckpt", 4)
+    restored = HealthMonitor(health())
+    restored.load_state_dict(monitor.state_dict())
+    assert restored.state_dict() == monitor.state_dict()
+    assert restored.check(5, 100.0, 0.5).loss_spike == monitor.check(5, 100.0, 0.5).loss_spike is True
