@@ -157,7 +157,7 @@ def test_model_without_packed_masks_is_detected_and_refused():
     # padded batches still train, and match transformers' own loss
     batch = padded_batch([15, 4])
     loss_sum, n = causal_lm_loss(model, batch)
-    assert abs(float(loss_sum / n) - float(hf_loss(model.hf, batch))) <= 1e-5
+    assert abs(float(loss_sum.detach() / n) - float(hf_loss(model.hf, batch).detach())) <= 1e-5
     metrics = Trainer(model, train_config(), total_steps=1).train_step([batch])
     assert metrics["loss_tokens"] == 14 + 3
 
