@@ -289,6 +289,13 @@ def _rope_from_hf(d: dict[str, Any], full_default: float, sliding_default: float
     if scaling is not None:
         if not isinstance(scaling, dict):
             raise UnsupportedConfigError(f"config.json rope_scaling must be a dict or null, got {scaling!r}")
+        scaling = {("rope_type" if k == "type" else k): v for k, v in scaling.items()}
+        full = {("rope_type" if k == "type" else k): v for k, v in full.items()}
+        clash = sorted(k for k in scaling if k in full and full[k] != scaling[k])
+        if clash:
+            raise UnsupportedConfigError(
+                f"config.json rope_scaling={scaling!r} conflicts with rope_parameters[{FULL!r}]={full!r} on {clash}"
+            )
         full.update(scaling)
 
     def rope_type(p: dict[str, Any]) -> str:
