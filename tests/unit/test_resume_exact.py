@@ -1,0 +1,128 @@
+"""Exact resume: k steps + checkpoint + fresh objects + load + N-k steps gives the loss
+trajectory of N uninterrupted steps bit for bit, with gradient accumulation and across an
+epoch boundary of the training stream; and the train step resumes after an injected fault."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.config.loader import load_sft_config
+from posttrain.config.schema import PackConfig, SourceConfig, TrainConfig
+from posttrain.data.chat import TokenizedSample
+from posttrain.data.mixture import build_mixer, training_batches
+from posttrain.models.registry import build_model, tiny_config
+from posttrain.train.checkpoint import CheckpointManager
+from posttrain.train.trainer import Trainer
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def samples(n: int, seed: int, low: int, high: int) -> list[TokenizedSample]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.randint(low, high)
+        out.append(TokenizedSample([rng.randrange(3, 250) for _ in range(length)],
+                                   [rng.random() < 0.5 for _ in range(length)]))
+    return out
+
+
+SAMPLES = {"a": samples(24, 0, 4, 20), "b": samples(10, 1, 10, 40)}
+SOURCES = [SourceConfig(name="a", kind="jsonl", path="a.jsonl"), SourceConfig(name="b", kind="jsonl", path="b.jsonl")]
+PACK = PackConfig(row_length=32, window=8, on_overflow="split", prefetch_depth=2)
+MICRO, ACCUM, TOTAL = 2, 2, 8
+
+
+def stream(state=None):
+    return training_batches(SAMPLES, SOURCES, 0, PACK, pad_id=0, batch_size=MICRO, state=state)
+
+
+def trainer(seed: int) -> Trainer:
+    torch.manual_seed(seed)
+    cfg = TrainConfig(device="cpu", learning_rate=3e-3, warmup_steps=2, grad_accum_steps=ACCUM, micro_batch_size=MICRO)
+    return Trainer(build_model(tiny_config(), seed=seed), cfg, total_steps=TOTAL)
+
+
+def run_steps(trainer: Trainer, batches, steps: int) -> list[float]:
+    return [trainer.train_step([next(batches) for _ in range(ACCUM)])["loss"] for _ in range(steps)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted() -> tuple[list[float], int]:
+    """Losses of TOTAL uninterrupted steps, and the stream position (samples consumed) at the end."""
+    with stream() as batches:
+        return run_steps(trainer(0), batches, TOTAL), batches.state_dict()["packer"]["consumed"]
+
+
+@pytest.mark.parametrize("stop_after", [2, 5])
+def test_resumed_run_matches_the_uninterrupted_one_bit_for_bit(tmp_path, stop_after, uninterrupted):
+    expected, end_position = uninterrupted
+
+    manager = CheckpointManager(tmp_path, every_steps=1)
+    first = trainer(0)
+    with stream() as batches:
+        losses = run_steps(first, batches, stop_after)
+        manager.save(stop_after, first, batches.state_dict())
+        resume_position = batches.state_dict()["packer"]["consumed"]
+    del first
+
+    second = trainer(seed=7)  # different weights and RNG: everything must come from the checkpoint
+    data_state = manager.load("latest", second)
+    with stream(json.loads(json.dumps(data_state))) as batches:
+        losses += run_steps(second, batches, TOTAL - stop_after)
+
+    pass_size = build_mixer(SAMPLES, SOURCES, 0).pass_size
+    assert resume_position // pass_size < end_position // pass_size  # the resumed part crosses an epoch boundary
+    assert max(abs(a - b) for a, b in zip(expected, losses)) == 0.0
+    assert losses == expected
+
+
+@pytest.fixture(scope="module")
+def tiny_recipe(tmp_path_factory):
+    """The tiny SFT recipe's data, tokenized once: (config, tokenizer, samples, rows per epoch)."""
+    from posttrain.data.tokenizer import load_tokenizer
+    from posttrain.steps import ingest, pack, tokenize
+    from posttrain.steps.paths import resolve
+
+    work = tmp_path_factory.mktemp("recipe")
+    config = load_sft_config(REPO_ROOT / "configs" / "sft" / "tiny.yaml", overrides={
+        "data.generate.num_train": 80, "train.max_steps": 5, "train.device": "cpu",
+        "checkpoint.every_steps": 2, "output_dir": str(work)})
+    data = ingest.run(config, work)
+    tokenizer = load_tokenizer(resolve(config.tokenizer.name_or_path, work))
+    tokenized = tokenize.run(data.train, tokenizer, {}, config.data.filters).samples
+    rows = pack.run(tokenized, config, tokenizer.pad_token_id).stats.num_rows
+    return config, tokenizer, tokenized, rows
+
+
+def test_train_step_resumes_after_an_injected_fault(tiny_recipe, tmp_path, monkeypatch, capsys):
+    from posttrain.steps import train
+
+    config, tokenizer, tokenized, rows = tiny_recipe
+    expected = train.run(config, tokenizer, tokenized, rows, tmp_path / "uninterrupted").history
+
+    monkeypatch.setenv(train.FAULT_AT_STEP_ENV, "3")
+    with pytest.raises(train.InjectedFault, match="after step 3"):
+        train.run(config, tokenizer, tokenized, rows, tmp_path / "faulty")
+    seen = []
+    result = train.run(config, tokenizer, tokenized, rows, tmp_path / "faulty", on_step=seen.append)
+    assert "resuming from step 2 at" in capsys.readouterr().out
+    assert result.resumed_from.endswith("train_state/step_00000002")
+    assert [h["loss"] for h in result.history] == [h["loss"] for h in expected]
+    assert [h["step"] for h in seen] == [1, 2, 3, 4, 5]  # restored steps replayed to on_step
+    logged = [json.loads(line) for line in (tmp_path / "faulty" / "metrics.jsonl").read_text().splitlines()]
+    assert [h["loss"] for h in logged] == [h["loss"] for h in expected]
+    assert [p.name for p in CheckpointManager(result.checkpoints_dir, 1).complete()] == \
+        ["step_00000004", "step_00000005"]
+
+    # a new run directory starting from another run's checkpoint (`checkpoint.resume_from`)
+    from dataclasses import replace
+
+    moved = replace(config, checkpoint=replace(config.checkpoint, resume_from=str(
+        tmp_path / "faulty" / "train_state" / "step_00000004")))
+    again = train.run(moved, tokenizer, tokenized, rows, tmp_path / "from-elsewhere")
+    assert again.resumed_from.endswith("step_00000004")
+    assert [h["loss"] for h in again.history] == [h["loss"] for h in expected]
