@@ -57,6 +57,13 @@ def padded_batch(seed: int, B: int = 3, T: int = 24, vocab: int = 250) -> dict:
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "doc_ids": doc_ids}
 
 
+def assert_logits_match(ours, theirs, label: str) -> None:
+    """Padded and packed logits of `ours` and a transformers/peft model within `TOL`."""
+    verdict = verify_models(ours, theirs, tolerance=TOL)
+    print(f"{label}: max_abs_diff={verdict['max_abs_diff']:.3g}")
+    assert verdict["passed"], verdict
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def tuned(request, tmp_path_factory):
     """(arch, base checkpoint dir, LoRA-tuned model, base state before tuning, trainer, losses)."""
@@ -95,9 +102,7 @@ def test_merged_export_loads_in_transformers(tuned, tmp_path):
     hf, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager",
                                                     output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    verdict = verify_models(model, hf, tolerance=TOL)
-    print(f"{arch} merged vs LoRA model: max_abs_diff={verdict['max_abs_diff']:.3g}")
-    assert verdict["passed"], verdict
+    assert_logits_match(model, hf, f"{arch} merged vs LoRA model")
     # the adapters matter: the base model's logits are far from ours
     assert verify_models(model, hf_model(base_dir), tolerance=TOL)["max_abs_diff"] > 1e-2
 
@@ -114,9 +119,7 @@ def test_peft_adapter_loads_with_peft(tuned, tmp_path):
     ours = dict(model.named_parameters())
     assert torch.equal(peft_state["base_model.model.model.layers.1.self_attn.q_proj.lora_B.default.weight"],
                        ours["layers.1.attention.wq.lora_B"])
-    verdict = verify_models(model, loaded, tolerance=TOL)
-    print(f"{arch} PEFT adapter vs LoRA model: max_abs_diff={verdict['max_abs_diff']:.3g}")
-    assert verdict["passed"], verdict
+    assert_logits_match(model, loaded, f"{arch} PEFT adapter vs LoRA model")
 
 
 def test_peft_adapter_round_trips_onto_our_model(tuned, tmp_path):
@@ -144,9 +147,7 @@ def test_adapter_written_by_peft_loads_onto_ours(tuned, tmp_path):
 
     ours = load_peft_adapter(load_hf_checkpoint(base_dir), tmp_path / "peft_made")
     assert ours.lora_config.targets == ["q", "v", "down"] and ours.lora_config.alpha == 5.0
-    verdict = verify_models(ours, made, tolerance=TOL)
-    print(f"{arch} adapter saved by peft, loaded by us: max_abs_diff={verdict['max_abs_diff']:.3g}")
-    assert verdict["passed"], verdict
+    assert_logits_match(ours, made, f"{arch} adapter saved by peft, loaded by us")
 
 
 def test_broken_adapters_are_rejected(tuned, tmp_path):
