@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
 
 from posttrain.config.schema import ParallelConfig, TrainConfig
 from posttrain.models.registry import build_model, tiny_config
@@ -88,22 +96,81 @@ def test_batch_ranks_see_different_loss_token_counts():
 # differ by summation order, up to ~1e-8 here; with the default eps (1e-8) that moved weights
 # apart by 4.6e-6, with eps 1e-6 by 1.2e-6 (measured). So fp32 runs use eps 1e-4 (sensitivity
 # <= 2.5) and fp64 runs, where the noise is ~1e-17, keep the default eps.
-CASES = [("fsdp", torch.float32, 1e-4, 1e-6), ("ddp", torch.float32, 1e-4, 1e-6), ("fsdp", torch.float64, 1e-8, 1e-10)]
+CASES = {"fsdp-fp32": ("fsdp", torch.float32, 1e-4, 1e-6), "ddp-fp32": ("ddp", torch.float32, 1e-4, 1e-6),
+         "fsdp-fp64": ("fsdp", torch.float64, 1e-8, 1e-10)}
+STEPS = 2
 
 
-@pytest.mark.parametrize("strategy,dtype,eps,tol", CASES, ids=["fsdp-fp32", "ddp-fp32", "fsdp-fp64"])
-def test_two_rank_steps_equal_one_process_steps(strategy, dtype, eps, tol):
-    ref_losses, ref_params = single_process_steps(2, dtype, eps)
-    results = spawn_local(sharded_steps, 2, strategy, 2, dtype, eps)
+def dcp_round_trip(directory: str) -> dict:
+    """Train a sharded model one step, save model + optimizer with DCP, load them into a
+    differently initialised sharded model; return both full states."""
+    world = dist.get_world_size()
+    config = ParallelConfig(strategy="fsdp", num_workers=world)
+    mesh = build_device_mesh(config)
+
+    def sharded_trainer(seed: int) -> Trainer:
+        model = apply_parallelism(build_model(tiny_config("qwen3"), seed=seed), config, mesh)
+        return Trainer(model, train_config(1e-8), total_steps=10, process_group=dp_group(mesh))
+
+    saved = sharded_trainer(seed=0)
+    saved.train_step([rank_rows(global_batch(seed=0), dist.get_rank(), world)])
+    model_state, optim_state = get_state_dict(saved.model, saved.optimizer)
+    assert all(isinstance(v, DTensor) for v in model_state.values())  # the sharded path, not full tensors
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
+
+    restored = sharded_trainer(seed=1)
+    model_state, optim_state = get_state_dict(restored.model, restored.optimizer)  # empty optimizer state
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(restored.model, restored.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    full = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+    return {
+        name: (get_model_state_dict(t.model, options=full), get_optimizer_state_dict(t.model, t.optimizer, options=full))
+        for name, t in (("saved", saved), ("restored", restored))
+    }
+
+
+def all_cases(directory: str) -> dict:
+    out = {name: sharded_steps(strategy, STEPS, dtype, eps) for name, (strategy, dtype, eps, _) in CASES.items()}
+    out["dcp"] = dcp_round_trip(directory)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory) -> list[dict]:
+    """Every 2-rank case in one pair of processes (starting them dominates the cost)."""
+    return spawn_local(all_cases, 2, str(tmp_path_factory.mktemp("dcp")))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_rank_steps_equal_one_process_steps(case, two_rank_results):
+    strategy, dtype, eps, tol = CASES[case]
+    ref_losses, ref_params = single_process_steps(STEPS, dtype, eps)
     worst = 0.0
-    for rank, (losses, params) in enumerate(results):
+    for rank, result in enumerate(two_rank_results):
+        losses, params = result[case]
         assert losses == pytest.approx(ref_losses, abs=1e-6), (rank, losses, ref_losses)
         assert params.keys() == ref_params.keys()
         for name, ref in ref_params.items():
             assert params[name].dtype == dtype
             diff = (params[name] - ref).abs().max().item()
-            assert diff <= tol, f"rank {rank} {strategy} {name}: max |diff| {diff:.3g}"
+            assert diff <= tol, f"rank {rank} {case} {name}: max |diff| {diff:.3g}"
             worst = max(worst, diff)
-    print(f"{strategy} {dtype}: max |param diff| {worst:.3g}, losses {ref_losses}")
+    print(f"{case}: max |param diff| {worst:.3g}, losses {ref_losses}")
     init = tiny_model(dtype).state_dict()
     assert any((ref_params[n] - init[n]).abs().max() > 1e-4 for n in init)  # the steps moved the weights
+
+
+def test_dcp_round_trip_of_sharded_model_and_optimizer(two_rank_results):
+    for rank, result in enumerate(two_rank_results):
+        (saved_model, saved_optim), (restored_model, restored_optim) = result["dcp"]["saved"], result["dcp"]["restored"]
+        assert saved_model.keys() == restored_model.keys() and len(saved_model) > 0
+        for name, tensor in saved_model.items():
+            assert torch.equal(restored_model[name], tensor), f"rank {rank}: parameter {name} not restored"
+        init = build_model(tiny_config("qwen3"), seed=1).state_dict()
+        assert not torch.equal(init["norm.weight"] + 0.0, saved_model["norm.weight"])  # a trained value came back
+        assert saved_optim["state"].keys() == restored_optim["state"].keys() and saved_optim["state"]
+        for name, entry in saved_optim["state"].items():
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(restored_optim["state"][name][key], entry[key]), f"rank {rank}: {name}.{key}"
