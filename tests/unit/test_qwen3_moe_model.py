@@ -11,7 +11,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from posttrain.models.qwen3_moe import hf_adapter
-from posttrain.models.qwen3_moe.model import MoeDecoderBlock, Qwen3MoeConfig, Qwen3MoeModel, UnsupportedConfigError
+from posttrain.models.qwen3_moe.model import Qwen3MoeConfig, Qwen3MoeModel, SparseMoe, UnsupportedConfigError
 from posttrain.models.registry import (
     CheckpointError,
     build_model,
@@ -59,14 +59,14 @@ def test_registered_and_layer_kinds():
     assert type(config) is Qwen3MoeConfig and config.padded_vocab_size == 256
     model = build_model(config, seed=0)
     assert type(model) is Qwen3MoeModel
-    kinds = [isinstance(layer, MoeDecoderBlock) for layer in model.layers]
+    kinds = [isinstance(layer.feed_forward, SparseMoe) for layer in model.layers]
     assert kinds == [True, True, False, True]
     params = dict(model.named_parameters())
-    assert params["layers.0.moe.experts.w_gate"].shape == (8, 32, 64)
-    assert params["layers.0.moe.experts.w_down"].shape == (8, 64, 32)
-    assert params["layers.0.moe.router.weight"].shape == (8, 64)
+    assert params["layers.0.feed_forward.experts.w_gate"].shape == (8, 32, 64)
+    assert params["layers.0.feed_forward.experts.w_down"].shape == (8, 64, 32)
+    assert params["layers.0.feed_forward.router.weight"].shape == (8, 64)
     assert params["layers.2.feed_forward.w_gate.weight"].shape == (128, 64)
-    assert not any(n.startswith("layers.0.feed_forward") for n in params)
+    assert "layers.0.feed_forward.w_gate.weight" not in params
     step2 = CONFIGS["raw-topk-tied-step2"]
     assert [step2.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
 
@@ -133,10 +133,11 @@ def hf_grads_as_ours(hf, config) -> dict[str, torch.Tensor]:
     Fm = config.moe_intermediate_size
     for name, p in hf_params.items():
         if name.endswith("mlp.experts.gate_up_proj"):
-            prefix = name.removeprefix("model.").removesuffix("mlp.experts.gate_up_proj") + "moe.experts."
-            grads[prefix + "w_gate"], grads[prefix + "w_up"] = p.grad[:, :Fm], p.grad[:, Fm:]
+            ours = name.removeprefix("model.").replace("mlp.experts.gate_up_proj", "feed_forward.experts.w_")
+            grads[ours + "gate"], grads[ours + "up"] = p.grad[:, :Fm], p.grad[:, Fm:]
         elif name.endswith("mlp.experts.down_proj"):
-            grads[name.removeprefix("model.").removesuffix("mlp.experts.down_proj") + "moe.experts.w_down"] = p.grad
+            ours = name.removeprefix("model.").replace("mlp.experts.down_proj", "feed_forward.experts.w_down")
+            grads[ours] = p.grad
         else:
             grads[to_ours[name]] = p.grad
     return grads
@@ -185,7 +186,7 @@ def test_router_aux_loss_matches_transformers(tmp_path):
                  output_router_logits=True)
     assert abs(ours.item() - out.aux_loss.item()) <= 1e-5 * out.aux_loss.item()
     ours.backward()  # differentiable through the router probabilities
-    assert model.layers[0].moe.router.weight.grad.abs().max() > 0
+    assert model.layers[0].feed_forward.router.weight.grad.abs().max() > 0
     model.record_router_logits(False)
     with pytest.raises(RuntimeError, match="record_router_logits"):
         model.router_aux_loss()
@@ -203,9 +204,9 @@ def test_transformers_checkpoint_loads_in_ours(tmp_path):
     ours = load_hf_checkpoint(tmp_path / "hf")
     Fm = hf_config.moe_intermediate_size
     fused = hf.model.layers[1].mlp.experts.gate_up_proj
-    assert torch.equal(ours.layers[1].moe.experts.w_gate, fused[:, :Fm])
-    assert torch.equal(ours.layers[1].moe.experts.w_up, fused[:, Fm:])
-    assert torch.equal(ours.layers[1].moe.experts.w_down, hf.model.layers[1].mlp.experts.down_proj)
+    assert torch.equal(ours.layers[1].feed_forward.experts.w_gate, fused[:, :Fm])
+    assert torch.equal(ours.layers[1].feed_forward.experts.w_up, fused[:, Fm:])
+    assert torch.equal(ours.layers[1].feed_forward.experts.w_down, hf.model.layers[1].mlp.experts.down_proj)
     ids = torch.randint(0, 250, (2, 10))
     with torch.no_grad():
         theirs = hf(input_ids=ids).logits
@@ -222,7 +223,7 @@ def test_export_import_roundtrip_and_dtype(tmp_path):
     assert "model.layers.3.mlp.experts.5.up_proj.weight" in index and "model.layers.2.mlp.up_proj.weight" in index
     assert "model.layers.2.mlp.gate.weight" not in index and "model.layers.0.mlp.gate_proj.weight" not in index
     kept = load_hf_checkpoint(out, dtype=None)
-    assert kept.layers[0].moe.experts.w_up.dtype == torch.bfloat16
+    assert kept.layers[0].feed_forward.experts.w_up.dtype == torch.bfloat16
     back = load_hf_checkpoint(out)
     for (name, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
         assert torch.equal(a.to(torch.bfloat16).float(), b), name
@@ -251,7 +252,8 @@ EXPERT = "model.layers.1.mlp.experts.6.gate_proj.weight"
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda t: t.update({EXPERT: torch.zeros(32, 65)}), f"tensor '{EXPERT}' .* has shape \\(32, 65\\), expected \\(32, 64\\)"),
+    (lambda t: t.update({EXPERT: torch.zeros(32, 65)}),
+     f"tensor '{EXPERT}' .* has shape \\(32, 65\\), expected \\(32, 64\\)"),
     (lambda t: t.pop(EXPERT), f"missing tensors \\['{EXPERT}'\\]"),
     (lambda t: t.update({"model.layers.1.mlp.experts.8.up_proj.weight": torch.zeros(32, 64)}),
      "unexpected tensor 'model.layers.1.mlp.experts.8.up_proj.weight'"),
@@ -271,7 +273,8 @@ def test_broken_checkpoint_names_tensor(checkpoint, change, message):
 
 def test_import_tensor_rejects_names_outside_config():
     config = tiny_config(ARCH)
-    assert hf_adapter.import_tensor(EXPERT, torch.zeros(32, 64), config)[::2] == ("layers.1.moe.experts.w_gate", 6)
+    imported = hf_adapter.import_tensor(EXPERT, torch.zeros(32, 64), config)
+    assert imported[::2] == ("layers.1.feed_forward.experts.w_gate", 6)
     for bad in ("model.layers.4.mlp.experts.0.gate_proj.weight", "model.layers.2.mlp.experts.0.up_proj.weight",
                 "model.layers.0.mlp.gate_proj.weight", "model.layers.9.mlp.gate.weight"):
         with pytest.raises(KeyError, match=bad.replace(".", "\\.")):
@@ -281,7 +284,8 @@ def test_import_tensor_rejects_names_outside_config():
 def test_fused_shapes_cover_every_expert_tensor():
     config = tiny_config(ARCH)
     fused = hf_adapter.fused_shapes(config)
-    assert sorted(fused) == sorted(f"layers.{i}.moe.experts.w_{p}" for i in (0, 1, 3) for p in ("gate", "up", "down"))
+    want = [f"layers.{i}.feed_forward.experts.w_{p}" for i in (0, 1, 3) for p in ("gate", "up", "down")]
+    assert sorted(fused) == sorted(want)
     rows: dict[str, set[int]] = {name: set() for name in fused}
     for name, shape in hf_adapter.hf_shapes(config).items():
         imported = hf_adapter.import_tensor(name, torch.zeros(shape), config)
@@ -350,7 +354,8 @@ def test_init_weights():
     config = tiny_config(ARCH, initializer_range=0.05)
     a, b = build_model(config, 7).state_dict(), build_model(config, 7).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    for key in ("layers.0.moe.experts.w_gate", "layers.0.moe.experts.w_down", "layers.0.moe.router.weight"):
+    for key in ("experts.w_gate", "experts.w_down", "router.weight"):
+        key = f"layers.0.feed_forward.{key}"
         assert abs(a[key].std().item() - 0.05) < 0.005, key
     assert torch.count_nonzero(a["output.weight"][250:]) == 0
 
@@ -360,3 +365,20 @@ def test_verify_tiny_cli(capsys):
     verdict = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     print(verdict)
     assert verdict["arch"] == ARCH and verdict["passed"] and verdict["max_abs_diff"] <= 1e-4
+
+
+def test_lora_on_attention_only():
+    """LoRA adapts the attention projections of every layer; MLP targets hit the fused experts
+    of an MoE layer and raise, naming the module."""
+    from posttrain.config.schema import LoraConfig
+    from posttrain.models.lora import LoraError, apply_lora
+
+    model = random_model(CONFIGS["tiny"])
+    with pytest.raises(LoraError, match="layers.0.feed_forward.w_gate"):
+        apply_lora(random_model(CONFIGS["tiny"]), LoraConfig(rank=4, alpha=8.0))
+    apply_lora(model, LoraConfig(rank=4, alpha=8.0, targets=["q", "v"]))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"layers.{i}.attention.{w}.lora_{ab}" for i in range(4) for w in ("wq", "wv") for ab in "AB"}
+    ids = torch.randint(0, 250, (1, 8))
+    model.compute_logits(model(ids, torch.arange(8)[None], torch.zeros(1, 8, dtype=torch.long))).sum().backward()
+    assert model.layers[0].attention.wq.lora_B.grad.abs().max() > 0

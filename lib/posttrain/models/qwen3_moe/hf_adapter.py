@@ -4,10 +4,10 @@ Everything but the MoE layers' MLP is the shared dense-decoder mapping
 (`posttrain.models.dense_adapter`: vocabulary padding, tied heads, q/k norms). An MoE layer
 `i` holds, on disk (what transformers 5 `save_pretrained` writes and `from_pretrained` reads):
 
-    model.layers.{i}.mlp.gate.weight                         [X, D]    -> layers.{i}.moe.router.weight
-    model.layers.{i}.mlp.experts.{j}.gate_proj.weight        [Fm, D]   -> row j of layers.{i}.moe.experts.w_gate
-    model.layers.{i}.mlp.experts.{j}.up_proj.weight          [Fm, D]   -> row j of layers.{i}.moe.experts.w_up
-    model.layers.{i}.mlp.experts.{j}.down_proj.weight        [D, Fm]   -> row j of layers.{i}.moe.experts.w_down
+    model.layers.{i}.mlp.gate.weight                   [X, D]   -> layers.{i}.feed_forward.router.weight
+    model.layers.{i}.mlp.experts.{j}.gate_proj.weight  [Fm, D]  -> row j of ...feed_forward.experts.w_gate
+    model.layers.{i}.mlp.experts.{j}.up_proj.weight    [Fm, D]  -> row j of ...feed_forward.experts.w_up
+    model.layers.{i}.mlp.experts.{j}.down_proj.weight  [D, Fm]  -> row j of ...feed_forward.experts.w_down
 
 Experts are split on disk and fused in memory: `import_tensor` returns
 `(our_name, tensor, j)` for an expert tensor, meaning "row j of the fused parameter", and
@@ -37,10 +37,10 @@ redundant_tensors = _DENSE.redundant_tensors
 
 def _moe_layer_names(config: Any, i: int) -> dict[str, str]:
     """HF name -> our name for the MLP of MoE layer `i` (expert names map to the fused parameter)."""
-    names = {f"model.layers.{i}.mlp.gate.weight": f"layers.{i}.moe.router.weight"}
+    names = {f"model.layers.{i}.mlp.gate.weight": f"layers.{i}.feed_forward.router.weight"}
     for j in range(config.num_experts):
         for proj in _PROJ:
-            names[f"model.layers.{i}.mlp.experts.{j}.{proj}_proj.weight"] = f"layers.{i}.moe.experts.w_{proj}"
+            names[f"model.layers.{i}.mlp.experts.{j}.{proj}_proj.weight"] = f"layers.{i}.feed_forward.experts.w_{proj}"
     return names
 
 
@@ -83,8 +83,8 @@ def fused_shapes(config: Any) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for i in range(config.num_hidden_layers):
         if config.is_moe_layer(i):
-            prefix = f"layers.{i}.moe.experts"
-            shapes.update({f"{prefix}.w_gate": (X, Fm, D), f"{prefix}.w_up": (X, Fm, D), f"{prefix}.w_down": (X, D, Fm)})
+            prefix = f"layers.{i}.feed_forward.experts.w_"
+            shapes.update({prefix + "gate": (X, Fm, D), prefix + "up": (X, Fm, D), prefix + "down": (X, D, Fm)})
     return shapes
 
 
@@ -106,10 +106,10 @@ def import_tensor(
     if m := _EXPERT.fullmatch(hf_name):
         layer, expert = int(m[1]), int(m[2])
         _check_moe_layer(hf_name, config, layer, expert)
-        return f"layers.{layer}.moe.experts.w_{m[3]}", tensor, expert
+        return f"layers.{layer}.feed_forward.experts.w_{m[3]}", tensor, expert
     if m := _ROUTER.fullmatch(hf_name):
         _check_moe_layer(hf_name, config, int(m[1]))
-        return f"layers.{m[1]}.moe.router.weight", tensor
+        return f"layers.{m[1]}.feed_forward.router.weight", tensor
     if (m := _DENSE_MLP.fullmatch(hf_name)) and int(m[1]) < config.num_hidden_layers and config.is_moe_layer(int(m[1])):
         raise KeyError(f"unexpected tensor {hf_name!r}: layer {m[1]} is an MoE layer in this qwen3_moe config")
     return _DENSE.import_tensor(hf_name, tensor, config)

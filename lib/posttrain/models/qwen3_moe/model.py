@@ -19,10 +19,11 @@ Internal parameter names (HF names live in `hf_adapter.py`):
   dense layers:
     layers.{i}.feed_forward.{w_gate,w_up}.weight   [F, D]
     layers.{i}.feed_forward.w_down.weight          [D, F]
-  MoE layers (X experts of size Fm = moe_intermediate_size, fused):
-    layers.{i}.moe.router.weight                   [X, D]
-    layers.{i}.moe.experts.{w_gate,w_up}           [X, Fm, D]
-    layers.{i}.moe.experts.w_down                  [X, D, Fm]
+  MoE layers (X experts of size Fm = moe_intermediate_size, fused; `feed_forward` is a
+  `SparseMoe` there, as GPT-OSS's MoE is):
+    layers.{i}.feed_forward.router.weight          [X, D]
+    layers.{i}.feed_forward.experts.{w_gate,w_up}  [X, Fm, D]
+    layers.{i}.feed_forward.experts.w_down         [X, D, Fm]
     norm.weight                                    [D]
     output.weight                                  [V_padded, D]   (untied models only)
 
@@ -42,10 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttrain.models.decoder import DecoderBlock, DecoderLM
+from posttrain.models.decoder import DecoderLM
 from posttrain.models.moe import SwiGLUExperts, load_balancing_loss
 from posttrain.models.qwen3.model import Qwen3Config, UnsupportedConfigError
-from posttrain.ops.attention import AttentionMask
 from posttrain.train.mfu import LayerFlopSpec, Matmul, dense_layer_spec
 
 __all__ = ["Qwen3MoeConfig", "Qwen3MoeModel", "SparseMoe", "UnsupportedConfigError"]
@@ -199,32 +199,18 @@ class SparseMoe(nn.Module):
         return y_ND.view_as(x_BTD)
 
 
-class MoeDecoderBlock(DecoderBlock):
-    """The Qwen3 decoder block with a sparse MoE (`moe`) in place of the dense `feed_forward`."""
-
-    def __init__(self, config: Qwen3MoeConfig):
-        super().__init__(config, qk_norm=True)
-        del self.feed_forward
-        self.moe = SparseMoe(config)
-
-    def forward(
-        self, x_BTD: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor, mask: AttentionMask
-    ) -> torch.Tensor:
-        x_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_BTE, sin_BTE, mask)
-        return x_BTD + self.moe(self.ffn_norm(x_BTD))
-
-
 class Qwen3MoeModel(DecoderLM):
-    """Qwen3-MoE decoder up to the final norm; see `DecoderLM` for the forward contract."""
+    """Qwen3-MoE decoder up to the final norm; see `DecoderLM` for the forward contract.
+    An MoE layer is the shared `DecoderBlock` with a `SparseMoe` as its `feed_forward`."""
 
     def __init__(self, config: Qwen3MoeConfig):
         super().__init__(config, qk_norm=True)
-        for i in range(config.num_hidden_layers):
+        for i, layer in enumerate(self.layers):
             if config.is_moe_layer(i):
-                self.layers[i] = MoeDecoderBlock(config)
+                layer.feed_forward = SparseMoe(config)
 
     def moe_layers(self) -> list[SparseMoe]:
-        return [layer.moe for layer in self.layers if isinstance(layer, MoeDecoderBlock)]
+        return [layer.feed_forward for layer in self.layers if isinstance(layer.feed_forward, SparseMoe)]
 
     def record_router_logits(self, enabled: bool = True) -> None:
         """Keep (or stop keeping) each MoE layer's router logits from the next forward on."""
