@@ -96,3 +96,20 @@ def test_shape_mismatch_raises():
     idx_Nk, weight_Nk = _routing()
     with pytest.raises(ValueError, match="disagree"):
         routed_experts(torch.randn(N + 1, D), idx_Nk, weight_Nk, X, lambda e, x: x)
+
+
+def test_load_balancing_loss_values():
+    from posttrain.models.moe import load_balancing_loss
+
+    # uniform router: every P_e = 1/X, assignments sum to k per token -> loss = k
+    uniform = [torch.zeros(6, X), torch.zeros(4, X)]
+    assert load_balancing_loss(uniform, top_k=K).item() == pytest.approx(K)
+    # all tokens certain of expert 0: f_0 = 1 (k=1), P_0 = 1 -> loss = X
+    certain = torch.full((5, X), -1e4)
+    certain[:, 0] = 0.0
+    assert load_balancing_loss([certain], top_k=1).item() == pytest.approx(X)
+    # masked rows do not count: padding rows routed elsewhere change nothing
+    padded = torch.cat([certain, torch.zeros(3, X)])
+    valid = torch.tensor([True] * 5 + [False] * 3)
+    assert load_balancing_loss([padded], top_k=1, valid_N=valid).item() == pytest.approx(X)
+    assert load_balancing_loss([padded], top_k=1).item() < X - 1

@@ -382,3 +382,25 @@ def test_lora_on_attention_only():
     ids = torch.randint(0, 250, (1, 8))
     model.compute_logits(model(ids, torch.arange(8)[None], torch.zeros(1, 8, dtype=torch.long))).sum().backward()
     assert model.layers[0].attention.wq.lora_B.grad.abs().max() > 0
+
+
+def test_fused_parameter_rows_are_checked():
+    """The loader's row assembly (registry._FusedParameters) refuses a misfit, a repeated and a
+    missing row, naming the tensor or parameter (a consistent adapter never triggers these)."""
+    from posttrain.models.registry import _FusedParameters
+
+    fused = _FusedParameters({"w": (2, 3)}, "cpu")
+    with pytest.raises(CheckpointError, match="'e.0' \\(4,\\) does not fit row 0 of 'w'"):
+        fused.copy_row("e.0", "w", torch.zeros(4), 0)
+    with pytest.raises(CheckpointError, match="'e.5' .* row 5"):
+        fused.copy_row("e.5", "w", torch.zeros(3), 5)
+    with pytest.raises(CheckpointError, match="not a fused parameter"):
+        fused.copy_row("e.0", "v", torch.zeros(3), 0)
+    fused.copy_row("e.1", "w", torch.ones(3, dtype=torch.bfloat16), 1)
+    with pytest.raises(CheckpointError, match="'e.1b' fills row 1 of 'w' a second time"):
+        fused.copy_row("e.1b", "w", torch.ones(3), 1)
+    with pytest.raises(CheckpointError, match="'w' has no tensor for rows \\[0\\]"):
+        fused.complete()
+    fused.copy_row("e.0", "w", torch.full((3,), 2.0), 0)
+    w = fused.complete()["w"]
+    assert w.dtype == torch.bfloat16 and w.tolist() == [[2.0] * 3, [1.0] * 3]
