@@ -8,8 +8,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
+from model_parity import (
+    hf_load,
+    hf_summed_loss,
+    logits_vs_hf,
+    max_rel_grad_diff,
+    padded_lm_batch,
+    run_ours,
+    sample_inputs,
+)
 from safetensors.torch import load_file, save_file
 
 from posttrain.models.gpt_oss import hf_adapter
@@ -61,11 +69,6 @@ def hf_twin(model: GptOssModel) -> transformers.GptOssForCausalLM:
     return hf.eval()
 
 
-def run_ours(model, input_ids, position_ids, doc_ids):
-    with torch.no_grad():
-        return model.compute_logits(model(input_ids, position_ids, doc_ids))
-
-
 def test_registered_structure():
     config = tiny_config("gpt_oss")
     assert type(config) is GptOssConfig and config.padded_vocab_size == 256
@@ -97,22 +100,10 @@ def test_init_weights_like_transformers():
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_match_transformers(name):
-    config = CONFIGS[name]
-    model = random_model(config)
-    hf = hf_twin(model)
-    gen = torch.Generator().manual_seed(2)
-    B, T = 2, 40
-    input_ids = torch.randint(0, config.vocab_size, (B, T), generator=gen)
-    # rows start at different positions (one far out) to exercise the rotary tables
-    position_ids = torch.arange(T)[None, :] + torch.tensor([[0], [300]])
-    doc_ids = torch.zeros(B, T, dtype=torch.long)
-
-    ours = run_ours(model, input_ids, position_ids, doc_ids)
-    with torch.no_grad():
-        theirs = hf(input_ids=input_ids, position_ids=position_ids).logits
-    assert ours.shape == theirs.shape == (B, T, config.vocab_size)
-    assert theirs.abs().mean() > 0.1  # logits are O(1): the comparison is not vacuous
-    assert (ours - theirs).abs().max() <= 1e-4
+    model = random_model(CONFIGS[name])
+    diff = logits_vs_hf(model, hf_twin(model), T=40)
+    print(f"{name}: max_abs_diff {diff:.3g}")
+    assert diff <= 1e-4
 
 
 def test_each_feature_changes_the_logits():
@@ -203,20 +194,6 @@ def test_adapter_layout_roundtrip_and_interleaving():
         hf_adapter.import_tensor("model.layers.9.mlp.router.weight", torch.zeros(1), config)
 
 
-def hf_load(path):
-    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
-    )
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    return hf.eval()
-
-
-def sample_inputs(config, B=2, T=24, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, config.vocab_size, (B, T), generator=gen)
-    return ids, torch.arange(T).expand(B, T), torch.zeros(B, T, dtype=torch.long)
-
-
 @pytest.mark.parametrize("tied", [False, True])
 def test_save_then_transformers_loads_same_logits(tmp_path, tied):
     model = random_model(tiny_config("gpt_oss", tie_word_embeddings=tied))
@@ -230,7 +207,7 @@ def test_save_then_transformers_loads_same_logits(tmp_path, tied):
 
     hf = hf_load(out)
     assert type(hf) is transformers.GptOssForCausalLM
-    ids, pos, doc = sample_inputs(model.config)
+    ids, pos, doc = sample_inputs(250, T=24)
     ours = run_ours(model, ids, pos, doc)
     with torch.no_grad():
         theirs = hf(input_ids=ids).logits
@@ -260,7 +237,7 @@ def test_transformers_checkpoint_loads_in_ours(tmp_path, tied):
     assert type(model) is GptOssModel and model.config.tie_word_embeddings is tied
     assert model.config.rope_scaling == YarnScaling(8.0, 32, truncate=False)
     assert torch.count_nonzero(model.output_weight[250:]) == 0
-    ids, pos, doc = sample_inputs(model.config, seed=1)
+    ids, pos, doc = sample_inputs(250, T=24, seed=1)
     with torch.no_grad():
         theirs = hf(input_ids=ids).logits
     assert theirs.abs().mean() > 0.1
@@ -277,41 +254,31 @@ def grads_in_hf_layout(model):
 @pytest.mark.parametrize("tied", [False, True])
 def test_gradients_match_transformers(tied):
     """Same weights, same right-padded batch, summed next-token CE: our loss (chunked, through
-    `output_weight`) and transformers' give the same gradient for every tensor."""
-    config = tiny_config("gpt_oss", tie_word_embeddings=tied)
+    `output_weight`) and transformers' give the same gradient for every tensor. The pad token
+    (id 0) also occurs inside a document: its embedding row gets no gradient in either."""
+    config = tiny_config("gpt_oss", tie_word_embeddings=tied, pad_token_id=0)
     model = random_model(config, seed=5).train()
     hf = hf_twin(model).train()
-    gen = torch.Generator().manual_seed(6)
-    B, T = 3, 24
-    lengths = torch.tensor([T, 15, 6])
-    real_BT = torch.arange(T)[None, :] < lengths[:, None]
-    input_ids = torch.where(real_BT, torch.randint(0, config.vocab_size, (B, T), generator=gen), 0)
-    labels = torch.full((B, T), -100)
-    labels[:, :-1] = torch.where(real_BT[:, 1:], input_ids[:, 1:], -100)
-    position_ids = torch.arange(T).expand(B, T)
-    batch = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
-             "doc_ids": torch.where(real_BT, 0, -1)}
+    batch = padded_lm_batch(config.vocab_size, [24, 15, 6], T=24, seed=6)
+    batch["input_ids"][0, 3] = 0
 
     loss_ours, n_tokens = causal_lm_loss(model, batch, chunk_size=16)
     loss_ours.backward()
-    logits = hf(input_ids=input_ids, attention_mask=real_BT.long(), position_ids=position_ids).logits
-    loss_hf = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    loss_hf = hf_summed_loss(hf, batch)
     loss_hf.backward()
-    assert int(n_tokens) == int(lengths.sum() - B)
+    assert int(n_tokens) == 24 + 15 + 6 - 3
     assert abs(loss_ours.item() - loss_hf.item()) <= 1e-4 * abs(loss_hf.item())
 
-    assert model.tok_embeddings.weight.grad[config.vocab_size:].abs().max() == 0  # padded rows
+    embed_grad = model.tok_embeddings.weight.grad
+    assert embed_grad[config.vocab_size:].abs().max() == 0  # padded rows
+    if not tied:
+        assert embed_grad[0].abs().max() == 0 and embed_grad[5].abs().max() > 0  # the pad row
     ours = grads_in_hf_layout(model)
-    theirs = dict(hf.named_parameters())
-    assert set(ours) == set(theirs) - ({"lm_head.weight"} if tied else set())
-    worst = 0.0
-    for hf_name, g_ours in ours.items():
-        g_hf = theirs[hf_name].grad
-        assert g_hf.abs().max() > 0, hf_name
-        rel = ((g_ours - g_hf).abs().max() / g_hf.abs().max()).item()
-        assert rel <= 1e-4, (hf_name, rel)
-        worst = max(worst, rel)
-    print(f"worst per-tensor gradient rel diff (tied={tied}): {worst:.3g}")
+    assert set(ours) == set(dict(hf.named_parameters())) - ({"lm_head.weight"} if tied else set())
+    rel = max_rel_grad_diff(ours, dict(hf.named_parameters()))
+    worst = max(rel, key=rel.get)
+    print(f"worst per-tensor gradient rel diff (tied={tied}): {rel[worst]:.3g} ({worst})")
+    assert rel[worst] <= 1e-4, (worst, rel[worst])
 
 
 def test_config_hf_roundtrip(tmp_path):

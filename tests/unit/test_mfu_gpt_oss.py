@@ -14,47 +14,13 @@ counted expert matmuls are `N * k` expert passes whatever the routing, the formu
 from __future__ import annotations
 
 import pytest
-import torch
-from torch.utils.flop_counter import FlopCounterMode
+
+from test_mfu import counted_flops, packed_batch, padded_batch
 
 from posttrain.models.registry import build_model, tiny_config
-from posttrain.ops.losses import causal_lm_loss
 from posttrain.train.mfu import batch_step_flops, step_flops
 
 ATTENTION_HEAVY = dict(num_attention_heads=8, head_dim=32)
-
-
-def padded_batch(T=48, real=(48, 30, 17), seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    B = len(real)
-    doc_ids = torch.full((B, T), -1)
-    position_ids = torch.zeros(B, T, dtype=torch.long)
-    for b, n in enumerate(real):
-        doc_ids[b, :n] = 0
-        position_ids[b, :n] = torch.arange(n)
-    labels = torch.randint(0, 250, (B, T), generator=gen)
-    labels[doc_ids < 0] = -100
-    labels[:, 0] = -100
-    return {"input_ids": torch.randint(0, 250, (B, T), generator=gen), "position_ids": position_ids,
-            "doc_ids": doc_ids, "labels": labels}
-
-
-def packed_batch(lengths=(10, 25, 4, 9), seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    T = sum(lengths)
-    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
-    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
-    labels = torch.randint(0, 250, (1, T), generator=gen)
-    labels[0, torch.cumsum(torch.tensor(lengths), 0) - 1] = -100
-    return {"input_ids": torch.randint(0, 250, (1, T), generator=gen), "position_ids": position_ids,
-            "doc_ids": doc_ids, "labels": labels}
-
-
-def counted_flops(model, batch):
-    with FlopCounterMode(display=False) as counter:
-        loss_sum, _ = causal_lm_loss(model, batch)
-        loss_sum.backward()
-    return counter.get_total_flops()
 
 
 def dense_kernel_flops(config, batch):

@@ -33,6 +33,8 @@ Expert matrices are stored like `nn.Linear` weights (`[out, in]`) with gate and 
 `[in, out]`, the adapter converts. The vocabulary is padded to a multiple of 64 inside the
 model; padded rows are zero and never read by the loss or `compute_logits`.
 
+As in transformers, the embedding row of `pad_token_id` (when set) gets no gradient.
+
 Not implemented: MXFP4-quantized checkpoints (dequantize first), the router auxiliary
 (load-balancing) loss (`router_aux_loss_coef` is carried in the config only), dropout.
 """
@@ -47,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from posttrain.models.hf_config import COMMON_IGNORED_HF_FIELDS, check_hf_dict, check_positive_ints
 from posttrain.models.layers import RMSNorm, apply_rotary
 from posttrain.models.moe import routed_experts
 from posttrain.models.qwen3.model import VOCAB_PAD_MULTIPLE, UnsupportedConfigError
@@ -62,24 +65,14 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 DEFAULT_YARN = YarnScaling(factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
                            truncate=False)
 
-# config.json fields that do not change the model's numerics; accepted and ignored on import.
-_IGNORED_HF_FIELDS = {
-    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "use_cache",
-    "output_attentions", "output_hidden_states", "return_dict", "tokenizer_class", "is_decoder",
-    "is_encoder_decoder", "add_cross_attention", "tie_encoder_decoder", "id2label", "label2id",
-    "problem_type", "torchscript", "pruned_heads", "finetuning_task", "prefix",
-    "task_specific_params", "sep_token_id", "decoder_start_token_id", "chunk_size_feed_forward",
-    "cross_attention_hidden_size", "tf_legacy_loss", "use_bfloat16",
+# GPT-OSS config.json fields that do not change the model's numerics; accepted and ignored on import.
+_IGNORED_HF_FIELDS = COMMON_IGNORED_HF_FIELDS | {
     # GPT-OSS experts use their own clamped SwiGLU; transformers never reads hidden_act for them
     "hidden_act",
     # only adds router logits to the output (and the aux loss to HF's own loss)
     "output_router_logits",
     # OpenAI's config.json: the pre-YaRN context length (rope's original_max_position_embeddings)
     "initial_context_length",
-    # generation defaults some older config.json files carry
-    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
-    "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty",
-    "no_repeat_ngram_size", "num_return_sequences", "bad_words_ids", "diversity_penalty",
 }
 # config.json fields we read; anything neither read nor ignored is an error.
 _READ_HF_FIELDS = {
@@ -130,11 +123,9 @@ class GptOssConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "num_local_experts", "num_experts_per_tok"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"GptOssConfig.{name} must be a positive int, got {value!r}")
+        check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts",
+                                   "num_experts_per_tok"))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -145,6 +136,8 @@ class GptOssConfig:
         if self.num_experts_per_tok > self.num_local_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds "
                              f"num_local_experts={self.num_local_experts}")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"pad_token_id={self.pad_token_id} outside the vocabulary [0, {self.vocab_size})")
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = YarnScaling.from_hf(self.rope_scaling, self.max_position_embeddings)
         if self.layer_types is None:
@@ -191,13 +184,8 @@ class GptOssConfig:
         RoPE other than default/yarn, unknown fields). Fields that are absent take
         transformers' defaults (e.g. YaRN factor 32 over 4096 positions, 8 kv heads).
         """
-        if d.get("model_type") != cls.model_type:
-            raise UnsupportedConfigError(f"config.json model_type is {d.get('model_type')!r}, expected 'gpt_oss'")
-        archs = d.get("architectures")
-        if archs is not None and list(archs) != ["GptOssForCausalLM"]:
-            raise UnsupportedConfigError(
-                f"config.json architectures {archs} unsupported; expected ['GptOssForCausalLM']"
-            )
+        check_hf_dict(d, cls.model_type, "GptOssForCausalLM", _READ_HF_FIELDS | _IGNORED_HF_FIELDS,
+                      _REQUIRED_HF_FIELDS, ignored_where="_IGNORED_HF_FIELDS in posttrain/models/gpt_oss/model.py")
         if d.get("quantization_config") is not None:
             method = d["quantization_config"].get("quant_method") if isinstance(d["quantization_config"], dict) else None
             raise UnsupportedConfigError(
@@ -205,16 +193,6 @@ class GptOssConfig:
                 "(e.g. MXFP4) checkpoint; dequantize it to bf16/fp32 first (e.g. load it in transformers with "
                 "Mxfp4Config(dequantize=True) and save_pretrained)"
             )
-        known = _READ_HF_FIELDS | _IGNORED_HF_FIELDS
-        unknown = sorted(k for k in d if k not in known and not k.startswith("_"))
-        if unknown:
-            raise UnsupportedConfigError(
-                f"config.json has fields this GPT-OSS implementation does not know: {unknown}. If they do "
-                "not change numerics, add them to _IGNORED_HF_FIELDS in posttrain/models/gpt_oss/model.py"
-            )
-        missing = [k for k in _REQUIRED_HF_FIELDS if k not in d]
-        if missing:
-            raise UnsupportedConfigError(f"config.json lacks required fields {missing}")
         if d.get("attention_dropout", 0.0):
             raise UnsupportedConfigError(f"config.json attention_dropout={d['attention_dropout']!r} unsupported (need 0)")
         if "experts_per_token" in d and d["experts_per_token"] != d.get("num_experts_per_tok", d["experts_per_token"]):
@@ -242,39 +220,11 @@ class GptOssConfig:
         """A config.json dict that transformers (5.x) loads as GptOssForCausalLM."""
         rope = {"rope_type": "default"} if self.rope_scaling is None else {"rope_type": "yarn",
                                                                            **self.rope_scaling.to_hf()}
-        return {
-            "architectures": ["GptOssForCausalLM"],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "num_local_experts": self.num_local_experts,
-            "num_experts_per_tok": self.num_experts_per_tok,
-            "sliding_window": self.sliding_window,
-            "layer_types": list(self.layer_types),
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": {**rope, "rope_theta": float(self.rope_theta)},
-            "rope_theta": float(self.rope_theta),
-            "max_position_embeddings": self.max_position_embeddings,
-            "swiglu_alpha": self.swiglu_alpha,
-            "swiglu_limit": self.swiglu_limit,
-            "attention_bias": self.attention_bias,
-            "attention_dropout": 0.0,
-            "hidden_act": "silu",
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "initializer_range": self.initializer_range,
-            "router_aux_loss_coef": self.router_aux_loss_coef,
-            "output_router_logits": False,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
-            "dtype": dtype,
-            "use_cache": True,
-        }
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("rope_theta", "rope_scaling")}
+        d.update(architectures=["GptOssForCausalLM"], model_type=self.model_type, layer_types=list(self.layer_types),
+                 rope_parameters={**rope, "rope_theta": float(self.rope_theta)}, rope_theta=float(self.rope_theta),
+                 attention_dropout=0.0, hidden_act="silu", output_router_logits=False, dtype=dtype, use_cache=True)
+        return d
 
 
 class GptOssRMSNorm(RMSNorm):
@@ -386,7 +336,8 @@ class GptOssModel(nn.Module):
         super().__init__()
         self.config = config
         V, D = config.padded_vocab_size, config.hidden_size
-        self.tok_embeddings = nn.Embedding(V, D)
+        # as transformers: the pad token's row gets no gradient (and starts at zero)
+        self.tok_embeddings = nn.Embedding(V, D, padding_idx=config.pad_token_id)
         self.rotary = build_rotary(config.head_dim, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(GptOssBlock(config) for _ in range(config.num_hidden_layers))
         self.norm = GptOssRMSNorm(D, config.rms_norm_eps)
@@ -416,7 +367,7 @@ class GptOssModel(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Initialise in place like transformers: matrices, expert weights, sinks and the router
         (weight and bias) ~ N(0, initializer_range); other biases 0; norm weights 1; padded
-        vocabulary rows 0. Deterministic for a given seed and device."""
+        vocabulary rows and the pad token's embedding 0. Deterministic for a given seed and device."""
         device = self.tok_embeddings.weight.device
         if device.type == "meta":
             raise RuntimeError("init_weights on a meta model: call model.to_empty(device=...) first")
@@ -431,5 +382,7 @@ class GptOssModel(nn.Module):
                 param.zero_()
         V = self.config.vocab_size
         self.tok_embeddings.weight[V:].zero_()
+        if self.config.pad_token_id is not None:
+            self.tok_embeddings.weight[self.config.pad_token_id].zero_()
         if self.output is not None:
             self.output.weight[V:].zero_()

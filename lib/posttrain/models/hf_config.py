@@ -1,0 +1,59 @@
+"""Strict config.json checks shared by the architecture configs.
+
+Every architecture's `from_hf_dict` does the same first pass: the right `model_type` and
+`architectures`, no field it neither reads nor knows to be harmless, the required fields
+present. `COMMON_IGNORED_HF_FIELDS` lists what transformers' `PretrainedConfig` (and older
+config.json files) carry that never changes a model's numerics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from posttrain.models.qwen3.model import UnsupportedConfigError
+
+__all__ = ["COMMON_IGNORED_HF_FIELDS", "check_hf_dict", "check_positive_ints"]
+
+COMMON_IGNORED_HF_FIELDS = frozenset({
+    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "use_cache",
+    "output_attentions", "output_hidden_states", "return_dict", "tokenizer_class", "is_decoder",
+    "is_encoder_decoder", "add_cross_attention", "tie_encoder_decoder", "id2label", "label2id",
+    "problem_type", "torchscript", "pruned_heads", "finetuning_task", "prefix",
+    "task_specific_params", "sep_token_id", "decoder_start_token_id", "chunk_size_feed_forward",
+    "cross_attention_hidden_size", "tf_legacy_loss", "use_bfloat16",
+    # generation defaults some older config.json files carry
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+    "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty",
+    "no_repeat_ngram_size", "num_return_sequences", "bad_words_ids", "diversity_penalty",
+})
+
+
+def check_hf_dict(d: dict[str, Any], model_type: str, architecture: str, known: Iterable[str],
+                  required: Iterable[str], ignored_where: str) -> None:
+    """Raise `UnsupportedConfigError` unless `d` has `model_type`, `architectures` absent or
+    `[architecture]`, only `known` fields (plus `_`-prefixed private ones) and every `required`
+    one. `ignored_where` names where a harmless field should be added to be accepted."""
+    if d.get("model_type") != model_type:
+        raise UnsupportedConfigError(f"config.json model_type is {d.get('model_type')!r}, expected {model_type!r}")
+    archs = d.get("architectures")
+    if archs is not None and list(archs) != [architecture]:
+        raise UnsupportedConfigError(f"config.json architectures {archs} unsupported; expected [{architecture!r}]")
+    known = set(known)
+    unknown = sorted(k for k in d if k not in known and not k.startswith("_"))
+    if unknown:
+        raise UnsupportedConfigError(
+            f"config.json has fields this {model_type} implementation does not know: {unknown}. If they do "
+            f"not change numerics, add them to {ignored_where}"
+        )
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise UnsupportedConfigError(f"config.json lacks required fields {missing}")
+
+
+def check_positive_ints(config: Any, names: Iterable[str]) -> None:
+    """Raise `ValueError` naming the first of `names` whose value on `config` is not a positive int."""
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{type(config).__name__}.{name} must be a positive int, got {value!r}")
