@@ -64,3 +64,4 @@ def test_two_ranks_equal_one_process_over_all_micro_batches(tmp_path):
         for name, p in model.named_parameters():
             torch.testing.assert_close(got["params"][name], p.detach(), rtol=0, atol=1e-12, msg=f"rank {r} {name}")
     assert "lm_head.weight" in ranks[0]["exported"] and len(ranks[0]["exported"]) > 10
+    assert ranks[1]["exported"] == []  # cpu_offload: the full weights go to rank 0 only

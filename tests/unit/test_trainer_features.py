@@ -130,3 +130,18 @@ def test_bad_arguments_are_refused():
         Trainer(tiny_model(), config(), total_steps=2, grad_sync="mean")
     with pytest.raises(ValueError, match="layers"):
         Trainer(torch.nn.Linear(2, 2), config(activation_checkpointing=True), total_steps=2)
+
+
+def test_train_config_fields_load_and_validate():
+    from posttrain.config.strict import ConfigError, from_dict
+    from posttrain.config.schema import TrainConfig
+
+    cfg = from_dict(TrainConfig, {"lr_schedule": "linear", "mixed_precision": "bf16", "peak_flops": "h100-sxm/bf16",
+                                  "health": {"spike_factor": 4.0, "max_consecutive_bad_steps": 2}})
+    assert cfg.health.spike_factor == 4.0 and cfg.health.window == 50 and cfg.peak_flops == "h100-sxm/bf16"
+    assert from_dict(TrainConfig, {"peak_flops": 2.5e11}).peak_flops == 2.5e11
+    for bad, match in [({"peak_flops": "tpu-v9"}, "not a known device"), ({"peak_flops": -1.0}, "positive"),
+                       ({"lr_schedule": "step"}, "lr_schedule"), ({"health": {"spike_factor": 1.0}}, "spike_factor"),
+                       ({"health": {"windo": 3}}, "did you mean 'window'")]:
+        with pytest.raises(ConfigError, match=match):
+            from_dict(TrainConfig, bad)

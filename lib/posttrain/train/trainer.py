@@ -318,19 +318,21 @@ class Trainer:
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
 
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_weights(self, cpu_offload: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """`(hf_name, tensor)` over the full, unsharded weights in Hugging Face names (the
         architecture adapter's `export_tensors`), plus `lm_head.weight` for tied models (a
         rollout engine needs it; HF checkpoints leave it out).
 
-        The full weights come from `get_model_state_dict(full_state_dict=True,
-        cpu_offload=True)`: on a plain single-process model they are views of the live
-        parameters (copy before mutating); under a process group the call is collective and
-        only rank 0 receives tensors (other ranks yield nothing, but must call it too).
+        The full weights come from `get_model_state_dict(full_state_dict=True, cpu_offload=...)`:
+        on a plain single-process model they are views of the live parameters (copy before
+        mutating). Under torch.distributed the call is collective (every rank must make it);
+        with `cpu_offload` (default) only rank 0 receives the tensors, on CPU, and the other
+        ranks yield nothing; without it every rank gets them on its device.
         """
         from posttrain.models.registry import get_architecture
 
-        weights = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+        weights = get_model_state_dict(self.model, options=options)
         if not weights:
             return
         config = self.model.config
