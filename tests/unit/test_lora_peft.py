@@ -176,3 +176,32 @@ def test_broken_adapters_are_rejected(tuned, tmp_path):
     save_file({k: v for k, v in tensors.items() if k != dropped}, adapter_dir / ADAPTER_WEIGHTS)
     with pytest.raises(LoraError, match="missing tensors.*up_proj"):
         load_peft_adapter(load_hf_checkpoint(base_dir), adapter_dir)
+
+
+# other architectures, adapters set at random rather than trained: gemma3 (dense, every target),
+# gpt_oss (biased q/k/v/o) and qwen3_moe, whose MoE experts take no adapters
+OTHER_ARCHS = {"gemma3_text": ALL_TARGETS, "gpt_oss": ["q", "k", "v", "o"], "qwen3_moe": ["q", "k", "v", "o"]}
+
+
+@pytest.mark.parametrize("arch", list(OTHER_ARCHS))
+def test_other_architectures_export_merged_and_as_peft(arch, tmp_path):
+    base_dir = build_tiny_checkpoint(arch, tmp_path / "base")
+    model = load_hf_checkpoint(base_dir)
+    if OTHER_ARCHS[arch] != ALL_TARGETS:
+        with pytest.raises(LoraError, match="'gate': layers.0.feed_forward.w_gate is missing.*MoE"):
+            apply_lora(model, LoraConfig(rank=4, alpha=8.0, targets=ALL_TARGETS))
+    apply_lora(model, LoraConfig(rank=4, alpha=8.0, targets=OTHER_ARCHS[arch]))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in lora_parameters(model):
+            if name.endswith("lora_B"):
+                param.normal_(0.0, 0.3, generator=gen)
+
+    adapter_dir = save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(base_dir))
+    assert_logits_match(model, peft.PeftModel.from_pretrained(hf_model(base_dir), adapter_dir),
+                        f"{arch} PEFT adapter vs LoRA model")
+    merged = merge_lora(copy.deepcopy(model))
+    base_wo = model.layers[0].attention.wo.weight
+    assert (merged.layers[0].attention.wo.weight - base_wo).abs().max() > 1e-2  # the adapters matter
+    assert_logits_match(model, hf_model(save_hf_checkpoint(merged, tmp_path / "merged")),
+                        f"{arch} merged vs LoRA model")

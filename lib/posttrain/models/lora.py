@@ -136,13 +136,14 @@ def _target_linear(layer: nn.Module, index: int, target: str) -> nn.Linear:
         return found
     if isinstance(found, LoraLinear):
         raise LoraError(f"{where} already has a LoRA adapter")
+    what = "missing" if found is None else type(found).__name__
     if target in ("gate", "up", "down"):
         raise LoraError(
-            f"LoRA target {target!r}: {where} is {type(found).__name__}, not an nn.Linear "
+            f"LoRA target {target!r}: {where} is {what}, not an nn.Linear "
             f"({type(parent).__name__}: an MoE layer's experts are fused 3-D parameters, which LoRA does not "
             f"support); drop 'gate', 'up' and 'down' from the targets for this model"
         )
-    raise LoraError(f"LoRA target {target!r}: {where} is {type(found).__name__}, not an nn.Linear")
+    raise LoraError(f"LoRA target {target!r}: {where} is {what}, not an nn.Linear")
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
