@@ -97,3 +97,13 @@ def test_progress_bar_on_a_terminal_and_off_when_disabled():
         for step in range(1, 5):
             progress.update(step_metrics(step))
     assert [line.split(" |")[0] for line in off.getvalue().splitlines()] == ["step 1/4", "step 2/4", "step 4/4"]
+
+
+def test_step_line_shows_mfu_and_health_flags():
+    from posttrain.train.metrics import format_step
+
+    ok = format_step({**step_metrics(2), "mfu": 0.4123})
+    assert "mfu 41.2%" in ok and "NONFINITE" not in ok and "LOSS_SPIKE" not in ok
+    bad = format_step({**step_metrics(2), "health": "nonfinite", "skipped": True}, total_steps=5)
+    assert "NONFINITE (step skipped)" in bad
+    assert format_step({**step_metrics(2), "health": "loss_spike"}).endswith("LOSS_SPIKE")

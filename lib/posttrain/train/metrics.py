@@ -92,7 +92,10 @@ def _duration(seconds: float) -> str:
 
 
 def format_step(metrics: dict, total_steps: int | None = None) -> str:
-    """`step 12/100 | loss 2.3456 | lr 1.00e-03 | 1,234 tok/s | grad 0.87 | eta 1m05s`.
+    """`step 12/100 | loss 2.3456 | lr 1.00e-03 | 1,234 tok/s | mfu 41.2% | grad 0.87 | eta 1m05s`.
+
+`mfu` appears when the metrics have it; a step whose `health` is not "ok" gets its flag,
+e.g. `NONFINITE (step skipped)` or `LOSS_SPIKE`.
 
     The ETA uses the mean time per step so far when `metrics` has `elapsed_s` (wall time since
     training started), else this step's `step_time_s`; it is left out without `total_steps`.
@@ -103,9 +106,13 @@ def format_step(metrics: dict, total_steps: int | None = None) -> str:
     parts.append(f"lr {metrics['lr']:.2e}")
     if "tokens_per_s" in metrics:
         parts.append(f"{metrics['tokens_per_s']:,.0f} tok/s")
+    if "mfu" in metrics:
+        parts.append(f"mfu {100 * metrics['mfu']:.1f}%")
     if "grad_norm" in metrics:
         clipped = " (clipped)" if metrics.get("grad_clipped") else ""
         parts.append(f"grad {metrics['grad_norm']:.3g}{clipped}")
+    if metrics.get("health", "ok") != "ok":
+        parts.append(f"{metrics['health'].upper()}{' (step skipped)' if metrics.get('skipped') else ''}")
     if total_steps:
         per_step = metrics["elapsed_s"] / step if "elapsed_s" in metrics else metrics.get("step_time_s", math.nan)
         parts.append(f"eta {_duration(per_step * max(0, total_steps - step))}")
