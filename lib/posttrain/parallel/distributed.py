@@ -7,7 +7,9 @@ group (gloo on CPU, NCCL when CUDA is present, unless `backend` says otherwise);
 `spawn_local(fn, world_size, *args)` runs `fn(*args)` on `world_size` fresh local
 processes (multiprocessing "spawn"), each with the process group initialised, and returns
 the per-rank results in rank order. A rank that raises makes `spawn_local` raise
-`WorkerError` carrying that rank's traceback; the other ranks are terminated. It is what
+`WorkerError` carrying the traceback of the rank that failed first (its peers, whose
+collectives lose it, fail after it: they get `FAILURE_GRACE_S` to report, then all are
+terminated). It is what
 the unit tests use; the Ray driver (`posttrain.parallel.workers`) does the same with actors.
 `fn` and `args` must be picklable (module-level functions).
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -26,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 120.0
+FAILURE_GRACE_S = 10.0
 
 
 class WorkerError(RuntimeError):
@@ -84,20 +88,42 @@ def shutdown_distributed() -> None:
 
 def run_spmd(fn: Callable[..., Any], args: tuple, rank: int, world_size: int, master_addr: str,
              master_port: int, backend: str | None = None) -> Any:
-    """Initialise the process group, run `fn(*args)`, always tear the group down."""
+    """Initialise the process group, run `fn(*args)`, always tear the group down. An
+    exception leaves with a `failed_at` attribute (wall-clock time, taken before the teardown
+    makes the peers fail too), so a launcher can tell the first failure from its echoes."""
     init_distributed(rank, world_size, master_addr, master_port, backend)
     try:
         return fn(*args)
+    except BaseException as err:
+        try:
+            err.failed_at = time.time()
+        except AttributeError:  # an exception type without a __dict__
+            pass
+        raise
     finally:
         shutdown_distributed()
+
+
+def failed_at(err: BaseException) -> float:
+    """When `err` was raised by the SPMD function (see `run_spmd`), else now."""
+    return getattr(err, "failed_at", time.time())
+
+
+def first_failure(failures: dict[int, tuple[float, str]]) -> WorkerError:
+    """`WorkerError` for the rank that failed first, given `{rank: (failed_at, traceback)}`;
+    the others (usually peers whose collective lost that rank) are named after it."""
+    rank = min(failures, key=lambda r: failures[r][0])
+    others = sorted(set(failures) - {rank})
+    note = f"\n(ranks {others} failed after it)" if others else ""
+    return WorkerError(rank, failures[rank][1] + note)
 
 
 def _spawned(rank: int, world_size: int, port: int, backend: str | None, fn: Callable, args: tuple,
              results: Any, received: Any) -> None:
     try:
         results.put((rank, True, run_spmd(fn, args, rank, world_size, "127.0.0.1", port, backend)))
-    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
-        results.put((rank, False, traceback.format_exc()))
+    except BaseException as err:  # noqa: BLE001 - reported to the parent with its traceback
+        results.put((rank, False, (failed_at(err), traceback.format_exc())))
     # tensors travel through shared memory that this process serves: stay until they are read
     received.wait(timeout=60)
 
@@ -117,16 +143,22 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any, backend: st
     for proc in procs:
         proc.start()
     out: dict[int, Any] = {}
+    failures: dict[int, tuple[float, str]] = {}
     try:
-        while len(out) < world_size:
+        while len(out) + len(failures) < world_size:
             try:
-                rank, ok, value = results.get(timeout=timeout_s)
+                rank, ok, value = results.get(timeout=FAILURE_GRACE_S if failures else timeout_s)
             except queue.Empty:
+                if failures:
+                    break
                 raise TimeoutError(f"spawn_local: no result from ranks {sorted(set(range(world_size)) - set(out))} "
                                    f"within {timeout_s}s") from None
-            if not ok:
-                raise WorkerError(rank, value)
-            out[rank] = value
+            if ok:
+                out[rank] = value
+            else:
+                failures[rank] = value
+        if failures:
+            raise first_failure(failures)
     finally:
         received.set()
         for proc in procs:

@@ -1,0 +1,136 @@
+"""A thin Ray driver for SPMD training: N identical actors, one torch.distributed rank each.
+
+    results = run_workers(train_fn, args=(job,), num_workers=2)   # [rank 0 result, rank 1 result]
+
+`run_workers` starts `num_workers` `SPMDWorker` actors (one CPU each, or one GPU each with
+`gpus_per_worker=1`), picks the rendezvous address (the node of rank 0) and a free port
+there, and calls `fn(*args)` on every actor inside an initialised process group (gloo on
+CPU, NCCL on GPU; `posttrain.parallel.distributed.run_spmd`). It returns the per-rank
+results in rank order. `fn` and `args` travel by Ray's pickling: a module-level function of
+an installed package (e.g. `posttrain.parallel.spmd_train.train_on_stream`) is the safe
+choice.
+
+Failure: a worker that raises makes `run_workers` raise `WorkerError` with the rank and
+traceback of the worker that failed first (its peers' later errors, e.g. a collective whose
+peer went away, are symptoms; they are waited for a few seconds, then named); every actor
+is killed (the others may be blocked in a
+collective and would otherwise wait for the process-group timeout).
+
+Ray: if Ray is not running, the driver starts a local instance sized for the job
+(`address="local"`, `include_dashboard=False`, a 512 MiB object store) and shuts it down
+when done, also on error. If the caller already called `ray.init` (a cluster, or a test
+that owns Ray), that instance is used and left running. Local Ray workers start with the
+driver's Python (`sys.executable`): run the driver from the project's virtualenv.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import ray
+
+from posttrain.parallel.distributed import FAILURE_GRACE_S, WorkerError, failed_at, first_failure, free_port, run_spmd
+
+OBJECT_STORE_BYTES = 512 * 2**20
+
+
+class SPMDWorker:
+    """One rank. Ray-remote via `ray.remote(SPMDWorker)` (kept undecorated so the class
+    itself stays importable and testable)."""
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free port on it (asked of rank 0: the rendezvous host)."""
+        ip = ray.util.get_node_ip_address()
+        return ip, free_port("" if ip not in ("127.0.0.1", "localhost") else ip)
+
+    def run(self, fn: Callable[..., Any], args: tuple, rank: int, world_size: int, master_addr: str,
+            master_port: int, backend: str | None) -> Any:
+        """`fn(*args)`'s result, or a `_Failed` record (when and where it raised)."""
+        try:
+            return run_spmd(fn, args, rank, world_size, master_addr, master_port, backend)
+        except BaseException as err:  # noqa: BLE001 - the driver raises it, choosing the first failure
+            return _Failed(failed_at(err), traceback.format_exc())
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """A worker's exception, as its traceback text and the (wall-clock) time it was caught."""
+
+    at: float
+    traceback: str
+
+
+def _local_ray_init(num_workers: int, gpus: int) -> None:
+    ray.init(
+        address="local",
+        num_cpus=max(2, num_workers),
+        num_gpus=gpus,
+        object_store_memory=OBJECT_STORE_BYTES,
+        include_dashboard=False,
+    )
+
+
+def _first_failure(pending: dict, results: dict[int, Any], grace_s: float) -> WorkerError:
+    """The error of the worker that failed first. Once one rank fails, its peers usually fail
+    too (a collective loses its peer); those later errors are symptoms. Wait up to `grace_s`
+    for the other ranks to settle, then report the earliest failure."""
+    if pending:
+        ray.wait(list(pending), num_returns=len(pending), timeout=grace_s)
+        for ref, rank in pending.items():
+            try:
+                results[rank] = ray.get(ref, timeout=0)
+            except ray.exceptions.GetTimeoutError:
+                continue
+            except ray.exceptions.RayError as err:  # the actor itself died
+                results[rank] = _Failed(time.time(), str(err))
+    return first_failure({rank: (r.at, r.traceback) for rank, r in results.items() if isinstance(r, _Failed)})
+
+
+def run_workers(
+    fn: Callable[..., Any],
+    args: tuple = (),
+    num_workers: int = 1,
+    backend: str | None = None,
+    gpus_per_worker: float = 0,
+    timeout_s: float | None = None,
+) -> list[Any]:
+    """Run `fn(*args)` as an SPMD job on `num_workers` Ray actors; results by rank (module
+    docstring). `backend`: torch.distributed backend (default nccl with GPUs, else gloo).
+    `timeout_s`: give up (kill the actors, raise TimeoutError) if the job is not done by then."""
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        _local_ray_init(num_workers, int(gpus_per_worker * num_workers + 0.999))
+    if backend is None:
+        backend = "nccl" if gpus_per_worker > 0 else "gloo"
+    actor_cls = ray.remote(num_cpus=1, num_gpus=gpus_per_worker)(SPMDWorker)
+    actors = []
+    try:
+        actors = [actor_cls.remote() for _ in range(num_workers)]
+        master_addr, master_port = ray.get(actors[0].address.remote())
+        pending = {
+            actor.run.remote(fn, args, rank, num_workers, master_addr, master_port, backend): rank
+            for rank, actor in enumerate(actors)
+        }
+        results: dict[int, Any] = {}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout_s)
+            if not done:
+                raise TimeoutError(f"SPMD job not finished within {timeout_s}s; waiting on ranks {sorted(pending.values())}")
+            rank = pending.pop(done[0])
+            try:
+                results[rank] = ray.get(done[0])
+            except ray.exceptions.RayError as err:  # the actor process died (no traceback of ours)
+                results[rank] = _Failed(time.time(), str(err))
+            if isinstance(results[rank], _Failed):
+                raise _first_failure(pending, results, FAILURE_GRACE_S)
+        return [results[rank] for rank in range(num_workers)]
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        if started_ray:
+            ray.shutdown()
