@@ -25,6 +25,15 @@ from posttrain.models.registry import (
 from posttrain.ops.losses import causal_lm_loss
 from posttrain.verify.__main__ import main as verify_main
 from posttrain.verify.logits import build_tiny_checkpoint, randomize_weights_, verify_checkpoint, verify_models
+from model_parity import (
+    hf_load,
+    hf_summed_loss,
+    logits_vs_hf,
+    max_rel_grad_diff,
+    padded_lm_batch,
+    run_ours,
+    sample_inputs,
+)
 
 ARCH = "gemma3_text"
 S, G = "sliding_attention", "full_attention"
@@ -58,11 +67,6 @@ def hf_twin(model: Gemma3Model) -> transformers.Gemma3ForCausalLM:
     return hf.eval()
 
 
-def run_ours(model, input_ids, position_ids, doc_ids):
-    with torch.no_grad():
-        return model.compute_logits(model(input_ids, position_ids, doc_ids))
-
-
 def test_registered():
     assert ARCHITECTURES[ARCH].model_cls is Gemma3Model
     config = tiny_config(ARCH)
@@ -80,24 +84,8 @@ def test_registered():
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_match_transformers(name):
-    config = CONFIGS[name]
-    model = random_model(config)
-    hf = hf_twin(model)
-    gen = torch.Generator().manual_seed(2)
-    B, T = 2, 24  # longer than the sliding window
-    input_ids = torch.randint(0, config.vocab_size, (B, T), generator=gen)
-    # rows start at different positions (one far out) to exercise both rotary tables
-    position_ids = torch.arange(T)[None, :] + torch.tensor([[0], [300]])
-    doc_ids = torch.zeros(B, T, dtype=torch.long)
-
-    ours = run_ours(model, input_ids, position_ids, doc_ids)
-    with torch.no_grad():
-        theirs = hf(input_ids=input_ids, position_ids=position_ids).logits
-    assert ours.shape == theirs.shape == (B, T, config.vocab_size)
-    assert theirs.abs().mean() > 0.1  # logits are O(1): the comparison is not vacuous
-    assert (ours - theirs).abs().max() <= 1e-4
-    if config.final_logit_softcapping is not None:
-        assert ours.abs().max() < config.final_logit_softcapping
+    model = random_model(CONFIGS[name])
+    assert logits_vs_hf(model, hf_twin(model), T=24) <= 1e-4  # 24 tokens: past the sliding window
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -158,18 +146,11 @@ def test_norm_and_embedding_match_transformers_bit_for_bit_in_bfloat16():
     assert not torch.equal(emb(ids), emb.weight[ids] * (1152**0.5))  # the rounding is visible
 
 
-def make_batch(config, B=3, T=20, seed=6):
-    """Right-padded batch; input ids include the pad id 0 inside real text (no lookup gradient)."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.tensor([T, 13, 6])
-    real_BT = torch.arange(T)[None, :] < lengths[:, None]
-    input_ids = torch.randint(0, config.vocab_size, (B, T), generator=gen)
-    input_ids[0, 3] = 0
-    input_ids = torch.where(real_BT, input_ids, 0)
-    labels = torch.full((B, T), -100)
-    labels[:, :-1] = torch.where(real_BT[:, 1:], input_ids[:, 1:], -100)
-    return {"input_ids": input_ids, "labels": labels, "position_ids": torch.arange(T).expand(B, T),
-            "doc_ids": torch.where(real_BT, 0, -1)}, real_BT
+def make_batch(config, seed=6):
+    """Right-padded batch whose real text holds the pad id 0 once (no lookup gradient for it)."""
+    batch = padded_lm_batch(config.vocab_size, [20, 13, 6], T=20, seed=seed, pad_id=0)
+    batch["input_ids"][0, 3] = batch["labels"][0, 2] = 0
+    return batch
 
 
 @pytest.mark.parametrize("name", ["tiny-capped-tied", "uncapped-untied"])
@@ -179,33 +160,28 @@ def test_gradients_match_transformers(name):
     config = CONFIGS[name]
     model = random_model(config, seed=5).train()
     hf = hf_twin(model).train()
-    batch, real_BT = make_batch(config)
+    batch = make_batch(config)
 
     loss_ours, n_tokens = causal_lm_loss(model, batch, chunk_size=16)
     loss_ours.backward()
-    logits = hf(input_ids=batch["input_ids"], attention_mask=real_BT.long(), position_ids=batch["position_ids"]).logits
-    loss_hf = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100, reduction="sum")
+    loss_hf = hf_summed_loss(hf, batch)
     loss_hf.backward()
-    assert int(n_tokens) == int(real_BT.sum() - 3)
+    assert int(n_tokens) == 20 + 13 + 6 - 3
     assert abs(loss_ours.item() - loss_hf.item()) <= 1e-4 * abs(loss_hf.item())
 
     ours = dict(model.named_parameters())
-    theirs = dict(hf.named_parameters())
     assert ours["tok_embeddings.weight"].grad[config.vocab_size:].abs().max() == 0  # padded rows
-    compared = 0
-    for hf_name, our_name in hf_adapter.hf_to_ours(config).items():
-        g_ours = ours[our_name].grad[: theirs[hf_name].shape[0]]
-        g_hf = theirs[hf_name].grad
-        assert g_hf.abs().max() > 0, hf_name
-        rel = (g_ours - g_hf).abs().max() / g_hf.abs().max()
-        assert rel <= 1e-4, (hf_name, rel.item())
-        compared += 1
-    assert compared == len(hf_adapter.hf_shapes(config)) == len(theirs)
+    theirs = dict(hf.named_parameters())
+    grads = {hf_name: ours[our_name].grad[: theirs[hf_name].shape[0]]
+             for hf_name, our_name in hf_adapter.hf_to_ours(config).items()}
+    rel = max_rel_grad_diff(grads, theirs)
+    assert len(rel) == len(hf_adapter.hf_shapes(config)) == len(theirs)
+    assert max(rel.values()) <= 1e-4, rel
 
 
 def test_pad_token_row_gets_no_lookup_gradient():
     model = random_model(tiny_config(ARCH, tie_word_embeddings=False), seed=2).train()
-    batch, _ = make_batch(model.config)
+    batch = make_batch(model.config)
     causal_lm_loss(model, batch)[0].backward()
     grad = model.tok_embeddings.weight.grad
     assert grad[0].abs().max() == 0 and grad[batch["input_ids"][0, 1]].abs().max() > 0
@@ -233,14 +209,6 @@ def test_compute_logits_caps():
     torch.testing.assert_close(model.compute_logits(hidden), 2.0 * torch.tanh(raw / 2.0))
 
 
-def hf_load(path):
-    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
-    )
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    return hf.eval()
-
-
 @pytest.mark.parametrize("tied", [False, True])
 def test_save_then_transformers_loads_same_logits(tmp_path, tied):
     model = random_model(tiny_config(ARCH, tie_word_embeddings=tied))
@@ -254,9 +222,7 @@ def test_save_then_transformers_loads_same_logits(tmp_path, tied):
     hf = hf_load(out)
     assert type(hf) is transformers.Gemma3ForCausalLM
     assert hf.model.embed_tokens.weight.shape == (250, 64)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 250, (2, 30), generator=gen)
-    pos, doc = torch.arange(30).expand(2, 30), torch.zeros(2, 30, dtype=torch.long)
+    ids, pos, doc = sample_inputs(250, T=30)
     with torch.no_grad():
         theirs = hf(input_ids=ids).logits
     assert (run_ours(model, ids, pos, doc) - theirs).abs().max() <= 1e-4
@@ -283,13 +249,11 @@ def test_transformers_checkpoint_loads_in_ours(tmp_path, tied):
     assert model.config.layer_types == [S, S, G] and model.config.tie_word_embeddings is tied
     assert (model.config.rope_theta, model.config.rope_local_base_freq) == (1e6, 1e4)
     assert torch.count_nonzero(model.output_weight[250:]) == 0
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 250, (2, 20), generator=gen)
+    ids, pos, doc = sample_inputs(250, T=20, seed=1)
     with torch.no_grad():
         theirs = hf(input_ids=ids).logits
     assert theirs.abs().mean() > 0.1
-    ours = run_ours(model, ids, torch.arange(20).expand(2, 20), torch.zeros(2, 20, dtype=torch.long))
-    assert (ours - theirs).abs().max() <= 1e-4
+    assert (run_ours(model, ids, pos, doc) - theirs).abs().max() <= 1e-4
 
 
 def test_config_hf_roundtrip(tmp_path):

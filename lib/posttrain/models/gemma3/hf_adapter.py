@@ -13,23 +13,18 @@ from typing import Any
 
 import torch
 
+from posttrain.models import dense_adapter
 from posttrain.models.dense_adapter import EMBED, LM_HEAD, DenseDecoderAdapter, pad_vocab
 from posttrain.models.gemma3.model import Gemma3Model
 
-# per-layer HF suffix -> our suffix
+# per-layer HF suffix -> our suffix: the dense decoder's, except that Gemma's
+# post_attention_layernorm is the norm after attention (the dense decoder's pre-MLP norm) and
+# two more norms surround the MLP
 _LAYER_NAMES = {
-    "input_layernorm.weight": "attention_norm.weight",
-    "self_attn.q_proj.weight": "attention.wq.weight",
-    "self_attn.k_proj.weight": "attention.wk.weight",
-    "self_attn.v_proj.weight": "attention.wv.weight",
-    "self_attn.o_proj.weight": "attention.wo.weight",
-    "self_attn.q_norm.weight": "attention.q_norm.weight",
-    "self_attn.k_norm.weight": "attention.k_norm.weight",
+    **dense_adapter._LAYER_NAMES,
+    **dense_adapter._QK_NORM_NAMES,
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "feed_forward.w_gate.weight",
-    "mlp.up_proj.weight": "feed_forward.w_up.weight",
-    "mlp.down_proj.weight": "feed_forward.w_down.weight",
     "post_feedforward_layernorm.weight": "post_ffn_norm.weight",
 }
 

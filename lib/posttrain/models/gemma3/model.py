@@ -46,8 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttrain.models.layers import GroupedQueryAttention, RotaryEmbedding, SwiGLU
-from posttrain.models.qwen3.model import _IGNORED_HF_FIELDS as _COMMON_IGNORED_HF_FIELDS
+from posttrain.models.hf_config import COMMON_IGNORED_HF_FIELDS, check_hf_dict, check_positive_ints
+from posttrain.models.layers import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLU
 from posttrain.models.qwen3.model import VOCAB_PAD_MULTIPLE, UnsupportedConfigError
 from posttrain.ops.attention import AttentionMask, build_attention_mask
 from posttrain.train.mfu import LayerFlopSpec, dense_layer_spec
@@ -59,7 +59,7 @@ LAYER_TYPES = (SLIDING, FULL)
 DEFAULT_SLIDING_WINDOW_PATTERN = 6  # transformers' default: every 6th layer is full attention
 
 # config.json fields that do not change the model's numerics; accepted and ignored on import.
-_IGNORED_HF_FIELDS = (_COMMON_IGNORED_HF_FIELDS - {"sliding_window", "max_window_layers"}) | {
+_IGNORED_HF_FIELDS = COMMON_IGNORED_HF_FIELDS | {
     "cache_implementation",  # generation-time KV cache choice
     "hidden_act",  # transformers' Gemma3 reads `hidden_activation` only
 }
@@ -116,11 +116,8 @@ class Gemma3Config:
     pad_token_id: int | None = 0
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"Gemma3Config.{name} must be a positive int, got {value!r}")
+        check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads", "num_key_value_heads", "head_dim"))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -167,26 +164,9 @@ class Gemma3Config:
         (`rope_parameters` per layer type, `layer_types`) and the older one (`rope_theta`,
         `rope_local_base_freq`, `rope_scaling` for the full layers, `sliding_window_pattern`).
         """
-        if d.get("model_type") != cls.model_type:
-            raise UnsupportedConfigError(
-                f"config.json model_type is {d.get('model_type')!r}, expected 'gemma3_text' "
-                "(a multimodal 'gemma3' checkpoint's text_config is not loaded by this class)"
-            )
-        archs = d.get("architectures")
-        if archs is not None and list(archs) != ["Gemma3ForCausalLM"]:
-            raise UnsupportedConfigError(
-                f"config.json architectures {archs} unsupported; expected ['Gemma3ForCausalLM']"
-            )
-        known = _READ_HF_FIELDS | _IGNORED_HF_FIELDS
-        unknown = sorted(k for k in d if k not in known and not k.startswith("_"))
-        if unknown:
-            raise UnsupportedConfigError(
-                f"config.json has fields this Gemma3 implementation does not know: {unknown}. If they do "
-                "not change numerics, add them to _IGNORED_HF_FIELDS in posttrain/models/gemma3/model.py"
-            )
-        missing = [k for k in _REQUIRED_HF_FIELDS if k not in d]
-        if missing:
-            raise UnsupportedConfigError(f"config.json lacks required fields {missing}")
+        # a multimodal "gemma3" checkpoint (Gemma3ForConditionalGeneration) fails here
+        check_hf_dict(d, cls.model_type, "Gemma3ForCausalLM", _READ_HF_FIELDS | _IGNORED_HF_FIELDS,
+                      _REQUIRED_HF_FIELDS, "_IGNORED_HF_FIELDS in posttrain/models/gemma3/model.py")
 
         def require(field_name: str, ok: bool, want: str) -> None:
             if not ok:
@@ -330,22 +310,19 @@ def _rope_from_hf(d: dict[str, Any], full_default: float, sliding_default: float
     }
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """`x / sqrt(mean(x^2) + eps) * (1 + weight)` over the last dim, all in float32, cast back to
-    the input dtype at the end (Llama's RMSNorm casts before the weight; Gemma after)."""
+    the input dtype at the end (`RMSNorm` casts before the weight; Gemma after). The weight
+    starts at zero: the identity."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_fp32 = x.float()
         normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
 class GeGLU(SwiGLU):
