@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
+from model_parity import hf_load, hf_summed_loss, padded_lm_batch
 from safetensors.torch import load_file, save_file
 
 from posttrain.models.qwen3_moe import hf_adapter
@@ -41,17 +41,9 @@ def random_model(config, seed=0):
     return randomize_weights_(build_model(config, seed=seed), seed=seed + 1).eval()
 
 
-def hf_load(path, **kwargs):
-    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True, **kwargs
-    )
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    return hf.eval()
-
-
-def hf_twin(model, tmp_path, **kwargs):
+def hf_twin(model, tmp_path):
     """transformers' model holding our weights, through our export and its own loader."""
-    return hf_load(save_hf_checkpoint(model, tmp_path / "twin"), **kwargs)
+    return hf_load(save_hf_checkpoint(model, tmp_path / "twin"))
 
 
 def test_registered_and_layer_kinds():
@@ -87,7 +79,9 @@ def test_logits_match_transformers_padded_and_packed(name, tmp_path):
 
 def test_logits_match_transformers_eager_experts(tmp_path):
     model = random_model(CONFIGS["tiny"], seed=4)
-    hf = hf_twin(model, tmp_path, experts_implementation="eager")
+    hf = hf_twin(model, tmp_path)
+    hf.set_experts_implementation("eager")
+    assert hf.config._experts_implementation == "eager"
     verdict = verify_models(model, hf, tolerance=1e-4, seed=5)
     assert verdict["passed"], verdict
 
@@ -109,19 +103,6 @@ def test_routing_is_not_vacuous():
         changed = model.compute_logits(model(ids, pos, doc))
     assert (base - raw).abs().max() > 1e-2
     assert (base - changed).abs().max() > 1e-2
-
-
-def batch_for_grads(config, seed=6):
-    gen = torch.Generator().manual_seed(seed)
-    B, T = 3, 20
-    lengths = torch.tensor([T, 13, 6])
-    real_BT = torch.arange(T)[None, :] < lengths[:, None]
-    input_ids = torch.where(real_BT, torch.randint(0, config.vocab_size, (B, T), generator=gen), 0)
-    labels = torch.full((B, T), -100)
-    labels[:, :-1] = torch.where(real_BT[:, 1:], input_ids[:, 1:], -100)
-    position_ids = torch.arange(T).expand(B, T)
-    return real_BT, {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
-                     "doc_ids": torch.where(real_BT, 0, -1)}
 
 
 def hf_grads_as_ours(hf, config) -> dict[str, torch.Tensor]:
@@ -150,12 +131,11 @@ def test_gradients_match_transformers(name, tmp_path):
     config = CONFIGS[name]
     model = random_model(config, seed=5).train()
     hf = hf_twin(model, tmp_path).train()
-    real_BT, batch = batch_for_grads(config)
+    batch = padded_lm_batch(config.vocab_size, [20, 13, 6], T=20, seed=6)
 
     loss_ours, n_tokens = causal_lm_loss(model, batch, chunk_size=16)
     loss_ours.backward()
-    logits = hf(input_ids=batch["input_ids"], attention_mask=real_BT.long(), position_ids=batch["position_ids"]).logits
-    loss_hf = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100, reduction="sum")
+    loss_hf = hf_summed_loss(hf, batch)
     loss_hf.backward()
     assert abs(loss_ours.item() - loss_hf.item()) <= 1e-4 * abs(loss_hf.item())
 
@@ -177,12 +157,12 @@ def test_router_aux_loss_matches_transformers(tmp_path):
     config = CONFIGS["tiny"]
     model = random_model(config, seed=7)
     hf = hf_twin(model, tmp_path)
-    real_BT, batch = batch_for_grads(config, seed=8)
+    batch = padded_lm_batch(config.vocab_size, [20, 13, 6], T=20, seed=8)
     model.record_router_logits(True)
     model(batch["input_ids"], batch["position_ids"], batch["doc_ids"])
     ours = model.router_aux_loss(batch["doc_ids"])
     with torch.no_grad():
-        out = hf(input_ids=batch["input_ids"], attention_mask=real_BT.long(), position_ids=batch["position_ids"],
+        out = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
                  output_router_logits=True)
     assert abs(ours.item() - out.aux_loss.item()) <= 1e-5 * out.aux_loss.item()
     ours.backward()  # differentiable through the router probabilities

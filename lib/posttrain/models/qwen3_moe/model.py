@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from posttrain.models.decoder import DecoderLM
+from posttrain.models.hf_config import check_hf_dict, check_positive_ints
 from posttrain.models.moe import SwiGLUExperts, load_balancing_loss
 from posttrain.models.qwen3.model import Qwen3Config, UnsupportedConfigError
 from posttrain.train.mfu import LayerFlopSpec, Matmul, dense_layer_spec
@@ -81,10 +82,7 @@ class Qwen3MoeConfig(Qwen3Config):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.mlp_only_layers = tuple(self.mlp_only_layers)
-        for name in ("moe_intermediate_size", "num_experts_per_tok", "decoder_sparse_step"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"Qwen3MoeConfig.{name} must be a positive int, got {value!r}")
+        check_positive_ints(self, ("moe_intermediate_size", "num_experts_per_tok", "decoder_sparse_step"))
         if not isinstance(self.num_experts, int) or self.num_experts < 0:
             raise ValueError(f"Qwen3MoeConfig.num_experts must be an int >= 0, got {self.num_experts!r}")
         if self.num_experts and self.num_experts_per_tok > self.num_experts:
@@ -109,13 +107,8 @@ class Qwen3MoeConfig(Qwen3Config):
         `hidden_size // num_attention_heads` and missing `num_key_value_heads` means 4, as in
         transformers' Qwen3MoeConfig (Qwen3's defaults differ).
         """
-        if d.get("model_type") != cls.model_type:
-            raise UnsupportedConfigError(f"config.json model_type is {d.get('model_type')!r}, expected 'qwen3_moe'")
-        archs = d.get("architectures")
-        if archs is not None and list(archs) != ["Qwen3MoeForCausalLM"]:
-            raise UnsupportedConfigError(
-                f"config.json architectures {archs} unsupported; expected ['Qwen3MoeForCausalLM']"
-            )
+        # model_type and architectures here; unknown and required fields in Qwen3's pass below
+        check_hf_dict(d, cls.model_type, "Qwen3MoeForCausalLM", known=d.keys(), required=(), ignored_where="")
         moe: dict[str, Any] = {}
         for key in _MOE_HF_FIELDS - {"num_local_experts", "num_experts"}:
             if d.get(key) is not None:
