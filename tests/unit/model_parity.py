@@ -7,6 +7,29 @@ import torch.nn.functional as F
 import transformers
 
 
+def random_model(config, seed: int = 0):
+    """A registered model of `config` with large random weights (`randomize_weights_`), in eval mode."""
+    from posttrain.models.registry import build_model
+    from posttrain.verify.logits import randomize_weights_
+
+    return randomize_weights_(build_model(config, seed=seed), seed=seed + 1).eval()
+
+
+def hf_twin(model):
+    """transformers' causal LM for `model.config` (eager attention) holding exactly our weights,
+    mapped through the architecture's adapter; asserts nothing was left out or unexpected."""
+    from posttrain.models.registry import get_architecture
+
+    hf_config = transformers.AutoConfig.for_model(**model.config.to_hf_dict())
+    hf_config._attn_implementation = "eager"
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config)
+    exported = {k: v.clone() for k, v in get_architecture(model.config.model_type).adapter.export_tensors(model)}
+    missing, unexpected = hf.load_state_dict(exported, strict=False)
+    assert unexpected == []
+    assert set(missing) <= ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    return hf.eval()
+
+
 def run_ours(model, input_ids_BT, position_ids_BT, doc_ids_BT):
     """Our full logits, without gradients."""
     with torch.no_grad():
@@ -36,6 +59,29 @@ def logits_vs_hf(model, hf, B: int = 2, T: int = 24, seed: int = 2, offsets=(0, 
     assert ours.shape == theirs.shape == (B, T, vocab_size)
     assert theirs.abs().mean() > 0.1  # logits are O(1): the comparison is not vacuous
     return (ours - theirs).abs().max().item()
+
+
+def packed_vs_alone(model, lengths: list[int], pad: int, seed: int) -> tuple[float, float]:
+    """One packed row of random documents of `lengths` plus `pad` padding tokens through `model`,
+    against each document run alone. Returns `(max diff packed vs alone, max diff of the
+    documents after the first when the document mask is dropped)`: the first should be ~0,
+    the second large (the comparison can fail)."""
+    gen = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in lengths]
+    zeros = torch.zeros(pad, dtype=torch.long)
+    input_ids = torch.cat([*docs, zeros])[None]
+    position_ids = torch.cat([torch.arange(n) for n in lengths] + [zeros])[None]
+    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)] + [torch.full((pad,), -1)])[None]
+    packed = run_ours(model, input_ids, position_ids, doc_ids)[0]
+    assert torch.isfinite(packed).all()  # padding attends to padding, never to nothing
+    diff, start = 0.0, 0
+    for doc in docs:
+        n = len(doc)
+        alone = run_ours(model, doc[None], torch.arange(n)[None], torch.zeros(1, n, dtype=torch.long))[0]
+        diff = max(diff, (packed[start : start + n] - alone).abs().max().item())
+        start += n
+    leaky = run_ours(model, input_ids, position_ids, torch.zeros_like(doc_ids))[0]
+    return diff, (leaky[lengths[0] : start] - packed[lengths[0] : start]).abs().max().item()
 
 
 def sample_inputs(vocab_size: int, B: int = 2, T: int = 16, seed: int = 0):

@@ -12,9 +12,12 @@ import transformers
 from model_parity import (
     hf_load,
     hf_summed_loss,
+    hf_twin,
     logits_vs_hf,
     max_rel_grad_diff,
+    packed_vs_alone,
     padded_lm_batch,
+    random_model,
     run_ours,
     sample_inputs,
 )
@@ -35,7 +38,7 @@ from posttrain.ops.attention import build_attention_mask, document_attention
 from posttrain.ops.losses import causal_lm_loss
 from posttrain.ops.sink_attention import sink_attention
 from posttrain.verify.__main__ import main as verify_main
-from posttrain.verify.logits import build_tiny_checkpoint, randomize_weights_, verify_checkpoint
+from posttrain.verify.logits import build_tiny_checkpoint, verify_checkpoint
 
 CONFIGS = {
     "tiny-untied": tiny_config("gpt_oss"),
@@ -50,23 +53,6 @@ CONFIGS = {
                                     rope_scaling=dict(factor=8.0, original_max_position_embeddings=16,
                                                       mscale=1.0, mscale_all_dim=0.5)),
 }
-
-
-def random_model(config, seed=0):
-    return randomize_weights_(build_model(config, seed=seed), seed=seed + 1).eval()
-
-
-def hf_twin(model: GptOssModel) -> transformers.GptOssForCausalLM:
-    """transformers' GptOssForCausalLM holding exactly our weights (through our adapter)."""
-    hf_config = transformers.GptOssConfig.from_dict(model.config.to_hf_dict())
-    hf_config._attn_implementation = "eager"
-    hf = transformers.GptOssForCausalLM(hf_config)
-    missing, unexpected = hf.load_state_dict(
-        {k: v.clone() for k, v in hf_adapter.export_tensors(model)}, strict=False
-    )
-    assert unexpected == []
-    assert set(missing) <= ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
-    return hf.eval()
 
 
 def test_registered_structure():
@@ -151,25 +137,9 @@ def test_sink_attention_formula_and_limit():
 
 
 def test_packed_row_equals_documents_alone():
-    config = CONFIGS["tiny-untied"]
-    model = random_model(config, seed=3)
-    gen = torch.Generator().manual_seed(4)
-    lengths, pad = [7, 15, 5], 4  # one document longer than the window
-    docs = [torch.randint(0, config.vocab_size, (n,), generator=gen) for n in lengths]
-    input_ids = torch.cat([*docs, torch.zeros(pad, dtype=torch.long)])[None]
-    position_ids = torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(pad, dtype=torch.long)])[None]
-    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)] + [torch.full((pad,), -1)])[None]
-
-    packed = run_ours(model, input_ids, position_ids, doc_ids)[0]
-    assert torch.isfinite(packed).all()
-    start = 0
-    for doc in docs:
-        n = len(doc)
-        alone = run_ours(model, doc[None], torch.arange(n)[None], torch.zeros(1, n, dtype=torch.long))[0]
-        assert (packed[start : start + n] - alone).abs().max() <= 1e-5
-        start += n
-    leaky = run_ours(model, input_ids, position_ids, torch.zeros_like(doc_ids))[0]
-    assert (leaky[7:22] - packed[7:22]).abs().max() > 1e-2
+    model = random_model(CONFIGS["tiny-untied"], seed=3)
+    diff, leak = packed_vs_alone(model, [7, 15, 5], pad=4, seed=4)  # one document longer than the window
+    assert diff <= 1e-5 and leak > 1e-2
 
 
 def test_adapter_layout_roundtrip_and_interleaving():
@@ -399,3 +369,15 @@ def test_verify_tiny(tmp_path, capsys):
     print({c["name"]: c["max_abs_diff"] for c in verdict["cases"]})
     assert verify_main(["--tiny", "gpt_oss"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["passed"] is True
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"num_key_value_heads": 3}, "num_key_value_heads"),
+    ({"head_dim": 15}, "head_dim"),
+    ({"num_experts_per_tok": 5}, "num_experts_per_tok"),
+    ({"pad_token_id": 250}, "pad_token_id"),
+    ({"num_local_experts": 0}, "num_local_experts"),
+])
+def test_config_dataclass_rejects_bad_shapes(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_config("gpt_oss", **overrides)

@@ -13,7 +13,7 @@ from typing import Any
 
 from posttrain.models.qwen3.model import UnsupportedConfigError
 
-__all__ = ["COMMON_IGNORED_HF_FIELDS", "check_hf_dict", "check_positive_ints"]
+__all__ = ["COMMON_IGNORED_HF_FIELDS", "check_attention_dims", "check_hf_dict", "check_positive_ints"]
 
 COMMON_IGNORED_HF_FIELDS = frozenset({
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "use_cache",
@@ -57,3 +57,15 @@ def check_positive_ints(config: Any, names: Iterable[str]) -> None:
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{type(config).__name__}.{name} must be a positive int, got {value!r}")
+
+
+def check_attention_dims(config: Any) -> None:
+    """Raise `ValueError` unless `num_attention_heads` is a multiple of `num_key_value_heads`
+    and `head_dim` is even (rotary embeddings rotate pairs)."""
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ValueError(
+            f"num_attention_heads={config.num_attention_heads} must be a multiple of "
+            f"num_key_value_heads={config.num_key_value_heads}"
+        )
+    if config.head_dim % 2:
+        raise ValueError(f"head_dim must be even for the rotary embedding, got {config.head_dim}")

@@ -49,7 +49,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttrain.models.hf_config import COMMON_IGNORED_HF_FIELDS, check_hf_dict, check_positive_ints
+from posttrain.models.hf_config import (
+    COMMON_IGNORED_HF_FIELDS,
+    check_attention_dims,
+    check_hf_dict,
+    check_positive_ints,
+)
 from posttrain.models.layers import RMSNorm, apply_rotary
 from posttrain.models.moe import routed_experts
 from posttrain.models.qwen3.model import VOCAB_PAD_MULTIPLE, UnsupportedConfigError
@@ -126,13 +131,7 @@ class GptOssConfig:
         check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                    "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts",
                                    "num_experts_per_tok"))
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for the rotary embedding, got {self.head_dim}")
+        check_attention_dims(self)
         if self.num_experts_per_tok > self.num_local_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds "
                              f"num_local_experts={self.num_local_experts}")
