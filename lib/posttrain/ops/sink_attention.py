@@ -4,8 +4,9 @@ For query head `h` the probabilities over the allowed keys are
 `softmax([scores_h(q, k) for allowed k] + [sink_h])` with the sink's own share dropped
 afterwards, so a row's weights sum to less than 1 (the sink absorbs the rest). SDPA has no
 such term, so this is an explicit ("eager") kernel over the dense boolean mask of
-`posttrain.ops.attention.AttentionMask` (`dense_B1TT`), with the softmax in float32 as
-transformers computes it.
+`posttrain.ops.attention.AttentionMask` (`dense_B1TT`), with the softmax in float32
+(transformers' eager GPT-OSS attention softmaxes in the activations' dtype: identical in
+float32; in bf16 ours is the more accurate, as fused attention kernels are).
 
 Cost: it computes the full `T x T` score block of every row (what a dense kernel does),
 including the cross-document and padding pairs the mask then removes; memory is
