@@ -9,12 +9,21 @@ artifacts, so a notebook can inspect any stage (`notebooks/inspect_run.ipynb`). 
 (checkpoints, rejected rows, metrics.jsonl) go to `<output_dir>/SFTFlow/<run id>/`; the
 registered model's location is the artifact `model_uri`.
 
+Checkpoints: the train step saves complete training state under
+`<output_dir>/SFTFlow/<run id>/train_state/` (`checkpoint` in the recipe) and resumes from the
+newest complete one there, with the same loss trajectory as an uninterrupted run. The run
+directory is an artifact of `start`, which `resume` clones, so it names the original run's
+directory in a task retry (`@retry` on train), in `python flows/sft_flow.py resume` and in a
+resume of a resume alike:
+
+    python flows/sft_flow.py resume train      # after a failed or killed train step
+
 Cards: data sources and rejected rows (ingest), length histogram (tokenize), packing
 efficiency (pack), live loss and throughput (train), the logit verdict (verify), the
 evaluation table with an evidently report (evaluate), and an overview of the run (end).
 """
 
-from metaflow import Config, FlowSpec, Run, card, current, step
+from metaflow import Config, FlowSpec, Run, card, current, retry, step
 
 from posttrain.config.loader import DEFAULT_SFT_CONFIG, sft_config_from_dict
 
@@ -93,10 +102,13 @@ class SFTFlow(FlowSpec):
         cards.pack_section(current.card["pack"], self.pack_stats, self.samples_per_source)
         self.next(self.train)
 
+    @retry(times=1, minutes_between_retries=0)
     @card(type="blank", id="training", refresh_interval=5)
     @step
     def train(self):
-        """Train our model on rows packed on the fly; the card shows loss and throughput live."""
+        """Train our model on rows packed on the fly; the card shows loss and throughput live.
+        Checkpoints under the run directory; a retried or resumed task continues from the
+        newest complete checkpoint."""
         from posttrain.steps import train
 
         rows_per_epoch = self.pack_stats.num_rows
@@ -105,6 +117,7 @@ class SFTFlow(FlowSpec):
         result = train.run(self.recipe, self._tokenizer(), self.samples, rows_per_epoch, self.run_dir, on_step=live)
         self.history, self.train_summary = result.history, result.summary
         self.checkpoint_dir, self.base_dir = result.checkpoint_dir, result.base_dir
+        self.resumed_from, self.train_state_dir = result.resumed_from, result.checkpoints_dir
         self.next(self.verify)
 
     @card(type="blank", id="verify")
