@@ -385,3 +385,23 @@ class CheckpointManager:
             raise CheckpointError(f"{path}: the checkpoint has no tensor for {', '.join(model_extra[:5])}"
                                   + (f" (+{len(model_extra) - 5} more)" if len(model_extra) > 5 else ""))
         return targets
+
+
+# ---------------------------------------------------------------------------------- HF export
+
+
+def export_hf_checkpoint(trainer, path: str | os.PathLike, tokenizer: Any = None) -> Path | None:
+    """The trainer's model as a Hugging Face safetensors directory at `path`, consolidated
+    from its shards (`get_model_state_dict(full_state_dict=True, cpu_offload=True)`): collective
+    under torch.distributed, rank 0 writes (and gets the path; other ranks get None)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from posttrain.models.registry import save_hf_checkpoint
+    from posttrain.train.trainer import _full_weights_view
+
+    weights = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    written = None
+    if _rank() == 0:
+        written = save_hf_checkpoint(_full_weights_view(trainer.model, weights), path, tokenizer=tokenizer)
+    _barrier()
+    return written
