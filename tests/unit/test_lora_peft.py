@@ -205,3 +205,35 @@ def test_other_architectures_export_merged_and_as_peft(arch, tmp_path):
     assert (merged.layers[0].attention.wo.weight - base_wo).abs().max() > 1e-2  # the adapters matter
     assert_logits_match(model, hf_model(save_hf_checkpoint(merged, tmp_path / "merged")),
                         f"{arch} merged vs LoRA model")
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_trained_output_projection_travels_as_modules_to_save(arch, tmp_path):
+    """qwen3 here is tied (the trained embedding is the head), llama untied (`lm_head`)."""
+    tied = CASES[arch]["tie_word_embeddings"]
+    base_dir = build_tiny_checkpoint(arch, tmp_path / "base", **CASES[arch])
+    model = apply_lora(load_hf_checkpoint(base_dir), LoraConfig(rank=2, alpha=4.0, targets=["q", "v"],
+                                                                train_output=True))
+    gen = torch.Generator().manual_seed(0)
+    V = model.config.vocab_size
+    with torch.no_grad():
+        for name, param in lora_parameters(model):
+            if name.endswith("lora_B"):
+                param.normal_(0.0, 0.3, generator=gen)
+        model.output_weight[:V] += 0.3 * torch.randn(model.output_weight[:V].shape, generator=gen)
+
+    adapter_dir = save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(base_dir))
+    written = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    assert written["modules_to_save"] == (["embed_tokens"] if tied else ["lm_head"])
+    assert written["ensure_weight_tying"] is tied
+    assert_logits_match(model, peft.PeftModel.from_pretrained(hf_model(base_dir), adapter_dir),
+                        f"{arch} PEFT adapter with trained output vs LoRA model")
+
+    back = load_peft_adapter(load_hf_checkpoint(base_dir), adapter_dir)
+    assert back.lora_config.train_output and back.output_weight.requires_grad
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values()))
+    if tied:
+        written["ensure_weight_tying"] = False
+        (adapter_dir / ADAPTER_CONFIG).write_text(json.dumps(written))
+        with pytest.raises(LoraError, match="without ensure_weight_tying"):
+            load_peft_adapter(load_hf_checkpoint(base_dir), adapter_dir)

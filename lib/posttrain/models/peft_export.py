@@ -18,9 +18,14 @@ fusion), or the low-rank factors would need the same transform: this is checked.
 exactly the adapted modules among the checkpoint's modules (PEFT matches a list entry
 against the end of a module name), else a regex (PEFT full-matches a string) listing them.
 
-Not supported (a clear `LoraError`): exporting a model whose output projection was trained
-(`train_output`; export merged instead), and importing adapters with DoRA, rsLoRA, LoRA
-biases, per-module ranks or alphas, `modules_to_save`, or adapters on only some layers.
+A trained output projection (`train_output`) goes where PEFT keeps fully trained modules:
+`modules_to_save: ["lm_head"]` and the tensor `base_model.model.lm_head.weight` (real
+vocabulary rows only). A tied model trains its embedding, so it is
+`modules_to_save: ["embed_tokens"]` with `ensure_weight_tying: true` (PEFT then ties the
+head to the trained copy) and, as PEFT writes it, both the embedding and `lm_head.weight`.
+
+Not supported (a clear `LoraError`): adapters with DoRA, rsLoRA, LoRA biases, per-module
+ranks or alphas, other `modules_to_save`, or adapters on only some layers.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -109,6 +115,37 @@ def peft_target_modules(adapted_hf: list[str], all_hf: list[str]) -> list[str] |
     return "^(?:" + "|".join(re.escape(m) for m in sorted(adapted_hf)) + ")$"
 
 
+@dataclass(frozen=True)
+class OutputModule:
+    """Where a trained output projection goes in a PEFT adapter: the `modules_to_save` entry,
+    the HF tensor it is read from and written to, further HF names PEFT stores the same tensor
+    under (a tied head), and whether the head is tied to the embedding."""
+
+    leaf: str
+    hf_name: str
+    twins: tuple[str, ...]
+    tied: bool
+
+
+def output_module(model: torch.nn.Module) -> OutputModule:
+    config = model.config
+    adapter = get_architecture(config.model_type).adapter
+    output = model.output_weight
+    our_name = next(n for n, p in model.named_parameters() if p is output)
+    hf_name = {ours: hf for hf, ours in adapter.hf_to_ours(config).items()}[our_name]
+    twins = tuple(sorted(n for n, twin in adapter.redundant_tensors(config).items() if twin == hf_name))
+    leaf = hf_name.removesuffix(_WEIGHT).rsplit(".", 1)[-1]
+    return OutputModule(leaf, hf_name, twins, tied=bool(getattr(config, "tie_word_embeddings", False)))
+
+
+def _exported_tensor(model: torch.nn.Module, hf_name: str) -> torch.Tensor:
+    """One tensor of the model's HF export (vocabulary padding removed)."""
+    for name, tensor in get_architecture(model.config.model_type).adapter.export_tensors(model):
+        if name == hf_name:
+            return tensor
+    raise LoraError(f"the HF export of this model has no tensor {hf_name!r}")
+
+
 def _write_atomic(path: Path, write) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     write(tmp)
@@ -129,15 +166,19 @@ def save_peft_adapter(
     pairs = _adapted_hf_names(model)
     if cfg is None:
         raise LoraError("model has LoRA modules but no `lora_config`; apply adapters with apply_lora")
-    if cfg.train_output:
-        raise LoraError("the output projection was trained (train_output); a PEFT LoRA adapter cannot hold it: "
-                        "export the merged model instead")
     adapted = lora_modules(model)
-    tensors = {}
+    tensors: dict[str, torch.Tensor] = {}
+
+    def put(key: str, tensor: torch.Tensor) -> None:  # an own copy: safetensors refuses shared memory
+        tensors[key] = tensor.detach().to(device="cpu", dtype=dtype or tensor.dtype).contiguous().clone()
+
     for ours, hf in pairs.items():
         for factor in ("lora_A", "lora_B"):
-            tensor = getattr(adapted[ours], factor).detach()
-            tensors[f"{KEY_PREFIX}{hf}.{factor}{_WEIGHT}"] = (tensor if dtype is None else tensor.to(dtype)).cpu().contiguous()
+            put(f"{KEY_PREFIX}{hf}.{factor}{_WEIGHT}", getattr(adapted[ours], factor))
+    output = output_module(model) if cfg.train_output else None
+    if output is not None:
+        for hf_name in (output.hf_name, *output.twins):
+            put(f"{KEY_PREFIX}{hf_name}", _exported_tensor(model, output.hf_name))
     alpha = int(cfg.alpha) if float(cfg.alpha).is_integer() else cfg.alpha
     adapter_config = {
         "peft_type": "LORA",
@@ -155,7 +196,8 @@ def save_peft_adapter(
         "use_dora": False,
         "lora_bias": False,
         "init_lora_weights": True,
-        "modules_to_save": None,
+        "modules_to_save": None if output is None else [output.leaf],
+        "ensure_weight_tying": output is not None and output.tied,
         "layers_to_transform": None,
         "layers_pattern": None,
         "rank_pattern": {},
@@ -172,7 +214,7 @@ def save_peft_adapter(
 # (the values allowed; absent counts as allowed)
 _SUPPORTED_ONLY = {"use_dora": (False, None), "use_rslora": (False, None), "lora_bias": (False, None),
                    "bias": ("none", None), "fan_in_fan_out": (False, None), "rank_pattern": ({}, None),
-                   "alpha_pattern": ({}, None), "modules_to_save": (None, []), "layers_to_transform": (None, [])}
+                   "alpha_pattern": ({}, None), "layers_to_transform": (None, [])}
 
 
 def read_adapter_config(path: str | os.PathLike) -> dict:
@@ -221,8 +263,24 @@ def _lora_config_for(model: torch.nn.Module, adapter_config: dict, source: Path)
                             "adapters on only some layers are not supported")
     ordered = [t for t in TARGET_MODULES if t in targets]
     cfg = LoraConfig(rank=adapter_config["r"], alpha=float(adapter_config.get("lora_alpha", 8)),
-                     dropout=float(adapter_config.get("lora_dropout", 0.0)), targets=ordered)
+                     dropout=float(adapter_config.get("lora_dropout", 0.0)), targets=ordered,
+                     train_output=_trains_output(model, adapter_config, source))
     return cfg, pairs
+
+
+def _trains_output(model: torch.nn.Module, adapter_config: dict, source: Path) -> bool:
+    """Whether the adapter carries a trained output projection (`modules_to_save`, see module doc)."""
+    saved = adapter_config.get("modules_to_save") or []
+    if not saved:
+        return False
+    output = output_module(model)
+    if list(saved) != [output.leaf]:
+        raise LoraError(f"{source}: modules_to_save {saved} is not supported (only [{output.leaf!r}], "
+                        "the output projection)")
+    if output.tied and not adapter_config.get("ensure_weight_tying"):
+        raise LoraError(f"{source}: trains the embedding of a tied model without ensure_weight_tying, so its "
+                        "head would differ from the embedding; our tied model cannot hold that")
+    return True
 
 
 @torch.no_grad()
@@ -230,8 +288,9 @@ def load_peft_adapter(model: torch.nn.Module, path: str | os.PathLike) -> torch.
     """Load a PEFT LoRA adapter directory onto `model` (in place) and return it.
 
     A model without adapters gets them first (`apply_lora` with the adapter's rank, alpha,
-    dropout and targets); a model with adapters must have the same ones. Strict: a missing,
-    unexpected or misshapen tensor raises `LoraError` naming it. Reads safetensors only.
+    dropout, targets and, with `modules_to_save`, `train_output`); a model with adapters must
+    have the same ones. Strict: a missing, unexpected or misshapen tensor (or a tied head
+    that differs from the embedding) raises `LoraError` naming it. Reads safetensors only.
     """
     path = Path(path)
     adapter_config = read_adapter_config(path)
@@ -239,30 +298,55 @@ def load_peft_adapter(model: torch.nn.Module, path: str | os.PathLike) -> torch.
     current: LoraConfig | None = getattr(model, "lora_config", None)
     if current is None:
         apply_lora(model, cfg)
-    elif (current.rank, current.alpha, sorted(current.targets)) != (cfg.rank, cfg.alpha, sorted(cfg.targets)):
-        raise LoraError(f"{path}: adapter (rank {cfg.rank}, alpha {cfg.alpha}, targets {cfg.targets}) does not match "
-                        f"the model's adapters (rank {current.rank}, alpha {current.alpha}, targets {current.targets})")
-    adapted = lora_modules(model)
+    elif _key(current) != _key(cfg):
+        raise LoraError(f"{path}: adapter (rank, alpha, targets, train_output) {_key(cfg)} does not match the "
+                        f"model's adapters {_key(current)}")
     _check_plain_layout(model, pairs)
-    expected = {f"{KEY_PREFIX}{hf}.{factor}{_WEIGHT}": (ours, factor)
-                for ours, hf in pairs.items() for factor in ("lora_A", "lora_B")}
+    # stored key -> our parameter (None: the output projection, imported by the architecture adapter)
+    expected: dict[str, str | None] = {f"{KEY_PREFIX}{hf}.{factor}{_WEIGHT}": f"{ours}.{factor}"
+                                       for ours, hf in pairs.items() for factor in ("lora_A", "lora_B")}
     weights = path / ADAPTER_WEIGHTS
     if not weights.exists():
         raise LoraError(f"{path} has no {ADAPTER_WEIGHTS} (only safetensors adapters are loaded)")
-    seen = set()
+    params = dict(model.named_parameters())
+    output = output_module(model) if cfg.train_output else None
+    if output is not None:
+        expected[f"{KEY_PREFIX}{output.hf_name}"] = None
+    optional = {f"{KEY_PREFIX}{twin}" for twin in output.twins} if output is not None else set()
+    seen: dict[str, torch.Tensor] = {}
     with safe_open(str(weights), framework="pt", device="cpu") as f:
         for key in f.keys():
-            if key not in expected:
+            if key not in expected and key not in optional:
                 raise LoraError(f"unexpected tensor {key!r} in {weights}")
-            ours, factor = expected[key]
-            param = getattr(adapted[ours], factor)
-            tensor = f.get_tensor(key)
+            seen[key] = tensor = f.get_tensor(key)
+            if key in optional:
+                continue
+            our_name = expected[key]
+            if our_name is None:
+                our_name, tensor = _import_output(model, output, tensor, key)
+            param = params[our_name]
             if tuple(tensor.shape) != tuple(param.shape):
                 raise LoraError(f"tensor {key!r} in {weights} has shape {tuple(tensor.shape)}, "
                                 f"expected {tuple(param.shape)}")
             param.copy_(tensor)
-            seen.add(key)
-    missing = sorted(set(expected) - seen)
+    missing = sorted(set(expected) - set(seen))
     if missing:
         raise LoraError(f"{weights} is missing tensors {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+    for twin in optional & set(seen):
+        if not torch.equal(seen[twin], seen[f"{KEY_PREFIX}{output.hf_name}"]):
+            raise LoraError(f"tensor {twin!r} in {weights} must equal {KEY_PREFIX}{output.hf_name} (tied) but differs")
     return model
+
+
+def _key(cfg: LoraConfig) -> tuple:
+    return cfg.rank, cfg.alpha, sorted(cfg.targets), cfg.train_output
+
+
+def _import_output(model, output: OutputModule, tensor: torch.Tensor, key: str) -> tuple[str, torch.Tensor]:
+    """`(our parameter name, tensor in our layout)` for the stored output projection."""
+    config = model.config
+    adapter = get_architecture(config.model_type).adapter
+    want = tuple(adapter.hf_shapes(config)[output.hf_name])
+    if tuple(tensor.shape) != want:
+        raise LoraError(f"tensor {key!r} has shape {tuple(tensor.shape)}, expected {want}")
+    return adapter.import_tensor(output.hf_name, tensor, config)
