@@ -126,3 +126,58 @@ def test_train_step_resumes_after_an_injected_fault(tiny_recipe, tmp_path, monke
     again = train.run(moved, tokenizer, tokenized, rows, tmp_path / "from-elsewhere")
     assert again.resumed_from.endswith("step_00000004")
     assert [h["loss"] for h in again.history] == [h["loss"] for h in expected]
+
+
+def _fsdp_save_and_resume(root: str) -> dict:
+    """On each of 2 ranks (FSDP2 over "dp"): 2 steps, save, 2 more steps (the reference); then a
+    fresh, differently seeded sharded model and trainer load the checkpoint and redo steps 3-4."""
+    import torch.distributed as dist
+
+    from posttrain.config.schema import ParallelConfig
+    from posttrain.parallel.apply import apply_parallelism
+    from posttrain.parallel.mesh import build_device_mesh, dp_group
+
+    rank = dist.get_rank()
+    parallel = ParallelConfig(strategy="fsdp", num_workers=2)
+    mesh = build_device_mesh(parallel)
+    cfg = TrainConfig(device="cpu", learning_rate=3e-3, warmup_steps=1, tensorboard=False, progress_bar=False)
+
+    def sharded_trainer(seed: int) -> Trainer:
+        torch.manual_seed(seed)
+        model = apply_parallelism(build_model(tiny_config(), seed=seed), parallel, mesh)
+        return Trainer(model, cfg, total_steps=4, process_group=dp_group(mesh))
+
+    def rows(i: int) -> dict:  # rank-specific rows of step i
+        ids = torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(10 * i + rank))
+        return {"input_ids": ids, "labels": ids.roll(-1, 1), "position_ids": torch.arange(16).expand(2, 16),
+                "doc_ids": torch.zeros(2, 16, dtype=torch.long)}
+
+    manager = CheckpointManager(root, every_steps=2)
+    first = sharded_trainer(0)
+    for i in range(2):
+        first.train_step([rows(i)])
+    torch.manual_seed(100 + rank)  # per-rank RNG states must come back per rank
+    saved = manager.save(2, first, {"rank": rank, "next_row": 2})
+    expected_draw = torch.rand(2)
+    expected = [first.train_step([rows(i)])["loss"] for i in (2, 3)]
+
+    second = sharded_trainer(seed=9)
+    data_state = manager.load("latest", second)
+    draw = torch.rand(2)
+    losses = [second.train_step([rows(i)])["loss"] for i in (2, 3)]
+    return {"saved": str(saved), "data_state": data_state, "rng_equal": bool(torch.equal(draw, expected_draw)),
+            "expected": expected, "losses": losses}
+
+
+@pytest.mark.slow
+def test_fsdp_sharded_checkpoint_resumes_bit_for_bit_on_two_ranks(tmp_path):
+    from posttrain.parallel.distributed import spawn_local
+
+    results = spawn_local(_fsdp_save_and_resume, 2, str(tmp_path))
+    for rank, result in enumerate(results):
+        assert result["data_state"] == {"rank": rank, "next_row": 2}
+        assert result["rng_equal"]
+        assert result["losses"] == result["expected"]
+    assert sorted(p.name for p in (tmp_path / "step_00000002").iterdir()) == \
+        [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json", "rank_00000.json", "rank_00001.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002"]
