@@ -24,13 +24,16 @@ from posttrain.models.registry import (
 )
 from posttrain.ops.losses import causal_lm_loss
 from posttrain.verify.__main__ import main as verify_main
-from posttrain.verify.logits import build_tiny_checkpoint, randomize_weights_, verify_checkpoint, verify_models
+from posttrain.verify.logits import build_tiny_checkpoint, verify_checkpoint, verify_models
 from model_parity import (
     hf_load,
     hf_summed_loss,
+    hf_twin,
     logits_vs_hf,
     max_rel_grad_diff,
+    packed_vs_alone,
     padded_lm_batch,
+    random_model,
     run_ours,
     sample_inputs,
 )
@@ -47,24 +50,6 @@ CONFIGS = {
                                            hidden_size=48, num_attention_heads=6, num_key_value_heads=6,
                                            head_dim=8, query_pre_attn_scalar=8, vocab_size=128, sliding_window=5),
 }
-
-
-def random_model(config, seed=0):
-    return randomize_weights_(build_model(config, seed=seed), seed=seed + 1).eval()
-
-
-def hf_twin(model: Gemma3Model) -> transformers.Gemma3ForCausalLM:
-    """transformers' Gemma3ForCausalLM (eager attention) holding exactly our weights."""
-    hf_config = transformers.Gemma3TextConfig.from_dict(model.config.to_hf_dict())
-    hf_config._attn_implementation = "eager"
-    hf = transformers.Gemma3ForCausalLM(hf_config)
-    missing, unexpected = hf.load_state_dict({k: v.clone() for k, v in hf_adapter.export_tensors(model)},
-                                             strict=False)
-    assert unexpected == []
-    assert set(missing) <= ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
-    if model.config.tie_word_embeddings:
-        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
-    return hf.eval()
 
 
 def test_registered():
@@ -85,7 +70,10 @@ def test_registered():
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_match_transformers(name):
     model = random_model(CONFIGS[name])
-    assert logits_vs_hf(model, hf_twin(model), T=24) <= 1e-4  # 24 tokens: past the sliding window
+    hf = hf_twin(model)
+    assert type(hf) is transformers.Gemma3ForCausalLM
+    assert (hf.lm_head.weight is hf.model.embed_tokens.weight) == model.config.tie_word_embeddings
+    assert logits_vs_hf(model, hf, T=24) <= 1e-4  # 24 tokens: past the sliding window
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -99,31 +87,22 @@ def test_verifier_padded_and_packed(name):
     assert all(c["max_abs_diff"] <= 1e-4 for c in verdict["cases"])
 
 
-def test_packed_row_equals_documents_alone_and_window_matters():
-    config = CONFIGS["tiny-capped-tied"]
-    model = random_model(config, seed=3)
-    gen = torch.Generator().manual_seed(4)
-    lengths, pad = [7, 15, 11], 4  # documents shorter and longer than the window (8)
-    docs = [torch.randint(0, config.vocab_size, (n,), generator=gen) for n in lengths]
-    input_ids = torch.cat([*docs, torch.zeros(pad, dtype=torch.long)])[None]
-    position_ids = torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(pad, dtype=torch.long)])[None]
-    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)] + [torch.full((pad,), -1)])[None]
+def test_packed_row_equals_documents_alone():
+    model = random_model(CONFIGS["tiny-capped-tied"], seed=3)
+    # documents shorter and longer than the sliding window (8)
+    alone_diff, leaky_diff = packed_vs_alone(model, [7, 15, 11], pad=4, seed=4)
+    assert alone_diff <= 5e-5  # logits up to ~10: float32 noise
+    assert leaky_diff > 1e-2  # the document mask is in force
 
-    packed = run_ours(model, input_ids, position_ids, doc_ids)[0]
-    assert torch.isfinite(packed).all()
-    start = 0
-    for doc in docs:
-        n = len(doc)
-        alone = run_ours(model, doc[None], torch.arange(n)[None], torch.zeros(1, n, dtype=torch.long))[0]
-        assert (packed[start : start + n] - alone).abs().max() <= 5e-5  # logits up to ~10: fp32 noise
-        start += n
-    leaky = run_ours(model, input_ids, position_ids, torch.zeros_like(doc_ids))[0]
-    assert (leaky[7:22] - packed[7:22]).abs().max() > 1e-2  # the document mask is in force
+
+def test_sliding_window_is_in_force():
+    model = random_model(CONFIGS["tiny-capped-tied"], seed=3)
     wide = Gemma3Model(tiny_config(ARCH, sliding_window=64))
     wide.load_state_dict(model.state_dict())
-    wide_logits = run_ours(wide.eval(), input_ids, position_ids, doc_ids)[0]
-    assert (wide_logits[:15] - packed[:15]).abs().max() <= 5e-5  # within 8 tokens of a start: same
-    assert (wide_logits[15:22] - packed[15:22]).abs().max() > 1e-2  # the window is in force
+    ids, pos, doc = sample_inputs(250, B=1, T=20)
+    narrow_logits, wide_logits = run_ours(model, ids, pos, doc)[0], run_ours(wide.eval(), ids, pos, doc)[0]
+    assert (wide_logits[:8] - narrow_logits[:8]).abs().max() <= 5e-5  # the first 8 tokens see all keys
+    assert (wide_logits[8:] - narrow_logits[8:]).abs().max() > 1e-2
 
 
 def test_norm_and_embedding_match_transformers_bit_for_bit_in_bfloat16():
