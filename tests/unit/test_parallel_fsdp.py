@@ -56,8 +56,8 @@ def train_config(eps: float) -> TrainConfig:
                        device="cpu", tensorboard=False, progress_bar=False)
 
 
-def tiny_model(dtype: torch.dtype) -> torch.nn.Module:
-    return build_model(tiny_config("qwen3"), seed=0).to(dtype)
+def tiny_model(dtype: torch.dtype, tied: bool = False) -> torch.nn.Module:
+    return build_model(tiny_config("qwen3", tie_word_embeddings=tied), seed=0).to(dtype)
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -66,18 +66,20 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in get_model_state_dict(model, options=options).items()}
 
 
-def single_process_steps(steps: int, dtype: torch.dtype, eps: float) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = tiny_model(dtype)
+def single_process_steps(steps: int, dtype: torch.dtype, eps: float, tied: bool = False
+                         ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = tiny_model(dtype, tied)
     trainer = Trainer(model, train_config(eps), total_steps=10, process_group=None)
     losses = [trainer.train_step([global_batch(seed=s)])["loss"] for s in range(steps)]
     return losses, full_state(model)
 
 
-def sharded_steps(strategy: str, steps: int, dtype: torch.dtype, eps: float) -> tuple[list[float], dict[str, torch.Tensor]]:
+def sharded_steps(strategy: str, steps: int, dtype: torch.dtype, eps: float, tied: bool = False
+                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
     world = dist.get_world_size()
     config = ParallelConfig(strategy=strategy, num_workers=world)
     mesh = build_device_mesh(config)
-    model = apply_parallelism(tiny_model(dtype), config, mesh)
+    model = apply_parallelism(tiny_model(dtype, tied), config, mesh)
     trainer = Trainer(model, train_config(eps), total_steps=10, process_group=dp_group(mesh))
     assert trainer.grad_sync == "none"  # FSDP2 reduces (with SUM)
     rank = dist.get_rank()
@@ -96,8 +98,10 @@ def test_batch_ranks_see_different_loss_token_counts():
 # differ by summation order, up to ~1e-8 here; with the default eps (1e-8) that moved weights
 # apart by 4.6e-6, with eps 1e-6 by 1.2e-6 (measured). So fp32 runs use eps 1e-4 (sensitivity
 # <= 2.5) and fp64 runs, where the noise is ~1e-17, keep the default eps.
-CASES = {"fsdp-fp32": ("fsdp", torch.float32, 1e-4, 1e-6), "ddp-fp32": ("ddp", torch.float32, 1e-4, 1e-6),
-         "fsdp-fp64": ("fsdp", torch.float64, 1e-8, 1e-10)}
+# (strategy, dtype, AdamW eps, parameter tolerance, tied embedding/head)
+CASES = {"fsdp-fp32": ("fsdp", torch.float32, 1e-4, 1e-6, False), "ddp-fp32": ("ddp", torch.float32, 1e-4, 1e-6, False),
+         "fsdp-fp64": ("fsdp", torch.float64, 1e-8, 1e-10, False),
+         "fsdp-fp32-tied": ("fsdp", torch.float32, 1e-4, 1e-6, True)}
 STEPS = 2
 
 
@@ -132,7 +136,7 @@ def dcp_round_trip(directory: str) -> dict:
 
 
 def all_cases(directory: str) -> dict:
-    out = {name: sharded_steps(strategy, STEPS, dtype, eps) for name, (strategy, dtype, eps, _) in CASES.items()}
+    out = {name: sharded_steps(strategy, STEPS, dtype, eps, tied) for name, (strategy, dtype, eps, _, tied) in CASES.items()}
     out["dcp"] = dcp_round_trip(directory)
     return out
 
@@ -145,8 +149,8 @@ def two_rank_results(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_rank_steps_equal_one_process_steps(case, two_rank_results):
-    strategy, dtype, eps, tol = CASES[case]
-    ref_losses, ref_params = single_process_steps(STEPS, dtype, eps)
+    strategy, dtype, eps, tol, tied = CASES[case]
+    ref_losses, ref_params = single_process_steps(STEPS, dtype, eps, tied)
     worst = 0.0
     for rank, result in enumerate(two_rank_results):
         losses, params = result[case]
@@ -158,7 +162,7 @@ def test_two_rank_steps_equal_one_process_steps(case, two_rank_results):
             assert diff <= tol, f"rank {rank} {case} {name}: max |diff| {diff:.3g}"
             worst = max(worst, diff)
     print(f"{case}: max |param diff| {worst:.3g}, losses {ref_losses}")
-    init = tiny_model(dtype).state_dict()
+    init = tiny_model(dtype, tied).state_dict()
     assert any((ref_params[n] - init[n]).abs().max() > 1e-4 for n in init)  # the steps moved the weights
 
 
