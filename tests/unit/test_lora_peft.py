@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -237,3 +238,15 @@ def test_trained_output_projection_travels_as_modules_to_save(arch, tmp_path):
         (adapter_dir / ADAPTER_CONFIG).write_text(json.dumps(written))
         with pytest.raises(LoraError, match="without ensure_weight_tying"):
             load_peft_adapter(load_hf_checkpoint(base_dir), adapter_dir)
+
+
+def test_target_modules_fall_back_to_a_regex_when_leaf_names_would_match_more():
+    from posttrain.models.peft_export import peft_target_modules
+
+    modules = ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.shared_expert.gate_proj",
+               "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
+    assert peft_target_modules(modules[2:], modules) == ["q_proj"]
+    adapted = [modules[0], *modules[2:]]
+    pattern = peft_target_modules(adapted, modules)
+    assert isinstance(pattern, str)
+    assert [m for m in modules if re.fullmatch(pattern, m)] == adapted

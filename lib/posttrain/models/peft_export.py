@@ -81,9 +81,9 @@ def _check_plain_layout(model: torch.nn.Module, pairs: dict[str, str]) -> None:
             continue
         checked.add(kind)
         shape = shapes[f"{hf}{_WEIGHT}"]
-        probe = torch.arange(int(torch.Size(shape).numel()), dtype=torch.int64).reshape(shape)
+        probe = torch.arange(int(torch.Size(shape).numel()), dtype=torch.float64).reshape(shape)
         name, imported = adapter.import_tensor(f"{hf}{_WEIGHT}", probe, config)
-        if name != f"{ours}{_WEIGHT}" or not torch.equal(imported, probe):
+        if name != f"{ours}{_WEIGHT}" or not torch.equal(imported.to(probe.dtype), probe):
             raise LoraError(f"{hf}{_WEIGHT} is not stored as our {ours}{_WEIGHT} is (the HF adapter transforms "
                             f"it), so its LoRA factors cannot be exported as they are")
 
