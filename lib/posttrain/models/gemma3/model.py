@@ -46,7 +46,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttrain.models.hf_config import COMMON_IGNORED_HF_FIELDS, check_hf_dict, check_positive_ints
+from posttrain.models.hf_config import (
+    COMMON_IGNORED_HF_FIELDS,
+    check_attention_dims,
+    check_hf_dict,
+    check_positive_ints,
+)
 from posttrain.models.layers import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLU
 from posttrain.models.qwen3.model import VOCAB_PAD_MULTIPLE, UnsupportedConfigError
 from posttrain.ops.attention import AttentionMask, build_attention_mask
@@ -118,13 +123,7 @@ class Gemma3Config:
     def __post_init__(self) -> None:
         check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                    "num_attention_heads", "num_key_value_heads", "head_dim"))
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for the rotary embedding, got {self.head_dim}")
+        check_attention_dims(self)
         if self.layer_types is None:
             self.layer_types = pattern_layer_types(self.num_hidden_layers)
         self.layer_types = list(self.layer_types)
