@@ -20,6 +20,7 @@ from posttrain.models.lora import (
     lora_parameters,
     lora_spec,
     merge_lora,
+    merged_state_dict,
 )
 from posttrain.models.registry import build_model, tiny_config
 from posttrain.ops.losses import causal_lm_loss
@@ -107,10 +108,13 @@ def test_merge_folds_adapters_into_a_plain_model(arch):
     randomize_adapters_(model)
     adapted = model(*inputs())
     reference_names = set(tiny(arch).state_dict())
+    preview = merged_state_dict(model)
+    assert has_lora(model)  # untouched
 
     merged = merge_lora(model)
     assert merged is model and not has_lora(model) and not hasattr(model, "lora_config")
     assert set(model.state_dict()) == reference_names
+    assert all(torch.equal(preview[k], v) for k, v in model.state_dict().items())
     assert all(p.requires_grad for p in model.parameters())
     assert all(type(m) is nn.Linear for m in (model.layers[0].attention.wq, model.layers[1].feed_forward.w_down))
     plain = model(*inputs())

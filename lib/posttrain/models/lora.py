@@ -203,6 +203,21 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model
 
 
+@torch.no_grad()
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict `merge_lora` would leave, without touching `model`: adapted weights as
+    new merged tensors, every other entry as the model's own (detached) tensor, no
+    `lora_A`/`lora_B`. For exporting or syncing weights (e.g. to a rollout engine) mid-training."""
+    adapted = lora_modules(model)
+    merged = {f"{name}.weight": module.merged_weight() for name, module in adapted.items()}
+    factors = {f"{name}.{f}" for name in adapted for f in ("lora_A", "lora_B")}
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name not in factors:
+            state[name] = merged.get(name, tensor.detach())
+    return state
+
+
 def lora_parameters(model: nn.Module) -> Iterable[tuple[str, nn.Parameter]]:
     """`(name, parameter)` for every `lora_A`/`lora_B` of `model`."""
     return ((n, p) for n, p in model.named_parameters() if n.endswith((".lora_A", ".lora_B")))
