@@ -20,7 +20,8 @@ and targeting gate/up/down on such a layer raises `LoraError` naming it.
 gives back a plain model (every parameter trainable again) that
 `posttrain.models.registry.save_hf_checkpoint` exports. Exporting a model that still holds
 adapters with `save_hf_checkpoint` writes the base weights without the adapters: merge
-first. PEFT adapter export and import live in `posttrain.models.peft_export`.
+first (or take `merged_state_dict(model)`, which leaves the model as it is). PEFT adapter
+export and import live in `posttrain.models.peft_export`.
 """
 
 from __future__ import annotations
