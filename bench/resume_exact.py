@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from posttrain.train.checkpoint import CheckpointManager
 
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="posttrain-resume-") as tmp:
         work = Path(args.work) if args.work else Path(tmp)
         config = prepare(work, args.steps, args.every)
@@ -242,6 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
         "resumed_ok": all(c["ok"] and c["max_abs_weight_diff"] == 0 for c in cases.values()),
         "reference_losses": reference["losses"],
         "seconds_reference_run": round(reference_s, 2),
+        "seconds_total": round(time.perf_counter() - started, 1),
         "cases": cases,
     }
     print(json.dumps(result))

@@ -311,7 +311,10 @@ class CheckpointConfig:
     the newest `keep_last` kept. `directory`: where they go (default `<run dir>/train_state`,
     which survives a task retry and `resume` of the flow). Training resumes from the newest
     complete checkpoint there; if there is none, from `resume_from` (a checkpoint directory,
-    e.g. `.../train_state/step_00000100`) when set. `enabled: false` neither saves nor resumes."""
+    e.g. `.../train_state/step_00000100`) when set; the recipe's seed, model, tokenizer, data,
+    pack and train settings (logging and device aside) must be those the checkpoint was written
+    with, else loading fails naming the keys that differ. `enabled: false` neither saves nor
+    resumes."""
 
     enabled: bool = True
     every_steps: int = bounded(100, ge=1)
