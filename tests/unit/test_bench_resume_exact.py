@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # five subprocesses, each importing torch and transformers
 def test_killed_runs_resume_exactly_and_an_interrupted_save_leaves_the_previous_checkpoint():
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(

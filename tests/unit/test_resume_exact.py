@@ -98,6 +98,7 @@ def tiny_recipe(tmp_path_factory):
     return config, tokenizer, tokenized, rows
 
 
+@pytest.mark.slow
 def test_train_step_resumes_after_an_injected_fault(tiny_recipe, tmp_path, monkeypatch, capsys):
     from posttrain.steps import train
 
