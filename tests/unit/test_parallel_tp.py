@@ -34,12 +34,17 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor()
 
 
-def logits_and_grads(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Full logits of the batch and the full gradients of its mean token loss."""
+def logits_and_grads(model: torch.nn.Module, batch: dict, micro_batches: int = 1
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Full logits of the batch and the full gradients of its mean token loss, accumulated
+    over `micro_batches` backward passes (a reduction hooked after accumulation, rather than
+    on each incoming gradient, would count the first micro-batch twice)."""
     with torch.no_grad():
         logits = model.compute_logits(model(batch["input_ids"], batch["position_ids"], batch["doc_ids"]))
-    loss_sum, tokens = causal_lm_loss(model, batch)
-    (loss_sum / tokens).backward()
+    tokens = (batch["labels"] != -100).sum()
+    for rows in torch.arange(len(batch["input_ids"])).chunk(micro_batches):
+        loss_sum, _ = causal_lm_loss(model, {k: v[rows] for k, v in batch.items()})
+        (loss_sum / tokens).backward()
     return full(logits), {n: full(p.grad).clone() for n, p in model.named_parameters()}
 
 
@@ -86,7 +91,7 @@ def tp_cases() -> dict:
         mesh = build_device_mesh(config)
         model = apply_parallelism(build_model(tiny_config(model_type), seed=0), config, mesh)
         assert model.layers[0].attention.n_heads == 2 and model.layers[0].attention.n_kv_heads == 1
-        out[model_type] = logits_and_grads(model, batch)
+        out[model_type] = logits_and_grads(model, batch, micro_batches=2)
     plain = tp_without_qk_reduction(build_model(tiny_config("qwen3"), seed=0), mesh["tp"])
     out["qwen3-no-qk-reduction"] = logits_and_grads(plain, batch)
 

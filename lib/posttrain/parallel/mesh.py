@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -44,3 +45,10 @@ def dp_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
     gradients over), or None without a mesh. Under TP it is not the default group: tp peers
     hold the same rows and must not be counted twice."""
     return None if mesh is None else mesh["dp"].get_group()
+
+
+def worker_device() -> torch.device:
+    """This rank's device: its current CUDA device under NCCL, else the CPU."""
+    if mesh_device_type() == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

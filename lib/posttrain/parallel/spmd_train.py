@@ -4,7 +4,8 @@
                           batch_size=8, steps=100)
     metrics = run_workers(train_on_stream, (job,), num_workers=job.parallel.num_workers)[0]
 
-Each rank builds the same model from the same seed, applies `job.parallel`'s strategy, and
+Each rank builds the same model from the same seed on its device (`worker_device`: its GPU
+under NCCL, else the CPU; the GPU path is not exercised by the tests here), applies `job.parallel`'s strategy, and
 reads its shard of the packed stream: `PackedBatchPrefetcher(rank=dp_rank,
 world_size=dp_size)`, so data-parallel ranks get disjoint rows of the same global batches
 (`dp_size * batch_size` rows per step) and tensor-parallel peers read the same rows. Every
@@ -26,7 +27,7 @@ from posttrain.data.mixture import packer_for
 from posttrain.data.prefetch import PackedBatchPrefetcher
 from posttrain.models.registry import build_model
 from posttrain.parallel.apply import apply_parallelism
-from posttrain.parallel.mesh import build_device_mesh, dp_group, dp_rank_and_size
+from posttrain.parallel.mesh import build_device_mesh, dp_group, dp_rank_and_size, worker_device
 from posttrain.train.trainer import Trainer
 
 
@@ -49,10 +50,11 @@ class ShardedTrainJob:
 
 def train_on_stream(job: ShardedTrainJob) -> list[dict]:
     """Run `job` on this rank (inside an initialised process group unless the strategy is
-    "none"); return its per-step metrics."""
+    "none"); return its per-step metrics (fewer than `job.steps` if the stream ends first)."""
     mesh = build_device_mesh(job.parallel)
     dp_rank, dp_size = dp_rank_and_size(mesh)
-    model = apply_parallelism(build_model(job.model_config, seed=job.seed), job.parallel, mesh)
+    model = build_model(job.model_config, seed=job.seed, device=worker_device())
+    model = apply_parallelism(model, job.parallel, mesh)
     trainer = Trainer(model, job.train, total_steps=job.steps, process_group=dp_group(mesh))
     stream = PackedBatchPrefetcher(job.samples, packer_for(job.pack, job.pad_id), job.batch_size,
                                    rank=dp_rank, world_size=dp_size, depth=job.pack.prefetch_depth)
