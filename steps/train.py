@@ -35,7 +35,8 @@ from posttrain.data.mixture import training_batches
 from posttrain.models.qwen3.model import Qwen3Config
 from posttrain.models.registry import build_model, load_hf_checkpoint, save_hf_checkpoint
 from posttrain.train.checkpoint import CheckpointManager, export_hf_checkpoint
-from posttrain.train.metrics import MetricsLog, format_step
+from posttrain.train.metrics import open_metrics
+from posttrain.train.progress import Progress
 from posttrain.train.trainer import Trainer
 
 
@@ -201,40 +202,45 @@ def run(config: SFTConfig, tokenizer, samples: dict[str, list[TokenizedSample]],
     trainer = Trainer(model, config.train, total_steps=total_steps)
     manager = checkpoint_manager(config, run_dir, on_checkpoint_stage)
     resume = resume_point(config, manager)
-    data_state, history = None, []
+    data_state, history, earlier_s = None, [], 0.0
     if resume is not None:
         data_state = manager.load(resume, trainer)
-        history = manager.info(resume).extra.get("history", [])
+        info = manager.info(resume)
+        history, earlier_s = info.extra.get("history", []), info.extra.get("train_seconds", 0.0)
         trainer.health.mark_checkpoint(str(resume), trainer.step)
         print(f"[train] resuming from step {trainer.step} at {resume}")
 
-    log = MetricsLog(run_dir / "metrics.jsonl")
-    log.path.write_text("".join(json.dumps(record) + "\n" for record in history), encoding="utf-8")
-    log.records.extend(history)
+    metrics_file = run_dir / "metrics.jsonl"  # restarts with the trajectory up to the resume point
+    metrics_file.write_text("".join(json.dumps(record) + "\n" for record in history), encoding="utf-8")
+    sinks = open_metrics(run_dir, tensorboard=config.train.tensorboard)
+    sinks.records.extend(history)
     if on_step is not None:
         for record in history:
             on_step(record)
-    started = time.perf_counter() - (history[-1]["elapsed_s"] if history else 0.0)
-    with training_batches(samples, config.data.sources, config.seed, config.pack, tokenizer.pad_token_id,
-                          config.train.micro_batch_size, state=data_state) as batches:
+    progress = Progress(total_steps, config.train.log_every, enabled=config.train.progress_bar,
+                        initial_step=trainer.step)
+    started = time.perf_counter()
+    with sinks, progress, training_batches(samples, config.data.sources, config.seed, config.pack,
+                                           tokenizer.pad_token_id, config.train.micro_batch_size,
+                                           state=data_state) as batches:
         for _, micro_batches in zip(range(total_steps - trainer.step), step_batches(batches, config, device)):
             metrics = trainer.train_step(micro_batches)
-            metrics["elapsed_s"] = time.perf_counter() - started
-            log.append(metrics)
+            metrics["elapsed_s"] = time.perf_counter() - started  # in this process
+            sinks.append(metrics)
+            progress.update(metrics)
             step = metrics["step"]
-            if step == 1 or step % config.train.log_every == 0 or step == total_steps:
-                print(format_step(metrics, total_steps))
             if on_step is not None:
                 on_step(metrics)
             if manager is not None and manager.should_save(step, total_steps):
-                saved = manager.save(step, trainer, batches.state_dict(), extra={"history": log.records})
+                saved = manager.save(step, trainer, batches.state_dict(), extra={
+                    "history": sinks.records, "train_seconds": earlier_s + time.perf_counter() - started})
                 trainer.health.mark_checkpoint(str(saved), step)
             maybe_inject_fault(step, manager.root if manager is not None else run_dir)
 
-    elapsed = time.perf_counter() - started  # training only (all attempts), not the export below
+    elapsed = earlier_s + time.perf_counter() - started  # training only (up to the resume point + now), no export
     checkpoint_dir = run_dir / "checkpoint"
     export_hf_checkpoint(trainer, checkpoint_dir, tokenizer=tokenizer)
-    history = log.records
+    history = sinks.records
     summary = {  # first_loss: step 1; final_loss: mean of the last 10 steps (one step is noisy)
         "steps": len(history),
         "num_parameters": num_params,
