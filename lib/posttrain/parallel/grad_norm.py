@@ -15,6 +15,8 @@ from typing import Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.nn.utils import clip_grads_with_norm_ as _clip_one_mesh
+from torch.nn.utils import get_total_norm as _norm_one_mesh
 
 
 def _by_mesh(tensors: Iterable[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
@@ -33,7 +35,7 @@ def total_grad_norm(grads: Iterable[torch.Tensor], norm_type: float = 2.0) -> to
         return torch.zeros(())
     norms = []
     for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type)
+        norm = _norm_one_mesh(group, norm_type=norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     device = norms[0].device
     stacked = torch.stack([n.to(device) for n in norms])
@@ -46,4 +48,4 @@ def clip_grads_with_norm_(params: Iterable[torch.Tensor], max_norm: float, total
     """Scale the gradients of `params` by `min(1, max_norm / (total_norm + 1e-6))` in place
     (torch's rule), one mesh at a time; `total_norm` from `total_grad_norm`."""
     for group in _by_mesh(p for p in params if p.grad is not None).values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
+        _clip_one_mesh(group, max_norm, total_norm)

@@ -12,8 +12,10 @@ world_size=dp_size)`, so data-parallel ranks get disjoint rows of the same globa
 rank returns the per-step metrics of `Trainer.train_step` (already global: loss per loss
 token over all ranks).
 
-Pure "tp" and "fsdp+tp" train only once the Trainer's gradient norm can mix meshes
-(`posttrain.parallel.grad_norm`); "none", "ddp" and "fsdp" train now.
+"none", "ddp" and "fsdp" train now. "fsdp+tp" needs the Trainer's gradient norm and
+clipping to handle several meshes (`posttrain.parallel.grad_norm`), pure "tp" also an AdamW
+that is neither fused nor foreach (its parameters mix DTensors and plain tensors); see
+docs/parallel.md, "Known gaps".
 """
 
 from __future__ import annotations

@@ -117,8 +117,10 @@ def run_workers(
             for rank, actor in enumerate(actors)
         }
         results: dict[int, Any] = {}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while pending:
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout_s)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=left)
             if not done:
                 raise TimeoutError(f"SPMD job not finished within {timeout_s}s; waiting on ranks {sorted(pending.values())}")
             rank = pending.pop(done[0])
