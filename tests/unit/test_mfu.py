@@ -136,11 +136,21 @@ def test_per_token_mfu_and_peak():
 
 
 def test_lora_counts_frozen_base_without_weight_gradients():
-    config = tiny_config()
-    full = step_flops(config, [[16]])
-    r = 8
-    lora = step_flops(config, [[16]], lora=LoraSpec(rank=r, targets=("q", "v")))
-    D, H, K, E = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    adapters = 3 * 2 * r * ((D + H * E) + (D + K * E)) * config.num_hidden_layers * 16
-    assert lora.linear == pytest.approx(full.linear * 2 / 3 + adapters)
-    assert lora.attention == full.attention and lora.output == pytest.approx(full.output * 2 / 3)
+    """A layer after the first costs 2/3 of its full fine-tuning linear FLOPs (no weight
+    gradients) plus 3x its adapters; the first layer costs less (its input needs no
+    gradient: the embedding is frozen). Exactness is checked against FlopCounterMode in
+    test_mfu_lora.py."""
+    r, spec = 8, LoraSpec(rank=8, targets=("q", "v"))
+    deep, deeper = tiny_config(num_hidden_layers=2), tiny_config(num_hidden_layers=3)
+    one_layer = lambda cfg, **kw: step_flops(cfg, [[16]], **kw)  # noqa: E731
+    full_layer = one_layer(deeper).linear - one_layer(deep).linear
+    lora_layer = one_layer(deeper, lora=spec).linear - one_layer(deep, lora=spec).linear
+    D, H, K, E = deep.hidden_size, deep.num_attention_heads, deep.num_key_value_heads, deep.head_dim
+    adapters = 3 * 2 * r * ((D + H * E) + (D + K * E)) * 16
+    assert lora_layer == pytest.approx(full_layer * 2 / 3 + adapters)
+    first_layer = one_layer(tiny_config(num_hidden_layers=1), lora=spec).linear
+    assert first_layer < lora_layer
+    lora = one_layer(deep, lora=spec)
+    full = one_layer(deep)
+    assert lora.attention < full.attention  # layer 0 computes no dk
+    assert lora.output == pytest.approx(full.output * 2 / 3)

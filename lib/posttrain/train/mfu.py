@@ -29,11 +29,15 @@ real vocabulary, not the padded embedding rows), x3 for training (`chunked_cross
 runs exactly three matmuls per chunk: logits, grad of hidden, grad of weight). Pass
 `num_loss_tokens`; it defaults to every token carrying a loss.
 
-LoRA (`lora=LoraSpec(rank, targets)`): a frozen base linear costs its forward and the
-backward to its input, 2x its forward (no weight gradient); the adapter's two matmuls (`A`:
-in -> r, `B`: r -> out) cost 3x. Non-target matrices are frozen too (2x), as is the output
-projection when `lora.train_output` is false. The backward to the first layer's input is
-counted although nothing upstream needs it (embeddings are frozen): a small overcount.
+LoRA (`lora=LoraSpec(rank, targets)`): a frozen matmul costs its forward, plus the backward
+to its input only when that input needs a gradient (no weight gradient); the adapter's `A`
+(in -> r) and `B` (r -> out) cost forward + weight gradient, plus the backward to their
+input where it is needed (always for `B`). With frozen embeddings the first layer's input
+needs no gradient, so what in it does not depend on an adapter has no backward at all; the
+count follows that dataflow through each layer (attention input -> q/k/v -> attention ->
+o -> residual -> MLP input -> gate/up/router -> down -> residual), which makes it exact
+against `FlopCounterMode`. The output projection is trained only with `lora.train_output`
+(and then, if tied, so is the embedding, and every input needs its gradient).
 
 `doc_lengths` is a list of rows, each a list of document lengths (the real tokens); build it
 from a batch with `doc_lengths_from_doc_ids` (padding, `doc_id == -1`, left out unless
@@ -170,32 +174,86 @@ def step_flops(
     loss_tokens = tokens if num_loss_tokens is None else int(num_loss_tokens)
     if not 0 <= loss_tokens <= tokens:
         raise ValueError(f"num_loss_tokens {loss_tokens} outside [0, {tokens}]")
-    trained, frozen = (3.0, 2.0) if backward else (1.0, 1.0)
 
-    linear_per_token = 0.0
-    attention = 0.0
+    weights_trained = lora is None
+    targets = set(lora.targets) if lora is not None else set()
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    # does the first layer's input (the embedding output) need a gradient?
+    needs_grad = lora is None or (lora.train_output and tied)
+
+    linear = attention = 0.0
     pairs_total = 0
     for spec in layer_flop_specs(config):
-        for m in spec.matmuls:
-            base = 2.0 * m.n_in * m.n_out * m.per_token
-            if lora is None:
-                linear_per_token += trained * base
-            else:
-                linear_per_token += frozen * base
-                if m.name in lora.targets:
-                    linear_per_token += trained * 2.0 * lora.rank * (m.n_in + m.n_out) * m.per_token
-        pairs = _attention_pairs(lengths, causal_pairs, spec.window)
-        pairs_total += pairs
-        # scores (qk_dim) and weighted values (v_dim) per pair and head; activations always
-        # need their gradients (LoRA or not): x3 in training
-        attention += pairs * 2.0 * spec.num_heads * (spec.qk_dim + spec.v_dim) * (3.0 if backward else 1.0)
-    linear = tokens * linear_per_token
+        layer = _layer_step_flops(spec, lengths, causal_pairs, backward, weights_trained, targets,
+                                  lora.rank if lora is not None else 0, needs_grad)
+        linear += tokens * layer.linear_per_token
+        attention += layer.attention
+        pairs_total += layer.pairs
+        needs_grad = layer.output_needs_grad
 
-    out_mult = trained if (lora is None or lora.train_output) else frozen
-    output = out_mult * 2.0 * config.hidden_size * config.vocab_size * loss_tokens
+    out_factor = 1.0
+    if backward:
+        out_factor += float(needs_grad)  # gradient to the final hidden states
+        out_factor += float(lora is None or lora.train_output)  # gradient of the projection
+    output = out_factor * 2.0 * config.hidden_size * config.vocab_size * loss_tokens
     return StepFlops(linear=linear, attention=attention, output=output, num_tokens=tokens,
                      num_loss_tokens=loss_tokens,
-                     parts={"linear_per_token": linear_per_token, "attention_pairs": float(pairs_total)})
+                     parts={"linear_per_token": linear / tokens if tokens else 0.0,
+                            "attention_pairs": float(pairs_total)})
+
+
+# which activation each unified matmul reads: the layer input (through the attention norm),
+# the attention output, the MLP input (residual stream after attention) or the MLP hidden
+_READS = {"q": "attn_in", "k": "attn_in", "v": "attn_in", "o": "attn_out",
+          "gate": "mlp_in", "up": "mlp_in", "router": "mlp_in", "down": "mlp_mid"}
+
+
+@dataclass
+class _LayerFlops:
+    linear_per_token: float
+    attention: float
+    pairs: int
+    output_needs_grad: bool
+
+
+def _layer_step_flops(spec: LayerFlopSpec, lengths: list[int], causal_pairs: bool, backward: bool,
+                      weights_trained: bool, targets: set[str], rank: int, input_needs_grad: bool) -> _LayerFlops:
+    """One layer's FLOPs, given whether its input needs a gradient; see the module docstring."""
+    names = {m.name for m in spec.matmuls}
+    unknown = names - set(_READS)
+    if unknown:
+        raise ValueError(f"matmuls {sorted(unknown)} have no known place in the layer's dataflow")
+    adapted = lambda name: name in targets  # noqa: E731
+    # which activations need a gradient (only matters when backward and weights are frozen)
+    q, k, v = (input_needs_grad or adapted(n) for n in "qkv")
+    attn_out = q or k or v
+    mlp_in = input_needs_grad or attn_out or adapted("o")
+    mlp_mid = mlp_in or adapted("gate") or adapted("up")
+    layer_out = mlp_in or mlp_mid or adapted("down")
+    needs = {"attn_in": input_needs_grad, "attn_out": attn_out, "mlp_in": mlp_in, "mlp_mid": mlp_mid}
+
+    per_token = 0.0
+    for m in spec.matmuls:
+        base = 2.0 * m.n_in * m.n_out * m.per_token
+        per_token += base
+        a_fwd = 2.0 * rank * m.n_in * m.per_token if adapted(m.name) else 0.0
+        b_fwd = 2.0 * rank * m.n_out * m.per_token if adapted(m.name) else 0.0
+        per_token += a_fwd + b_fwd
+        if not backward:
+            continue
+        if weights_trained:
+            per_token += base  # weight gradient
+        if needs[_READS[m.name]]:
+            per_token += base + a_fwd  # gradient to the input, through the base and A
+        per_token += a_fwd + 2.0 * b_fwd  # A's and B's weight gradients, B's input gradient
+
+    pairs = _attention_pairs(lengths, causal_pairs, spec.window)
+    score, value = 2.0 * spec.num_heads * spec.qk_dim * pairs, 2.0 * spec.num_heads * spec.v_dim * pairs
+    attention = score + value
+    if backward:
+        attention += score * (q + k)  # dq, dk from the scores
+        attention += value * ((q or k) + v)  # d(probabilities), dv from the weighted values
+    return _LayerFlops(per_token, attention, pairs, layer_out if not weights_trained else True)
 
 
 def flops_per_token(
