@@ -59,3 +59,21 @@ def test_one_pass_packs_efficiently_and_counts_every_token():
     assert stats.num_samples == mixer.pass_size
     assert stats.efficiency > 0.85  # long samples (30-120 tokens) in 128-token rows, window 32
     assert int((rows.doc_ids >= 0).sum()) == stats.real_tokens
+
+
+def test_ranks_together_see_the_one_process_stream():
+    """Two data-parallel ranks each take their share of every global batch (rows `rank`,
+    `rank + 2`, ...): together they are exactly the one-process stream's batches of twice
+    the size."""
+    steps, per_rank = 6, 3
+    with training_batches(SAMPLES, SOURCES, 0, PACK, pad_id=0, batch_size=2 * per_rank) as stream:
+        whole = take(stream, steps)
+    shards = []
+    for rank in range(2):
+        with training_batches(SAMPLES, SOURCES, 0, PACK, pad_id=0, batch_size=per_rank,
+                              rank=rank, world_size=2) as stream:
+            shards.append(take(stream, steps))
+    for expected, rank0, rank1 in zip(whole, *shards, strict=True):
+        for key in expected:
+            assert torch.equal(rank0[key], expected[key][0::2]), key
+            assert torch.equal(rank1[key], expected[key][1::2]), key

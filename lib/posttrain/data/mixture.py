@@ -56,13 +56,18 @@ def pack_one_pass(mixer: Mixer, pack: PackConfig, pad_id: int) -> tuple[PackedRo
 
 
 def training_batches(samples: dict[str, Sequence[TokenizedSample]], sources: Sequence[SourceConfig], seed: int,
-                     pack: PackConfig, pad_id: int, batch_size: int, state: dict | None = None) -> PackedBatchPrefetcher:
+                     pack: PackConfig, pad_id: int, batch_size: int, state: dict | None = None,
+                     rank: int = 0, world_size: int = 1) -> PackedBatchPrefetcher:
     """Endless packed batches `[batch_size, row_length]` of the mixture, packed ahead in a
     background thread (at most `pack.prefetch_depth` batches ahead). `state`: a previous
-    stream's `state_dict()` to resume from. Close it (or use it as a context manager)."""
+    stream's `state_dict()` to resume from. With `world_size > 1` every data-parallel rank
+    runs the same (seeded) stream and takes rows `rank, rank + world_size, ...` of each
+    global batch of `world_size * batch_size` rows (`PackedBatchPrefetcher`'s sharding), so
+    the ranks together see exactly the one-process stream. Close it (or use it as a context
+    manager)."""
 
     def upstream(start: int) -> Iterator[TokenizedSample]:
         return _items(build_mixer(samples, sources, seed), start=start)
 
     return PackedBatchPrefetcher(upstream, packer_for(pack, pad_id), batch_size, depth=pack.prefetch_depth,
-                                 state=state)
+                                 state=state, rank=rank, world_size=world_size)
