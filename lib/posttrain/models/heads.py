@@ -43,7 +43,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from posttrain.models.registry import CheckpointError, _replace_dir, get_architecture, load_hf_checkpoint, save_hf_checkpoint
+from posttrain.models.registry import (
+    CheckpointError,
+    get_architecture,
+    load_hf_checkpoint,
+    replace_dir,
+    save_hf_checkpoint,
+)
 
 HEAD_WEIGHTS = "head.safetensors"
 HEAD_CONFIG = "head_config.json"
@@ -212,7 +218,7 @@ def save_with_head(model: RewardModel | ReplacedHeadLM, path: str | os.PathLike,
         save_file(tensors, str(staging / HEAD_WEIGHTS), metadata={"format": "pt"})
         head_config = {**model.head.head_config(), "backbone": backend}
         (staging / HEAD_CONFIG).write_text(json.dumps(head_config, indent=2) + "\n")
-        _replace_dir(staging, path)
+        replace_dir(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -308,7 +314,7 @@ def export_sequence_classifier(
     try:
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        _replace_dir(staging, path)
+        replace_dir(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

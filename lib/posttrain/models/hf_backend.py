@@ -19,10 +19,14 @@ Batches:
   probe raises `PackingNotSupported`; so does a row whose position restarts disagree with
   its `doc_ids` (the model would see other documents than the batch says).
 
+Final-logit soft-capping (Gemma 2/3 `config.final_logit_softcapping = c`) is supported: the
+wrapper's `logit_softcap` is `c` (None without capping), which `causal_lm_loss` passes to the
+chunked loss, and `compute_logits` returns `c * tanh(lm_head(hidden) / c)`.
+
 Refused at wrap time with `UnsupportedModel`: a model without a linear `lm_head`, an
 `lm_head` with a bias (the chunked loss projects with a weight only), an `lm_head` whose row
 count differs from `config.vocab_size`, and any model whose logits are not exactly
-`lm_head(last_hidden_state)` (logit soft-capping, logit scaling, ...), checked by a probe
+`lm_head(last_hidden_state)`, soft-capped as above (logit scaling, ...), checked by a probe
 and named from the config where a known attribute explains it.
 
 Weights load from safetensors only (`use_safetensors=True`); remote code is never run.
@@ -38,9 +42,9 @@ import torch.nn.functional as F
 from torch import nn
 
 BACKENDS = ("native", "transformers")
-# config attributes that make transformers change the logits after lm_head
-_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier",
-                         "output_multiplier_scale")
+# config attributes that make transformers change the logits after lm_head in ways we do not
+# reproduce (final_logit_softcapping we do: `logit_softcap`)
+_LOGIT_POSTPROCESSING = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_multiplier_scale")
 _PROBE_LENGTHS = (5, 7)  # the two documents of the packing probe
 
 
@@ -88,6 +92,7 @@ class HFCausalLM(nn.Module):
                 f"{name}: lm_head.weight has {head.weight.shape[0]} rows but config.vocab_size is {self.config.vocab_size}"
             )
         self.lm_head = head
+        self.logit_softcap = _logit_softcap(self.config)
         self._takes_position_ids = "position_ids" in _forward_params(self.base)
         self._check_logits_are_plain_projection()
         self.supports_packing = probe_packing and self._takes_position_ids and self._probe_packing()
@@ -112,8 +117,12 @@ class HFCausalLM(nn.Module):
         return self._hidden(input_ids_BT, position_ids_BT, attention_mask_BT=(doc_ids_BT >= 0).long())
 
     def compute_logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
-        """Full logits `[B, T, V]` (generation/verification only); equal to transformers' logits."""
-        return F.linear(hidden_BTD, self.output_weight)
+        """Full logits `[B, T, V]` (generation/verification only), soft-capped when
+        `logit_softcap` is set; equal to transformers' logits."""
+        logits_BTV = F.linear(hidden_BTD, self.output_weight)
+        if self.logit_softcap is None:
+            return logits_BTV
+        return torch.tanh(logits_BTV / self.logit_softcap) * self.logit_softcap
 
     def save_pretrained(self, path: str | os.PathLike, **kwargs: Any) -> None:
         """Write a transformers checkpoint (safetensors) of the wrapped model."""
@@ -148,7 +157,7 @@ class HFCausalLM(nn.Module):
         if theirs.shape != ours.shape or not _close(ours, theirs):
             raise UnsupportedModel(
                 f"{type(self.hf).__name__}: its logits are not lm_head(last_hidden_state) (an extra op after the "
-                "head, e.g. soft-capping or scaling); the chunked loss cannot reproduce them"
+                "head, e.g. scaling, or a cap the config does not show); the chunked loss cannot reproduce them"
             )
 
     @torch.no_grad()
@@ -161,6 +170,16 @@ class HFCausalLM(nn.Module):
             packed = self._hidden(packed_ids, packed_pos, attention_mask_BT=None)
             alone = self._hidden(second, _arange_like(second), attention_mask_BT=torch.ones_like(second))
         return _close(packed[:, first.shape[1]:], alone)
+
+
+def _logit_softcap(config: Any) -> float | None:
+    """`config.final_logit_softcapping` as a positive float, or None when unset/0."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap in (None, 0, 0.0, False):
+        return None
+    if not isinstance(cap, (int, float)) or cap < 0:
+        raise UnsupportedModel(f"config.final_logit_softcapping={cap!r} is not a positive number")
+    return float(cap)
 
 
 def _forward_params(module: nn.Module) -> set[str]:

@@ -6,12 +6,16 @@ Architectures are registered by HF `model_type`; each brings a config dataclass 
 `export_tensors(model)`. An adapter whose parameters are assembled from several HF tensors
 (MoE experts: split on disk, fused in memory) also exposes `fused_shapes(config)`
 (`{our_name: shape}`) and has `import_tensor` return `(our_name, tensor, index)` for such a
-tensor, meaning row `index` of that fused parameter.
+tensor, meaning row `index` of that fused parameter. Optional hook:
+`explain_unexpected(hf_name, config) -> str | None`, asked before the loader rejects a tensor
+the config does not expect; a string replaces the generic "unexpected tensor" message (e.g.
+GPT-OSS names MXFP4-quantized `*_blocks`/`*_scales` tensors).
 
 Loading builds the model on the meta device and assigns tensors read straight from the
 safetensors files onto `device`: the model is never materialised twice and nothing is
 unpickled. Saving writes into a temporary directory next to the target and renames it into
-place. Both work on a whole (unsharded) model in one process.
+place (`replace_dir`). Both work on a whole (unsharded) model in one process. A model that
+still carries LoRA adapters is saved with the adapters merged into its weights.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from posttrain.models.gemma3.model import Gemma3Config, Gemma3Model
 from posttrain.models.gpt_oss import hf_adapter as gpt_oss_adapter
 from posttrain.models.gpt_oss.model import GptOssConfig, GptOssModel
 from posttrain.models.llama import hf_adapter as llama_adapter
+from posttrain.models.lora import has_lora, merged_state_dict
 from posttrain.models.llama.model import LlamaConfig, LlamaModel
 from posttrain.models.qwen3 import hf_adapter as qwen3_adapter
 from posttrain.models.qwen3.model import Qwen3Config, Qwen3Model
@@ -147,6 +152,13 @@ def _shard_files(path: Path) -> dict[str, list[str] | None]:
         files: dict[str, list[str]] = {}
         for name, file in weight_map.items():
             files.setdefault(file, []).append(name)
+        for file, names in files.items():
+            if not (path / file).is_file():
+                more = f" (and {len(names) - 5} more)" if len(names) > 5 else ""
+                raise CheckpointError(
+                    f"shard {file!r} named by {path / SAFETENSORS_INDEX} is missing; the index assigns it "
+                    f"{len(names)} tensors: {sorted(names)[:5]}{more}"
+                )
         return files
     if (path / SINGLE_SAFETENSORS).exists():
         return {SINGLE_SAFETENSORS: None}
@@ -188,7 +200,7 @@ def load_hf_checkpoint(
                     raise CheckpointError(f"tensor {name!r} appears twice in {path}")
                 seen.add(name)
                 if name not in expected and name not in redundant:
-                    raise CheckpointError(f"unexpected tensor {name!r} in {file} for {config.model_type} config")
+                    raise CheckpointError(_unexpected_message(arch, name, file, config))
                 tensor = f.get_tensor(name)
                 want = expected.get(name, expected.get(redundant.get(name)))
                 if tuple(tensor.shape) != tuple(want):
@@ -216,6 +228,14 @@ def load_hf_checkpoint(
     state.update(fused.complete())
     model.load_state_dict(state, strict=True, assign=True)
     return model
+
+
+def _unexpected_message(arch: Architecture, name: str, file: str, config: Any) -> str:
+    """The adapter's own explanation of a tensor its config does not expect, else a generic one."""
+    explain = getattr(arch.adapter, "explain_unexpected", None)
+    reason = explain(name, config) if explain is not None else None
+    where = f"in {file} for {config.model_type} config"
+    return f"{reason} ({where})" if reason else f"unexpected tensor {name!r} {where}"
 
 
 class _FusedParameters:
@@ -272,8 +292,9 @@ def _plan_shards(tensors: list[tuple[str, torch.Tensor]], max_shard_bytes: int) 
     return shards
 
 
-def _replace_dir(tmp: Path, target: Path) -> None:
-    """Move the finished `tmp` to `target`; an existing `target` is swapped out, then deleted."""
+def replace_dir(tmp: Path, target: Path) -> None:
+    """Move the finished directory `tmp` to `target`; an existing `target` is first renamed
+    aside, then deleted, so `target` is never a half-written directory."""
     old = None
     if target.exists():
         old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
@@ -281,6 +302,30 @@ def _replace_dir(tmp: Path, target: Path) -> None:
     os.rename(tmp, target)
     if old is not None:
         shutil.rmtree(old)
+
+
+class _WeightsView:
+    """What an adapter's `export_tensors` reads from a model (`config`, `named_parameters`),
+    over a given `{our_name: tensor}` dict."""
+
+    def __init__(self, config: Any, weights: dict[str, torch.Tensor]):
+        self.config, self._weights = config, weights
+
+    def named_parameters(self):
+        return iter(self._weights.items())
+
+
+def _mergeable(model: Any) -> Any:
+    """`model`, or for a model with LoRA adapters a view of its merged weights."""
+    if isinstance(model, torch.nn.Module):
+        return _WeightsView(model.config, merged_state_dict(model)) if has_lora(model) else model
+    factors = [n for n, _ in model.named_parameters() if n.endswith((".lora_A", ".lora_B"))]
+    if factors:
+        raise CheckpointError(
+            f"these weights hold LoRA factors ({factors[0]!r}, ...) without the modules that say how to merge "
+            "them; call posttrain.models.lora.merge_lora(model) first, or pass the model itself"
+        )
+    return model
 
 
 def save_hf_checkpoint(
@@ -297,12 +342,18 @@ def save_hf_checkpoint(
     `generation_config.json` (bos/eos/pad ids) and, when given, the tokenizer files via
     `tokenizer.save_pretrained`. Weights are stored in `dtype` (default: the model's).
     Atomic: written to a temporary sibling directory, then renamed over `path`.
+
+    A model carrying LoRA adapters (`posttrain.models.lora.has_lora`) is exported with them
+    merged (`merged_state_dict`: `W + scaling * B @ A`; the model itself is left as it is), so
+    transformers loads what the adapted model computes. A weights view (an object with
+    `config` and `named_parameters` but no modules) holding `lora_A`/`lora_B` tensors cannot
+    be merged here and raises `CheckpointError`.
     """
     config = model.config
     arch = get_architecture(config.model_type)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = [(n, t if dtype is None else t.to(dtype)) for n, t in arch.adapter.export_tensors(model)]
+    tensors = [(n, t if dtype is None else t.to(dtype)) for n, t in arch.adapter.export_tensors(_mergeable(model))]
     stored_dtype = tensors[0][1].dtype
     shards = _plan_shards(tensors, max_shard_bytes)
 
@@ -331,7 +382,7 @@ def save_hf_checkpoint(
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-        _replace_dir(tmp, path)
+        replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -18,9 +18,19 @@ factor, so the peak extra memory doubles.
 cross-entropies. Normalising (dividing by the loss-token count across micro-batches and
 workers) is the trainer's job. A model whose logits are soft-capped says so with a
 `logit_softcap` attribute (a float); models without one are not capped.
+
+MoE router load-balancing loss: as in transformers, it is added only when the model's config
+has `output_router_logits` true and `router_aux_loss_coef > 0`; the model must then record
+its router logits (`record_router_logits(enabled)`, `router_aux_loss(doc_ids_BT)`, e.g.
+`Qwen3MoeModel`). transformers' loss is `mean CE + coef * aux`; because the trainer divides
+the returned sum by the loss-token count, the micro-batch adds `coef * aux * n` (`n` its own
+loss tokens). One micro-batch then gives exactly transformers' loss; several give the mean
+CE plus `coef` times the loss-token-weighted mean of their aux losses.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -201,6 +211,63 @@ def chunked_cross_entropy(
     )
 
 
+class CausalLMLossTerms(NamedTuple):
+    """The parts of `causal_lm_loss`: `ce_sum` (float32 scalar, summed token CE),
+    `num_loss_tokens` (long scalar), `router_aux` (the unscaled load-balancing loss, or None
+    when the config does not ask for it) and `router_aux_coef` (0.0 when not applied)."""
+
+    ce_sum: torch.Tensor
+    num_loss_tokens: torch.Tensor
+    router_aux: torch.Tensor | None
+    router_aux_coef: float
+
+    def loss_sum(self) -> torch.Tensor:
+        """`ce_sum + router_aux_coef * router_aux * num_loss_tokens` (see the module docstring)."""
+        if self.router_aux is None:
+            return self.ce_sum
+        weight = self.router_aux_coef * self.num_loss_tokens.to(self.ce_sum.dtype)
+        return self.ce_sum + weight * self.router_aux.to(self.ce_sum.dtype)
+
+
+def router_aux_loss_coef(model: torch.nn.Module) -> float:
+    """The coefficient of the router load-balancing loss `causal_lm_loss` adds for `model`:
+    `config.router_aux_loss_coef` when `config.output_router_logits` is true and the
+    coefficient positive (transformers' rule), else 0.0. Raises `ValueError` if the config asks
+    for it but the model cannot record router logits."""
+    config = model.config
+    coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    if not (getattr(config, "output_router_logits", False) and coef > 0):
+        return 0.0
+    if not (hasattr(model, "record_router_logits") and hasattr(model, "router_aux_loss")):
+        raise ValueError(
+            f"config asks for the router aux loss (output_router_logits=True, router_aux_loss_coef={coef}) but "
+            f"{type(model).__name__} cannot record router logits; set output_router_logits=False"
+        )
+    return coef
+
+
+def causal_lm_loss_terms(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> CausalLMLossTerms:
+    """`causal_lm_loss` with its parts kept apart (e.g. to log the router aux loss)."""
+    coef = router_aux_loss_coef(model)
+    if coef:
+        model.record_router_logits(True)
+    try:
+        hidden_BTD = model(batch["input_ids"], batch["position_ids"], batch["doc_ids"])
+        aux = model.router_aux_loss(batch["doc_ids"]) if coef else None
+    finally:
+        if coef:
+            model.record_router_logits(False)  # drop the recorded logits (and their graph)
+    labels_BT = batch["labels"]
+    keep_BT = labels_BT != IGNORE_INDEX
+    ce_sum = chunked_cross_entropy(
+        hidden_BTD[keep_BT], model.output_weight, labels_BT[keep_BT], model.config.vocab_size, chunk_size,
+        logit_softcap=getattr(model, "logit_softcap", None),
+    )
+    return CausalLMLossTerms(ce_sum, keep_BT.sum(), aux, coef)
+
+
 def causal_lm_loss(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size: int = DEFAULT_CHUNK_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,14 +276,10 @@ def causal_lm_loss(
     `batch` holds `[B, T]` long tensors `input_ids`, `labels` (already shifted; -100 = no
     loss), `position_ids`, `doc_ids`. Only positions with a label are projected to logits, in
     chunks, through `model.output_weight`, soft-capped when the model has a non-None
-    `logit_softcap`. `loss_sum` is a float32 scalar; `num_loss_tokens` a
-    long scalar tensor (kept on device: no sync). Divide by the total loss tokens of the step.
+    `logit_softcap`. When the config asks for it, `loss_sum` also holds the router
+    load-balancing term `coef * aux * num_loss_tokens` (module docstring). `loss_sum` is a
+    float32 scalar; `num_loss_tokens` a long scalar tensor (kept on device: no sync). Divide
+    by the total loss tokens of the step.
     """
-    hidden_BTD = model(batch["input_ids"], batch["position_ids"], batch["doc_ids"])
-    labels_BT = batch["labels"]
-    keep_BT = labels_BT != IGNORE_INDEX
-    loss_sum = chunked_cross_entropy(
-        hidden_BTD[keep_BT], model.output_weight, labels_BT[keep_BT], model.config.vocab_size, chunk_size,
-        logit_softcap=getattr(model, "logit_softcap", None),
-    )
-    return loss_sum, keep_BT.sum()
+    terms = causal_lm_loss_terms(model, batch, chunk_size)
+    return terms.loss_sum(), terms.num_loss_tokens

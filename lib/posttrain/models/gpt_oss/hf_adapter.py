@@ -162,3 +162,13 @@ def redundant_tensors(config: Any) -> dict[str, str]:
     """`{hf_name: twin}` tensors a checkpoint may carry besides `hf_shapes`, each equal to its
     twin: a tied model's optional `lm_head.weight` duplicates the embedding."""
     return {LM_HEAD: EMBED} if config.tie_word_embeddings else {}
+
+
+def explain_unexpected(hf_name: str, config: Any) -> str | None:
+    """The loader's hook for a tensor `config` does not expect: MXFP4-quantized expert tensors
+    (`*_blocks`/`*_scales`) get a message saying to dequantize first, even when config.json
+    carries no `quantization_config`; anything else gets None (the loader's generic message)."""
+    if hf_name.endswith(("_blocks", "_scales")):
+        return (f"MXFP4-quantized tensor {hf_name!r}: dequantize the checkpoint to bf16/fp32 first (e.g. load it "
+                "in transformers with Mxfp4Config(dequantize=True) and save_pretrained)")
+    return None
