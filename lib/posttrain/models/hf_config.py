@@ -1,19 +1,42 @@
-"""Strict config.json checks shared by the architecture configs.
+"""What the architecture configs share: strict config.json checks and the padded vocabulary.
 
 Every architecture's `from_hf_dict` does the same first pass: the right `model_type` and
 `architectures`, no field it neither reads nor knows to be harmless, the required fields
 present. `COMMON_IGNORED_HF_FIELDS` lists what transformers' `PretrainedConfig` (and older
-config.json files) carry that never changes a model's numerics.
+config.json files) carry that never changes a model's numerics. Each architecture module
+keeps its own `_IGNORED_HF_FIELDS` (this set plus its extras); the unknown-field error names
+that module, derived from the config class.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
-from posttrain.models.qwen3.model import UnsupportedConfigError
+__all__ = [
+    "COMMON_IGNORED_HF_FIELDS", "REQUIRED_HF_FIELDS", "VOCAB_PAD_MULTIPLE", "PaddedVocab", "UnsupportedConfigError",
+    "check_attention_dims", "check_hf_dict", "check_positive_ints", "require",
+]
 
-__all__ = ["COMMON_IGNORED_HF_FIELDS", "check_attention_dims", "check_hf_dict", "check_positive_ints"]
+VOCAB_PAD_MULTIPLE = 64
+
+
+class UnsupportedConfigError(ValueError):
+    """A config.json asks for something this model does not implement (it would change numerics)."""
+
+
+class PaddedVocab:
+    """Mixin for a config with `vocab_size`: the row count of the embedding and output head."""
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """`vocab_size` rounded up to a multiple of 64 (the embedding/head row count)."""
+        return math.ceil(self.vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+
+
+# the fields every architecture's from_hf_dict needs
+REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 COMMON_IGNORED_HF_FIELDS = frozenset({
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "use_cache",
@@ -29,11 +52,13 @@ COMMON_IGNORED_HF_FIELDS = frozenset({
 })
 
 
-def check_hf_dict(d: dict[str, Any], model_type: str, architecture: str, known: Iterable[str],
-                  required: Iterable[str], ignored_where: str) -> None:
-    """Raise `UnsupportedConfigError` unless `d` has `model_type`, `architectures` absent or
-    `[architecture]`, only `known` fields (plus `_`-prefixed private ones) and every `required`
-    one. `ignored_where` names where a harmless field should be added to be accepted."""
+def check_hf_dict(d: dict[str, Any], config_cls: type, architecture: str, known: Iterable[str],
+                  required: Iterable[str] = REQUIRED_HF_FIELDS) -> None:
+    """Raise `UnsupportedConfigError` unless `d` has `config_cls.model_type`, `architectures`
+    absent or `[architecture]`, only `known` fields (plus `_`-prefixed private ones) and every
+    `required` one. An unknown field's message says to add it, if harmless, to
+    `_IGNORED_HF_FIELDS` in the module that defines `config_cls`."""
+    model_type = config_cls.model_type
     if d.get("model_type") != model_type:
         raise UnsupportedConfigError(f"config.json model_type is {d.get('model_type')!r}, expected {model_type!r}")
     archs = d.get("architectures")
@@ -44,7 +69,7 @@ def check_hf_dict(d: dict[str, Any], model_type: str, architecture: str, known: 
     if unknown:
         raise UnsupportedConfigError(
             f"config.json has fields this {model_type} implementation does not know: {unknown}. If they do "
-            f"not change numerics, add them to {ignored_where}"
+            f"not change numerics, add them to _IGNORED_HF_FIELDS in {config_cls.__module__.replace('.', '/')}.py"
         )
     missing = [k for k in required if k not in d]
     if missing:
@@ -69,3 +94,9 @@ def check_attention_dims(config: Any) -> None:
         )
     if config.head_dim % 2:
         raise ValueError(f"head_dim must be even for the rotary embedding, got {config.head_dim}")
+
+
+def require(d: dict[str, Any], field_name: str, ok: bool, want: str) -> None:
+    """Raise `UnsupportedConfigError` naming `field_name`, its value in `d` and `want` unless `ok`."""
+    if not ok:
+        raise UnsupportedConfigError(f"config.json {field_name}={d.get(field_name)!r} unsupported (need {want})")

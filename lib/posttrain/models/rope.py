@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from posttrain.models.layers import RotaryEmbedding
-from posttrain.models.qwen3.model import UnsupportedConfigError
+from posttrain.models.hf_config import UnsupportedConfigError
 
 __all__ = ["YarnRotaryEmbedding", "YarnScaling", "build_rotary", "rope_from_hf"]
 
@@ -151,14 +151,17 @@ def build_rotary(head_dim: int, theta: float, yarn: YarnScaling | None) -> nn.Mo
     return RotaryEmbedding(head_dim, theta) if yarn is None else YarnRotaryEmbedding(head_dim, theta, yarn)
 
 
-def rope_from_hf(d: dict[str, Any], default_theta: float) -> tuple[float, YarnScaling | None, bool]:
+def rope_from_hf(d: dict[str, Any], default_theta: float,
+                 allow_yarn: bool = True) -> tuple[float, YarnScaling | None, bool]:
     """`(rope_theta, yarn or None, given)` from a config.json dict, either form.
 
     Reads `rope_parameters` (transformers 5) or `rope_scaling` (older; both may be present and
     must then agree) and a top-level `rope_theta` (must agree with the dict's). Supports
-    rope_type "default" and "yarn"; anything else raises `UnsupportedConfigError` naming the
-    key. `given` is false when neither dict is present (the architecture's default applies).
+    rope_type "default" and, with `allow_yarn`, "yarn"; anything else raises
+    `UnsupportedConfigError` naming the key. `given` is false when neither dict is present
+    (the architecture's default applies).
     """
+    supported = "only rope_type 'default' (no scaling)" + (" or 'yarn'" if allow_yarn else "")
     max_pos = d.get("max_position_embeddings")
     parsed = []
     thetas = []
@@ -169,14 +172,13 @@ def rope_from_hf(d: dict[str, Any], default_theta: float) -> tuple[float, YarnSc
         if not isinstance(params, dict):
             raise UnsupportedConfigError(f"config.json {key} must be a dict or null, got {params!r}")
         rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type == "yarn":
+        if rope_type == "yarn" and allow_yarn:
             parsed.append((key, YarnScaling.from_hf(params, max_pos)))
         elif rope_type == "default" and not set(params) - _TYPE_KEYS:
             parsed.append((key, None))
         else:
             raise UnsupportedConfigError(
-                f"config.json {key}={params!r} unsupported: only rope_type 'default' (no scaling) or 'yarn'"
-            )
+                f"config.json {key}={params!r} unsupported: {supported}")
         if params.get("rope_theta") is not None:
             thetas.append(float(params["rope_theta"]))
     if d.get("rope_theta") is not None:

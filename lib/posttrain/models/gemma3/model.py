@@ -48,12 +48,14 @@ from torch import nn
 
 from posttrain.models.hf_config import (
     COMMON_IGNORED_HF_FIELDS,
+    PaddedVocab,
+    UnsupportedConfigError,
     check_attention_dims,
     check_hf_dict,
     check_positive_ints,
+    require,
 )
 from posttrain.models.layers import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLU
-from posttrain.models.qwen3.model import VOCAB_PAD_MULTIPLE, UnsupportedConfigError
 from posttrain.ops.attention import AttentionMask, build_attention_mask
 from posttrain.train.mfu import LayerFlopSpec, dense_layer_spec
 
@@ -77,7 +79,6 @@ _READ_HF_FIELDS = {
     "query_pre_attn_scalar", "sliding_window", "sliding_window_pattern", "layer_types",
     "final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention",
 }
-_REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 def pattern_layer_types(num_layers: int, pattern: int = DEFAULT_SLIDING_WINDOW_PATTERN) -> list[str]:
@@ -86,7 +87,7 @@ def pattern_layer_types(num_layers: int, pattern: int = DEFAULT_SLIDING_WINDOW_P
 
 
 @dataclass
-class Gemma3Config:
+class Gemma3Config(PaddedVocab):
     """Gemma 3 text hyper-parameters (HF field names; HF's defaults where optional).
 
     `layer_types` defaults to transformers' pattern (5 sliding, then 1 full). `rope_theta` is the
@@ -143,11 +144,6 @@ class Gemma3Config:
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(f"Gemma3Config.pad_token_id={self.pad_token_id} outside [0, {self.vocab_size})")
 
-    @property
-    def padded_vocab_size(self) -> int:
-        """`vocab_size` rounded up to a multiple of 64 (the embedding/head row count)."""
-        return math.ceil(self.vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
-
     def flop_layers(self) -> list[LayerFlopSpec]:
         """Per-layer FLOP specs for `posttrain.train.mfu`: dense layers, the sliding ones windowed."""
         full = dense_layer_spec(self)
@@ -164,21 +160,13 @@ class Gemma3Config:
         `rope_local_base_freq`, `rope_scaling` for the full layers, `sliding_window_pattern`).
         """
         # a multimodal "gemma3" checkpoint (Gemma3ForConditionalGeneration) fails here
-        check_hf_dict(d, cls.model_type, "Gemma3ForCausalLM", _READ_HF_FIELDS | _IGNORED_HF_FIELDS,
-                      _REQUIRED_HF_FIELDS, "_IGNORED_HF_FIELDS in posttrain/models/gemma3/model.py")
-
-        def require(field_name: str, ok: bool, want: str) -> None:
-            if not ok:
-                raise UnsupportedConfigError(
-                    f"config.json {field_name}={d.get(field_name)!r} unsupported (need {want})"
-                )
-
-        require("hidden_activation", d.get("hidden_activation", "gelu_pytorch_tanh") == "gelu_pytorch_tanh",
+        check_hf_dict(d, cls, "Gemma3ForCausalLM", _READ_HF_FIELDS | _IGNORED_HF_FIELDS)
+        require(d, "hidden_activation", d.get("hidden_activation", "gelu_pytorch_tanh") == "gelu_pytorch_tanh",
                 "'gelu_pytorch_tanh'")
-        require("attention_bias", not d.get("attention_bias", False), "false")
-        require("attention_dropout", not d.get("attention_dropout", 0.0), "0.0")
-        require("use_bidirectional_attention", not d.get("use_bidirectional_attention", False), "false")
-        require("attn_logit_softcapping", d.get("attn_logit_softcapping") is None,
+        require(d, "attention_bias", not d.get("attention_bias", False), "false")
+        require(d, "attention_dropout", not d.get("attention_dropout", 0.0), "0.0")
+        require(d, "use_bidirectional_attention", not d.get("use_bidirectional_attention", False), "false")
+        require(d, "attn_logit_softcapping", d.get("attn_logit_softcapping") is None,
                 "null: transformers' Gemma3 attention does not apply it, so there is no reference to match")
 
         skip = {"rope_theta", "rope_local_base_freq", "layer_types"}

@@ -51,13 +51,14 @@ from torch import nn
 
 from posttrain.models.hf_config import (
     COMMON_IGNORED_HF_FIELDS,
+    PaddedVocab,
+    UnsupportedConfigError,
     check_attention_dims,
     check_hf_dict,
     check_positive_ints,
 )
 from posttrain.models.layers import RMSNorm, apply_rotary
 from posttrain.models.moe import routed_experts
-from posttrain.models.qwen3.model import VOCAB_PAD_MULTIPLE, UnsupportedConfigError
 from posttrain.models.rope import YarnScaling, build_rotary, rope_from_hf
 from posttrain.ops.attention import AttentionMask, build_attention_mask
 from posttrain.ops.sink_attention import sink_attention
@@ -88,11 +89,10 @@ _READ_HF_FIELDS = {
     "tie_word_embeddings", "initializer_range", "router_aux_loss_coef", "bos_token_id", "eos_token_id",
     "pad_token_id", "quantization_config",
 }
-_REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass
-class GptOssConfig:
+class GptOssConfig(PaddedVocab):
     """GPT-OSS hyper-parameters (HF field names; defaults are transformers' `GptOssConfig`'s).
 
     `layer_types` defaults to sliding-window attention on even layers and full attention on odd
@@ -153,11 +153,6 @@ class GptOssConfig:
                 f"sliding_window={self.sliding_window!r} must be a positive int when layer_types has sliding layers"
             )
 
-    @property
-    def padded_vocab_size(self) -> int:
-        """`vocab_size` rounded up to a multiple of 64 (the embedding/head row count)."""
-        return math.ceil(self.vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
-
     def layer_window(self, i: int) -> int | None:
         """The sliding window of layer `i` (None for full attention)."""
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
@@ -183,8 +178,7 @@ class GptOssConfig:
         RoPE other than default/yarn, unknown fields). Fields that are absent take
         transformers' defaults (e.g. YaRN factor 32 over 4096 positions, 8 kv heads).
         """
-        check_hf_dict(d, cls.model_type, "GptOssForCausalLM", _READ_HF_FIELDS | _IGNORED_HF_FIELDS,
-                      _REQUIRED_HF_FIELDS, ignored_where="_IGNORED_HF_FIELDS in posttrain/models/gpt_oss/model.py")
+        check_hf_dict(d, cls, "GptOssForCausalLM", _READ_HF_FIELDS | _IGNORED_HF_FIELDS)
         if d.get("quantization_config") is not None:
             method = d["quantization_config"].get("quant_method") if isinstance(d["quantization_config"], dict) else None
             raise UnsupportedConfigError(

@@ -24,44 +24,32 @@ other than silu, dropout.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-
 from posttrain.models.decoder import DecoderLM
-from posttrain.models.qwen3.model import VOCAB_PAD_MULTIPLE, UnsupportedConfigError, _rope_theta_from_hf
+from posttrain.models.dense_config import DENSE_READ_HF_FIELDS, DenseDecoderConfig
+from posttrain.models.hf_config import (
+    COMMON_IGNORED_HF_FIELDS,
+    UnsupportedConfigError,
+    check_hf_dict,
+    check_positive_ints,
+    require,
+)
 
 __all__ = ["LlamaConfig", "LlamaModel", "UnsupportedConfigError"]
 
 # config.json fields that do not change the model's numerics; accepted and ignored on import.
-_IGNORED_HF_FIELDS = {
-    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "use_cache",
-    "output_attentions", "output_hidden_states", "return_dict", "tokenizer_class", "is_decoder",
-    "is_encoder_decoder", "add_cross_attention", "tie_encoder_decoder", "id2label", "label2id",
-    "problem_type", "torchscript", "pruned_heads", "finetuning_task", "prefix",
-    "task_specific_params", "sep_token_id", "decoder_start_token_id", "chunk_size_feed_forward",
-    "cross_attention_hidden_size", "tf_legacy_loss", "use_bfloat16",
+_IGNORED_HF_FIELDS = COMMON_IGNORED_HF_FIELDS | {
     # transformers (4.x and 5.x) no longer splits the matmuls by pretraining_tp: numerics-neutral
     "pretraining_tp",
-    # generation defaults some older config.json files carry
-    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
-    "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty",
-    "no_repeat_ngram_size", "num_return_sequences", "bad_words_ids", "diversity_penalty",
 }
 # config.json fields we read; anything neither read nor ignored is an error.
-_READ_HF_FIELDS = {
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
-    "tie_word_embeddings", "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id",
-    "rope_theta", "rope_parameters", "rope_scaling", "hidden_act", "attention_bias", "mlp_bias",
-    "attention_dropout",
-}
-_REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_READ_HF_FIELDS = DENSE_READ_HF_FIELDS | {"mlp_bias"}
 
 
 @dataclass
-class LlamaConfig:
+class LlamaConfig(DenseDecoderConfig):
     """Llama architecture hyper-parameters (HF field names, HF defaults where optional).
 
     `head_dim` defaults to `hidden_size // num_attention_heads` (as in transformers) when not
@@ -70,6 +58,7 @@ class LlamaConfig:
     """
 
     model_type: ClassVar[str] = "llama"
+    hf_architecture: ClassVar[str] = "LlamaForCausalLM"
 
     vocab_size: int
     hidden_size: int
@@ -90,30 +79,14 @@ class LlamaConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
+        # hidden_size and num_attention_heads first: the head_dim default divides them
+        check_positive_ints(self, ("hidden_size", "num_attention_heads"))
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool) or self.head_dim <= 0:
-            raise ValueError(f"LlamaConfig.head_dim must be a positive int, got {self.head_dim!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for the rotary embedding, got {self.head_dim}")
+        self._check_dims()
         for name in ("attention_bias", "mlp_bias"):
             if getattr(self, name):
                 raise UnsupportedConfigError(f"LlamaConfig.{name}=True unsupported (need false)")
-
-    @property
-    def padded_vocab_size(self) -> int:
-        """`vocab_size` rounded up to a multiple of 64 (the embedding/head row count)."""
-        return math.ceil(self.vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
@@ -124,74 +97,15 @@ class LlamaConfig:
         dropout, unknown fields). Accepts both the transformers-5 `rope_parameters` form and
         the older top-level `rope_theta`/`rope_scaling` form.
         """
-        if d.get("model_type") != cls.model_type:
-            raise UnsupportedConfigError(f"config.json model_type is {d.get('model_type')!r}, expected 'llama'")
-        archs = d.get("architectures")
-        if archs is not None and list(archs) != ["LlamaForCausalLM"]:
-            raise UnsupportedConfigError(
-                f"config.json architectures {archs} unsupported; expected ['LlamaForCausalLM']"
-            )
-        known = _READ_HF_FIELDS | _IGNORED_HF_FIELDS
-        unknown = sorted(k for k in d if k not in known and not k.startswith("_"))
-        if unknown:
-            raise UnsupportedConfigError(
-                f"config.json has fields this Llama implementation does not know: {unknown}. If they do "
-                "not change numerics, add them to _IGNORED_HF_FIELDS in posttrain/models/llama/model.py"
-            )
-        missing = [k for k in _REQUIRED_HF_FIELDS if k not in d]
-        if missing:
-            raise UnsupportedConfigError(f"config.json lacks required fields {missing}")
-
-        def require(field_name: str, ok: bool, want: str) -> None:
-            if not ok:
-                raise UnsupportedConfigError(
-                    f"config.json {field_name}={d.get(field_name)!r} unsupported (need {want})"
-                )
-
-        require("hidden_act", d.get("hidden_act", "silu") == "silu", "'silu'")
-        require("attention_bias", not d.get("attention_bias", False), "false")
-        require("mlp_bias", not d.get("mlp_bias", False), "false")
-        require("attention_dropout", not d.get("attention_dropout", 0.0), "0.0")
-
-        kwargs = {f.name: d[f.name] for f in fields(cls) if f.name in d and f.name != "rope_theta"}
-        if kwargs.get("num_key_value_heads") is None:
-            kwargs["num_key_value_heads"] = d["num_attention_heads"]
-        kwargs["rope_theta"] = _rope_theta_from_hf(d, default=cls.rope_theta)
-        return cls(**kwargs)
+        check_hf_dict(d, cls, cls.hf_architecture, _READ_HF_FIELDS | _IGNORED_HF_FIELDS)
+        require(d, "mlp_bias", not d.get("mlp_bias", False), "false")
+        return cls(**cls._kwargs_from_hf(d))
 
     def to_hf_dict(self, dtype: str = "float32") -> dict[str, Any]:
-        """A config.json dict that transformers (5.x) loads as LlamaForCausalLM.
-
-        Writes `rope_parameters` (transformers 5) and also the top-level `rope_theta` older
-        readers expect. `dtype` names the dtype the weights are stored in.
-        """
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": {"rope_theta": float(self.rope_theta), "rope_type": "default"},
-            "rope_theta": float(self.rope_theta),
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "initializer_range": self.initializer_range,
-            "attention_bias": False,
-            "mlp_bias": False,
-            "attention_dropout": 0.0,
-            "pretraining_tp": 1,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
-            "dtype": dtype,
-            "use_cache": True,
-        }
+        """A config.json dict that transformers (5.x) loads as LlamaForCausalLM (see `_hf_dict`)."""
+        d = self._hf_dict(dtype)
+        d.update(mlp_bias=False, pretraining_tp=1)
+        return d
 
 
 class LlamaModel(DecoderLM):

@@ -44,9 +44,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from posttrain.models.decoder import DecoderLM
-from posttrain.models.hf_config import check_hf_dict, check_positive_ints
+from posttrain.models.hf_config import UnsupportedConfigError, check_hf_dict, check_positive_ints
 from posttrain.models.moe import SwiGLUExperts, load_balancing_loss
-from posttrain.models.qwen3.model import Qwen3Config, UnsupportedConfigError
+from posttrain.models.qwen3 import model as qwen3
+from posttrain.models.qwen3.model import Qwen3Config
 from posttrain.train.mfu import LayerFlopSpec, Matmul, dense_layer_spec
 
 __all__ = ["Qwen3MoeConfig", "Qwen3MoeModel", "SparseMoe", "UnsupportedConfigError"]
@@ -57,6 +58,10 @@ _MOE_HF_FIELDS = {
     "moe_intermediate_size", "num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob",
     "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "output_router_logits",
 }
+# config.json fields that do not change the model's numerics; accepted and ignored on import.
+_IGNORED_HF_FIELDS = qwen3._IGNORED_HF_FIELDS
+# config.json fields we read; anything neither read nor ignored is an error.
+_READ_HF_FIELDS = qwen3._READ_HF_FIELDS | _MOE_HF_FIELDS
 _HF_KV_HEADS_DEFAULT = 4  # transformers' Qwen3MoeConfig default when config.json omits it
 
 
@@ -69,6 +74,7 @@ class Qwen3MoeConfig(Qwen3Config):
     """
 
     model_type: ClassVar[str] = "qwen3_moe"
+    hf_architecture: ClassVar[str] = "Qwen3MoeForCausalLM"
 
     moe_intermediate_size: int = 768
     num_experts: int = 128
@@ -101,14 +107,13 @@ class Qwen3MoeConfig(Qwen3Config):
     def from_hf_dict(cls, d: dict[str, Any]) -> "Qwen3MoeConfig":
         """Build from a transformers config.json dict (model_type "qwen3_moe").
 
-        The MoE fields are read here; everything else goes through `Qwen3Config.from_hf_dict`
-        (same strictness: a field that would change numerics and that we do not implement
-        raises `UnsupportedConfigError` naming it). Missing `head_dim` means
+        The MoE fields are read here, the others as `Qwen3Config.from_hf_dict` reads them (same
+        strictness: a field that would change numerics and that we do not implement raises
+        `UnsupportedConfigError` naming it). Missing `head_dim` means
         `hidden_size // num_attention_heads` and missing `num_key_value_heads` means 4, as in
         transformers' Qwen3MoeConfig (Qwen3's defaults differ).
         """
-        # model_type and architectures here; unknown and required fields in Qwen3's pass below
-        check_hf_dict(d, cls.model_type, "Qwen3MoeForCausalLM", known=d.keys(), required=(), ignored_where="")
+        check_hf_dict(d, cls, cls.hf_architecture, _READ_HF_FIELDS | _IGNORED_HF_FIELDS)
         moe: dict[str, Any] = {}
         for key in _MOE_HF_FIELDS - {"num_local_experts", "num_experts"}:
             if d.get(key) is not None:
@@ -121,15 +126,14 @@ class Qwen3MoeConfig(Qwen3Config):
         if moe.get("output_router_logits") is not None:
             moe["output_router_logits"] = bool(moe["output_router_logits"])
 
-        base = {k: v for k, v in d.items() if k not in _MOE_HF_FIELDS and k != "architectures"}
-        base["model_type"] = Qwen3Config.model_type
-        if base.get("head_dim") is None and "hidden_size" in d and d.get("num_attention_heads"):
+        base = {k: v for k, v in d.items() if k not in _MOE_HF_FIELDS}
+        if base.get("head_dim") is None and d.get("num_attention_heads"):
             base["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
         if "num_key_value_heads" not in base:
             base["num_key_value_heads"] = _HF_KV_HEADS_DEFAULT
-        dense = Qwen3Config.from_hf_dict(base)
+        dense = Qwen3Config._kwargs_from_hf(base)
         try:
-            return cls(**{f.name: getattr(dense, f.name) for f in fields(Qwen3Config)}, **moe)
+            return cls(**dense, **moe)
         except ValueError as exc:
             raise UnsupportedConfigError(f"config.json: {exc}") from exc
 
@@ -137,7 +141,6 @@ class Qwen3MoeConfig(Qwen3Config):
         """A config.json dict that transformers (5.x) loads as Qwen3MoeForCausalLM."""
         d = super().to_hf_dict(dtype)
         d.pop("layer_types")  # not a Qwen3-MoE field
-        d["architectures"] = ["Qwen3MoeForCausalLM"]
         d.update(
             moe_intermediate_size=self.moe_intermediate_size,
             num_experts=self.num_experts,
