@@ -73,6 +73,9 @@ def verify_section(card, verdict: dict | None) -> None:
     if verdict is None:
         card.append(Markdown("## Logit verification\nDisabled (`verify.enabled: false`)."))
         return
+    if verdict.get("skipped"):
+        card.append(Markdown(f"## Logit verification\n{verdict['reason']}."))
+        return
     card.append(Markdown(
         f"## Logit verification against transformers\n**{'passed' if verdict['passed'] else 'FAILED'}**: "
         f"max |diff| {verdict['max_abs_diff']:.2e}, mean {verdict['mean_abs_diff']:.2e}, "

@@ -106,9 +106,11 @@ class SFTFlow(FlowSpec):
     @card(type="blank", id="training", refresh_interval=5)
     @step
     def train(self):
-        """Train our model on rows packed on the fly; the card shows loss and throughput live.
-        Checkpoints under the run directory; a retried or resumed task continues from the
-        newest complete checkpoint."""
+        """Train on rows packed on the fly; the card shows loss and throughput live.
+        `parallel.num_workers > 1` trains on that many Ray actors (the card follows rank 0's
+        metrics file). Checkpoints under the run directory; a retried or resumed task
+        continues from the newest complete checkpoint. A LoRA recipe also stores the PEFT
+        adapter's directory (`adapter_dir`)."""
         from posttrain.steps import train
 
         rows_per_epoch = self.pack_stats.num_rows
@@ -118,6 +120,7 @@ class SFTFlow(FlowSpec):
         self.history, self.train_summary = result.history, result.summary
         self.checkpoint_dir, self.base_dir = result.checkpoint_dir, result.base_dir
         self.resumed_from, self.train_state_dir = result.resumed_from, result.checkpoints_dir
+        self.adapter_dir = result.adapter_dir  # the PEFT adapter of a LoRA recipe, else None
         self.next(self.verify)
 
     @card(type="blank", id="verify")
@@ -126,7 +129,8 @@ class SFTFlow(FlowSpec):
         """Reload the exported checkpoint with transformers and compare logits with ours."""
         from posttrain.steps import verify
 
-        self.verdict = verify.run(self.checkpoint_dir, self.recipe.verify) if self.recipe.verify.enabled else None
+        self.verdict = (verify.run(self.checkpoint_dir, self.recipe.verify, backend=self.recipe.model.backend)
+                        if self.recipe.verify.enabled else None)
         cards.verify_section(current.card["verify"], self.verdict)
         self.next(self.evaluate)
 

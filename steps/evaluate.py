@@ -19,9 +19,9 @@ from posttrain.eval.generate import greedy_generate
 from posttrain.eval.heldout import evaluate_loss
 from posttrain.eval.metrics import exact_match
 from posttrain.eval.report import build_comparison_frame, evidently_report_html
-from posttrain.models.registry import load_hf_checkpoint
 from posttrain.steps import tokenize as tokenize_step
 from posttrain.steps.train import pick_device
+from posttrain.steps.train_model import load_for_eval
 
 
 @dataclass
@@ -53,7 +53,7 @@ def run(base_dir: str, tuned_dir: str, tokenizer, heldout: list[ChatRecord], con
     metrics: dict[str, dict[str, float]] = {}
     examples: list[dict] = []
     for label, model_dir in (("base", base_dir), ("tuned", tuned_dir)):
-        model = load_hf_checkpoint(model_dir, device=device).eval()
+        model = load_for_eval(model_dir, config, device).eval()
         with torch.no_grad():
             loss = evaluate_loss(model, iter_batches(rows, config.eval.batch_size))
             outputs = greedy_generate(model, prompt_ids, config.eval.max_new_tokens, stop_ids, config.eval.batch_size)

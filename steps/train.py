@@ -1,7 +1,15 @@
-"""Train: build (or load) our model, run AdamW over rows packed on the fly, export HF safetensors.
+"""Train: build (or load) the model, run AdamW over rows packed on the fly, export HF safetensors.
 
 The untrained starting point is exported too (`base/`), so evaluation can compare the
-base and tuned models on the same held-out data.
+base and tuned models on the same held-out data. What the model is (architecture, random or
+pretrained, native or transformers backend, LoRA) and how it is exported: `train_model`.
+
+Workers (`parallel` in the recipe): one worker trains in this process; `num_workers: N`
+runs the same loop (`train_loop`) SPMD on N Ray actors with torch.distributed, the model
+sharded by `parallel.strategy` (`posttrain.parallel.apply.apply_parallelism`), each
+data-parallel rank reading its rows of the one packed stream. `train.micro_batch_size` is
+the global rows per micro-batch, so the loss trajectory is the same for any worker count.
+Rank 0 writes metrics and the export; every rank takes part in checkpoints.
 
 Checkpoints (`checkpoint` in the recipe, `posttrain.train.checkpoint`): complete training
 state every `checkpoint.every_steps` steps and after the last, under
@@ -22,19 +30,21 @@ import json
 import math
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
-from posttrain.config.schema import ModelConfig, SFTConfig
+import torch.distributed as dist
+
+from posttrain.config.schema import SFTConfig
 from posttrain.config.strict import to_dict
 from posttrain.data.chat import TokenizedSample
 from posttrain.data.mixture import training_batches
-from posttrain.models.qwen3.model import Qwen3Config
-from posttrain.models.registry import build_model, load_hf_checkpoint, save_hf_checkpoint
-from posttrain.train.checkpoint import CheckpointManager, export_hf_checkpoint
+from posttrain.steps.train_model import Start, export_trained, load_start, prepare_start
+from posttrain.train.checkpoint import CheckpointManager
 from posttrain.train.metrics import open_metrics
 from posttrain.train.progress import Progress
 from posttrain.train.trainer import Trainer
@@ -48,6 +58,8 @@ class TrainResult:
     summary: dict = field(default_factory=dict)
     resumed_from: str | None = None  # the checkpoint training resumed from, if any
     checkpoints_dir: str | None = None
+    adapter_dir: str | None = None  # the PEFT adapter (LoRA recipes)
+    num_workers: int = 1
 
 
 def pick_device(name: str) -> torch.device:
@@ -56,50 +68,6 @@ def pick_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("train.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
     return torch.device(name)
-
-
-def qwen3_config_for(model: ModelConfig, vocab_size: int) -> Qwen3Config:
-    """Our Qwen3 config from the recipe's sizes; the vocabulary comes from the tokenizer."""
-    return Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=model.hidden_size,
-        intermediate_size=model.intermediate_size,
-        num_hidden_layers=model.num_hidden_layers,
-        num_attention_heads=model.num_attention_heads,
-        num_key_value_heads=model.num_key_value_heads,
-        head_dim=model.head_dim,
-        rms_norm_eps=model.rms_norm_eps,
-        rope_theta=model.rope_theta,
-        max_position_embeddings=model.max_position_embeddings,
-        tie_word_embeddings=model.tie_word_embeddings,
-        initializer_range=model.initializer_range,
-    )
-
-
-def resolve_pretrained(name_or_path: str) -> Path:
-    """A local directory as is; a hub id through the Hugging Face cache (needs network once)."""
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return path
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
-
-
-def initial_model(config: SFTConfig, tokenizer, base_dir: Path):
-    """The starting model, and the HF directory holding exactly it (written for random init)."""
-    if config.model.init == "pretrained":
-        source = resolve_pretrained(config.model.name_or_path)
-        model = load_hf_checkpoint(source)
-        if len(tokenizer) > model.config.vocab_size:
-            raise ValueError(
-                f"tokenizer has {len(tokenizer)} tokens but {source} was trained with a vocabulary of "
-                f"{model.config.vocab_size}: use the model's own tokenizer"
-            )
-        return model, source
-    model = build_model(qwen3_config_for(config.model, len(tokenizer)), seed=config.train.seed)
-    save_hf_checkpoint(model, base_dir, tokenizer=tokenizer)
-    return model, base_dir
 
 
 def total_steps_for(rows_per_epoch: int, config: SFTConfig) -> int:
@@ -179,27 +147,55 @@ def maybe_inject_fault(step: int, marker_dir: Path) -> None:
                         f"(attempt {fired + 1}; marker {marker})")
 
 
-def run(config: SFTConfig, tokenizer, samples: dict[str, list[TokenizedSample]], rows_per_epoch: int,
-        run_dir: Path, on_step: Callable[[dict], None] | None = None,
-        on_checkpoint_stage: Callable[[str, Path], None] | None = None) -> TrainResult:
-    """Train on the weighted mixture of `samples`, packed on the fly ahead of the trainer,
-    checkpointing and resuming as the module docstring says.
+@dataclass
+class TrainJob:
+    """What the training loop needs, on the driver or on every worker (picklable: Ray sends
+    it to the actors). `start.model` is set only in the one-worker path."""
 
-    `rows_per_epoch` (from the pack step) sets the schedule length for `train.epochs`.
-    `on_step(metrics)` is called for every step of the trajectory, the ones restored from a
-    checkpoint included. `on_checkpoint_stage`: `CheckpointManager`'s `on_stage` hook.
-    """
-    run_dir = Path(run_dir)
-    device = pick_device(config.train.device)
+    config: SFTConfig
+    tokenizer: object
+    samples: dict[str, list[TokenizedSample]]
+    rows_per_epoch: int
+    run_dir: str
+    start: Start
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def train_loop(job: TrainJob, on_step: Callable[[dict], None] | None = None,
+               on_checkpoint_stage: Callable[[str, Path], None] | None = None) -> TrainResult | None:
+    """The training loop of one rank (SPMD: every worker runs it; one worker runs it in
+    process). Builds the model on this rank's device, applies `parallel`'s strategy, trains
+    on this rank's shard of the packed stream, checkpoints and resumes through
+    `CheckpointManager` (every rank), exports on rank 0. Metrics, progress, `on_step` and
+    prints come from rank 0 only, which returns the `TrainResult`; other ranks return None."""
+    from posttrain.parallel.apply import apply_parallelism
+    from posttrain.parallel.mesh import build_device_mesh, dp_group, dp_rank_and_size, worker_device
+
+    config, tokenizer, run_dir = job.config, job.tokenizer, Path(job.run_dir)
+    rank, world = _rank_and_world()
+    lead = rank == 0
+    device = worker_device() if world > 1 else pick_device(config.train.device)
     torch.manual_seed(config.train.seed)
-    model, base_dir = initial_model(config, tokenizer, run_dir / "base")
-    model.to(device)
+    model = load_start(config, tokenizer, job.start, device)
     num_params = sum(p.numel() for p in model.parameters())
-    total_steps = total_steps_for(rows_per_epoch, config)
-    print(f"[train] {num_params / 1e6:.2f}M parameters on {device}; {rows_per_epoch} rows per epoch, "
-          f"{total_steps} steps of {config.train.micro_batch_size}x{config.train.grad_accum_steps} rows")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    mesh = build_device_mesh(config.parallel) if world > 1 else None
+    model = apply_parallelism(model, config.parallel, mesh) if mesh is not None else model
+    dp_rank, dp_size = dp_rank_and_size(mesh)
+    total_steps = total_steps_for(job.rows_per_epoch, config)
+    rows_per_rank = config.train.micro_batch_size // dp_size
+    if lead:
+        print(f"[train] {num_params / 1e6:.2f}M parameters ({trainable / 1e6:.2f}M trainable) on {device} x {world} "
+              f"worker(s) ({config.parallel.strategy}); {job.rows_per_epoch} rows per epoch, {total_steps} steps of "
+              f"{config.train.micro_batch_size}x{config.train.grad_accum_steps} rows")
 
-    trainer = Trainer(model, config.train, total_steps=total_steps)
+    trainer = Trainer(model, config.train, total_steps=total_steps,
+                      process_group=dp_group(mesh) if mesh is not None else None)
     manager = checkpoint_manager(config, run_dir, on_checkpoint_stage)
     resume = resume_point(config, manager)
     data_state, history, earlier_s = None, [], 0.0
@@ -208,42 +204,51 @@ def run(config: SFTConfig, tokenizer, samples: dict[str, list[TokenizedSample]],
         info = manager.info(resume)
         history, earlier_s = info.extra.get("history", []), info.extra.get("train_seconds", 0.0)
         trainer.health.mark_checkpoint(str(resume), trainer.step)
-        print(f"[train] resuming from step {trainer.step} at {resume}")
+        if lead:
+            print(f"[train] resuming from step {trainer.step} at {resume}")
 
-    metrics_file = run_dir / "metrics.jsonl"  # restarts with the trajectory up to the resume point
-    metrics_file.write_text("".join(json.dumps(record) + "\n" for record in history), encoding="utf-8")
-    sinks = open_metrics(run_dir, tensorboard=config.train.tensorboard)
-    sinks.records.extend(history)
-    if on_step is not None:
-        for record in history:
-            on_step(record)
-    progress = Progress(total_steps, config.train.log_every, enabled=config.train.progress_bar,
-                        initial_step=trainer.step)
+    sinks = progress = None
+    if lead:
+        metrics_file = run_dir / "metrics.jsonl"  # restarts with the trajectory up to the resume point
+        metrics_file.write_text("".join(json.dumps(record) + "\n" for record in history), encoding="utf-8")
+        sinks = open_metrics(run_dir, tensorboard=config.train.tensorboard)
+        sinks.records.extend(history)
+        if on_step is not None:
+            for record in history:
+                on_step(record)
+        progress = Progress(total_steps, config.train.log_every, enabled=config.train.progress_bar,
+                            initial_step=trainer.step)
     started = time.perf_counter()
-    with sinks, progress, training_batches(samples, config.data.sources, config.seed, config.pack,
-                                           tokenizer.pad_token_id, config.train.micro_batch_size,
-                                           state=data_state) as batches:
+    stream = training_batches(job.samples, config.data.sources, config.seed, config.pack, tokenizer.pad_token_id,
+                              rows_per_rank, state=data_state, rank=dp_rank, world_size=dp_size)
+    with stream as batches, sinks or nullcontext(), progress or nullcontext():
         for _, micro_batches in zip(range(total_steps - trainer.step), step_batches(batches, config, device)):
             metrics = trainer.train_step(micro_batches)
             metrics["elapsed_s"] = time.perf_counter() - started  # in this process
-            sinks.append(metrics)
-            progress.update(metrics)
             step = metrics["step"]
-            if on_step is not None:
-                on_step(metrics)
+            if lead:
+                sinks.append(metrics)
+                progress.update(metrics)
+                if on_step is not None:
+                    on_step(metrics)
             if manager is not None and manager.should_save(step, total_steps):
                 saved = manager.save(step, trainer, batches.state_dict(), extra={
-                    "history": sinks.records, "train_seconds": earlier_s + time.perf_counter() - started})
+                    "history": sinks.records if lead else [],
+                    "train_seconds": earlier_s + time.perf_counter() - started})
                 trainer.health.mark_checkpoint(str(saved), step)
-            maybe_inject_fault(step, manager.root if manager is not None else run_dir)
+            if lead:
+                maybe_inject_fault(step, manager.root if manager is not None else run_dir)
 
     elapsed = earlier_s + time.perf_counter() - started  # training only (up to the resume point + now), no export
-    checkpoint_dir = run_dir / "checkpoint"
-    export_hf_checkpoint(trainer, checkpoint_dir, tokenizer=tokenizer)
+    exported = export_trained(trainer, config, tokenizer, job.start, run_dir)
+    if not lead:
+        return None
     history = sinks.records
     summary = {  # first_loss: step 1; final_loss: mean of the last 10 steps (one step is noisy)
         "steps": len(history),
         "num_parameters": num_params,
+        "trainable_parameters": trainable,
+        "num_workers": world,
         "first_loss": history[0]["loss"],
         "final_loss": sum(h["loss"] for h in history[-10:]) / len(history[-10:]),
         "tokens": sum(h["tokens"] for h in history),
@@ -251,7 +256,49 @@ def run(config: SFTConfig, tokenizer, samples: dict[str, list[TokenizedSample]],
         "tokens_per_s": sum(h["tokens"] for h in history) / elapsed,
     }
     print(f"[train] done: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} "
-          f"in {elapsed:.0f}s ({summary['tokens_per_s']:.0f} tokens/s); exported {checkpoint_dir}")
-    return TrainResult(checkpoint_dir=str(checkpoint_dir), base_dir=str(base_dir), history=history, summary=summary,
-                       resumed_from=str(resume) if resume is not None else None,
-                       checkpoints_dir=str(manager.root) if manager is not None else None)
+          f"in {elapsed:.0f}s ({summary['tokens_per_s']:.0f} tokens/s); exported {exported['checkpoint_dir']}")
+    return TrainResult(checkpoint_dir=exported["checkpoint_dir"], base_dir=str(job.start.source), history=history,
+                       summary=summary, resumed_from=str(resume) if resume is not None else None,
+                       checkpoints_dir=str(manager.root) if manager is not None else None,
+                       adapter_dir=exported["adapter_dir"], num_workers=world)
+
+
+def train_worker(job: TrainJob) -> TrainResult | None:
+    """`train_loop` as a Ray SPMD worker function (`run_workers`)."""
+    return train_loop(job)
+
+
+def run(config: SFTConfig, tokenizer, samples: dict[str, list[TokenizedSample]], rows_per_epoch: int,
+        run_dir: Path, on_step: Callable[[dict], None] | None = None,
+        on_checkpoint_stage: Callable[[str, Path], None] | None = None) -> TrainResult:
+    """Train on the weighted mixture of `samples`, packed on the fly ahead of the trainer,
+    checkpointing and resuming as the module docstring says.
+
+    `parallel.num_workers == 1`: the loop runs in this process (no Ray). More workers: the
+    same loop runs SPMD on that many Ray actors (`posttrain.parallel.workers.run_workers`);
+    rank 0 appends each step to `<run_dir>/metrics.jsonl`, which this process follows to call
+    `on_step` while they train. `train.micro_batch_size` is the global number of rows per
+    micro-batch, split evenly over the data-parallel ranks, so a run's loss trajectory does not
+    depend on the number of workers (per-token normalisation over all ranks).
+
+    `rows_per_epoch` (from the pack step) sets the schedule length for `train.epochs`.
+    `on_step(metrics)` is called for every step of the trajectory, the ones restored from a
+    checkpoint included. `on_checkpoint_stage`: `CheckpointManager`'s `on_stage` hook (one
+    worker only: it does not travel to actors).
+    """
+    run_dir = Path(run_dir)
+    workers = config.parallel.num_workers
+    start = prepare_start(config, tokenizer, run_dir / "base", keep_model=workers == 1)
+    job = TrainJob(config, tokenizer, samples, rows_per_epoch, str(run_dir), start)
+    if workers == 1:
+        return train_loop(job, on_step=on_step, on_checkpoint_stage=on_checkpoint_stage)
+    if on_checkpoint_stage is not None:
+        raise ValueError("on_checkpoint_stage is a one-worker hook; it cannot run inside Ray actors")
+    from posttrain.parallel.workers import run_workers
+    from posttrain.steps.metrics_follow import FollowMetrics
+
+    metrics_file = run_dir / "metrics.jsonl"
+    metrics_file.unlink(missing_ok=True)  # rank 0 rewrites it from the start (history, then each step)
+    with FollowMetrics(metrics_file, on_step or (lambda record: None)):
+        results = run_workers(train_worker, (job,), num_workers=workers, backend=config.parallel.backend)
+    return results[0]

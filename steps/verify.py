@@ -1,6 +1,14 @@
-"""Logit-verify: our model against `transformers` on the exported checkpoint; fails above tolerance."""
+"""Logit-verify: our model against `transformers` on the exported checkpoint; fails above tolerance.
+
+A model trained through the transformers backend is verified the same way when its
+architecture is one of ours (registered); otherwise there is nothing of ours to compare and
+the verdict says "not applicable" (`passed` None) instead of failing.
+"""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 from posttrain.config.schema import VerifyConfig
 from posttrain.verify.logits import verify_checkpoint
@@ -10,7 +18,26 @@ class VerificationError(RuntimeError):
     """Our model and `transformers` disagree on the exported checkpoint."""
 
 
-def run(model_dir: str, verify: VerifyConfig, device: str = "cpu") -> dict:
+def not_applicable(model_dir: str, backend: str) -> dict | None:
+    """The "not applicable" verdict for a transformers-backend export of an architecture we do
+    not implement; None when verification applies."""
+    from posttrain.models.registry import ARCHITECTURES
+
+    if backend != "transformers":
+        return None
+    model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    if model_type in ARCHITECTURES:
+        return None
+    return {"arch": model_type, "passed": None, "skipped": True,
+            "reason": f"not applicable: transformers backend (model_type {model_type!r} has no native implementation "
+                      "to compare with; the export is transformers' own save_pretrained)"}
+
+
+def run(model_dir: str, verify: VerifyConfig, device: str = "cpu", backend: str = "native") -> dict:
+    skipped = not_applicable(model_dir, backend)
+    if skipped is not None:
+        print(f"[verify] {skipped['arch']}: {skipped['reason']}")
+        return skipped
     verdict = verify_checkpoint(model_dir, tolerance=verify.tolerance, batch_size=verify.batch_size,
                                 seq_len=verify.seq_len, device=device)
     error = verdict.get("error")

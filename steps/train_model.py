@@ -1,0 +1,184 @@
+"""The train step's model: what it starts from, how each worker gets it, how it is exported.
+
+Three kinds of recipe `model` section:
+- native, random init (`init: random`): `model.arch` (any of `registry.ARCHITECTURES`) built
+  from the recipe's sizes (`model_config_for`); the starting weights are written once, by the
+  driver, to `<run dir>/base` (`prepare_start`), which evaluation uses as the base model
+  and every worker of a multi-worker run loads, so all ranks start from the same weights.
+- native, pretrained (`init: pretrained`): a local HF directory or hub id, loaded by our
+  registry (its `model_type` must be registered).
+- `backend: transformers` (`init: pretrained` only): any `AutoModelForCausalLM` through
+  `posttrain.models.hf_backend`, trained by the same Trainer and loss, exported with
+  `save_pretrained`. One worker only; no LoRA (our adapters target our layer names).
+
+`model.lora` adds LoRA adapters after loading and before the Trainer; the export is the
+merged model (transformers loads it as a plain checkpoint) and the PEFT adapter is written
+beside it (`<run dir>/adapter`, base recorded as the starting directory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from posttrain.config.schema import ModelConfig, SFTConfig
+from posttrain.models.registry import build_model, get_architecture, load_hf_checkpoint, save_hf_checkpoint
+
+# recipe fields copied into every architecture's config (the rest come from the registry's `tiny`)
+SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings",
+               "tie_word_embeddings", "initializer_range")
+PER_LAYER_FIELDS = ("layer_types", "mlp_only_layers")  # tied to the tiny config's layer count
+
+
+class RecipeModelError(ValueError):
+    """The recipe's model section asks for a combination the train step cannot run."""
+
+
+def model_config_for(model: ModelConfig, tokenizer):
+    """Our config of `model.arch` for random init: the recipe's sizes, the tokenizer's
+    vocabulary and bos/eos/pad ids, and the registry's `tiny` values for the arch-specific
+    fields (experts, sliding window, soft-capping, ...). Per-layer lists of the tiny config
+    (`layer_types`, `mlp_only_layers`) are kept only when the layer count is the tiny one;
+    otherwise the config class derives its own defaults."""
+    arch = get_architecture(model.arch)
+    accepted = {f.name for f in dataclasses.fields(arch.config_cls)}
+    kwargs = {k: v for k, v in arch.tiny.items() if not k.endswith("_token_id")}
+    if model.num_hidden_layers != arch.tiny.get("num_hidden_layers"):
+        for name in PER_LAYER_FIELDS:
+            kwargs.pop(name, None)
+    kwargs.update({name: getattr(model, name) for name in SIZE_FIELDS})
+    kwargs["vocab_size"] = len(tokenizer)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        kwargs[name] = getattr(tokenizer, name, None)
+    return arch.config_cls(**{k: v for k, v in kwargs.items() if k in accepted})
+
+
+def check_model_recipe(config: SFTConfig) -> None:
+    """Refuse combinations the train step does not support, naming the keys."""
+    model, parallel = config.model, config.parallel
+    if model.backend == "transformers":
+        if model.init != "pretrained":
+            raise RecipeModelError("model.backend 'transformers' needs model.init: pretrained (and model.name_or_path)")
+        if model.lora is not None:
+            raise RecipeModelError("model.lora is not supported with model.backend 'transformers' "
+                                   "(our adapters target our layers' names); use the native backend")
+        if parallel.num_workers > 1:
+            raise RecipeModelError("model.backend 'transformers' trains in one worker; set parallel.num_workers: 1")
+    if config.train.micro_batch_size % parallel.dp:
+        raise RecipeModelError(f"train.micro_batch_size ({config.train.micro_batch_size}) is the global rows per "
+                               f"micro-batch and must divide evenly over the {parallel.dp} data-parallel ranks")
+
+
+def resolve_pretrained(name_or_path: str) -> Path:
+    """A local directory as is; a hub id through the Hugging Face cache (needs network once)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+
+
+@dataclass
+class Start:
+    """Where training starts: `source` is an HF directory holding exactly the starting weights
+    (evaluation's base model); `model` the built model when the driver already has it."""
+
+    source: Path
+    model: torch.nn.Module | None = None
+
+
+def prepare_start(config: SFTConfig, tokenizer, base_dir: Path, keep_model: bool) -> Start:
+    """Resolve (pretrained) or build and write to `base_dir` (random init) the starting model.
+    `keep_model`: return the built model too (the one-worker path trains it directly)."""
+    check_model_recipe(config)
+    if config.model.init == "pretrained":
+        return Start(resolve_pretrained(config.model.name_or_path))
+    model = build_model(model_config_for(config.model, tokenizer), seed=config.train.seed)
+    save_hf_checkpoint(model, base_dir, tokenizer=tokenizer)
+    return Start(Path(base_dir), model if keep_model else None)
+
+
+def load_start(config: SFTConfig, tokenizer, start: Start, device: torch.device) -> torch.nn.Module:
+    """The starting model on `device`, with LoRA adapters when `model.lora` is set."""
+    if start.model is not None:
+        model = start.model
+    elif config.model.backend == "transformers":
+        from posttrain.models.hf_backend import load_hf_backend
+
+        model = load_hf_backend(start.source, device=device)
+    else:
+        model = load_hf_checkpoint(start.source, device=device)
+    if len(tokenizer) > model.config.vocab_size:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but {start.source} was trained with a vocabulary "
+                         f"of {model.config.vocab_size}: use the model's own tokenizer")
+    model.to(device)
+    if config.model.lora is not None:
+        from posttrain.models.lora import apply_lora
+
+        apply_lora(model, config.model.lora, seed=config.train.seed)
+    return model
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _unsharded_lora_copy(trainer, config: SFTConfig, start: Start) -> torch.nn.Module | None:
+    """Rank 0: a plain single-process copy of the (possibly sharded) LoRA model, with its
+    adapters, holding the trained weights; other ranks: None. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from posttrain.models.lora import apply_lora
+
+    model = trainer.model
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return model
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if _rank() != 0:
+        return None
+    copy = apply_lora(build_model(model.config, seed=0), config.model.lora, seed=0)
+    copy.load_state_dict(weights, strict=True)
+    return copy
+
+
+def export_trained(trainer, config: SFTConfig, tokenizer, start: Start, run_dir: Path) -> dict[str, str | None]:
+    """Write the trained model as an HF directory `<run dir>/checkpoint` (merged, for LoRA)
+    and, for LoRA, the PEFT adapter `<run dir>/adapter`. Collective under torch.distributed;
+    rank 0 writes. Returns `{"checkpoint_dir": ..., "adapter_dir": ... or None}`."""
+    from posttrain.train.checkpoint import export_hf_checkpoint
+
+    checkpoint_dir, adapter_dir = Path(run_dir) / "checkpoint", None
+    if config.model.backend == "transformers":
+        if checkpoint_dir.exists():
+            shutil.rmtree(checkpoint_dir)
+        trainer.model.save_pretrained(checkpoint_dir)
+        tokenizer.save_pretrained(str(checkpoint_dir))
+    elif config.model.lora is not None:
+        from posttrain.models.peft_export import save_peft_adapter
+
+        model = _unsharded_lora_copy(trainer, config, start)
+        if model is not None:
+            save_hf_checkpoint(model, checkpoint_dir, tokenizer=tokenizer)  # adapters merged
+            adapter_dir = save_peft_adapter(model, Path(run_dir) / "adapter", base_model_name_or_path=str(start.source))
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+    else:
+        export_hf_checkpoint(trainer, checkpoint_dir, tokenizer=tokenizer)
+    return {"checkpoint_dir": str(checkpoint_dir), "adapter_dir": None if adapter_dir is None else str(adapter_dir)}
+
+
+def load_for_eval(model_dir: str | Path, config: SFTConfig, device: torch.device) -> torch.nn.Module:
+    """A model directory the train step wrote (or started from), loaded the way it was trained."""
+    if config.model.backend == "transformers":
+        from posttrain.models.hf_backend import load_hf_backend
+
+        return load_hf_backend(model_dir, device=device)
+    return load_hf_checkpoint(model_dir, device=device)
