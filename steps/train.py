@@ -287,6 +287,7 @@ def run(config: SFTConfig, tokenizer, samples: dict[str, list[TokenizedSample]],
     worker only: it does not travel to actors).
     """
     run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     workers = config.parallel.num_workers
     start = prepare_start(config, tokenizer, run_dir / "base", keep_model=workers == 1)
     job = TrainJob(config, tokenizer, samples, rows_per_epoch, str(run_dir), start)

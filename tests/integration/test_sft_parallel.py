@@ -1,0 +1,172 @@
+"""Multi-worker SFT: the train step on 2 SPMD Ray workers (FSDP2 / DDP over gloo) follows the
+one-worker loss trajectory, and the flow runs it end to end with a live card.
+
+`train.micro_batch_size` is global (split over the data-parallel ranks) and the loss is
+normalised per token over all ranks, so 1 and 2 workers see the same rows per step and the
+same loss up to float summation order.
+"""
+
+import base64
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.config.loader import load_sft_config
+
+from test_sft_flow import FLOW, REPO_ROOT, flow_env, typing_restored
+
+TWO_WORKERS = REPO_ROOT / "configs" / "sft" / "tiny-2workers.yaml"
+LOSS_TOL = 1e-5
+
+
+def tiny_recipe_data(work: Path, config_file: Path = TWO_WORKERS, **overrides):
+    """The tiny recipe's data, ingested, tokenized and packed under `work`:
+    (config, tokenizer, samples, rows per epoch)."""
+    from posttrain.data.tokenizer import load_tokenizer
+    from posttrain.steps import ingest, pack, tokenize
+    from posttrain.steps.paths import resolve
+
+    config = load_sft_config(config_file, overrides={
+        "data.generate.num_train": 80, "train.device": "cpu", "train.tensorboard": False,
+        "output_dir": str(work), **overrides})
+    data = ingest.run(config, work)
+    tokenizer = load_tokenizer(resolve(config.tokenizer.name_or_path, work))
+    samples = tokenize.run(data.train, tokenizer, {}, config.data.filters).samples
+    rows = pack.run(samples, config, tokenizer.pad_token_id).stats.num_rows
+    return config, tokenizer, samples, rows
+
+
+def with_parallel(config, strategy: str, num_workers: int):
+    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, strategy=strategy,
+                                                                    num_workers=num_workers))
+
+
+def losses(history: list[dict]) -> list[float]:
+    return [h["loss"] for h in history]
+
+
+def read_weights(model_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    weights = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        weights.update(load_file(str(file)))
+    return weights
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory):
+    work = tmp_path_factory.mktemp("parallel")
+    return (work, *tiny_recipe_data(work, **{"train.max_steps": 4, "checkpoint.every_steps": 2}))
+
+
+@pytest.fixture(scope="module")
+def one_worker(recipe):
+    from posttrain.steps import train
+
+    work, config, tokenizer, samples, rows = recipe
+    return train.run(with_parallel(config, "none", 1), tokenizer, samples, rows, work / "one")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_two_workers_follow_the_one_worker_trajectory(recipe, one_worker, strategy):
+    from posttrain.steps import train
+
+    work, config, tokenizer, samples, rows = recipe
+    seen = []
+    result = train.run(with_parallel(config, strategy, 2), tokenizer, samples, rows, work / strategy,
+                       on_step=seen.append)
+    assert result.num_workers == 2 and result.summary["num_workers"] == 2
+    assert [h["step"] for h in result.history] == [1, 2, 3, 4]
+    assert [h["step"] for h in seen] == [1, 2, 3, 4]  # followed from rank 0's metrics file
+    assert [h["tokens"] for h in result.history] == [h["tokens"] for h in one_worker.history]
+    assert max(abs(a - b) for a, b in zip(losses(result.history), losses(one_worker.history))) < LOSS_TOL
+    ours, reference = read_weights(result.checkpoint_dir), read_weights(one_worker.checkpoint_dir)
+    assert ours.keys() == reference.keys()
+    assert max(float((ours[k] - reference[k]).abs().max()) for k in ours) < 1e-5
+    step_dirs = sorted(p.name for p in Path(result.checkpoints_dir).iterdir() if p.name.startswith("step_"))
+    assert step_dirs == ["step_00000002", "step_00000004"]
+    assert sorted(p.name for p in (Path(result.checkpoints_dir) / "step_00000004").glob("rank_*.json")) == \
+        ["rank_00000.json", "rank_00001.json"]
+
+
+def test_metrics_follower_delivers_each_complete_record_once_in_order(tmp_path):
+    from posttrain.steps.metrics_follow import FollowMetrics
+
+    path = tmp_path / "metrics.jsonl"
+    got = []
+    with FollowMetrics(path, got.append, poll_s=0.01) as follower:
+        time.sleep(0.05)  # the file does not exist yet
+        with path.open("w") as f:
+            f.write(json.dumps({"step": 1}) + "\n" + '{"step": ')
+            f.flush()
+            deadline = time.monotonic() + 10
+            while not got and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert got == [{"step": 1}]  # the half-written second record is not read
+            f.write("2}\n" + json.dumps({"step": 3}) + "\n")
+    assert got == [{"step": 1}, {"step": 2}, {"step": 3}]
+    assert follower.read_new() == 0
+
+
+def test_metrics_follower_reraises_a_callback_error(tmp_path):
+    from posttrain.steps.metrics_follow import FollowMetrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n')
+
+    def broken(record):
+        raise KeyError("loss")
+
+    with pytest.raises(KeyError, match="loss"):
+        with FollowMetrics(path, broken, poll_s=0.01):
+            pass
+
+
+@pytest.mark.slow
+def test_flow_on_two_workers_registers_a_model_and_matches_one_worker(tmp_path):
+    from metaflow import Runner
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.data.tokenizer import load_tokenizer
+    from posttrain.registry.local import uri_to_path
+    from posttrain.steps import train
+    from posttrain.steps.paths import resolve
+
+    overrides = {"output_dir": str(tmp_path / "outputs"), "register.registry_dir": str(tmp_path / "registry")}
+    with typing_restored():
+        runner = Runner(str(FLOW), show_output=False, env=flow_env(), cwd=str(tmp_path),
+                        config=[("config", str(TWO_WORKERS))], config_value=[("overrides", overrides)])
+        with runner.run() as running:
+            assert running.status == "successful", running.stdout + running.stderr
+            run, logs = running.run, running.stdout + running.stderr
+    data = run.data
+    assert data.train_summary["num_workers"] == 2 and "x 2 worker(s) (fsdp)" in logs
+    assert [h["step"] for h in data.history] == [1, 2, 3, 4, 5, 6]
+    assert data.verdict["passed"]
+
+    run_dir = Path(run["start"].task.data.run_dir)
+    recipe = dataclasses.replace(with_parallel(data.recipe, "none", 1),
+                                 checkpoint=dataclasses.replace(data.recipe.checkpoint, enabled=False))
+    tokenizer = load_tokenizer(resolve(recipe.tokenizer.name_or_path, run_dir))
+    expected = train.run(recipe, tokenizer, data.samples, data.pack_stats.num_rows, tmp_path / "reference").history
+    assert max(abs(a - b) for a, b in zip(losses(data.history), losses(expected))) < LOSS_TOL
+
+    model = AutoModelForCausalLM.from_pretrained(uri_to_path(data.model_uri), dtype=torch.float32)
+    assert model.config.model_type == "qwen3"
+
+    card = tmp_path / "train-card.html"
+    subprocess.run([sys.executable, str(FLOW), "card", "get", f"{run.id}/train/{run['train'].task.id}", str(card)],
+                   env=flow_env(), cwd=tmp_path, check=True, capture_output=True, timeout=120)
+    page = card.read_text()
+    decoded = "".join(base64.b64decode(b).decode("utf-8")
+                      for b in re.findall(r'window\.__MF_DATA__\["[^"]+"\] = "([A-Za-z0-9+/=]+)"', page))
+    assert "step 6/6" in decoded  # the live card got rank 0's steps from the metrics file
