@@ -191,8 +191,8 @@ def test_softcapped_transformers_model_trains_with_its_own_loss(kind):
 # ---------------------------------------------------------------------------- MoE router aux loss
 
 
-def _qwen3_moe_pair(tmp_path, **overrides):
-    model = random_model(tiny_config("qwen3_moe", **overrides), seed=7).train()
+def _moe_pair(tmp_path, arch="qwen3_moe", **overrides):
+    model = random_model(tiny_config(arch, **overrides), seed=7).train()
     hf = hf_load(save_hf_checkpoint(model, tmp_path / "twin")).train()
     assert hf.config.output_router_logits == model.config.output_router_logits
     return model, hf
@@ -203,8 +203,14 @@ def _hf_loss(hf, batch):
               labels=hf_labels(batch["labels"]), use_cache=False)
 
 
-def test_router_aux_loss_added_as_transformers_adds_it(tmp_path):
-    model, hf = _qwen3_moe_pair(tmp_path, output_router_logits=True, router_aux_loss_coef=0.5)
+def _hf_router(hf, i):
+    mlp = hf.model.layers[i].mlp
+    return mlp.gate if hasattr(mlp, "gate") else mlp.router
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_router_aux_loss_added_as_transformers_adds_it(arch, tmp_path):
+    model, hf = _moe_pair(tmp_path, arch, output_router_logits=True, router_aux_loss_coef=0.5)
     batch = padded_lm_batch(model.config.vocab_size, [20, 13, 6], T=20, seed=8)
 
     terms = causal_lm_loss_terms(model, batch, chunk_size=16)
@@ -215,21 +221,25 @@ def test_router_aux_loss_added_as_transformers_adds_it(tmp_path):
     out = _hf_loss(hf, batch)
     out.loss.backward()
     ours = (loss_sum / n_tokens).item()
-    print("qwen3_moe loss with aux: ours", ours, "transformers", out.loss.item(), "aux", out.aux_loss.item())
+    print(arch, "loss with aux: ours", ours, "transformers", out.loss.item(), "aux", out.aux_loss.item())
     assert abs(ours - out.loss.item()) <= 1e-5 * out.loss.item()
     assert abs(terms.router_aux.item() - out.aux_loss.item()) <= 1e-5 * out.aux_loss.item()
     assert 0.5 * out.aux_loss.item() > 1e-3 * out.loss.item()  # the term is big enough to be seen
     # the router's gradient gets the aux term too
-    for i in (0, 1, 3):
+    moe_layers = [i for i, layer in enumerate(model.layers) if hasattr(layer.feed_forward, "router")]
+    assert len(moe_layers) >= 3
+    for i in moe_layers:
         g_ours = model.layers[i].feed_forward.router.weight.grad
-        g_hf = hf.model.layers[i].mlp.gate.weight.grad
+        g_hf = _hf_router(hf, i).weight.grad
         assert (g_ours - g_hf).abs().max() <= 1e-4 * g_hf.abs().max(), i
     # the recorded router logits are dropped after the loss
-    assert all(moe.router_logits_NX is None and not moe.record_router_logits for moe in model.moe_layers())
+    moes = [model.layers[i].feed_forward for i in moe_layers]
+    assert all(moe.router_logits_NX is None and not moe.record_router_logits for moe in moes)
 
 
-def test_router_aux_loss_not_added_without_output_router_logits(tmp_path):
-    model, hf = _qwen3_moe_pair(tmp_path, output_router_logits=False, router_aux_loss_coef=0.5)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_router_aux_loss_not_added_without_output_router_logits(arch, tmp_path):
+    model, hf = _moe_pair(tmp_path, arch, output_router_logits=False, router_aux_loss_coef=0.5)
     batch = padded_lm_batch(model.config.vocab_size, [20, 13, 6], T=20, seed=8)
     terms = causal_lm_loss_terms(model, batch)
     assert terms.router_aux is None and terms.router_aux_coef == 0.0

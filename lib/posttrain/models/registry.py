@@ -8,7 +8,7 @@ Architectures are registered by HF `model_type`; each brings a config dataclass 
 (`{our_name: shape}`) and has `import_tensor` return `(our_name, tensor, index)` for such a
 tensor, meaning row `index` of that fused parameter. Optional hook:
 `explain_unexpected(hf_name, config) -> str | None`, asked before the loader rejects a tensor
-the config does not expect; a string replaces the generic "unexpected tensor" message (e.g.
+the config does not expect; a string is appended to the "unexpected tensor" message (e.g.
 GPT-OSS names MXFP4-quantized `*_blocks`/`*_scales` tensors).
 
 Loading builds the model on the meta device and assigns tensors read straight from the
@@ -231,11 +231,11 @@ def load_hf_checkpoint(
 
 
 def _unexpected_message(arch: Architecture, name: str, file: str, config: Any) -> str:
-    """The adapter's own explanation of a tensor its config does not expect, else a generic one."""
+    """"unexpected tensor" naming it, followed by the adapter's explanation when it has one."""
     explain = getattr(arch.adapter, "explain_unexpected", None)
     reason = explain(name, config) if explain is not None else None
-    where = f"in {file} for {config.model_type} config"
-    return f"{reason} ({where})" if reason else f"unexpected tensor {name!r} {where}"
+    message = f"unexpected tensor {name!r} in {file} for {config.model_type} config"
+    return f"{message}: {reason}" if reason else message
 
 
 class _FusedParameters:

@@ -35,8 +35,11 @@ model; padded rows are zero and never read by the loss or `compute_logits`.
 
 As in transformers, the embedding row of `pad_token_id` (when set) gets no gradient.
 
-Not implemented: MXFP4-quantized checkpoints (dequantize first), the router auxiliary
-(load-balancing) loss (`router_aux_loss_coef` is carried in the config only), dropout.
+Router load-balancing loss (transformers adds `router_aux_loss_coef` times it to its loss
+when `output_router_logits` is set): `GptOssModel.router_aux_loss` after a forward with
+`record_router_logits(True)`; `posttrain.ops.losses.causal_lm_loss` adds it under the same rule.
+
+Not implemented: MXFP4-quantized checkpoints (dequantize first), dropout.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from posttrain.models.hf_config import (
     check_positive_ints,
 )
 from posttrain.models.layers import RMSNorm, apply_rotary
-from posttrain.models.moe import routed_experts
+from posttrain.models.moe import load_balancing_loss, routed_experts
 from posttrain.models.rope import YarnScaling, build_rotary, rope_from_hf
 from posttrain.ops.attention import AttentionMask, build_attention_mask
 from posttrain.ops.sink_attention import sink_attention
@@ -75,8 +78,6 @@ DEFAULT_YARN = YarnScaling(factor=32.0, original_max_position_embeddings=4096, b
 _IGNORED_HF_FIELDS = COMMON_IGNORED_HF_FIELDS | {
     # GPT-OSS experts use their own clamped SwiGLU; transformers never reads hidden_act for them
     "hidden_act",
-    # only adds router logits to the output (and the aux loss to HF's own loss)
-    "output_router_logits",
     # OpenAI's config.json: the pre-YaRN context length (rope's original_max_position_embeddings)
     "initial_context_length",
 }
@@ -87,7 +88,7 @@ _READ_HF_FIELDS = {
     "sliding_window", "layer_types", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
     "max_position_embeddings", "swiglu_alpha", "swiglu_limit", "attention_bias", "attention_dropout",
     "tie_word_embeddings", "initializer_range", "router_aux_loss_coef", "bos_token_id", "eos_token_id",
-    "pad_token_id", "quantization_config",
+    "pad_token_id", "quantization_config", "output_router_logits",
 }
 
 
@@ -123,6 +124,7 @@ class GptOssConfig(PaddedVocab):
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -216,7 +218,7 @@ class GptOssConfig(PaddedVocab):
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("rope_theta", "rope_scaling")}
         d.update(architectures=["GptOssForCausalLM"], model_type=self.model_type, layer_types=list(self.layer_types),
                  rope_parameters={**rope, "rope_theta": float(self.rope_theta)}, rope_theta=float(self.rope_theta),
-                 attention_dropout=0.0, hidden_act="silu", output_router_logits=False, dtype=dtype, use_cache=True)
+                 attention_dropout=0.0, hidden_act="silu", dtype=dtype, use_cache=True)
         return d
 
 
@@ -288,10 +290,14 @@ class TopKSoftmaxMoE(nn.Module):
         self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=True)
         self.experts = ClampedSwiGLUExperts(config.num_local_experts, config.hidden_size, config.intermediate_size,
                                             config.swiglu_alpha, config.swiglu_limit)
+        self.record_router_logits = False
+        self.router_logits_NX: torch.Tensor | None = None  # the last forward's, when recording
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
-        top_logits_Nk, expert_idx_Nk = torch.topk(self.router(x_ND), self.top_k, dim=-1)
+        logits_NX = self.router(x_ND)
+        self.router_logits_NX = logits_NX if self.record_router_logits else None
+        top_logits_Nk, expert_idx_Nk = torch.topk(logits_NX, self.top_k, dim=-1)
         expert_weight_Nk = top_logits_Nk.softmax(dim=-1)
         y_ND = routed_experts(x_ND, expert_idx_Nk, expert_weight_Nk, self.num_experts, self.experts)
         return y_ND.view_as(x_BTD)
@@ -379,3 +385,19 @@ class GptOssModel(nn.Module):
             self.tok_embeddings.weight[self.config.pad_token_id].zero_()
         if self.output is not None:
             self.output.weight[V:].zero_()
+
+    def record_router_logits(self, enabled: bool = True) -> None:
+        """Keep (or stop keeping) every layer's router logits from the next forward on."""
+        for layer in self.layers:
+            layer.feed_forward.record_router_logits = enabled
+            layer.feed_forward.router_logits_NX = None
+
+    def router_aux_loss(self, doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """transformers' `aux_loss` of the last forward (before `router_aux_loss_coef`): the
+        load-balancing loss over all layers' router logits (top-k of the full softmax picks the
+        same experts as top-k of the logits), padding (`doc_ids < 0`) left out when given."""
+        logits = [layer.feed_forward.router_logits_NX for layer in self.layers]
+        if any(t is None for t in logits):
+            raise RuntimeError("router_aux_loss needs a forward after model.record_router_logits(True)")
+        valid_N = None if doc_ids_BT is None else doc_ids_BT.reshape(-1) >= 0
+        return load_balancing_loss(logits, self.config.num_experts_per_tok, valid_N)
