@@ -1,0 +1,161 @@
+"""Recipe variants of the SFT train step and flow: other architectures from `model.arch`
+(random init), LoRA (merged export + PEFT adapter), and the transformers backend (a model
+architecture we do not implement, trained and exported through transformers)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_sft_flow import FLOW, REPO_ROOT, flow_env, typing_restored
+from test_sft_parallel import tiny_recipe_data
+
+TINY = REPO_ROOT / "configs" / "sft" / "tiny.yaml"
+LORA = REPO_ROOT / "configs" / "sft" / "tiny-lora.yaml"
+
+
+def run_flow(tmp_path: Path, config: Path, **overrides):
+    """The SFT flow on `config` with outputs under `tmp_path`; returns (run, logs)."""
+    from metaflow import Runner
+
+    overrides = {"output_dir": str(tmp_path / "outputs"), "register.registry_dir": str(tmp_path / "registry"),
+                 "train.max_steps": 3, **overrides}
+    with typing_restored():
+        runner = Runner(str(FLOW), show_output=False, env=flow_env(), cwd=str(tmp_path),
+                        config=[("config", str(config))], config_value=[("overrides", overrides)])
+        with runner.run() as running:
+            assert running.status == "successful", running.stdout + running.stderr
+            return running.run, running.stdout + running.stderr
+
+
+def logits_of(model_dir, ids_BT: torch.Tensor, adapter_dir=None) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    with torch.no_grad():
+        return model.eval()(input_ids=ids_BT).logits
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text"])
+def test_other_architectures_train_from_the_recipe_and_export_verified_checkpoints(tmp_path, arch):
+    import json
+
+    from posttrain.config.schema import VerifyConfig
+    from posttrain.steps import train, verify
+
+    config, tokenizer, samples, rows = tiny_recipe_data(tmp_path, TINY, **{
+        "model.arch": arch, "train.max_steps": 2, "checkpoint.enabled": False})
+    result = train.run(config, tokenizer, samples, rows, tmp_path / "run")
+    assert [h["step"] for h in result.history] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in result.history)
+    saved = json.loads((Path(result.checkpoint_dir) / "config.json").read_text())
+    assert saved["model_type"] == arch and saved["vocab_size"] == len(tokenizer)
+    assert saved["hidden_size"] == config.model.hidden_size and saved["num_hidden_layers"] == 2
+    assert saved["eos_token_id"] == tokenizer.eos_token_id and saved["pad_token_id"] == tokenizer.pad_token_id
+    verdict = verify.run(result.checkpoint_dir, VerifyConfig())  # ours vs transformers on the export
+    assert verdict["passed"] and verdict["max_abs_diff"] <= 1e-4
+
+
+def test_model_config_for_takes_arch_fields_from_the_registry_and_sizes_from_the_recipe():
+    import dataclasses
+
+    from posttrain.config.schema import ModelConfig
+    from posttrain.models.registry import ARCHITECTURES
+    from posttrain.steps.train_model import model_config_for
+
+    class Tok:
+        bos_token_id, eos_token_id, pad_token_id = None, 5, 0
+
+        def __len__(self):
+            return 300
+
+    recipe = ModelConfig(arch="qwen3_moe", hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=12)
+    config = model_config_for(recipe, Tok())
+    tiny = ARCHITECTURES["qwen3_moe"].tiny
+    assert (config.vocab_size, config.hidden_size, config.num_hidden_layers, config.head_dim) == (300, 48, 3, 12)
+    assert (config.num_experts, config.num_experts_per_tok) == (tiny["num_experts"], tiny["num_experts_per_tok"])
+    assert tuple(config.mlp_only_layers) == ()  # the tiny config's per-layer list is for 4 layers
+    assert (config.eos_token_id, config.pad_token_id) == (5, 0)
+    gemma = model_config_for(dataclasses.replace(recipe, arch="gemma3_text"), Tok())
+    assert len(gemma.layer_types) == 3 and gemma.final_logit_softcapping == 30.0
+
+
+def test_recipe_combinations_the_train_step_cannot_run_are_refused_by_name():
+    from posttrain.config.loader import load_sft_config
+    from posttrain.steps.train_model import RecipeModelError, check_model_recipe
+
+    hf = {"model.backend": "transformers", "model.init": "pretrained", "model.name_or_path": "some/model"}
+    with pytest.raises(RecipeModelError, match="model.lora"):
+        check_model_recipe(load_sft_config(TINY, overrides={**hf, "model.lora": {"rank": 2, "alpha": 4}}))
+    with pytest.raises(RecipeModelError, match="num_workers"):
+        check_model_recipe(load_sft_config(TINY, overrides={**hf, "parallel.num_workers": 2,
+                                                            "parallel.strategy": "fsdp"}))
+    with pytest.raises(RecipeModelError, match="micro_batch_size"):
+        check_model_recipe(load_sft_config(TINY, overrides={"train.micro_batch_size": 3, "parallel.num_workers": 2,
+                                                            "parallel.strategy": "ddp"}))
+
+
+@pytest.mark.slow
+def test_lora_flow_exports_the_merged_model_and_a_peft_adapter_that_computes_it(tmp_path):
+    import json
+
+    from posttrain.registry.local import uri_to_path
+
+    run, logs = run_flow(tmp_path, LORA)
+    data = run.data
+    assert data.verdict["passed"]
+    assert data.train_summary["trainable_parameters"] < data.train_summary["num_parameters"] / 2
+    adapter = Path(data.adapter_dir)
+    assert adapter == Path(data.checkpoint_dir).parent / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (4, 8) and config["base_model_name_or_path"] == data.base_dir
+
+    ids_BT = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(0))
+    merged = logits_of(uri_to_path(data.model_uri), ids_BT)
+    through_peft = logits_of(data.base_dir, ids_BT, adapter_dir=adapter)
+    base = logits_of(data.base_dir, ids_BT)
+    assert float((merged - through_peft).abs().max()) < 1e-4
+    assert float((merged - base).abs().max()) > 1e-3  # the adapters did train
+
+
+def save_tiny_mistral(path: Path, tokenizer) -> Path:
+    """A random tiny Mistral (an architecture we do not implement) with `tokenizer`'s vocabulary."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                           sliding_window=None, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    MistralForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+@pytest.mark.slow
+def test_transformers_backend_flow_trains_and_exports_a_model_we_do_not_implement(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.registry.local import uri_to_path
+
+    _, tokenizer, _, _ = tiny_recipe_data(tmp_path / "data", TINY)
+    mistral = save_tiny_mistral(tmp_path / "mistral", tokenizer)
+    run, logs = run_flow(tmp_path, TINY, **{
+        "model.backend": "transformers", "model.init": "pretrained", "model.name_or_path": str(mistral),
+        "tokenizer.name_or_path": str(mistral)})
+    data = run.data
+    assert [h["step"] for h in data.history] == [1, 2, 3]
+    assert data.base_dir == str(mistral)
+    assert data.verdict["skipped"] and data.verdict["passed"] is None
+    assert "not applicable: transformers backend" in data.verdict["reason"] and "'mistral'" in data.verdict["reason"]
+    assert set(data.eval_metrics) == {"base", "tuned"}
+    tuned = AutoModelForCausalLM.from_pretrained(uri_to_path(data.model_uri), dtype=torch.float32)
+    assert type(tuned).__name__ == "MistralForCausalLM"
+    ids_BT = torch.randint(0, len(tokenizer), (1, 10), generator=torch.Generator().manual_seed(0))
+    base = AutoModelForCausalLM.from_pretrained(mistral, dtype=torch.float32)
+    assert float((tuned(input_ids=ids_BT).logits - base(input_ids=ids_BT).logits).abs().max()) > 1e-4
