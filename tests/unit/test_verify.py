@@ -47,7 +47,7 @@ def test_fails_when_document_masking_breaks(tiny_dir, monkeypatch):
     import posttrain.models.decoder as decoder
     from posttrain.ops.attention import build_attention_mask
 
-    monkeypatch.setattr(decoder, "build_attention_mask", lambda doc_ids: build_attention_mask(doc_ids.clamp(max=0)))
+    monkeypatch.setattr(decoder, "build_attention_mask", lambda doc_ids, **kw: build_attention_mask(doc_ids.clamp(max=0), **kw))
     verdict = verify_models(load_hf_checkpoint(tiny_dir), hf_model(tiny_dir), tolerance=1e-4)
     cases = {c["name"]: c for c in verdict["cases"]}
     assert cases["padded"]["max_abs_diff"] <= 1e-4

@@ -1,40 +1,58 @@
-"""The dense pre-norm decoder shared by Llama-style architectures (Llama, Qwen3).
+"""The decoder shared by every architecture: embedding, blocks, final norm, output projection.
 
-An architecture is this decoder plus its own config and HF adapter; what differs between
-them is a switch here (Qwen3 normalises queries and keys per head before RoPE, Llama does
-not). Parameter names (`tok_embeddings`, `layers.{i}.attention.wq`, `feed_forward.w_gate`,
-`norm`, `output`, ...) are the contract the adapters map to Hugging Face names.
+`DecoderLM` owns what all of them do alike: the forward contract, one rotary table and one
+attention mask per layer type, the tied or untied output projection, `compute_logits` and a
+transformers-like `init_weights`. What differs is passed in: the block of each layer (default
+the dense `DecoderBlock`: Llama, and Qwen3 with `qk_norm`), the rotary embedding (one module,
+or one per layer type), an embedding scale and padding row, the norm class, and how parameters
+are initialised (`_init_parameter`, overridden by a subclass).
 
-A config passed in needs: vocab_size, padded_vocab_size, hidden_size, intermediate_size,
-num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps,
-rope_theta, tie_word_embeddings, initializer_range.
+Parameter names (`tok_embeddings`, `layers.{i}.attention.wq`, `feed_forward.w_gate`, `norm`,
+`output`, ...) are the contract the adapters map to Hugging Face names.
+
+A config passed in needs: vocab_size, padded_vocab_size, hidden_size, num_hidden_layers,
+rms_norm_eps, tie_word_embeddings, initializer_range, and for the defaults intermediate_size,
+num_attention_heads, num_key_value_heads, head_dim, rope_theta. Optional: `layer_types` (one
+of `SLIDING`/`FULL` per layer; absent means all full) with `sliding_window`, the window of the
+sliding layers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttrain.models.layers import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLU
+from posttrain.models.layers import GroupedQueryAttention, RMSNorm, RotaryEmbedding, ScaledEmbedding, SwiGLU
 from posttrain.ops.attention import AttentionMask, build_attention_mask
+
+__all__ = ["FULL", "SLIDING", "DecoderBlock", "DecoderLM"]
+
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 class DecoderBlock(nn.Module):
-    """Pre-norm decoder block: `x += attn(norm(x)); x += mlp(norm(x))`."""
+    """Pre-norm decoder block: `x += attn(norm(x)); x += mlp(norm(x))`.
 
-    def __init__(self, config: Any, qk_norm: bool):
+    By default the dense block: `GroupedQueryAttention` (per-head q/k RMSNorm with `qk_norm`)
+    and a SwiGLU MLP of `intermediate_size`. `attention`, `feed_forward` and `norm_cls` replace
+    those parts (an MoE MLP, GPT-OSS's sink attention and norm) under the same names.
+    """
+
+    def __init__(self, config: Any, qk_norm: bool = False, *, attention: nn.Module | None = None,
+                 feed_forward: nn.Module | None = None, norm_cls: type[nn.Module] = RMSNorm):
         super().__init__()
         D, eps = config.hidden_size, config.rms_norm_eps
-        self.attention_norm = RMSNorm(D, eps)
-        self.attention = GroupedQueryAttention(
+        self.attention_norm = norm_cls(D, eps)
+        self.attention = attention if attention is not None else GroupedQueryAttention(
             D, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
             qk_norm_eps=eps if qk_norm else None,
         )
-        self.ffn_norm = RMSNorm(D, eps)
-        self.feed_forward = SwiGLU(D, config.intermediate_size)
+        self.ffn_norm = norm_cls(D, eps)
+        self.feed_forward = feed_forward if feed_forward is not None else SwiGLU(D, config.intermediate_size)
 
     def forward(
         self, x_BTD: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor, mask: AttentionMask
@@ -48,18 +66,37 @@ class DecoderLM(nn.Module):
 
     `forward(input_ids_BT, position_ids_BT, doc_ids_BT) -> hidden_BTD`: all `[B, T]` long;
     positions restart per document, `doc_ids` number documents in a row (`-1` for padding) and
-    confine attention to earlier tokens of the same document. Input ids must be `< vocab_size`
-    (not checked, to avoid a device sync).
+    confine attention to earlier tokens of the same document (on sliding layers, to the last
+    `sliding_window` of them). One rotary table and one mask per layer type are built per
+    forward. Input ids must be `< vocab_size` (not checked, to avoid a device sync).
+
+    Arguments beyond `config`: `block(i)` builds layer `i` (default: the dense `DecoderBlock`
+    with `qk_norm`); `rotary` is one module for all layers or an `nn.ModuleDict` keyed by layer
+    type (default: plain RoPE with `config.rope_theta`); `embedding_scale` multiplies the
+    embeddings (rounded to their dtype first); `padding_idx` names an embedding row that gets no
+    lookup gradient and is zeroed by `init_weights`; `norm_cls` is the final norm's class.
     """
 
-    def __init__(self, config: Any, qk_norm: bool):
+    logit_softcap: float | None = None  # final-logit soft-capping `c` (read by the loss); None: none
+
+    def __init__(self, config: Any, qk_norm: bool = False, *, block: Callable[[int], nn.Module] | None = None,
+                 rotary: nn.Module | None = None, embedding_scale: float | None = None,
+                 padding_idx: int | None = None, norm_cls: type[nn.Module] = RMSNorm):
         super().__init__()
         self.config = config
-        V, D = config.padded_vocab_size, config.hidden_size
-        self.tok_embeddings = nn.Embedding(V, D)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
-        self.layers = nn.ModuleList(DecoderBlock(config, qk_norm) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(D, config.rms_norm_eps)
+        V, D, L = config.padded_vocab_size, config.hidden_size, config.num_hidden_layers
+        self.layer_types = list(getattr(config, "layer_types", None) or [FULL] * L)
+        self.layer_windows = [config.sliding_window if t == SLIDING else None for t in self.layer_types]
+        if embedding_scale is None:
+            self.tok_embeddings = nn.Embedding(V, D, padding_idx=padding_idx)
+        else:
+            self.tok_embeddings = ScaledEmbedding(V, D, scale=embedding_scale, padding_idx=padding_idx)
+        self.rotary = rotary if rotary is not None else RotaryEmbedding(config.head_dim, config.rope_theta)
+        if block is None:
+            def block(i: int) -> nn.Module:
+                return DecoderBlock(config, qk_norm)
+        self.layers = nn.ModuleList(block(i) for i in range(L))
+        self.norm = norm_cls(D, config.rms_norm_eps)
         self.output = None if config.tie_word_embeddings else nn.Linear(D, V, bias=False)
 
     @property
@@ -71,30 +108,44 @@ class DecoderLM(nn.Module):
         self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor
     ) -> torch.Tensor:
         x_BTD = self.tok_embeddings(input_ids_BT)
-        cos_BTE, sin_BTE = self.rotary(position_ids_BT, x_BTD.dtype)
-        mask = build_attention_mask(doc_ids_BT)
-        for layer in self.layers:
-            x_BTD = layer(x_BTD, cos_BTE, sin_BTE, mask)
+        types = set(self.layer_types)
+        if isinstance(self.rotary, nn.ModuleDict):
+            rope = {t: self.rotary[t](position_ids_BT, x_BTD.dtype) for t in types}
+        else:
+            rope = dict.fromkeys(types, self.rotary(position_ids_BT, x_BTD.dtype))
+        masks = {w: build_attention_mask(doc_ids_BT, window=w) for w in set(self.layer_windows)}
+        for layer, layer_type, window in zip(self.layers, self.layer_types, self.layer_windows):
+            x_BTD = layer(x_BTD, *rope[layer_type], masks[window])
         return self.norm(x_BTD)
 
     def compute_logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
-        """Full logits `[B, T, vocab_size]` over the real vocabulary (generation/verification only)."""
-        return F.linear(hidden_BTD, self.output_weight[: self.config.vocab_size])
+        """Full logits `[B, T, vocab_size]` over the real vocabulary, soft-capped when
+        `logit_softcap` is set (generation/verification only)."""
+        logits_BTV = F.linear(hidden_BTD, self.output_weight[: self.config.vocab_size])
+        cap = self.logit_softcap
+        return logits_BTV if cap is None else torch.tanh(logits_BTV / cap) * cap
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Initialise in place like transformers: every matrix ~ N(0, initializer_range), norm
-        weights = 1, padded vocabulary rows = 0. Deterministic for a given seed and device."""
+        """Initialise in place like transformers: each parameter by `_init_parameter`, in
+        `named_parameters` order from one generator; then the padded vocabulary rows and the
+        `padding_idx` embedding row 0. Deterministic for a given seed and device."""
         device = self.tok_embeddings.weight.device
         if device.type == "meta":
             raise RuntimeError("init_weights on a meta model: call model.to_empty(device=...) first")
         gen = torch.Generator(device=device).manual_seed(seed)
-        for _, param in self.named_parameters():
-            if param.ndim == 1:
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, self.config.initializer_range, generator=gen)
-        V = self.config.vocab_size
+        for name, param in self.named_parameters():
+            self._init_parameter(name, param, gen)
+        V, pad = self.config.vocab_size, self.tok_embeddings.padding_idx
         self.tok_embeddings.weight[V:].zero_()
+        if pad is not None:
+            self.tok_embeddings.weight[pad].zero_()
         if self.output is not None:
             self.output.weight[V:].zero_()
+
+    def _init_parameter(self, name: str, param: torch.Tensor, gen: torch.Generator) -> None:
+        """Vectors (norm weights) 1, matrices ~ N(0, initializer_range)."""
+        if param.ndim == 1:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, self.config.initializer_range, generator=gen)

@@ -1,4 +1,5 @@
-"""Shared decoder layers: RMSNorm, rotary embedding, SwiGLU MLP, grouped-query attention.
+"""Shared decoder layers: RMSNorm, rotary embedding, SwiGLU MLP, grouped-query attention,
+scaled embedding.
 
 Shape suffixes follow docs/architecture.md: B batch, T time, D hidden, H query heads,
 K key/value heads, E head dim, F MLP intermediate size.
@@ -32,6 +33,21 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Embedding lookup times `scale`, the scale first rounded to the weight's dtype (as
+    transformers' Gemma does: in bfloat16, sqrt(1152) becomes 34.0)."""
+
+    def __init__(self, num_embeddings: int, dim: int, scale: float, padding_idx: int | None = None):
+        super().__init__(num_embeddings, dim, padding_idx=padding_idx)
+        self.scale = scale
+
+    def forward(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
+        x_BTD = super().forward(input_ids_BT)
+        # a Python float (no device tensor, no sync) holding the dtype-rounded value
+        scale = torch.tensor(self.scale, dtype=torch.float32).to(x_BTD.dtype).item()
+        return x_BTD * scale
 
 
 class RotaryEmbedding(nn.Module):

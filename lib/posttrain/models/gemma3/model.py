@@ -38,7 +38,6 @@ gelu_pytorch_tanh, RoPE types other than default (and linear on full-attention l
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
@@ -55,13 +54,13 @@ from posttrain.models.hf_config import (
     check_positive_ints,
     require,
 )
-from posttrain.models.layers import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLU
-from posttrain.ops.attention import AttentionMask, build_attention_mask
+from posttrain.models.decoder import FULL, SLIDING, DecoderLM
+from posttrain.models.layers import GroupedQueryAttention, RMSNorm, RotaryEmbedding, ScaledEmbedding, SwiGLU
+from posttrain.ops.attention import AttentionMask
 from posttrain.train.mfu import LayerFlopSpec, dense_layer_spec
 
-__all__ = ["Gemma3Config", "Gemma3Model", "GemmaRMSNorm", "UnsupportedConfigError"]
+__all__ = ["Gemma3Config", "Gemma3Model", "GemmaRMSNorm", "ScaledEmbedding", "UnsupportedConfigError"]
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
 DEFAULT_SLIDING_WINDOW_PATTERN = 6  # transformers' default: every 6th layer is full attention
 
@@ -319,20 +318,6 @@ class GeGLU(SwiGLU):
         return self.w_down(F.gelu(self.w_gate(x_BTD), approximate="tanh") * self.w_up(x_BTD))
 
 
-class ScaledEmbedding(nn.Embedding):
-    """Embedding lookup times `scale`, the scale first rounded to the weight's dtype."""
-
-    def __init__(self, num_embeddings: int, dim: int, scale: float, padding_idx: int | None = None):
-        super().__init__(num_embeddings, dim, padding_idx=padding_idx)
-        self.scale = scale
-
-    def forward(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
-        x_BTD = super().forward(input_ids_BT)
-        # a Python float (no device tensor, no sync) holding the dtype-rounded value
-        scale = torch.tensor(self.scale, dtype=torch.float32).to(x_BTD.dtype).item()
-        return x_BTD * scale
-
-
 class Gemma3Block(nn.Module):
     """Sandwich-norm block: `x += post_norm(attn(norm(x))); x += post_norm(mlp(norm(x)))`."""
 
@@ -356,73 +341,29 @@ class Gemma3Block(nn.Module):
         return x_BTD + self.post_ffn_norm(self.feed_forward(self.ffn_norm(x_BTD)))
 
 
-class Gemma3Model(nn.Module):
-    """Gemma 3 text decoder up to the final norm; the output projection belongs to the loss.
-
-    `forward(input_ids_BT, position_ids_BT, doc_ids_BT) -> hidden_BTD`: all `[B, T]` long;
-    positions restart per document, `doc_ids` number documents in a row (`-1` for padding).
-    One mask and one rotary table per layer type are built per forward.
-    """
+class Gemma3Model(DecoderLM):
+    """Gemma 3 text decoder up to the final norm; see `DecoderLM` for the forward contract.
+    Embeddings scaled by `sqrt(hidden_size)`, one RoPE per layer type, Gemma's norms and
+    sandwich-norm blocks, final-logit soft-capping in `compute_logits` and the loss."""
 
     def __init__(self, config: Gemma3Config):
-        super().__init__()
-        self.config = config
-        V, D = config.padded_vocab_size, config.hidden_size
-        self.tok_embeddings = ScaledEmbedding(V, D, scale=D**0.5, padding_idx=config.pad_token_id)
-        self.rotary = nn.ModuleDict({
+        rotary = nn.ModuleDict({
             SLIDING: RotaryEmbedding(config.head_dim, config.rope_local_base_freq),
             FULL: RotaryEmbedding(config.head_dim, config.rope_theta, linear_factor=config.rope_scaling_factor or 1.0),
         })
-        self.layers = nn.ModuleList(Gemma3Block(config) for _ in range(config.num_hidden_layers))
-        self.norm = GemmaRMSNorm(D, config.rms_norm_eps)
-        self.output = None if config.tie_word_embeddings else nn.Linear(D, V, bias=False)
-
-    @property
-    def output_weight(self) -> torch.Tensor:
-        """The output projection `[V_padded, D]`: the embedding when tied, else the head."""
-        return self.tok_embeddings.weight if self.output is None else self.output.weight
+        super().__init__(config, block=lambda i: Gemma3Block(config), rotary=rotary,
+                         embedding_scale=config.hidden_size**0.5, padding_idx=config.pad_token_id,
+                         norm_cls=GemmaRMSNorm)
 
     @property
     def logit_softcap(self) -> float | None:
         """Final-logit soft-capping `c` (logits -> `c * tanh(logits / c)`), read by the loss."""
         return self.config.final_logit_softcapping
 
-    def forward(
-        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor
-    ) -> torch.Tensor:
-        x_BTD = self.tok_embeddings(input_ids_BT)
-        windows = {SLIDING: self.config.sliding_window, FULL: None}
-        rope, masks = {}, {}
-        for layer_type in set(self.config.layer_types):
-            rope[layer_type] = self.rotary[layer_type](position_ids_BT, x_BTD.dtype)
-            masks[layer_type] = build_attention_mask(doc_ids_BT, window=windows[layer_type])
-        for layer, layer_type in zip(self.layers, self.config.layer_types):
-            x_BTD = layer(x_BTD, *rope[layer_type], masks[layer_type])
-        return self.norm(x_BTD)
-
-    def compute_logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
-        """Full (soft-capped) logits `[B, T, vocab_size]` over the real vocabulary."""
-        logits_BTV = F.linear(hidden_BTD, self.output_weight[: self.config.vocab_size])
-        cap = self.logit_softcap
-        return logits_BTV if cap is None else torch.tanh(logits_BTV / cap) * cap
-
-    @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """Initialise in place like transformers: matrices ~ N(0, initializer_range), norm
-        weights 0 (the norms scale by `1 + weight`), the `pad_token_id` embedding row and
-        padded vocabulary rows 0. Deterministic for a given seed and device."""
-        device = self.tok_embeddings.weight.device
-        if device.type == "meta":
-            raise RuntimeError("init_weights on a meta model: call model.to_empty(device=...) first")
-        gen = torch.Generator(device=device).manual_seed(seed)
-        for param in self.parameters():
-            if param.ndim == 1:
-                param.zero_()
-            else:
-                param.normal_(0.0, self.config.initializer_range, generator=gen)
-        V, pad = self.config.vocab_size, self.config.pad_token_id
-        self.tok_embeddings.weight[V:].zero_()
-        if pad is not None:
-            self.tok_embeddings.weight[pad].zero_()
-        if self.output is not None:
-            self.output.weight[V:].zero_()
+    def _init_parameter(self, name: str, param: torch.Tensor, gen: torch.Generator) -> None:
+        """As transformers: matrices ~ N(0, initializer_range), norm weights 0 (the norms scale
+        by `1 + weight`)."""
+        if param.ndim == 1:
+            param.zero_()
+        else:
+            param.normal_(0.0, self.config.initializer_range, generator=gen)

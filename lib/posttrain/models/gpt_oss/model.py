@@ -44,7 +44,6 @@ Not implemented: MXFP4-quantized checkpoints (dequantize first), dropout.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -60,16 +59,17 @@ from posttrain.models.hf_config import (
     check_hf_dict,
     check_positive_ints,
 )
+from posttrain.models.decoder import FULL, SLIDING, DecoderBlock, DecoderLM
 from posttrain.models.layers import RMSNorm, apply_rotary
 from posttrain.models.moe import load_balancing_loss, routed_experts
 from posttrain.models.rope import YarnScaling, build_rotary, rope_from_hf
-from posttrain.ops.attention import AttentionMask, build_attention_mask
+from posttrain.ops.attention import AttentionMask
 from posttrain.ops.sink_attention import sink_attention
 from posttrain.train.mfu import LayerFlopSpec, Matmul
 
 __all__ = ["GptOssConfig", "GptOssModel", "UnsupportedConfigError"]
 
-LAYER_TYPES = ("sliding_attention", "full_attention")
+LAYER_TYPES = (SLIDING, FULL)
 # transformers' default when config.json has no rope_parameters/rope_scaling
 DEFAULT_YARN = YarnScaling(factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
                            truncate=False)
@@ -148,7 +148,7 @@ class GptOssConfig(PaddedVocab):
             raise UnsupportedConfigError(
                 f"layer_types must hold {self.num_hidden_layers} entries from {LAYER_TYPES}, got {self.layer_types}"
             )
-        if "sliding_attention" in self.layer_types and (
+        if SLIDING in self.layer_types and (
             not isinstance(self.sliding_window, int) or self.sliding_window < 1
         ):
             raise UnsupportedConfigError(
@@ -157,7 +157,7 @@ class GptOssConfig(PaddedVocab):
 
     def layer_window(self, i: int) -> int | None:
         """The sliding window of layer `i` (None for full attention)."""
-        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+        return self.sliding_window if self.layer_types[i] == SLIDING else None
 
     def flop_layers(self) -> list[LayerFlopSpec]:
         """Per-layer matmuls for `posttrain.train.mfu`: attention projections, the router once
@@ -303,88 +303,32 @@ class TopKSoftmaxMoE(nn.Module):
         return y_ND.view_as(x_BTD)
 
 
-class GptOssBlock(nn.Module):
-    """Pre-norm block: `x += attn(norm(x)); x += moe(norm(x))`."""
+class GptOssModel(DecoderLM):
+    """GPT-OSS decoder up to the final norm; see `DecoderLM` for the forward contract. Each
+    layer is a pre-norm `DecoderBlock` of `GptOssRMSNorm`s, `SinkAttention` and a
+    `TopKSoftmaxMoE`; sliding layers attend to the last `sliding_window` tokens."""
 
     def __init__(self, config: GptOssConfig):
-        super().__init__()
-        D, eps = config.hidden_size, config.rms_norm_eps
-        self.attention_norm = GptOssRMSNorm(D, eps)
-        self.attention = SinkAttention(D, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                                       bias=config.attention_bias)
-        self.ffn_norm = GptOssRMSNorm(D, eps)
-        self.feed_forward = TopKSoftmaxMoE(config)
+        def block(i: int) -> DecoderBlock:
+            attention = SinkAttention(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                                      config.head_dim, bias=config.attention_bias)
+            return DecoderBlock(config, attention=attention, feed_forward=TopKSoftmaxMoE(config),
+                                norm_cls=GptOssRMSNorm)
 
-    def forward(
-        self, x_BTD: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor, mask: AttentionMask
-    ) -> torch.Tensor:
-        x_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_BTE, sin_BTE, mask)
-        return x_BTD + self.feed_forward(self.ffn_norm(x_BTD))
-
-
-class GptOssModel(nn.Module):
-    """GPT-OSS decoder up to the final norm; the output projection belongs to the loss.
-
-    `forward(input_ids_BT, position_ids_BT, doc_ids_BT) -> hidden_BTD`: all `[B, T]` long;
-    positions restart per document, `doc_ids` number documents in a row (`-1` for padding) and
-    confine attention to earlier tokens of the same document (and, on sliding layers, to the
-    last `sliding_window` of them). One mask per layer type is built per forward.
-    """
-
-    def __init__(self, config: GptOssConfig):
-        super().__init__()
-        self.config = config
-        V, D = config.padded_vocab_size, config.hidden_size
         # as transformers: the pad token's row gets no gradient (and starts at zero)
-        self.tok_embeddings = nn.Embedding(V, D, padding_idx=config.pad_token_id)
-        self.rotary = build_rotary(config.head_dim, config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(GptOssBlock(config) for _ in range(config.num_hidden_layers))
-        self.norm = GptOssRMSNorm(D, config.rms_norm_eps)
-        self.output = None if config.tie_word_embeddings else nn.Linear(D, V, bias=False)
+        super().__init__(config, block=block, rotary=build_rotary(config.head_dim, config.rope_theta,
+                                                                  config.rope_scaling),
+                         padding_idx=config.pad_token_id, norm_cls=GptOssRMSNorm)
 
-    @property
-    def output_weight(self) -> torch.Tensor:
-        """The output projection `[V_padded, D]`: the embedding when tied, else the head."""
-        return self.tok_embeddings.weight if self.output is None else self.output.weight
-
-    def forward(
-        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor
-    ) -> torch.Tensor:
-        x_BTD = self.tok_embeddings(input_ids_BT)
-        cos_BTE, sin_BTE = self.rotary(position_ids_BT, x_BTD.dtype)
-        windows = [self.config.layer_window(i) for i in range(len(self.layers))]
-        masks = {w: build_attention_mask(doc_ids_BT, window=w) for w in set(windows)}
-        for layer, window in zip(self.layers, windows):
-            x_BTD = layer(x_BTD, cos_BTE, sin_BTE, masks[window])
-        return self.norm(x_BTD)
-
-    def compute_logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
-        """Full logits `[B, T, vocab_size]` over the real vocabulary (generation/verification only)."""
-        return F.linear(hidden_BTD, self.output_weight[: self.config.vocab_size])
-
-    @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """Initialise in place like transformers: matrices, expert weights, sinks and the router
-        (weight and bias) ~ N(0, initializer_range); other biases 0; norm weights 1; padded
-        vocabulary rows and the pad token's embedding 0. Deterministic for a given seed and device."""
-        device = self.tok_embeddings.weight.device
-        if device.type == "meta":
-            raise RuntimeError("init_weights on a meta model: call model.to_empty(device=...) first")
-        gen = torch.Generator(device=device).manual_seed(seed)
-        std = self.config.initializer_range
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith(("sinks", "router.bias", ".weight", "w_gate_up", "w_down")):
-                param.normal_(0.0, std, generator=gen)
-            else:  # linear and expert biases
-                param.zero_()
-        V = self.config.vocab_size
-        self.tok_embeddings.weight[V:].zero_()
-        if self.config.pad_token_id is not None:
-            self.tok_embeddings.weight[self.config.pad_token_id].zero_()
-        if self.output is not None:
-            self.output.weight[V:].zero_()
+    def _init_parameter(self, name: str, param: torch.Tensor, gen: torch.Generator) -> None:
+        """As transformers: matrices, expert weights, sinks and the router (weight and bias)
+        ~ N(0, initializer_range); other biases 0; norm weights 1."""
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(("sinks", "router.bias", ".weight", "w_gate_up", "w_down")):
+            param.normal_(0.0, self.config.initializer_range, generator=gen)
+        else:  # linear and expert biases
+            param.zero_()
 
     def record_router_logits(self, enabled: bool = True) -> None:
         """Keep (or stop keeping) every layer's router logits from the next forward on."""

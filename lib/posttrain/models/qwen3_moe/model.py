@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttrain.models.decoder import DecoderLM
+from posttrain.models.decoder import DecoderBlock, DecoderLM
 from posttrain.models.hf_config import UnsupportedConfigError, check_hf_dict, check_positive_ints
 from posttrain.models.moe import SwiGLUExperts, load_balancing_loss
 from posttrain.models.qwen3 import model as qwen3
@@ -200,10 +200,10 @@ class Qwen3MoeModel(DecoderLM):
     An MoE layer is the shared `DecoderBlock` with a `SparseMoe` as its `feed_forward`."""
 
     def __init__(self, config: Qwen3MoeConfig):
-        super().__init__(config, qk_norm=True)
-        for i, layer in enumerate(self.layers):
-            if config.is_moe_layer(i):
-                layer.feed_forward = SparseMoe(config)
+        def block(i: int) -> DecoderBlock:
+            return DecoderBlock(config, qk_norm=True, feed_forward=SparseMoe(config) if config.is_moe_layer(i) else None)
+
+        super().__init__(config, block=block)
 
     def moe_layers(self) -> list[SparseMoe]:
         return [layer.feed_forward for layer in self.layers if isinstance(layer.feed_forward, SparseMoe)]
