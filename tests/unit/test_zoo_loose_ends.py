@@ -257,3 +257,25 @@ def test_router_aux_loss_asked_of_a_model_that_cannot_record_it():
     batch = {k: v for k, v in padded_lm_batch(96, [8], T=8, seed=0).items() if k != "attention_mask"}
     with pytest.raises(ValueError, match="output_router_logits=True.*HFCausalLM cannot record router logits"):
         causal_lm_loss(model, batch)
+
+
+def test_router_aux_loss_gradients_survive_activation_checkpointing():
+    """The router logits leave each block through the recording side channel, not its output;
+    non-reentrant checkpointing must still give the same gradients."""
+    from posttrain.train.trainer import apply_activation_checkpointing
+
+    config = tiny_config("qwen3_moe", num_hidden_layers=2, mlp_only_layers=(), output_router_logits=True,
+                         router_aux_loss_coef=0.5)
+    batch = padded_lm_batch(config.vocab_size, [12, 7], T=12, seed=8)
+    grads = []
+    for checkpointed in (False, True):
+        model = random_model(config, seed=7).train()
+        if checkpointed:
+            apply_activation_checkpointing(model)
+        loss_sum, n_tokens = causal_lm_loss(model, batch)
+        (loss_sum / n_tokens).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    plain, recomputed = grads
+    for name, g in plain.items():
+        assert torch.allclose(recomputed[name], g, rtol=1e-5, atol=1e-7), name
+    assert plain["layers.0.feed_forward.router.weight"].abs().max() > 0
