@@ -158,4 +158,5 @@ def test_transformers_backend_flow_trains_and_exports_a_model_we_do_not_implemen
     assert type(tuned).__name__ == "MistralForCausalLM"
     ids_BT = torch.randint(0, len(tokenizer), (1, 10), generator=torch.Generator().manual_seed(0))
     base = AutoModelForCausalLM.from_pretrained(mistral, dtype=torch.float32)
-    assert float((tuned(input_ids=ids_BT).logits - base(input_ids=ids_BT).logits).abs().max()) > 1e-4
+    with torch.no_grad():
+        assert float((tuned(input_ids=ids_BT).logits - base(input_ids=ids_BT).logits).abs().max()) > 1e-4  # trained
