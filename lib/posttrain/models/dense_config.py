@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, ClassVar
 
-from posttrain.models.hf_config import PaddedVocab, check_attention_dims, check_positive_ints, require
+from posttrain.models.hf_config import PaddedVocab, check_attention_dims, check_positive_ints, hf_dict, require
 from posttrain.models.rope import rope_from_hf
 
 __all__ = ["DENSE_READ_HF_FIELDS", "DenseDecoderConfig"]
@@ -59,31 +59,11 @@ class DenseDecoderConfig(PaddedVocab):
         return kwargs
 
     def _hf_dict(self, dtype: str) -> dict[str, Any]:
-        """The config.json core transformers (5.x) reads for `hf_architecture`: `rope_parameters`
-        (transformers 5) and the top-level `rope_theta` older readers expect; `dtype` names
-        the dtype the weights are stored in."""
-        return {
-            "architectures": [self.hf_architecture],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": {"rope_theta": float(self.rope_theta), "rope_type": "default"},
-            "rope_theta": float(self.rope_theta),
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "initializer_range": self.initializer_range,
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
-            "dtype": dtype,
-            "use_cache": True,
-        }
+        """The config.json dict transformers (5.x) reads for `hf_architecture`: the dataclass
+        fields, `rope_parameters` (transformers 5) and the top-level `rope_theta` older readers
+        expect, the fixed silu/no-bias/no-dropout values; `dtype` names the dtype the weights
+        are stored in."""
+        theta = float(self.rope_theta)
+        return hf_dict(self, self.hf_architecture, dtype, hidden_act="silu", rope_theta=theta,
+                       rope_parameters={"rope_theta": theta, "rope_type": "default"},
+                       attention_bias=False, attention_dropout=0.0)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import fields
 from typing import Any
 
 __all__ = [
     "COMMON_IGNORED_HF_FIELDS", "REQUIRED_HF_FIELDS", "VOCAB_PAD_MULTIPLE", "PaddedVocab", "UnsupportedConfigError",
-    "check_attention_dims", "check_hf_dict", "check_positive_ints", "require",
+    "check_attention_dims", "check_hf_dict", "check_positive_ints", "hf_dict", "require",
 ]
 
 VOCAB_PAD_MULTIPLE = 64
@@ -100,3 +101,14 @@ def require(d: dict[str, Any], field_name: str, ok: bool, want: str) -> None:
     """Raise `UnsupportedConfigError` naming `field_name`, its value in `d` and `want` unless `ok`."""
     if not ok:
         raise UnsupportedConfigError(f"config.json {field_name}={d.get(field_name)!r} unsupported (need {want})")
+
+
+def hf_dict(config: Any, architecture: str, dtype: str, skip: Iterable[str] = (), **extra: Any) -> dict[str, Any]:
+    """A config.json dict: `architectures`, `model_type`, every dataclass field of `config` but
+    `skip` under its own name, then `extra` (which overrides), `dtype` (the dtype the weights
+    are stored in) and `use_cache`."""
+    skip = set(skip)
+    d: dict[str, Any] = {"architectures": [architecture], "model_type": config.model_type}
+    d.update({f.name: getattr(config, f.name) for f in fields(config) if f.name not in skip})
+    d.update(extra, dtype=dtype, use_cache=True)
+    return d

@@ -52,6 +52,7 @@ from posttrain.models.hf_config import (
     check_attention_dims,
     check_hf_dict,
     check_positive_ints,
+    hf_dict,
     require,
 )
 from posttrain.models.decoder import FULL, SLIDING, DecoderLM
@@ -198,42 +199,17 @@ class Gemma3Config(PaddedVocab):
         if self.rope_scaling_factor is not None:
             rope_scaling = {"rope_type": "linear", "factor": float(self.rope_scaling_factor)}
             full_rope.update(rope_scaling)
-        return {
-            "architectures": ["Gemma3ForCausalLM"],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_activation": "gelu_pytorch_tanh",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": {
+        return hf_dict(
+            self, "Gemma3ForCausalLM", dtype, skip=("rope_scaling_factor",),
+            hidden_activation="gelu_pytorch_tanh",
+            rope_parameters={
                 SLIDING: {"rope_type": "default", "rope_theta": float(self.rope_local_base_freq)},
                 FULL: full_rope,
             },
-            "rope_theta": float(self.rope_theta),
-            "rope_local_base_freq": float(self.rope_local_base_freq),
-            "rope_scaling": rope_scaling,
-            "query_pre_attn_scalar": self.query_pre_attn_scalar,
-            "sliding_window": self.sliding_window,
-            "layer_types": list(self.layer_types),
-            "final_logit_softcapping": self.final_logit_softcapping,
-            "attn_logit_softcapping": None,
-            "use_bidirectional_attention": False,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "initializer_range": self.initializer_range,
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
-            "dtype": dtype,
-            "use_cache": True,
-        }
+            rope_theta=float(self.rope_theta), rope_local_base_freq=float(self.rope_local_base_freq),
+            rope_scaling=rope_scaling, layer_types=list(self.layer_types), attn_logit_softcapping=None,
+            use_bidirectional_attention=False, attention_bias=False, attention_dropout=0.0,
+        )
 
 
 def _rope_from_hf(d: dict[str, Any], full_default: float, sliding_default: float) -> dict[str, Any]:

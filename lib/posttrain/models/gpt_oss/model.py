@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from posttrain.models.decoder import FULL, SLIDING, DecoderBlock, DecoderLM
 from posttrain.models.hf_config import (
     COMMON_IGNORED_HF_FIELDS,
     PaddedVocab,
@@ -58,8 +59,8 @@ from posttrain.models.hf_config import (
     check_attention_dims,
     check_hf_dict,
     check_positive_ints,
+    hf_dict,
 )
-from posttrain.models.decoder import FULL, SLIDING, DecoderBlock, DecoderLM
 from posttrain.models.layers import RMSNorm, apply_rotary
 from posttrain.models.moe import load_balancing_loss, routed_experts
 from posttrain.models.rope import YarnScaling, build_rotary, rope_from_hf
@@ -215,11 +216,9 @@ class GptOssConfig(PaddedVocab):
         """A config.json dict that transformers (5.x) loads as GptOssForCausalLM."""
         rope = {"rope_type": "default"} if self.rope_scaling is None else {"rope_type": "yarn",
                                                                            **self.rope_scaling.to_hf()}
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("rope_theta", "rope_scaling")}
-        d.update(architectures=["GptOssForCausalLM"], model_type=self.model_type, layer_types=list(self.layer_types),
-                 rope_parameters={**rope, "rope_theta": float(self.rope_theta)}, rope_theta=float(self.rope_theta),
-                 attention_dropout=0.0, hidden_act="silu", dtype=dtype, use_cache=True)
-        return d
+        return hf_dict(self, "GptOssForCausalLM", dtype, skip=("rope_scaling",), layer_types=list(self.layer_types),
+                       rope_parameters={**rope, "rope_theta": float(self.rope_theta)}, rope_theta=float(self.rope_theta),
+                       attention_dropout=0.0, hidden_act="silu")
 
 
 class GptOssRMSNorm(RMSNorm):
