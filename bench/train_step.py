@@ -2,7 +2,7 @@
 padded batches, same model weights, same samples, side by side in one process.
 
     python bench/train_step.py [--quick] [--steps N] [--warmup N] [--row-length L] [--rows R]
-                               [--hidden D] [--layers N] [--compile]
+                               [--hidden D] [--layers N] [--compile | --eager]
 
 Progress goes to stderr; the LAST stdout line is one JSON object:
 
@@ -27,7 +27,9 @@ Bernoulli(0.6)).
 Each step trains the same documents on both sides:
 - ours: `pack_samples` (best fit) into `[R, L]` rows; one step is R rows through
   `Trainer.train_step` (document-masked SDPA, chunked loss over the loss tokens only, fused
-  AdamW, clipping, health checks). `--compile` compiles each decoder block.
+  AdamW, clipping, health checks), each decoder block compiled (`TrainConfig.compile`;
+  the default, as it helped: see docs/benchmarks.md; `--eager` turns it off, `--quick`
+  runs eager unless `--compile`).
 - HF: the documents of that step's rows (cut out of the rows by document id), sorted by
   length and cut into pad-to-longest micro-batches of at most R*L slots (as many as fit
   `n * longest <= R*L`; sorting keeps padding low, its best practical setting), each with an
@@ -40,8 +42,9 @@ compares the process CPU time (all threads) of the timed steps instead: on a mac
 with other jobs it is steadier than wall time (waiting for a core is not counted). `loss_step1` is each
 side's first-step loss (the same objective on the same weights: they agree to ~1e-5).
 
-Defaults (rows of 1,024, 2 rows per step, 8 timed steps after 2 warm-up) take about 1.5
-minutes on 2 cores; `--quick` (1 layer, hidden 32, rows of 256, 1 timed step) ~20 seconds.
+Defaults (rows of 1,024, 2 rows per step, 8 timed steps after 2 warm-up, compiled) took about
+3 minutes on 2 shared cores (compiling adds ~50 s on a cold inductor cache); `--quick` (1
+layer, hidden 32, rows of 256, 1 timed step, eager) ~20 seconds.
 Figures are comparable only under the same glibc allocator settings (docs/benchmarks.md);
 `settings.malloc_env` records them.
 """
@@ -66,11 +69,11 @@ from posttrain.config.schema import TrainConfig  # noqa: E402
 from posttrain.data.packer import iter_batches, pack_samples  # noqa: E402
 from posttrain.models.qwen3.model import Qwen3Config  # noqa: E402
 from posttrain.models.registry import build_model, save_hf_checkpoint  # noqa: E402
-from posttrain.train.trainer import Trainer, apply_compile  # noqa: E402
+from posttrain.train.trainer import Trainer  # noqa: E402
 
 QWEN3_VOCAB = 151_669
 TARGET = 1.3
-FULL = dict(row_length=1024, rows=2, steps=8, warmup=2, hidden=128, layers=4, per_source=80)
+FULL = dict(row_length=1024, rows=2, steps=8, warmup=2, hidden=128, layers=4, per_source=80)  # + compile
 QUICK = dict(row_length=256, rows=1, steps=1, warmup=1, hidden=32, layers=1, per_source=6)
 
 
@@ -162,11 +165,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     for name in FULL:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
-    parser.add_argument("--compile", action="store_true", help="compile our decoder blocks")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--compile", action="store_true", default=None, help="compile our decoder blocks")
+    mode.add_argument("--eager", dest="compile", action="store_false", help="do not compile")
     args = parser.parse_args()
     settings = dict(QUICK if args.quick else FULL)
     settings.update({k: getattr(args, k) for k in FULL if getattr(args, k) is not None})
-    settings.update(quick=args.quick, compile=args.compile, threads=torch.get_num_threads(),
+    compile_blocks = (not args.quick) if args.compile is None else args.compile
+    settings.update(quick=args.quick, compile=compile_blocks, threads=torch.get_num_threads(),
                     malloc_env={k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")})
     started = time.perf_counter()
     from transformers import Qwen3ForCausalLM
@@ -185,13 +191,12 @@ def main() -> None:
 
     config = model_config(settings["hidden"], settings["layers"])
     ours = build_model(config, seed=0)
-    cfg = TrainConfig(device="cpu", learning_rate=1e-4, warmup_steps=0, max_grad_norm=1.0, min_lr_ratio=1.0)
+    cfg = TrainConfig(device="cpu", learning_rate=1e-4, warmup_steps=0, max_grad_norm=1.0, min_lr_ratio=1.0,
+                      compile=settings["compile"])
     with tempfile.TemporaryDirectory() as tmp:
         save_hf_checkpoint(ours, tmp)
         hf = Qwen3ForCausalLM.from_pretrained(tmp, attn_implementation="sdpa", dtype=torch.float32)
     trainer = Trainer(ours, cfg, total_steps=total)
-    if settings["compile"]:
-        apply_compile(ours)
     hf_step = HFStep(hf, cfg)
     hf_batches = [hf_micro_batches(documents(b), R * L, pad_id=0) for b in batches]
 
