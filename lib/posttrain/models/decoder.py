@@ -27,9 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from posttrain.models.layers import GroupedQueryAttention, RMSNorm, RotaryEmbedding, ScaledEmbedding, SwiGLU
+from posttrain.models.moe import load_balancing_loss
 from posttrain.ops.attention import AttentionMask, build_attention_mask
 
-__all__ = ["FULL", "SLIDING", "DecoderBlock", "DecoderLM"]
+__all__ = ["FULL", "SLIDING", "DecoderBlock", "DecoderLM", "MoeDecoderLM"]
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -149,3 +150,31 @@ class DecoderLM(nn.Module):
             param.fill_(1.0)
         else:
             param.normal_(0.0, self.config.initializer_range, generator=gen)
+
+
+class MoeDecoderLM(DecoderLM):
+    """A `DecoderLM` whose MoE layers' `feed_forward` records its router logits: such a module
+    has `record_router_logits` (bool) and `router_logits_NX` (the last forward's `[B*T, X]`
+    router logits while recording, else None). Adds what `causal_lm_loss` needs for the
+    router load-balancing loss."""
+
+    def moe_layers(self) -> list[nn.Module]:
+        """The MoE `feed_forward` modules, in layer order."""
+        return [layer.feed_forward for layer in self.layers if hasattr(layer.feed_forward, "router_logits_NX")]
+
+    def record_router_logits(self, enabled: bool = True) -> None:
+        """Keep (or stop keeping) each MoE layer's router logits from the next forward on."""
+        for moe in self.moe_layers():
+            moe.record_router_logits = enabled
+            moe.router_logits_NX = None
+
+    def router_aux_loss(self, doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """The load-balancing loss of the last forward (transformers' `aux_loss`, before
+        `router_aux_loss_coef`) over all MoE layers, over the tokens whose `doc_ids >= 0` when
+        given (padding is left out, as transformers does with an attention mask). Needs
+        `record_router_logits()`."""
+        logits = [moe.router_logits_NX for moe in self.moe_layers()]
+        if not logits or any(t is None for t in logits):
+            raise RuntimeError("router_aux_loss needs a forward after model.record_router_logits(True)")
+        valid_N = None if doc_ids_BT is None else (doc_ids_BT.reshape(-1) >= 0)
+        return load_balancing_loss(logits, self.config.num_experts_per_tok, valid_N)

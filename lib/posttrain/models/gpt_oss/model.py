@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttrain.models.decoder import FULL, SLIDING, DecoderBlock, DecoderLM
+from posttrain.models.decoder import FULL, SLIDING, DecoderBlock, MoeDecoderLM
 from posttrain.models.hf_config import (
     COMMON_IGNORED_HF_FIELDS,
     PaddedVocab,
@@ -62,7 +62,7 @@ from posttrain.models.hf_config import (
     hf_dict,
 )
 from posttrain.models.layers import RMSNorm, apply_rotary
-from posttrain.models.moe import load_balancing_loss, routed_experts
+from posttrain.models.moe import routed_experts
 from posttrain.models.rope import YarnScaling, build_rotary, rope_from_hf
 from posttrain.ops.attention import AttentionMask
 from posttrain.ops.sink_attention import sink_attention
@@ -302,7 +302,7 @@ class TopKSoftmaxMoE(nn.Module):
         return y_ND.view_as(x_BTD)
 
 
-class GptOssModel(DecoderLM):
+class GptOssModel(MoeDecoderLM):
     """GPT-OSS decoder up to the final norm; see `DecoderLM` for the forward contract. Each
     layer is a pre-norm `DecoderBlock` of `GptOssRMSNorm`s, `SinkAttention` and a
     `TopKSoftmaxMoE`; sliding layers attend to the last `sliding_window` tokens."""
@@ -328,19 +328,3 @@ class GptOssModel(DecoderLM):
             param.normal_(0.0, self.config.initializer_range, generator=gen)
         else:  # linear and expert biases
             param.zero_()
-
-    def record_router_logits(self, enabled: bool = True) -> None:
-        """Keep (or stop keeping) every layer's router logits from the next forward on."""
-        for layer in self.layers:
-            layer.feed_forward.record_router_logits = enabled
-            layer.feed_forward.router_logits_NX = None
-
-    def router_aux_loss(self, doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """transformers' `aux_loss` of the last forward (before `router_aux_loss_coef`): the
-        load-balancing loss over all layers' router logits (top-k of the full softmax picks the
-        same experts as top-k of the logits), padding (`doc_ids < 0`) left out when given."""
-        logits = [layer.feed_forward.router_logits_NX for layer in self.layers]
-        if any(t is None for t in logits):
-            raise RuntimeError("router_aux_loss needs a forward after model.record_router_logits(True)")
-        valid_N = None if doc_ids_BT is None else doc_ids_BT.reshape(-1) >= 0
-        return load_balancing_loss(logits, self.config.num_experts_per_tok, valid_N)

@@ -31,7 +31,7 @@ Not implemented (config.json values asking for them raise `UnsupportedConfigErro
 field): sliding-window attention, biases, RoPE scaling, activations other than silu, dropout.
 The router's load-balancing loss (which transformers adds to its loss only with
 `output_router_logits`) is available from `Qwen3MoeModel.router_aux_loss` after a forward
-with `record_router_logits=True`; `causal_lm_loss` does not add it.
+with `record_router_logits(True)`; `posttrain.ops.losses.causal_lm_loss` adds it under the same rule.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttrain.models.decoder import DecoderBlock, DecoderLM
+from posttrain.models.decoder import DecoderBlock, MoeDecoderLM
 from posttrain.models.hf_config import UnsupportedConfigError, check_hf_dict, check_positive_ints
-from posttrain.models.moe import SwiGLUExperts, load_balancing_loss
+from posttrain.models.moe import SwiGLUExperts
 from posttrain.models.qwen3 import model as qwen3
 from posttrain.models.qwen3.model import Qwen3Config
 from posttrain.train.mfu import LayerFlopSpec, Matmul, dense_layer_spec
@@ -195,7 +195,7 @@ class SparseMoe(nn.Module):
         return y_ND.view_as(x_BTD)
 
 
-class Qwen3MoeModel(DecoderLM):
+class Qwen3MoeModel(MoeDecoderLM):
     """Qwen3-MoE decoder up to the final norm; see `DecoderLM` for the forward contract.
     An MoE layer is the shared `DecoderBlock` with a `SparseMoe` as its `feed_forward`."""
 
@@ -204,22 +204,3 @@ class Qwen3MoeModel(DecoderLM):
             return DecoderBlock(config, qk_norm=True, feed_forward=SparseMoe(config) if config.is_moe_layer(i) else None)
 
         super().__init__(config, block=block)
-
-    def moe_layers(self) -> list[SparseMoe]:
-        return [layer.feed_forward for layer in self.layers if isinstance(layer.feed_forward, SparseMoe)]
-
-    def record_router_logits(self, enabled: bool = True) -> None:
-        """Keep (or stop keeping) each MoE layer's router logits from the next forward on."""
-        for moe in self.moe_layers():
-            moe.record_router_logits = enabled
-            moe.router_logits_NX = None
-
-    def router_aux_loss(self, doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """The load-balancing loss of the last forward (transformers' `aux_loss`, before
-        `router_aux_loss_coef`), over the tokens whose `doc_ids >= 0` when given (padding is
-        left out, as transformers does with an attention mask). Needs `record_router_logits()`."""
-        logits = [moe.router_logits_NX for moe in self.moe_layers()]
-        if not logits or any(t is None for t in logits):
-            raise RuntimeError("router_aux_loss needs a forward after model.record_router_logits(True)")
-        valid_N = None if doc_ids_BT is None else (doc_ids_BT.reshape(-1) >= 0)
-        return load_balancing_loss(logits, self.config.num_experts_per_tok, valid_N)
