@@ -26,13 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from posttrain.models.hf_config import FULL, SLIDING
 from posttrain.models.layers import GroupedQueryAttention, RMSNorm, RotaryEmbedding, ScaledEmbedding, SwiGLU
 from posttrain.models.moe import load_balancing_loss
 from posttrain.ops.attention import AttentionMask, build_attention_mask
 
 __all__ = ["FULL", "SLIDING", "DecoderBlock", "DecoderLM", "MoeDecoderLM"]
-
-SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 class DecoderBlock(nn.Module):

@@ -17,10 +17,13 @@ from typing import Any
 
 __all__ = [
     "COMMON_IGNORED_HF_FIELDS", "REQUIRED_HF_FIELDS", "VOCAB_PAD_MULTIPLE", "PaddedVocab", "UnsupportedConfigError",
-    "check_attention_dims", "check_hf_dict", "check_positive_ints", "hf_dict", "require",
+    "FULL", "SLIDING", "check_attention_dims", "check_hf_dict", "check_layer_types", "check_pad_token",
+    "check_positive_ints", "hf_dict", "require",
 ]
 
 VOCAB_PAD_MULTIPLE = 64
+# config.json `layer_types` values: sliding-window or full (causal) attention
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 class UnsupportedConfigError(ValueError):
@@ -95,6 +98,30 @@ def check_attention_dims(config: Any) -> None:
         )
     if config.head_dim % 2:
         raise ValueError(f"head_dim must be even for the rotary embedding, got {config.head_dim}")
+
+
+def check_layer_types(config: Any) -> None:
+    """Raise `UnsupportedConfigError` unless `config.layer_types` holds `num_hidden_layers`
+    entries from (`SLIDING`, `FULL`) and, when some are sliding, `config.sliding_window` is a
+    positive int."""
+    name, types = type(config).__name__, config.layer_types
+    if len(types) != config.num_hidden_layers or set(types) - {SLIDING, FULL}:
+        raise UnsupportedConfigError(
+            f"{name}.layer_types must hold {config.num_hidden_layers} entries from {(SLIDING, FULL)}, got {types}"
+        )
+    window = config.sliding_window
+    if SLIDING in types and not (isinstance(window, int) and not isinstance(window, bool) and window > 0):
+        raise UnsupportedConfigError(
+            f"{name}.sliding_window must be a positive int when layer_types has sliding layers, got {window!r}"
+        )
+
+
+def check_pad_token(config: Any) -> None:
+    """Raise `ValueError` unless `config.pad_token_id` is None or a row of the vocabulary."""
+    if config.pad_token_id is not None and not 0 <= config.pad_token_id < config.vocab_size:
+        raise ValueError(
+            f"{type(config).__name__}.pad_token_id={config.pad_token_id} outside the vocabulary [0, {config.vocab_size})"
+        )
 
 
 def require(d: dict[str, Any], field_name: str, ok: bool, want: str) -> None:

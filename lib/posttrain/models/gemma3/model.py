@@ -47,15 +47,19 @@ from torch import nn
 
 from posttrain.models.hf_config import (
     COMMON_IGNORED_HF_FIELDS,
+    FULL,
+    SLIDING,
     PaddedVocab,
     UnsupportedConfigError,
     check_attention_dims,
     check_hf_dict,
+    check_layer_types,
+    check_pad_token,
     check_positive_ints,
     hf_dict,
     require,
 )
-from posttrain.models.decoder import FULL, SLIDING, DecoderLM
+from posttrain.models.decoder import DecoderLM
 from posttrain.models.layers import GroupedQueryAttention, RMSNorm, RotaryEmbedding, ScaledEmbedding, SwiGLU
 from posttrain.ops.attention import AttentionMask
 from posttrain.train.mfu import LayerFlopSpec, dense_layer_spec
@@ -128,21 +132,14 @@ class Gemma3Config(PaddedVocab):
         if self.layer_types is None:
             self.layer_types = pattern_layer_types(self.num_hidden_layers)
         self.layer_types = list(self.layer_types)
-        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - set(LAYER_TYPES):
-            raise ValueError(
-                f"Gemma3Config.layer_types must hold {self.num_hidden_layers} entries from {LAYER_TYPES}, "
-                f"got {self.layer_types}"
-            )
-        if SLIDING in self.layer_types and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
-            raise ValueError(f"Gemma3Config.sliding_window must be a positive int, got {self.sliding_window!r}")
+        check_layer_types(self)
+        check_pad_token(self)
         for name in ("final_logit_softcapping", "rope_scaling_factor"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"Gemma3Config.{name} must be positive or None, got {value!r}")
         if not self.query_pre_attn_scalar > 0:
             raise ValueError(f"Gemma3Config.query_pre_attn_scalar must be positive, got {self.query_pre_attn_scalar}")
-        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
-            raise ValueError(f"Gemma3Config.pad_token_id={self.pad_token_id} outside [0, {self.vocab_size})")
 
     def flop_layers(self) -> list[LayerFlopSpec]:
         """Per-layer FLOP specs for `posttrain.train.mfu`: dense layers, the sliding ones windowed."""

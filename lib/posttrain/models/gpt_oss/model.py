@@ -51,13 +51,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttrain.models.decoder import FULL, SLIDING, DecoderBlock, MoeDecoderLM
+from posttrain.models.decoder import DecoderBlock, MoeDecoderLM
 from posttrain.models.hf_config import (
     COMMON_IGNORED_HF_FIELDS,
+    FULL,
+    SLIDING,
     PaddedVocab,
     UnsupportedConfigError,
     check_attention_dims,
     check_hf_dict,
+    check_layer_types,
+    check_pad_token,
     check_positive_ints,
     hf_dict,
 )
@@ -138,23 +142,13 @@ class GptOssConfig(PaddedVocab):
         if self.num_experts_per_tok > self.num_local_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds "
                              f"num_local_experts={self.num_local_experts}")
-        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
-            raise ValueError(f"pad_token_id={self.pad_token_id} outside the vocabulary [0, {self.vocab_size})")
+        check_pad_token(self)
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = YarnScaling.from_hf(self.rope_scaling, self.max_position_embeddings)
         if self.layer_types is None:
             self.layer_types = [LAYER_TYPES[i % 2] for i in range(self.num_hidden_layers)]
         self.layer_types = list(self.layer_types)
-        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - set(LAYER_TYPES):
-            raise UnsupportedConfigError(
-                f"layer_types must hold {self.num_hidden_layers} entries from {LAYER_TYPES}, got {self.layer_types}"
-            )
-        if SLIDING in self.layer_types and (
-            not isinstance(self.sliding_window, int) or self.sliding_window < 1
-        ):
-            raise UnsupportedConfigError(
-                f"sliding_window={self.sliding_window!r} must be a positive int when layer_types has sliding layers"
-            )
+        check_layer_types(self)
 
     def layer_window(self, i: int) -> int | None:
         """The sliding window of layer `i` (None for full attention)."""
