@@ -98,6 +98,23 @@ def test_two_workers_follow_the_one_worker_trajectory(recipe, one_worker, strate
         ["rank_00000.json", "rank_00001.json"]
 
 
+@pytest.mark.slow
+def test_two_workers_resume_after_a_worker_fails(recipe, one_worker, monkeypatch):
+    from posttrain.parallel.distributed import WorkerError
+    from posttrain.steps import train
+
+    work, config, tokenizer, samples, rows = recipe
+    config = with_parallel(config, "fsdp", 2)
+    monkeypatch.setenv(train.FAULT_AT_STEP_ENV, "3")  # rank 0 raises after step 3 (checkpoint: step 2)
+    with pytest.raises(WorkerError, match="injected failure after step 3"):
+        train.run(config, tokenizer, samples, rows, work / "faulty")
+    seen = []
+    result = train.run(config, tokenizer, samples, rows, work / "faulty", on_step=seen.append)
+    assert result.resumed_from == str(work / "faulty" / "train_state" / "step_00000002")
+    assert [h["step"] for h in seen] == [1, 2, 3, 4]  # restored history, then the resumed steps
+    assert max(abs(a - b) for a, b in zip(losses(result.history), losses(one_worker.history))) < LOSS_TOL
+
+
 def test_metrics_follower_delivers_each_complete_record_once_in_order(tmp_path):
     from posttrain.steps.metrics_follow import FollowMetrics
 
