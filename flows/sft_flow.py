@@ -18,6 +18,12 @@ resume of a resume alike:
 
     python flows/sft_flow.py resume train      # after a failed or killed train step
 
+Workers: `parallel.num_workers: 2` (`strategy: fsdp` or `ddp`) trains on that many Ray actors
+with the same loss trajectory as one worker (configs/sft/tiny-2workers.yaml). Other recipe
+variants: `model.arch` (random init of any registered architecture), `model.lora`
+(configs/sft/tiny-lora.yaml; merged export, PEFT adapter in the artifact `adapter_dir`),
+`model.backend: transformers` (any local `AutoModelForCausalLM`; see docs/architecture.md).
+
 Cards: data sources and rejected rows (ingest), length histogram (tokenize), packing
 efficiency (pack), live loss and throughput (train), the logit verdict (verify), the
 evaluation table with an evidently report (evaluate), and an overview of the run (end).
