@@ -209,14 +209,22 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The state dict `merge_lora` would leave, without touching `model`: adapted weights as
     new merged tensors, every other entry as the model's own (detached) tensor, no
     `lora_A`/`lora_B`. For exporting or syncing weights (e.g. to a rollout engine) mid-training."""
-    adapted = lora_modules(model)
-    merged = {f"{name}.weight": module.merged_weight() for name, module in adapted.items()}
-    factors = {f"{name}.{f}" for name in adapted for f in ("lora_A", "lora_B")}
-    state = {}
-    for name, tensor in model.state_dict().items():
-        if name not in factors:
-            state[name] = merged.get(name, tensor.detach())
-    return state
+    return merge_lora_weights(model, {n: t.detach() for n, t in model.state_dict().items()})
+
+
+@torch.no_grad()
+def merge_lora_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` (a full state dict of `model`, e.g. gathered from FSDP shards by
+    `get_model_state_dict(full_state_dict=True)`) with each adapter folded into its base
+    weight as `merge_lora` would, and the `lora_A`/`lora_B` entries dropped. The scalings
+    come from `model`'s adapter modules; a model without adapters gets `weights` back as is."""
+    merged = dict(weights)
+    for name, module in lora_modules(model).items():
+        w, a, b = (merged.pop(f"{name}.{leaf}") for leaf in ("weight", "lora_A", "lora_B"))
+        acc = torch.promote_types(w.dtype, torch.float32)
+        delta_OI = (b.to(acc) @ a.to(acc)) * module.scaling
+        merged[f"{name}.weight"] = (w.to(acc) + delta_OI).to(w.dtype)
+    return merged
 
 
 def lora_parameters(model: nn.Module) -> Iterable[tuple[str, nn.Parameter]]:

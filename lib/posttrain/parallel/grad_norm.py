@@ -37,6 +37,8 @@ def total_grad_norm(grads: Iterable[torch.Tensor], norm_type: float = 2.0) -> to
     for group in groups.values():
         norm = _norm_one_mesh(group, norm_type=norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if len(norms) == 1:  # one mesh (or none): torch's own norm, bit for bit
+        return norms[0]
     device = norms[0].device
     stacked = torch.stack([n.to(device) for n in norms])
     if math.isinf(norm_type):

@@ -397,11 +397,11 @@ def export_hf_checkpoint(trainer, path: str | os.PathLike, tokenizer: Any = None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from posttrain.models.registry import save_hf_checkpoint
-    from posttrain.train.trainer import _full_weights_view
+    from posttrain.train.trainer import full_weights_view
 
     weights = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     written = None
     if _rank() == 0:
-        written = save_hf_checkpoint(_full_weights_view(trainer.model, weights), path, tokenizer=tokenizer)
+        written = save_hf_checkpoint(full_weights_view(trainer.model, weights), path, tokenizer=tokenizer)
     _barrier()
     return written

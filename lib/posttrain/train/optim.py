@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import (
     _get_foreach_kernels_supported_devices,
     _get_fused_kernels_supported_devices,
@@ -40,7 +41,12 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def _kernel_choice(params: list[torch.Tensor]) -> dict:
     """`fused=True` when every parameter is a floating tensor on a fused-capable device,
-    else `foreach=True` where foreach kernels exist, else torch's default loop."""
+    else `foreach=True` where foreach kernels exist, else torch's default loop. Parameters
+    mixing DTensors and plain tensors (pure tensor parallelism: replicated norms stay plain)
+    get the loop: fused and foreach kernels refuse the mix."""
+    kinds = {isinstance(p, DTensor) for p in params}
+    if len(kinds) > 1:
+        return {"foreach": False}
     devices = {p.device.type for p in params}
     if all(p.is_floating_point() for p in params) and devices <= set(_get_fused_kernels_supported_devices()):
         return {"fused": True}

@@ -55,7 +55,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from posttrain.config.schema import TrainConfig
+from posttrain.models.lora import lora_spec, merge_lora_weights
 from posttrain.ops.losses import IGNORE_INDEX, causal_lm_loss
+from posttrain.parallel.grad_norm import clip_grads_with_norm_, total_grad_norm
 from posttrain.train.health import HealthMonitor
 from posttrain.train.optim import build_optimizer, build_scheduler
 
@@ -114,9 +116,12 @@ def resolve_group(process_group):
     return process_group
 
 
-def _full_weights_view(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> SimpleNamespace:
+def full_weights_view(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> SimpleNamespace:
     """What an adapter's `export_tensors(model)` reads (`config`, `named_parameters`,
-    `state_dict`), over a full state dict instead of the (possibly sharded) live model."""
+    `state_dict`), over a full state dict instead of the (possibly sharded) live model.
+    LoRA adapters in `weights` are folded into their base weights (the export is the merged
+    model, as `merge_lora` would leave it)."""
+    weights = merge_lora_weights(model, weights)
     return SimpleNamespace(config=model.config, named_parameters=lambda: iter(weights.items()),
                            state_dict=lambda: dict(weights))
 
@@ -189,7 +194,9 @@ class Trainer:
     def _step_flops(self, micro_batches: list[dict]) -> float:
         from posttrain.train.mfu import batch_step_flops
 
-        return sum(batch_step_flops(self.model.config, b).total for b in micro_batches)
+        lora_config = getattr(self.model, "lora_config", None)
+        lora = lora_spec(lora_config) if lora_config is not None else None
+        return sum(batch_step_flops(self.model.config, b, lora=lora).total for b in micro_batches)
 
     def _autocast(self, device: torch.device):
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.cfg.mixed_precision == "bf16")
@@ -239,15 +246,13 @@ class Trainer:
 
         loss = float(self._all_reduce(loss_sum_total)) / total_loss_tokens
         grads = [p.grad for p in self.params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        norm = total_grad_norm(grads)  # gradients may live on several meshes (fsdp+tp)
         grad_norm = float(norm)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)  # dropped before a possible TrainingHealthError
         verdict = self.health.check(self.step + 1, loss, grad_norm)
         if not verdict.skip:
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_grad_norm, norm)
+            clip_grads_with_norm_(self.params, self.cfg.max_grad_norm, norm)
             self.optimizer.step()
             self.scheduler.step()
         self.step += 1
@@ -337,7 +342,7 @@ class Trainer:
             return
         config = self.model.config
         adapter = get_architecture(config.model_type).adapter
-        for name, tensor in adapter.export_tensors(_full_weights_view(self.model, weights)):
+        for name, tensor in adapter.export_tensors(full_weights_view(self.model, weights)):
             yield name, tensor
             if name == "model.embed_tokens.weight" and getattr(config, "tie_word_embeddings", False):
                 yield "lm_head.weight", tensor
