@@ -119,8 +119,11 @@ class LiveTrainingCard:
         self._summary = Markdown("Training starting...")
         self._loss = Image.from_matplotlib(plots.loss_curve([{"step": 0, "loss": 0.0}]))
         self._throughput = Image.from_matplotlib(plots.throughput_curve([{"step": 0, "tokens_per_s": 0.0}]))
+        self._optimizer = Image.from_matplotlib(plots.optimizer_curves([{"step": 0, "grad_norm": 1.0, "lr": 0.0}]))
+        self._health = Markdown(plots.health_summary([]))
         plt.close("all")
-        for component in (Markdown("## Training (live)"), self._progress, self._summary, self._loss, self._throughput):
+        for component in (Markdown("## Training (live)"), self._progress, self._summary, self._health, self._loss,
+                          self._throughput, self._optimizer):
             card.append(component)
         card.refresh()
 
@@ -131,11 +134,14 @@ class LiveTrainingCard:
             return
         self._last = now
         self._progress.update(metrics["step"])
+        mfu = f", MFU {metrics['mfu']:.1%}" if "mfu" in metrics else ""
         self._summary.update(
             f"step {metrics['step']}/{self._total}: loss **{metrics['loss']:.4f}**, lr {metrics['lr']:.2e}, "
-            f"grad norm {metrics['grad_norm']:.3f}, **{metrics['tokens_per_s']:.0f} real tokens/s**")
+            f"grad norm {metrics['grad_norm']:.3f}, **{metrics['tokens_per_s']:.0f} real tokens/s**{mfu}")
+        self._health.update(plots.health_summary(self._history))
         for image, fig in ((self._loss, plots.loss_curve(self._history)),
-                           (self._throughput, plots.throughput_curve(self._history))):
+                           (self._throughput, plots.throughput_curve(self._history)),
+                           (self._optimizer, plots.optimizer_curves(self._history))):
             image.update(fig)
             plt.close(fig)
         self._card.refresh()

@@ -6,6 +6,8 @@ and headless callers (the flows' cards) select Agg themselves before importing t
 
 from __future__ import annotations
 
+import math
+
 import matplotlib.pyplot as plt
 from matplotlib.ticker import EngFormatter, MaxNLocator
 
@@ -37,6 +39,39 @@ def throughput_curve(history: list[dict]):
     ax.set_ylabel("real tokens / s")
     fig.tight_layout()
     return fig
+
+
+def optimizer_curves(history: list[dict]):
+    """Gradient norm (log scale, before clipping) and learning rate per step; steps the health
+    checks flagged are marked: skipped (non-finite) in red, loss spikes and gradient
+    explosions in orange."""
+    fig, (ax_norm, ax_lr) = plt.subplots(1, 2, figsize=(9.0, 3.0))
+    finite = [h for h in history if math.isfinite(h["grad_norm"]) and h["grad_norm"] > 0]
+    ax_norm.plot([h["step"] for h in finite], [h["grad_norm"] for h in finite], lw=1.2)
+    ax_norm.set_yscale("log")
+    for h in history:
+        if h.get("skipped"):
+            ax_norm.axvline(h["step"], color="tab:red", lw=0.8, alpha=0.7)
+        elif h.get("loss_spike") or h.get("grad_explosion"):
+            ax_norm.axvline(h["step"], color="tab:orange", lw=0.8, alpha=0.7)
+    ax_norm.set_xlabel("step")
+    ax_norm.set_ylabel("grad norm")
+    ax_lr.plot([h["step"] for h in history], [h["lr"] for h in history], lw=1.2, color="tab:green")
+    ax_lr.set_xlabel("step")
+    ax_lr.set_ylabel("learning rate")
+    fig.tight_layout()
+    return fig
+
+
+def health_summary(history: list[dict]) -> str:
+    """One line: how many steps were skipped (non-finite loss or gradients), flagged as loss
+    spikes or as gradient explosions, with the latest step of each."""
+    parts = []
+    for key, label in (("skipped", "skipped (non-finite)"), ("loss_spike", "loss spikes"),
+                       ("grad_explosion", "gradient explosions")):
+        steps = [h["step"] for h in history if h.get(key)]
+        parts.append(f"{label}: {len(steps)}" + (f" (last at step {steps[-1]})" if steps else ""))
+    return "health: " + ", ".join(parts)
 
 
 def length_histogram(histogram: dict, title: str = "sample lengths (tokens)"):
