@@ -1,14 +1,14 @@
 """Tensor parallelism on 2 CPU ranks (gloo) for Qwen3 (q/k norms) and Llama: logits and
 gradients equal the unsharded model's; without the q/k-norm gradient reduction the q/k-norm
-gradients are wrong (the test can fail); fsdp+tp on a 1x2 and a 2x1 mesh trains like one
-process. Only these meshes fit 2 processes: no 2x2 mesh is run here."""
+gradients are wrong (the test can fail); the real Trainer with pure tp (1x2) and fsdp+tp on
+a 1x2 and a 2x1 mesh trains like one process (losses, gradient norms, updated parameters).
+Only these meshes fit 2 processes: no 2x2 mesh is run here."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.parallel import parallelize_module
 
@@ -19,10 +19,11 @@ from posttrain.parallel.apply import apply_parallelism
 from posttrain.parallel.distributed import spawn_local
 from posttrain.parallel.mesh import build_device_mesh, dp_group
 from posttrain.parallel.plans import NoTPPlanError, localize_heads, tp_plan_for
-from posttrain.parallel.grad_norm import clip_grads_with_norm_, total_grad_norm
-from posttrain.train.optim import build_optimizer, build_scheduler
+from posttrain.train.trainer import Trainer
 
-from test_parallel_fsdp import global_batch, rank_rows, train_config
+from test_parallel_fsdp import full_state, global_batch, rank_rows, tiny_model, train_config
+
+EPS = 1e-4  # AdamW eps of the fp32 parameter comparisons (test_parallel_fsdp.py says why)
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -58,29 +59,35 @@ def tp_without_qk_reduction(model: torch.nn.Module, tp_mesh) -> torch.nn.Module:
     return model
 
 
-def train_steps(model: torch.nn.Module, batches: list[dict], group) -> list[float]:
-    """The Trainer's step (per-token loss over the dp group, SUM-reduced gradients, clipping
-    by the global norm, AdamW, schedule), written out because the Trainer's norm
-    (`get_total_norm`, `clip_grads_with_norm_`) cannot mix gradients on two meshes; ours can."""
-    cfg = train_config(1e-4)
-    optimizer = build_optimizer(model, cfg)
-    scheduler = build_scheduler(optimizer, cfg, total_steps=10)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    losses = []
-    for batch in batches:
-        tokens = (batch["labels"] != -100).sum().double()
-        dist.all_reduce(tokens, group=group)
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum, _ = causal_lm_loss(model, batch)
-        (loss_sum / tokens).backward()
-        total = loss_sum.detach().double()
-        dist.all_reduce(total, group=group)
-        losses.append(float(total / tokens))
-        norm = total_grad_norm([p.grad for p in params])
-        clip_grads_with_norm_(params, cfg.max_grad_norm, norm)
-        optimizer.step()
-        scheduler.step()
-    return losses
+# Trainer runs over 2 ranks: (strategy, dp_size, tp_size). Pure tp trains on a mix of DTensors
+# (split layers, q/k norms) and plain tensors (embedding, norms); fsdp+tp on DTensors of two
+# meshes (2-D split layers, 1-D the rest): the Trainer's norm, clipping and AdamW must take both.
+MESHES = {"tp 1x2": ("tp", 1, 2), "fsdp+tp 1x2": ("fsdp+tp", 1, 2), "fsdp+tp 2x1": ("fsdp+tp", 2, 1)}
+# dtype: (torch dtype, AdamW eps, loss/grad-norm tolerance (relative), parameter tolerance (absolute)).
+# fp32 uses eps 1e-4 (test_parallel_fsdp.py says why). Its loss is a float32 sum over the
+# batch's loss tokens divided by their count: at ~5.5 one ulp is 4.8e-7, and step 2 inherits
+# step 1's parameters, which differ from one process's by ~1e-7 (summation order), so the
+# losses agree to a few ulps (pure tp measured 1.09e-6, relative 2e-7), not bit for bit. In
+# fp64 (default eps) the same runs agree to ~1e-15: that is the exactness check.
+DTYPES = {"fp32": (torch.float32, 1e-4, 1e-6, 1e-6), "fp64": (torch.float64, 1e-8, 1e-12, 1e-10)}
+TRAINER_CASES = [f"{mesh} {dtype}" for mesh in MESHES for dtype in DTYPES]
+STEPS = 2
+
+
+def trainer_steps(case: str) -> tuple[list[dict], dict[str, torch.Tensor], dict]:
+    """`STEPS` steps of the real Trainer on this rank's rows of the global batches (tp peers
+    read the same rows): per-step metrics, the full updated parameters, the AdamW kernel."""
+    mesh_name, dtype_name = case.rsplit(" ", 1)
+    (strategy, dp, tp), (dtype, eps, _, _) = MESHES[mesh_name], DTYPES[dtype_name]
+    config = ParallelConfig(strategy=strategy, num_workers=2, dp_size=dp, tp_size=tp)
+    mesh = build_device_mesh(config)
+    model = apply_parallelism(tiny_model(dtype), config, mesh)
+    trainer = Trainer(model, train_config(eps), total_steps=10, process_group=dp_group(mesh))
+    assert trainer.grad_sync == "none" and trainer.world_size == dp
+    dp_rank = mesh["dp"].get_local_rank()
+    metrics = [trainer.train_step([rank_rows(global_batch(seed=s), dp_rank, dp)]) for s in range(STEPS)]
+    kernel = {k: trainer.optimizer.defaults[k] for k in ("fused", "foreach")}
+    return metrics, full_state(model), kernel
 
 
 def tp_cases() -> dict:
@@ -95,17 +102,9 @@ def tp_cases() -> dict:
     plain = tp_without_qk_reduction(build_model(tiny_config("qwen3"), seed=0), mesh["tp"])
     out["qwen3-no-qk-reduction"] = logits_and_grads(plain, batch)
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    for dp, tp in ((1, 2), (2, 1)):
-        config = ParallelConfig(strategy="fsdp+tp", num_workers=2, dp_size=dp, tp_size=tp)
-        mesh = build_device_mesh(config)
-        model = apply_parallelism(build_model(tiny_config("qwen3"), seed=0), config, mesh)
-        dp_rank = mesh["dp"].get_local_rank()
-        batches = [rank_rows(global_batch(seed=s), dp_rank, dp) for s in range(2)]
-        losses = train_steps(model, batches, dp_group(mesh))
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
-        out[f"fsdp+tp {dp}x{tp}"] = (losses, get_model_state_dict(model, options=options))
-    assert world == 2 and rank in (0, 1)
+    for case in TRAINER_CASES:
+        out[case] = trainer_steps(case)
+    assert dist.get_world_size() == 2
     return out
 
 
@@ -146,17 +145,45 @@ def test_qk_norm_gradients_are_wrong_without_their_reduction(tp_results):
                 assert diff <= 1e-6, name
 
 
-@pytest.mark.parametrize("mesh_shape", ["1x2", "2x1"])
-def test_fsdp_plus_tp_steps_equal_one_process_steps(mesh_shape, tp_results):
-    from test_parallel_fsdp import single_process_steps
+@pytest.fixture(scope="module")
+def one_process() -> dict[str, tuple[list[dict], dict[str, torch.Tensor]]]:
+    """The same steps on one process over the whole global batches, per dtype."""
+    out = {}
+    for name, (dtype, eps, _, _) in DTYPES.items():
+        model = tiny_model(dtype)
+        trainer = Trainer(model, train_config(eps), total_steps=10, process_group=None)
+        out[name] = [trainer.train_step([global_batch(seed=s)]) for s in range(STEPS)], full_state(model)
+    return out
 
-    ref_losses, ref_params = single_process_steps(2, torch.float32, 1e-4)
+
+@pytest.mark.parametrize("case", TRAINER_CASES)
+def test_trainer_steps_equal_one_process_steps(case, tp_results, one_process):
+    dtype_name = case.rsplit(" ", 1)[1]
+    dtype, _, metric_tol, param_tol = DTYPES[dtype_name]
+    ref_metrics, ref_params = one_process[dtype_name]
+    assert any(m["grad_clipped"] for m in ref_metrics)  # clipping (per mesh) is exercised
     for rank, result in enumerate(tp_results):
-        losses, params = result[f"fsdp+tp {mesh_shape}"]
-        assert losses == pytest.approx(ref_losses, abs=1e-6)
+        metrics, params, kernel = result[case]
+        for key in ("loss", "grad_norm"):
+            got, ref = [m[key] for m in metrics], [m[key] for m in ref_metrics]
+            assert got == pytest.approx(ref, rel=metric_tol, abs=0), (rank, key)
+        assert [m["grad_clipped"] for m in metrics] == [m["grad_clipped"] for m in ref_metrics]
+        assert params.keys() == ref_params.keys()
+        assert all(p.dtype == dtype for p in params.values())
         worst = max((params[n] - p).abs().max().item() for n, p in ref_params.items())
-        assert worst <= 1e-6, f"rank {rank}: max |param diff| {worst:.3g}"
-        print(f"fsdp+tp {mesh_shape} rank {rank}: max |param diff| {worst:.3g}")
+        assert worst <= param_tol, f"rank {rank}: max |param diff| {worst:.3g}"
+        diffs = {key: max(abs(m[key] - r[key]) for m, r in zip(metrics, ref_metrics)) for key in ("loss", "grad_norm")}
+        print(f"{case} rank {rank}: AdamW {kernel}, max |param diff| {worst:.3g}, max |loss diff| "
+              f"{diffs['loss']:.3g}, max |grad norm diff| {diffs['grad_norm']:.3g}")
+    init = tiny_model(dtype).state_dict()
+    assert any((ref_params[n] - init[n]).abs().max() > 1e-4 for n in init)  # the steps moved the weights
+
+
+def test_pure_tp_adamw_takes_the_loop_over_mixed_parameters(tp_results):
+    """Fused and foreach AdamW refuse a mix of DTensors and plain tensors."""
+    for result in tp_results:
+        assert result["tp 1x2 fp32"][2] == {"fused": None, "foreach": False}
+        assert result["fsdp+tp 1x2 fp32"][2]["fused"] is True  # all DTensors (FSDP2 wraps every parameter)
 
 
 def test_architecture_without_a_plan_is_refused():
