@@ -1,7 +1,7 @@
-"""Ray worker group: 2 actors train a tiny Qwen3 with FSDP2 (gloo) on their shards of a packed
-stream and report the same losses as 1 worker over the same global batches; a worker that
-raises surfaces in the driver with its message and traceback, and the driver's own Ray
-instance is shut down."""
+"""Ray worker group: 2 actors train a tiny Qwen3 (gloo) with FSDP2 on their shards of a
+packed stream, or with tensor parallelism on the same rows, and report the same losses as 1
+worker over the same global batches; a worker that raises surfaces in the driver with its
+message and traceback, and the driver's own Ray instance is shut down."""
 
 from __future__ import annotations
 
@@ -38,28 +38,38 @@ def job(parallel: ParallelConfig) -> ShardedTrainJob:
                            pad_id=0, batch_size=ROWS_PER_STEP // dp, steps=STEPS)
 
 
-@pytest.fixture
-def local_ray():
-    """A Ray instance the test owns (the driver must leave it running)."""
-    ray.init(address="local", num_cpus=2, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
+# 2 workers: FSDP2 over dp (each rank 2 of the 4 rows) and pure tp (both ranks all 4 rows)
+TWO_WORKERS = {"fsdp": ParallelConfig(strategy="fsdp", num_workers=2),
+               "tp": ParallelConfig(strategy="tp", num_workers=2, tp_size=2)}
 
 
-def test_two_fsdp_workers_match_one_worker(local_ray):
-    one = run_workers(train_on_stream, (job(ParallelConfig()),), num_workers=1, timeout_s=300)
-    two = run_workers(train_on_stream, (job(ParallelConfig(strategy="fsdp", num_workers=2)),), num_workers=2,
-                      timeout_s=300)
-    assert ray.is_initialized()  # the caller's Ray is left running
-    ref = [m["loss"] for m in one[0]]
-    assert len(ref) == STEPS and len(set(ref)) == STEPS  # three different global batches
-    assert [m["loss_tokens"] for m in two[0]] == [m["loss_tokens"] for m in one[0]]
-    for rank, metrics in enumerate(two):
-        losses = [m["loss"] for m in metrics]
-        assert losses == pytest.approx(ref, abs=1e-6), (rank, losses, ref)
-    print(f"1 worker: {ref}; 2 workers: {[m['loss'] for m in two[0]]}")
+class TestTwoWorkersMatchOneWorker:
+    @pytest.fixture(scope="class")
+    def local_ray(self):
+        """A Ray instance the tests own (the driver must leave it running); shut down after
+        this class, before the test that wants none running."""
+        ray.init(address="local", num_cpus=2, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False)
+        try:
+            yield
+        finally:
+            ray.shutdown()
+
+    @pytest.fixture(scope="class")
+    def one_worker(self, local_ray) -> list[dict]:
+        return run_workers(train_on_stream, (job(ParallelConfig()),), num_workers=1, timeout_s=300)[0]
+
+    @pytest.mark.parametrize("strategy", list(TWO_WORKERS))
+    def test_losses_equal(self, local_ray, one_worker, strategy):
+        two = run_workers(train_on_stream, (job(TWO_WORKERS[strategy]),), num_workers=2, timeout_s=300)
+        assert ray.is_initialized()  # the caller's Ray is left running
+        ref = [m["loss"] for m in one_worker]
+        assert len(ref) == STEPS and len(set(ref)) == STEPS  # three different global batches
+        assert [m["loss_tokens"] for m in two[0]] == [m["loss_tokens"] for m in one_worker]
+        for rank, metrics in enumerate(two):
+            losses = [m["loss"] for m in metrics]
+            assert losses == pytest.approx(ref, abs=1e-6), (rank, losses, ref)
+        print(f"{strategy}: 1 worker: {ref}; 2 workers: {[m['loss'] for m in two[0]]}; max |diff| "
+              f"{max(abs(m['loss'] - r) for m, r in zip(two[0], ref)):.3g}")
 
 
 def fail_on_rank_one(message: str) -> str:

@@ -10,12 +10,7 @@ reads its shard of the packed stream: `PackedBatchPrefetcher(rank=dp_rank,
 world_size=dp_size)`, so data-parallel ranks get disjoint rows of the same global batches
 (`dp_size * batch_size` rows per step) and tensor-parallel peers read the same rows. Every
 rank returns the per-step metrics of `Trainer.train_step` (already global: loss per loss
-token over all ranks).
-
-"none", "ddp" and "fsdp" train now. "fsdp+tp" needs the Trainer's gradient norm and
-clipping to handle several meshes (`posttrain.parallel.grad_norm`), pure "tp" also an AdamW
-that is neither fused nor foreach (its parameters mix DTensors and plain tensors); see
-docs/parallel.md, "Known gaps".
+token over all ranks). Every strategy trains: "none", "ddp", "fsdp", "tp", "fsdp+tp".
 """
 
 from __future__ import annotations
