@@ -8,7 +8,11 @@ Workers (`parallel` in the recipe): one worker trains in this process; `num_work
 runs the same loop (`train_loop`) SPMD on N Ray actors with torch.distributed, the model
 sharded by `parallel.strategy` (`posttrain.parallel.apply.apply_parallelism`), each
 data-parallel rank reading its rows of the one packed stream. `train.micro_batch_size` is
-the global rows per micro-batch, so the loss trajectory is the same for any worker count.
+the global rows per micro-batch, split over the data-parallel ranks only: under `tp` (dp 1)
+every rank reads all of them, under `fsdp+tp` the tensor-parallel peers of a dp rank read
+the same ones. So the loss trajectory is the same for any worker count and strategy.
+`tp`/`fsdp+tp` recipes the plan cannot split (LoRA, an architecture without a TP plan, head
+counts `tp_size` does not divide) are refused before any worker starts.
 Rank 0 writes metrics and the export; every rank takes part in checkpoints.
 
 Checkpoints (`checkpoint` in the recipe, `posttrain.train.checkpoint`): complete training
@@ -43,7 +47,7 @@ from posttrain.config.schema import SFTConfig
 from posttrain.config.strict import to_dict
 from posttrain.data.chat import TokenizedSample
 from posttrain.data.mixture import training_batches
-from posttrain.steps.train_model import Start, export_trained, load_start, prepare_start
+from posttrain.steps.train_model import RecipeModelError, Start, export_trained, load_start, prepare_start
 from posttrain.train.checkpoint import CheckpointManager
 from posttrain.train.metrics import open_metrics
 from posttrain.train.progress import Progress
@@ -263,6 +267,30 @@ def train_loop(job: TrainJob, on_step: Callable[[dict], None] | None = None,
                        adapter_dir=exported["adapter_dir"], num_workers=world)
 
 
+TP_STRATEGIES = ("tp", "fsdp+tp")
+
+
+def check_tensor_parallel(config: SFTConfig, start: Start) -> None:
+    """Refuse, before any worker starts, a `tp`/`fsdp+tp` recipe the tensor-parallel plan
+    cannot split: LoRA (the plan splits plain linear layers), an architecture without a plan,
+    head counts `parallel.tp_size` does not divide (read from the starting model's config.json)."""
+    from posttrain.parallel.plans import check_tp_supported
+
+    parallel = config.parallel
+    if parallel.strategy not in TP_STRATEGIES:
+        return
+    if config.model.lora is not None:
+        raise RecipeModelError(f"model.lora is not supported with parallel.strategy {parallel.strategy!r} "
+                               "(tensor parallelism splits plain linear layers); use fsdp or ddp")
+    hf = json.loads((Path(start.source) / "config.json").read_text(encoding="utf-8"))
+    heads = hf.get("num_attention_heads")
+    try:
+        check_tp_supported(hf.get("model_type"), heads, hf.get("num_key_value_heads", heads), parallel.tp_size)
+    except ValueError as err:
+        raise RecipeModelError(f"parallel.strategy {parallel.strategy!r} with parallel.tp_size {parallel.tp_size} "
+                               f"cannot split the model ({start.source}): {err}") from err
+
+
 def train_worker(job: TrainJob) -> TrainResult | None:
     """`train_loop` as a Ray SPMD worker function (`run_workers`)."""
     return train_loop(job)
@@ -290,6 +318,7 @@ def run(config: SFTConfig, tokenizer, samples: dict[str, list[TokenizedSample]],
     run_dir.mkdir(parents=True, exist_ok=True)
     workers = config.parallel.num_workers
     start = prepare_start(config, tokenizer, run_dir / "base", keep_model=workers == 1)
+    check_tensor_parallel(config, start)
     job = TrainJob(config, tokenizer, samples, rows_per_epoch, str(run_dir), start)
     if workers == 1:
         return train_loop(job, on_step=on_step, on_checkpoint_stage=on_checkpoint_stage)

@@ -1,5 +1,6 @@
-"""Multi-worker SFT: the train step on 2 SPMD Ray workers (FSDP2 / DDP over gloo) follows the
-one-worker loss trajectory, and the flow runs it end to end with a live card.
+"""Multi-worker SFT: the train step on 2 SPMD Ray workers (FSDP2 / DDP / tensor parallel over
+gloo) follows the one-worker loss trajectory, and the flow runs it end to end with a live
+card; tp recipes the plan cannot split are refused before any worker starts.
 
 `train.micro_batch_size` is global (split over the data-parallel ranks) and the loss is
 normalised per token over all ranks, so 1 and 2 workers see the same rows per step and the
@@ -43,9 +44,9 @@ def tiny_recipe_data(work: Path, config_file: Path = TWO_WORKERS, **overrides):
     return config, tokenizer, samples, rows
 
 
-def with_parallel(config, strategy: str, num_workers: int):
+def with_parallel(config, strategy: str, num_workers: int, tp_size: int = 1):
     return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, strategy=strategy,
-                                                                    num_workers=num_workers))
+                                                                    num_workers=num_workers, tp_size=tp_size))
 
 
 def losses(history: list[dict]) -> list[float]:
@@ -64,7 +65,9 @@ def read_weights(model_dir: str) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory):
     work = tmp_path_factory.mktemp("parallel")
-    return (work, *tiny_recipe_data(work, **{"train.max_steps": 4, "checkpoint.every_steps": 2}))
+    # 2 key/value heads (the recipe has 1) so tp_size 2 can split them; fsdp/ddp do not mind
+    return (work, *tiny_recipe_data(work, **{"train.max_steps": 4, "checkpoint.every_steps": 2,
+                                             "model.num_key_value_heads": 2}))
 
 
 @pytest.fixture(scope="module")
@@ -76,22 +79,28 @@ def one_worker(recipe):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp", "tp"])
 def test_two_workers_follow_the_one_worker_trajectory(recipe, one_worker, strategy):
+    """fsdp/ddp: each rank reads 2 of the 4 rows per micro-batch; tp (tp_size 2, dp 1): both
+    ranks read all 4 (the stream is sharded over data-parallel ranks only)."""
     from posttrain.steps import train
 
     work, config, tokenizer, samples, rows = recipe
     seen = []
-    result = train.run(with_parallel(config, strategy, 2), tokenizer, samples, rows, work / strategy,
+    tp_size = 2 if strategy == "tp" else 1
+    result = train.run(with_parallel(config, strategy, 2, tp_size), tokenizer, samples, rows, work / strategy,
                        on_step=seen.append)
     assert result.num_workers == 2 and result.summary["num_workers"] == 2
     assert [h["step"] for h in result.history] == [1, 2, 3, 4]
     assert [h["step"] for h in seen] == [1, 2, 3, 4]  # followed from rank 0's metrics file
     assert [h["tokens"] for h in result.history] == [h["tokens"] for h in one_worker.history]
-    assert max(abs(a - b) for a, b in zip(losses(result.history), losses(one_worker.history))) < LOSS_TOL
+    loss_diff = max(abs(a - b) for a, b in zip(losses(result.history), losses(one_worker.history)))
+    assert loss_diff < LOSS_TOL
     ours, reference = read_weights(result.checkpoint_dir), read_weights(one_worker.checkpoint_dir)
     assert ours.keys() == reference.keys()
-    assert max(float((ours[k] - reference[k]).abs().max()) for k in ours) < 1e-5
+    weight_diff = max(float((ours[k] - reference[k]).abs().max()) for k in ours)
+    assert weight_diff < 1e-5
+    print(f"{strategy}: max |loss diff| {loss_diff:.3g}, max |exported weight diff| {weight_diff:.3g}")
     step_dirs = sorted(p.name for p in Path(result.checkpoints_dir).iterdir() if p.name.startswith("step_"))
     assert step_dirs == ["step_00000002", "step_00000004"]
     assert sorted(p.name for p in (Path(result.checkpoints_dir) / "step_00000004").glob("rank_*.json")) == \
@@ -99,20 +108,39 @@ def test_two_workers_follow_the_one_worker_trajectory(recipe, one_worker, strate
 
 
 @pytest.mark.slow
-def test_two_workers_resume_after_a_worker_fails(recipe, one_worker, monkeypatch):
+@pytest.mark.parametrize("strategy", ["fsdp", "tp"])
+def test_two_workers_resume_after_a_worker_fails(recipe, one_worker, monkeypatch, strategy):
     from posttrain.parallel.distributed import WorkerError
     from posttrain.steps import train
 
     work, config, tokenizer, samples, rows = recipe
-    config = with_parallel(config, "fsdp", 2)
+    config = with_parallel(config, strategy, 2, tp_size=2 if strategy == "tp" else 1)
+    run_dir = work / f"faulty-{strategy}"
     monkeypatch.setenv(train.FAULT_AT_STEP_ENV, "3")  # rank 0 raises after step 3 (checkpoint: step 2)
     with pytest.raises(WorkerError, match="injected failure after step 3"):
-        train.run(config, tokenizer, samples, rows, work / "faulty")
+        train.run(config, tokenizer, samples, rows, run_dir)
     seen = []
-    result = train.run(config, tokenizer, samples, rows, work / "faulty", on_step=seen.append)
-    assert result.resumed_from == str(work / "faulty" / "train_state" / "step_00000002")
+    result = train.run(config, tokenizer, samples, rows, run_dir, on_step=seen.append)
+    assert result.resumed_from == str(run_dir / "train_state" / "step_00000002")
     assert [h["step"] for h in seen] == [1, 2, 3, 4]  # restored history, then the resumed steps
     assert max(abs(a - b) for a, b in zip(losses(result.history), losses(one_worker.history))) < LOSS_TOL
+
+
+@pytest.mark.parametrize("case", ["kv heads 1", "lora", "no plan"])
+def test_tp_recipes_the_plan_cannot_split_are_refused_before_workers_start(tmp_path, case):
+    from posttrain.steps import train
+    from posttrain.steps.train_model import RecipeModelError
+
+    overrides, error = {
+        "kv heads 1": ({}, "tp_size 2 cannot split.*num_attention_heads=2, num_key_value_heads=1"),
+        "lora": ({"model.lora": {"rank": 2, "alpha": 4}}, "model.lora is not supported with parallel.strategy 'tp'"),
+        "no plan": ({"model.arch": "qwen3_moe", "model.num_key_value_heads": 2},
+                    "no tensor-parallel plan for model_type 'qwen3_moe'"),
+    }[case]
+    config, tokenizer, samples, rows = tiny_recipe_data(tmp_path, **overrides)
+    with pytest.raises(RecipeModelError, match=error):
+        train.run(with_parallel(config, "tp", 2, tp_size=2), tokenizer, samples, rows, tmp_path / "run")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no worker ran
 
 
 def test_metrics_follower_delivers_each_complete_record_once_in_order(tmp_path):

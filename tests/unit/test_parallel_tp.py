@@ -193,3 +193,24 @@ def test_architecture_without_a_plan_is_refused():
     model.config = type("Other", (), {"model_type": "mystery"})()
     with pytest.raises(NoTPPlanError, match="'mystery'.*plans exist for \\['llama', 'qwen3'\\]"):
         apply_tensor_parallel(model, tp_mesh=None)
+
+
+def test_lora_wrapped_layers_are_refused_by_name():
+    from posttrain.config.schema import LoraConfig
+    from posttrain.models.lora import apply_lora
+    from posttrain.parallel.apply import apply_tensor_parallel
+    from posttrain.parallel.plans import TPConfigError
+
+    model = apply_lora(build_model(tiny_config("qwen3"), seed=0), LoraConfig(rank=2, alpha=4, targets=["o"]))
+    with pytest.raises(TPConfigError, match="layers.0.attention.wo is a LoraLinear.*LoRA adapters are not supported"):
+        apply_tensor_parallel(model, tp_mesh=None)
+
+
+def test_preflight_check_names_the_plan_or_the_heads():
+    from posttrain.parallel.plans import TPConfigError, check_tp_supported
+
+    check_tp_supported("qwen3", 4, 2, 2)
+    with pytest.raises(TPConfigError, match="size 2 must divide.*num_attention_heads=2, num_key_value_heads=1"):
+        check_tp_supported("llama", 2, 1, 2)
+    with pytest.raises(NoTPPlanError, match="'qwen3_moe'"):
+        check_tp_supported("qwen3_moe", 4, 2, 2)

@@ -36,10 +36,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Partial
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from posttrain.config.schema import ParallelConfig
-from posttrain.parallel.plans import localize_heads, tp_plan_for
+from posttrain.parallel.plans import TPConfigError, localize_heads, tp_plan_for
 
 
 def _blocks(model: nn.Module) -> nn.ModuleList:
@@ -71,12 +71,29 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, **fully_shard_kwargs: Any) ->
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """The architecture's TP plan on every block over the 1-D `tp_mesh`; raises
-    `NoTPPlanError` for an architecture without one."""
+    `NoTPPlanError` for an architecture without one, `TPConfigError` for heads that do not
+    split over the mesh or a planned layer that is not an `nn.Linear` (e.g. LoRA-wrapped)."""
     plan_factory = tp_plan_for(model.config.model_type)
-    for block in _blocks(model):
-        parallelize_module(block, tp_mesh, plan_factory(block))
+    for index, block in enumerate(_blocks(model)):
+        plan = plan_factory(block)
+        _check_split_layers(block, plan, f"layers.{index}")
+        parallelize_module(block, tp_mesh, plan)
         localize_heads(block.attention, tp_mesh.size())
     return model
+
+
+def _check_split_layers(block: nn.Module, plan: dict, prefix: str) -> None:
+    """Column/row-wise styles split `nn.Linear` weights only; anything else there (a LoRA
+    wrapper, say) would fail deep inside `parallelize_module`: name it instead."""
+    from posttrain.models.lora import LoraLinear
+
+    for path, style in plan.items():
+        module = block.get_submodule(path)
+        if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not isinstance(module, nn.Linear):
+            hint = " (LoRA adapters are not supported with the tp and fsdp+tp strategies)" \
+                if isinstance(module, LoraLinear) else ""
+            raise TPConfigError(f"tensor parallelism splits nn.Linear layers, but {prefix}.{path} is a "
+                                f"{type(module).__name__}{hint}")
 
 
 def reduce_partial_grads(model: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:

@@ -86,11 +86,28 @@ register_tp_plan("qwen3")(dense_decoder_block_plan)
 register_tp_plan("llama")(dense_decoder_block_plan)
 
 
+class TPConfigError(ValueError):
+    """A model that the tensor-parallel plan cannot split over the asked `tp_size`."""
+
+
+def check_heads_split(n_heads: int, n_kv_heads: int, tp_size: int) -> None:
+    """Both head counts must divide by `tp_size`, so each rank keeps whole query groups with
+    their key/value head; raises `TPConfigError` otherwise."""
+    if n_heads % tp_size or n_kv_heads % tp_size:
+        raise TPConfigError(f"tensor parallel size {tp_size} must divide the attention heads: "
+                            f"num_attention_heads={n_heads}, num_key_value_heads={n_kv_heads}")
+
+
+def check_tp_supported(model_type: str, n_heads: int, n_kv_heads: int, tp_size: int) -> None:
+    """Before any worker starts: the architecture has a plan (`NoTPPlanError` otherwise) and
+    its head counts split over `tp_size` (`TPConfigError` otherwise)."""
+    tp_plan_for(model_type)
+    check_heads_split(n_heads, n_kv_heads, tp_size)
+
+
 def localize_heads(attention: nn.Module, tp_size: int) -> None:
     """Make a `GroupedQueryAttention` compute only its rank's heads (after its projections
-    were split column-wise over `tp_size` ranks). Both head counts must divide evenly, so
-    each rank keeps whole query groups with their key/value head."""
+    were split column-wise over `tp_size` ranks); see `check_heads_split`."""
     H, K = attention.n_heads, attention.n_kv_heads
-    if H % tp_size or K % tp_size:
-        raise ValueError(f"tensor parallel size {tp_size} must divide n_heads={H} and n_kv_heads={K}")
+    check_heads_split(H, K, tp_size)
     attention.n_heads, attention.n_kv_heads = H // tp_size, K // tp_size
