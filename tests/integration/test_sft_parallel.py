@@ -79,16 +79,16 @@ def one_worker(recipe):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp", "tp"])
-def test_two_workers_follow_the_one_worker_trajectory(recipe, one_worker, strategy):
-    """fsdp/ddp: each rank reads 2 of the 4 rows per micro-batch; tp (tp_size 2, dp 1): both
-    ranks read all 4 (the stream is sharded over data-parallel ranks only)."""
+@pytest.mark.parametrize("strategy,tp_size", [("fsdp", 1), ("ddp", 1), ("tp", 2), ("fsdp+tp", 1), ("fsdp+tp", 2)])
+def test_two_workers_follow_the_one_worker_trajectory(recipe, one_worker, strategy, tp_size):
+    """fsdp, ddp, fsdp+tp 2x1: each rank reads 2 of the 4 rows per micro-batch; tp and
+    fsdp+tp 1x2 (dp 1): both ranks read all 4 (the stream is sharded over dp ranks only)."""
     from posttrain.steps import train
 
     work, config, tokenizer, samples, rows = recipe
     seen = []
-    tp_size = 2 if strategy == "tp" else 1
-    result = train.run(with_parallel(config, strategy, 2, tp_size), tokenizer, samples, rows, work / strategy,
+    name = f"{strategy}-tp{tp_size}"
+    result = train.run(with_parallel(config, strategy, 2, tp_size), tokenizer, samples, rows, work / name,
                        on_step=seen.append)
     assert result.num_workers == 2 and result.summary["num_workers"] == 2
     assert [h["step"] for h in result.history] == [1, 2, 3, 4]
@@ -100,7 +100,7 @@ def test_two_workers_follow_the_one_worker_trajectory(recipe, one_worker, strate
     assert ours.keys() == reference.keys()
     weight_diff = max(float((ours[k] - reference[k]).abs().max()) for k in ours)
     assert weight_diff < 1e-5
-    print(f"{strategy}: max |loss diff| {loss_diff:.3g}, max |exported weight diff| {weight_diff:.3g}")
+    print(f"{name}: max |loss diff| {loss_diff:.3g}, max |exported weight diff| {weight_diff:.3g}")
     step_dirs = sorted(p.name for p in Path(result.checkpoints_dir).iterdir() if p.name.startswith("step_"))
     assert step_dirs == ["step_00000002", "step_00000004"]
     assert sorted(p.name for p in (Path(result.checkpoints_dir) / "step_00000004").glob("rank_*.json")) == \
