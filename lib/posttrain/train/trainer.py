@@ -275,7 +275,9 @@ class Trainer:
             "skipped_steps": self.health.skipped_steps,
         }
         if self.peak_flops is not None:
-            metrics["mfu"] = flops / step_time / (self.peak_flops * self.world_size)
+            # every process of the job computed this step (dp x tp devices), not just the dp group
+            devices = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            metrics["mfu"] = flops / step_time / (self.peak_flops * devices)
         return metrics
 
     # ------------------------------------------------------------------ state
