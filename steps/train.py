@@ -215,7 +215,8 @@ def train_loop(job: TrainJob, on_step: Callable[[dict], None] | None = None,
     if lead:
         metrics_file = run_dir / "metrics.jsonl"  # restarts with the trajectory up to the resume point
         metrics_file.write_text("".join(json.dumps(record) + "\n" for record in history), encoding="utf-8")
-        sinks = open_metrics(run_dir, tensorboard=config.train.tensorboard)
+        sinks = open_metrics(run_dir, tensorboard=config.train.tensorboard,
+                             resume_step=trainer.step if resume is not None else None)
         sinks.records.extend(history)
         if on_step is not None:
             for record in history:

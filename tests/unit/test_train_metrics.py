@@ -107,3 +107,24 @@ def test_step_line_shows_mfu_and_health_flags():
     bad = format_step({**step_metrics(2), "health": "nonfinite", "skipped": True}, total_steps=5)
     assert "NONFINITE (step skipped)" in bad
     assert format_step({**step_metrics(2), "health": "loss_spike"}).endswith("LOSS_SPIKE")
+
+
+def test_tensorboard_resume_discards_steps_after_the_resume_point(tmp_path):
+    """A crashed attempt logged steps 1-5; the run resumes after step 3: steps 4-5 are
+    written again by the new attempt and must not show twice."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from posttrain.train.tensorboard import TensorBoardLog
+
+    first = TensorBoardLog(tmp_path)
+    for step in range(1, 6):
+        first.append({"step": step, "loss": 10.0 + step})
+    first.close()
+    resumed = TensorBoardLog(tmp_path, resume_step=3)
+    for step in range(4, 7):
+        resumed.append({"step": step, "loss": 20.0 + step})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    got = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert got == [(1, 11.0), (2, 12.0), (3, 13.0), (4, 24.0), (5, 25.0), (6, 26.0)]

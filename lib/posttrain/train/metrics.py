@@ -70,15 +70,15 @@ class MetricsSinks:
         self.close()
 
 
-def open_metrics(run_dir: str | Path, tensorboard: bool = True) -> MetricsSinks:
+def open_metrics(run_dir: str | Path, tensorboard: bool = True, resume_step: int | None = None) -> MetricsSinks:
     """The usual sinks of a run: `run_dir/metrics.jsonl`, plus TensorBoard event files in
-    `run_dir/tensorboard/` when `tensorboard` is true."""
+    `run_dir/tensorboard/` when `tensorboard` is true (`resume_step`: see `TensorBoardLog`)."""
     run_dir = Path(run_dir)
     sinks = [MetricsLog(run_dir / "metrics.jsonl")]
     if tensorboard:
         from posttrain.train.tensorboard import TensorBoardLog
 
-        sinks.append(TensorBoardLog(run_dir / "tensorboard"))
+        sinks.append(TensorBoardLog(run_dir / "tensorboard", resume_step=resume_step))
     return MetricsSinks(*sinks)
 
 

@@ -26,15 +26,19 @@ def scalars(metrics: dict) -> dict[str, float]:
 
 class TensorBoardLog:
     """Writes step metrics as scalars under `log_dir`; `flush_every` steps are buffered by the
-    writer at most (it also flushes on `close`)."""
+    writer at most (it also flushes on `close`). `resume_step`: the run resumes after this
+    step, so TensorBoard discards events a crashed attempt wrote for later steps (they
+    would show twice)."""
 
-    def __init__(self, log_dir: str | Path, prefix: str = "train", flush_every: int = 10):
+    def __init__(self, log_dir: str | Path, prefix: str = "train", flush_every: int = 10,
+                 resume_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir = Path(log_dir)
         self.prefix = prefix
         self.flush_every = flush_every
-        self.writer = SummaryWriter(log_dir=str(self.log_dir))
+        purge_step = resume_step + 1 if resume_step is not None else None
+        self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
         self._since_flush = 0
 
     def append(self, metrics: dict) -> None:
