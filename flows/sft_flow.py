@@ -163,7 +163,7 @@ class SFTFlow(FlowSpec):
         self.registry_entry = register.run(self.checkpoint_dir, self.recipe, data_counts=self.data_counts,
                                            metrics={"train": self.train_summary, "eval": self.eval_metrics,
                                                     "verify": self.verdict},
-                                           run_pathspec=pathspec)
+                                           run_pathspec=pathspec, adapter_dir=self.adapter_dir)
         self.model_uri = self.registry_entry.uri
         Run(pathspec).add_tags([f"model:{self.registry_entry.name}", f"model_version:v{self.registry_entry.version}"])
         self.next(self.end)

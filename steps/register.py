@@ -8,7 +8,9 @@ from posttrain.config.schema import SFTConfig
 from posttrain.registry.local import RegistryEntry, register_model
 
 
-def run(model_dir: str, config: SFTConfig, *, data_counts: dict, metrics: dict, run_pathspec: str) -> RegistryEntry:
+def run(model_dir: str, config: SFTConfig, *, data_counts: dict, metrics: dict, run_pathspec: str,
+        adapter_dir: str | None = None) -> RegistryEntry:
+    """Register `model_dir` (and a LoRA recipe's PEFT `adapter_dir`) with the run's lineage."""
     name = config.register.model_name or config.name
     lineage = {
         "recipe": config.name,
@@ -17,6 +19,6 @@ def run(model_dir: str, config: SFTConfig, *, data_counts: dict, metrics: dict, 
         "data": {"sources": [dataclasses.asdict(s) for s in config.data.sources], "counts": data_counts},
         "metrics": metrics,
     }
-    entry = register_model(config.register.registry_dir, name, model_dir, lineage)
+    entry = register_model(config.register.registry_dir, name, model_dir, lineage, adapter_dir=adapter_dir)
     print(f"[register] {name} v{entry.version} -> {entry.uri}")
     return entry

@@ -98,3 +98,27 @@ def test_registered_model_loads_in_transformers_and_generates(tmp_path, model, h
     generated = out[0, len(prompt):].tolist()
     assert len(generated) == 6
     assert generated == greedy_generate(model, [prompt], 6, set(), batch_size=1)[0]
+
+
+def test_lora_adapter_is_registered_beside_the_merged_model(tmp_path, hf_dir):
+    """A LoRA recipe registers its merged model and its PEFT adapter (readable by our loader)."""
+    from posttrain.config.schema import LoraConfig
+    from posttrain.models.lora import apply_lora
+    from posttrain.models.peft_export import load_peft_adapter, save_peft_adapter
+
+    lora_model = apply_lora(build_model(tiny_config(initializer_range=0.2), seed=5),
+                            LoraConfig(rank=2, alpha=4.0, targets=["q", "v"]))
+    with torch.no_grad():
+        for name, param in lora_model.named_parameters():
+            if name.endswith("lora_B"):
+                param.normal_(0.0, 0.1)
+    adapter = save_peft_adapter(lora_model, tmp_path / "adapter", base_model_name_or_path=str(hf_dir))
+    entry = register_model(tmp_path / "registry", "demo", hf_dir, lineage(), adapter_dir=adapter)
+    assert load_lineage(entry.path)["adapter"] == "adapter"
+    fresh = apply_lora(build_model(tiny_config(initializer_range=0.2), seed=5),
+                       LoraConfig(rank=2, alpha=4.0, targets=["q", "v"]))
+    load_peft_adapter(fresh, Path(entry.path) / "adapter")
+    for (name, ours), (_, theirs) in zip(lora_model.state_dict().items(), fresh.state_dict().items()):
+        assert torch.equal(ours, theirs), name
+    with pytest.raises(FileNotFoundError, match="adapter_config.json"):
+        register_model(tmp_path / "registry", "demo", hf_dir, lineage(), adapter_dir=tmp_path)

@@ -28,6 +28,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _VERSION_DIR = re.compile(r"v([1-9][0-9]*)")
 LINEAGE_FILE = "lineage.json"
 MODEL_DIR = "model"
+ADAPTER_DIR = "adapter"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +97,12 @@ def list_versions(registry_dir: str | Path, name: str) -> list[RegistryEntry]:
     return sorted(entries, key=lambda e: e.version)
 
 
-def register_model(registry_dir: str | Path, name: str, model_dir: str | Path, lineage: dict) -> RegistryEntry:
+def register_model(registry_dir: str | Path, name: str, model_dir: str | Path, lineage: dict,
+                   adapter_dir: str | Path | None = None) -> RegistryEntry:
     """Copy the HF model directory `model_dir` into the registry as the next version of `name`.
+
+    `adapter_dir` (a LoRA recipe's PEFT adapter, trained on the model's base) is copied
+    beside it as `vN/adapter/` and named in the lineage (`"adapter": "adapter"`).
 
     `lineage.json` holds the caller's `lineage` (by convention `config`, `data` with sources and
     counts, `metrics`; dataclasses, paths and numpy scalars are converted) plus, added here,
@@ -114,6 +119,11 @@ def register_model(registry_dir: str | Path, name: str, model_dir: str | Path, l
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=model_root))
     try:
         shutil.copytree(model_dir, staging / MODEL_DIR)
+        if adapter_dir is not None:
+            if not (Path(adapter_dir) / "adapter_config.json").is_file():
+                raise FileNotFoundError(f"{adapter_dir} is not a PEFT adapter directory (no adapter_config.json)")
+            shutil.copytree(adapter_dir, staging / ADAPTER_DIR)
+            lineage = {**lineage, "adapter": ADAPTER_DIR}
         record = {**lineage, "name": name, "code": code_version(),
                   "created_at": dt.datetime.now(dt.timezone.utc).isoformat()}
         version = max((e.version for e in list_versions(registry_dir, name)), default=0) + 1
