@@ -1,8 +1,9 @@
-"""Tensor parallelism on 2 CPU ranks (gloo) for Qwen3 (q/k norms) and Llama: logits and
-gradients equal the unsharded model's; without the q/k-norm gradient reduction the q/k-norm
-gradients are wrong (the test can fail); the real Trainer with pure tp (1x2) and fsdp+tp on
-a 1x2 and a 2x1 mesh trains like one process (losses, gradient norms, updated parameters).
-Only these meshes fit 2 processes: no 2x2 mesh is run here."""
+"""Tensor parallelism on 2 CPU ranks (gloo) for Qwen3 (q/k norms) and Llama (Gemma3,
+Qwen3-MoE and GPT-OSS: test_parallel_tp_zoo.py): logits and gradients equal the unsharded
+model's; without the q/k-norm gradient reduction the q/k-norm gradients are wrong (the test
+can fail); the real Trainer with pure tp (1x2) and fsdp+tp on a 1x2 and a 2x1 mesh trains
+like one process (losses, gradient norms, updated parameters). Only these meshes fit 2
+processes: no 2x2 mesh is run here."""
 
 from __future__ import annotations
 
@@ -191,7 +192,8 @@ def test_architecture_without_a_plan_is_refused():
 
     model = build_model(tiny_config("qwen3"), seed=0)
     model.config = type("Other", (), {"model_type": "mystery"})()
-    with pytest.raises(NoTPPlanError, match="'mystery'.*plans exist for \\['llama', 'qwen3'\\]"):
+    with pytest.raises(NoTPPlanError, match="'mystery'.*plans exist for "
+                       "\\['gemma3_text', 'gpt_oss', 'llama', 'qwen3', 'qwen3_moe'\\]"):
         apply_tensor_parallel(model, tp_mesh=None)
 
 
@@ -212,5 +214,8 @@ def test_preflight_check_names_the_plan_or_the_heads():
     check_tp_supported("qwen3", 4, 2, 2)
     with pytest.raises(TPConfigError, match="size 2 must divide.*num_attention_heads=2, num_key_value_heads=1"):
         check_tp_supported("llama", 2, 1, 2)
-    with pytest.raises(NoTPPlanError, match="'qwen3_moe'"):
-        check_tp_supported("qwen3_moe", 4, 2, 2)
+    check_tp_supported("qwen3_moe", 4, 2, 2)  # every registered architecture has a plan
+    with pytest.raises(TPConfigError, match="size 2 must divide.*num_attention_heads=4, num_key_value_heads=1"):
+        check_tp_supported("gpt_oss", 4, 1, 2)
+    with pytest.raises(NoTPPlanError, match="'mystery'"):
+        check_tp_supported("mystery", 4, 2, 2)

@@ -1,20 +1,33 @@
 """Tensor-parallel plans, registered per architecture (HF `model_type`).
 
 A plan says how one decoder block is split across the "tp" mesh dimension; it is applied
-from outside the model with `parallelize_module`, block by block. For the dense decoder
-(`posttrain.models.decoder`, used by Qwen3 and Llama):
+from outside the model with `parallelize_module`, block by block. Every registered
+architecture (qwen3, llama, gemma3_text, qwen3_moe, gpt_oss) is a
+`posttrain.models.decoder.DecoderLM` whose blocks have an `attention` and a `feed_forward`
+under the same names, so one factory, `decoder_block_plan`, reads the block and plans:
 
-- `attention.wq/wk/wv`, `feed_forward.w_gate/w_up`: `ColwiseParallel` (output features,
-  hence whole heads, split across tp ranks; outputs stay local tensors);
-- `attention.wo`, `feed_forward.w_down`: `RowwiseParallel` (inputs split, outputs summed to a
-  replicated result);
-- Qwen3's `attention.q_norm/k_norm` (an RMSNorm over the head dim, weight `[E]`, applied to
+- `attention.wq/wk/wv`: `ColwiseParallel` (output features, hence whole heads, split across
+  tp ranks; outputs stay local tensors; GPT-OSS's q/k/v biases are split with them);
+- `attention.wo`: `RowwiseParallel` (inputs split, outputs summed to a replicated result).
+  A bias (GPT-OSS) stays a `Replicate` DTensor and enters the sum once, not once per rank:
+  DTensor's addmm redistributes it to `Partial` (`b / tp` on each rank) before the sum;
+- per-head q/k norms (Qwen3, Qwen3-MoE, Gemma3's `(1 + w)` norm; weight `[E]`, applied to
   every head): the weight stays whole on every rank but each rank only sees its own heads,
   so its gradient is a partial sum over heads. The plan makes the weight a `Replicate`
   DTensor and the input a head-sharded DTensor (`SequenceParallel` over the head dim), so
   the gradient comes back as a `Partial` DTensor that must be summed over tp ranks:
   FSDP2 does it in its reduction (fsdp+tp); under pure TP `apply_parallelism` adds the
-  all-reduce (`posttrain.parallel.apply.reduce_partial_grads`).
+  all-reduce (`posttrain.parallel.apply.reduce_partial_grads`);
+- per-head attention sinks (GPT-OSS, `attention.sinks` `[H]`): a `Shard(0)` DTensor, split
+  with the heads; the attention's forward reads this rank's `[H / tp]` slice
+  (`ShardHeadParameter`);
+- a dense MLP (SwiGLU, Gemma3's GeGLU, Qwen3-MoE's `mlp_only_layers`): `w_gate/w_up`
+  `ColwiseParallel`, `w_down` `RowwiseParallel`;
+- an MoE layer (Qwen3-MoE, GPT-OSS: a `feed_forward` with `router_logits_NX`): nothing is
+  split. Router and experts stay plain replicated tensors and every tp rank runs the whole
+  MoE on the whole (replicated) input: duplicated compute and memory, no communication.
+  Their gradients are complete on every rank, as the embedding's are, so they need no
+  reduction. (Sharding the experts along their intermediate size is not done.)
 
 Everything else (embedding, the block norms, the final norm, the output head) is replicated
 as plain tensors: their inputs are whole on every rank, so their gradients are already
@@ -24,11 +37,15 @@ After the plan the attention module computes `n_heads / tp` query heads and
 `n_kv_heads / tp` key/value heads per rank; `localize_heads` sets those counts.
 """
 
+
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
+import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 TPPlan = dict[str, ParallelStyle]
@@ -65,25 +82,83 @@ def tp_plan_for(model_type: str) -> PlanFactory:
     return TP_PLANS[model_type]
 
 
-def dense_decoder_block_plan(block: nn.Module) -> TPPlan:
-    """Plan for `posttrain.models.decoder.DecoderBlock` (with or without q/k norm)."""
+class ShardHeadParameter(ParallelStyle):
+    """Split a module's per-head parameter `[H, ...]` (GPT-OSS's attention sinks) with the
+    heads: it becomes a `Shard(0)` DTensor (checkpoints and the optimizer see the whole
+    `[H, ...]`), and while the module runs its forward the attribute reads as this rank's
+    local `[H / tp, ...]` slice, so model code written for one device needs no change.
+
+    The slice is `DTensor.to_local()`, whose gradient flows back into the `Shard(0)`
+    parameter. It is set as an instance attribute, which Python finds before
+    `nn.Module.__getattr__` looks in `_parameters`, and removed after the forward (also when
+    the forward raises). Under fsdp+tp the parameter read is the one FSDP2 unsharded for this
+    forward (a tp DTensor)."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        param = module._parameters.get(self.name)
+        if param is None:
+            raise TypeError(f"{type(module).__name__} has no parameter {self.name!r} to shard with the heads")
+        sharded = distribute_tensor(param.data, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+        module.register_parameter(self.name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module.register_forward_pre_hook(self._expose_local_slice)
+        module.register_forward_hook(self._hide_local_slice, always_call=True)
+        return module
+
+    def _expose_local_slice(self, module: nn.Module, args: Any) -> None:
+        param = module._parameters[self.name]
+        local = param.to_local() if isinstance(param, DTensor) else param
+        object.__setattr__(module, self.name, local)  # nn.Module.__setattr__ refuses a non-Parameter
+
+    def _hide_local_slice(self, module: nn.Module, args: Any, output: Any) -> None:
+        module.__dict__.pop(self.name, None)
+
+
+def is_moe(feed_forward: nn.Module) -> bool:
+    """A mixture-of-experts MLP (the `MoeDecoderLM` convention: it records router logits)."""
+    return hasattr(feed_forward, "router_logits_NX")
+
+
+def attention_plan(attention: nn.Module) -> TPPlan:
+    """Entries (paths relative to the block) for `GroupedQueryAttention` (with or without q/k
+    norms) or GPT-OSS's `SinkAttention` (biases, per-head sinks)."""
     plan: TPPlan = {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(),
+    }
+    if getattr(attention, "q_norm", None) is not None:
+        for name in ("attention.q_norm", "attention.k_norm"):
+            plan[name] = SequenceParallel(sequence_dim=HEAD_DIM_OF_QK, use_local_output=True)
+    if isinstance(getattr(attention, "sinks", None), torch.Tensor):
+        plan["attention"] = ShardHeadParameter("sinks")
+    return plan
+
+
+def feed_forward_plan(feed_forward: nn.Module) -> TPPlan:
+    """Entries for a dense gated MLP (`w_gate`, `w_up`, `w_down`); none for an MoE layer,
+    whose router and experts stay replicated (see the module docstring)."""
+    if is_moe(feed_forward):
+        return {}
+    return {
         "feed_forward.w_gate": ColwiseParallel(),
         "feed_forward.w_up": ColwiseParallel(),
         "feed_forward.w_down": RowwiseParallel(),
     }
-    if block.attention.q_norm is not None:
-        for name in ("attention.q_norm", "attention.k_norm"):
-            plan[name] = SequenceParallel(sequence_dim=HEAD_DIM_OF_QK, use_local_output=True)
-    return plan
 
 
-register_tp_plan("qwen3")(dense_decoder_block_plan)
-register_tp_plan("llama")(dense_decoder_block_plan)
+def decoder_block_plan(block: nn.Module) -> TPPlan:
+    """Plan for a decoder block with `attention` and `feed_forward` (the dense
+    `DecoderBlock`, `Gemma3Block`, the MoE blocks of Qwen3-MoE and GPT-OSS)."""
+    return {**attention_plan(block.attention), **feed_forward_plan(block.feed_forward)}
+
+
+for _model_type in ("qwen3", "llama", "gemma3_text", "qwen3_moe", "gpt_oss"):
+    register_tp_plan(_model_type)(decoder_block_plan)
 
 
 class TPConfigError(ValueError):

@@ -1,0 +1,133 @@
+"""Tensor parallelism on 2 CPU ranks (gloo) for Gemma3 (`(1 + w)` q/k norms, GeGLU,
+sandwich norms, soft-capped logits), Qwen3-MoE (q/k norms, replicated MoE layers plus a dense
+`mlp_only` layer, router load-balancing loss on) and GPT-OSS (biased q/k/v/o, per-head sinks
+split with the heads, replicated MoE): logits and every parameter's gradient equal the
+unsharded model's, and one step of the real Trainer under tp (1x2) and fsdp+tp (1x2) equals
+one process's step. One spawn runs every case."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from posttrain.config.schema import ParallelConfig
+from posttrain.models.registry import build_model, tiny_config
+from posttrain.parallel.apply import apply_parallelism
+from posttrain.parallel.distributed import spawn_local
+from posttrain.parallel.mesh import build_device_mesh, dp_group
+from posttrain.train.trainer import Trainer
+
+from test_parallel_fsdp import full_state, global_batch, train_config
+from test_parallel_tp import logits_and_grads
+
+ARCHS = ["gemma3_text", "qwen3_moe", "gpt_oss"]
+# the tiny configs have 4 query and 2 key/value heads: tp_size 2 splits both
+OVERRIDES = {"qwen3_moe": {"output_router_logits": True, "router_aux_loss_coef": 0.01}}
+STRATEGIES = {"tp": ("tp", 1, 2), "fsdp+tp": ("fsdp+tp", 1, 2)}
+TRAINER_CASES = [f"{arch} {name}" for arch in ARCHS for name in STRATEGIES]
+LOGIT_TOL = 1e-5
+GRAD_REL_TOL = 1e-5  # of the largest |gradient| of the same parameter
+# fp64 Trainer step, default AdamW eps: the first Adam step amplifies gradient summation-order
+# noise (~1e-16) by up to lr / (4 eps) (test_parallel_fsdp.py), as in test_parallel_tp.py
+PARAM_TOL = 1e-10
+# two backward passes: a reduction that fired per accumulation instead of per backward shows
+MICRO_BATCHES = 2
+
+
+def zoo_model(arch: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    return build_model(tiny_config(arch, **OVERRIDES.get(arch, {})), seed=0).to(dtype)
+
+
+def sharded_model(arch: str, strategy: str, dtype: torch.dtype = torch.float32):
+    _, dp, tp = STRATEGIES[strategy]
+    config = ParallelConfig(strategy=strategy, num_workers=2, dp_size=dp, tp_size=tp)
+    mesh = build_device_mesh(config)
+    return apply_parallelism(zoo_model(arch, dtype), config, mesh), mesh
+
+
+def trainer_step(case: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """One fp64 Trainer step over the whole global batch (tp peers read the same rows)."""
+    arch, strategy = case.split(" ")
+    model, mesh = sharded_model(arch, strategy, torch.float64)
+    trainer = Trainer(model, train_config(1e-8), total_steps=10, process_group=dp_group(mesh))
+    return trainer.train_step([global_batch(seed=0)]), full_state(model)
+
+
+def zoo_cases() -> dict:
+    out = {}
+    for arch in ARCHS:
+        model, _ = sharded_model(arch, "tp")
+        attention = model.layers[0].attention
+        layout = {"heads": (attention.n_heads, attention.n_kv_heads)}
+        if hasattr(attention, "sinks"):
+            layout["sinks"] = (attention.sinks.placements, attention.sinks.to_local().shape)
+            layout["wo.bias"] = attention.wo.bias.placements
+        layout["moe params"] = sorted({type(p).__name__ for n, p in model.named_parameters() if "experts" in n
+                                       or "router" in n})
+        out[arch] = (layout, logits_and_grads(model, global_batch(seed=3), MICRO_BATCHES))
+    for case in TRAINER_CASES:
+        out[case] = trainer_step(case)
+    return out
+
+
+@pytest.fixture(scope="module")
+def zoo_results() -> list[dict]:
+    return spawn_local(zoo_cases, 2)
+
+
+def test_plans_split_heads_and_sinks_and_keep_moe_replicated(zoo_results):
+    for result in zoo_results:
+        for arch in ARCHS:
+            layout = result[arch][0]
+            assert layout["heads"] == (2, 1), arch
+            assert layout["moe params"] == ([] if arch == "gemma3_text" else ["Parameter"]), arch
+        sinks_placements, local_shape = result["gpt_oss"][0]["sinks"]
+        assert sinks_placements == (Shard(0),) and local_shape == (2,)
+        assert str(result["gpt_oss"][0]["wo.bias"]) == "(Replicate(),)"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tp_logits_and_gradients_equal_unsharded(arch, zoo_results):
+    # same micro-batches as the sharded run: the router loss of a micro-batch is not additive
+    ref_logits, ref_grads = logits_and_grads(zoo_model(arch), global_batch(seed=3), MICRO_BATCHES)
+    for rank, result in enumerate(zoo_results):
+        logits, grads = result[arch][1]
+        logit_diff = (logits - ref_logits).abs().max().item()
+        assert logit_diff <= LOGIT_TOL, f"rank {rank}: max |logit diff| {logit_diff:.3g}"
+        assert grads.keys() == ref_grads.keys()
+        rel = {n: (grads[n] - g).abs().max().item() / max(g.abs().max().item(), 1e-30) for n, g in ref_grads.items()}
+        worst = max(rel, key=rel.get)
+        assert rel[worst] <= GRAD_REL_TOL, f"rank {rank}: gradient of {worst} off by {rel[worst]:.3g} (relative)"
+        assert all(g.abs().max() > 0 for n, g in ref_grads.items() if "sinks" in n or "bias" in n)
+        print(f"{arch} rank {rank}: max |logit diff| {logit_diff:.3g}, worst relative grad diff "
+              f"{rel[worst]:.3g} ({worst})")
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict[str, tuple[dict, dict[str, torch.Tensor]]]:
+    out = {}
+    for arch in ARCHS:
+        model = zoo_model(arch, torch.float64)
+        trainer = Trainer(model, train_config(1e-8), total_steps=10, process_group=None)
+        out[arch] = trainer.train_step([global_batch(seed=0)]), full_state(model)
+    return out
+
+
+@pytest.mark.parametrize("case", TRAINER_CASES)
+def test_trainer_step_equals_one_process_step(case, zoo_results, one_process):
+    arch = case.split(" ")[0]
+    ref_metrics, ref_params = one_process[arch]
+    for rank, result in enumerate(zoo_results):
+        metrics, params = result[case]
+        for key in ("loss", "grad_norm"):
+            assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-12, abs=0), (rank, key)
+        assert params.keys() == ref_params.keys()
+        worst = max((params[n] - p).abs().max().item() for n, p in ref_params.items())
+        assert worst <= PARAM_TOL, f"rank {rank}: max |param diff| {worst:.3g}"
+        print(f"{case} rank {rank}: max |param diff| {worst:.3g}, |loss diff| "
+              f"{abs(metrics['loss'] - ref_metrics['loss']):.3g}, |grad norm diff| "
+              f"{abs(metrics['grad_norm'] - ref_metrics['grad_norm']):.3g}")
+    init = zoo_model(arch, torch.float64).state_dict()
+    assert all(n in ref_params for n in init)
+    assert any((ref_params[n] - init[n]).abs().max() > 1e-4 for n in init)  # the step moved the weights
