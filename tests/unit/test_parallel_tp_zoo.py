@@ -9,13 +9,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 
 from posttrain.config.schema import ParallelConfig
 from posttrain.models.registry import build_model, tiny_config
-from posttrain.parallel.apply import apply_parallelism
+from posttrain.parallel.apply import apply_parallelism, reduce_partial_grads
 from posttrain.parallel.distributed import spawn_local
 from posttrain.parallel.mesh import build_device_mesh, dp_group
+from posttrain.parallel.plans import (
+    ShardExpertsIntermediate,
+    ShardParameters,
+    _SumOverRanks,
+    decoder_block_plan,
+    localize_heads,
+)
 from posttrain.train.trainer import Trainer
 
 from test_parallel_fsdp import full_state, global_batch, train_config
@@ -54,6 +62,37 @@ def trainer_step(case: str) -> tuple[dict, dict[str, torch.Tensor]]:
     return trainer.train_step([global_batch(seed=0)]), full_state(model)
 
 
+def placement_and_local_shape(param: torch.Tensor) -> tuple:
+    if isinstance(param, DTensor):
+        return tuple(repr(p) for p in param.placements), tuple(param.to_local().shape)
+    return "plain", tuple(param.shape)
+
+
+class ExpertsOutputSumOnly(ShardExpertsIntermediate):
+    """The experts split along F with the output all-reduce but without the all-reduce of the
+    input gradients (tokens, routing weights)."""
+
+    def _apply(self, module, device_mesh):
+        ShardParameters._apply(self, module, device_mesh)
+        group = device_mesh.get_group()
+        module.register_forward_hook(lambda mod, args, y_ND: _SumOverRanks.apply(y_ND, group))
+        return module
+
+
+def experts_without_input_grad_sums() -> torch.nn.Module:
+    config = ParallelConfig(strategy="tp", num_workers=2, tp_size=2)
+    tp_mesh = build_device_mesh(config)["tp"]
+    model = zoo_model("qwen3_moe")
+    for block in model.layers:
+        plan = decoder_block_plan(block)
+        if "feed_forward.experts" in plan:
+            plan["feed_forward.experts"] = ExpertsOutputSumOnly()
+        parallelize_module(block, tp_mesh, plan)
+        localize_heads(block.attention, 2)
+    reduce_partial_grads(model)
+    return model
+
+
 def zoo_cases() -> dict:
     out = {}
     for arch in ARCHS:
@@ -61,11 +100,13 @@ def zoo_cases() -> dict:
         attention = model.layers[0].attention
         layout = {"heads": (attention.n_heads, attention.n_kv_heads)}
         if hasattr(attention, "sinks"):
-            layout["sinks"] = (attention.sinks.placements, attention.sinks.to_local().shape)
-            layout["wo.bias"] = attention.wo.bias.placements
-        layout["moe params"] = sorted({type(p).__name__ for n, p in model.named_parameters() if "experts" in n
-                                       or "router" in n})
+            layout["sinks"] = placement_and_local_shape(attention.sinks)
+            layout["wo.bias"] = tuple(repr(p) for p in attention.wo.bias.placements)
+        layout["moe params"] = {n.split(".", 2)[2]: placement_and_local_shape(p) for n, p in model.named_parameters()
+                                if n.startswith("layers.3.feed_forward.")}
         out[arch] = (layout, logits_and_grads(model, global_batch(seed=3), MICRO_BATCHES))
+    out["qwen3_moe without input-gradient sums"] = logits_and_grads(
+        experts_without_input_grad_sums(), global_batch(seed=3), MICRO_BATCHES)
     for case in TRAINER_CASES:
         out[case] = trainer_step(case)
     return out
@@ -76,15 +117,35 @@ def zoo_results() -> list[dict]:
     return spawn_local(zoo_cases, 2)
 
 
-def test_plans_split_heads_and_sinks_and_keep_moe_replicated(zoo_results):
+def test_plans_split_heads_sinks_and_qwen3_moe_experts(zoo_results):
+    """Layer 3 is an MoE layer in both MoE configs (Qwen3-MoE: 8 experts of F=32 over D=64;
+    GPT-OSS: 4 experts of F=32)."""
     for result in zoo_results:
         for arch in ARCHS:
-            layout = result[arch][0]
-            assert layout["heads"] == (2, 1), arch
-            assert layout["moe params"] == ([] if arch == "gemma3_text" else ["Parameter"]), arch
-        sinks_placements, local_shape = result["gpt_oss"][0]["sinks"]
-        assert sinks_placements == (Shard(0),) and local_shape == (2,)
-        assert str(result["gpt_oss"][0]["wo.bias"]) == "(Replicate(),)"
+            assert result[arch][0]["heads"] == (2, 1), arch
+        assert result["qwen3_moe"][0]["moe params"] == {
+            "feed_forward.router.weight": ("plain", (8, 64)),
+            "feed_forward.experts.w_gate": (("Shard(dim=1)",), (8, 16, 64)),
+            "feed_forward.experts.w_up": (("Shard(dim=1)",), (8, 16, 64)),
+            "feed_forward.experts.w_down": (("Shard(dim=2)",), (8, 64, 16)),
+        }
+        gpt_oss = result["gpt_oss"][0]
+        assert {placement for placement, _ in gpt_oss["moe params"].values()} == {"plain"}  # replicated
+        assert gpt_oss["sinks"] == (("Shard(dim=0)",), (2,))
+        assert gpt_oss["wo.bias"] == ("Replicate()",)
+
+
+def test_expert_input_gradients_are_wrong_without_their_sum(zoo_results):
+    """Without the all-reduce of the experts' input gradients the forward is unchanged but
+    each rank's router gradient covers only its slice of F: the test above can fail."""
+    ref_logits, ref_grads = logits_and_grads(zoo_model("qwen3_moe"), global_batch(seed=3), MICRO_BATCHES)
+    for rank, result in enumerate(zoo_results):
+        logits, grads = result["qwen3_moe without input-gradient sums"]
+        assert (logits - ref_logits).abs().max().item() <= LOGIT_TOL
+        name = "layers.3.feed_forward.router.weight"
+        rel = (grads[name] - ref_grads[name]).abs().max().item() / ref_grads[name].abs().max().item()
+        assert rel > 1e-2, f"{name} is right without the sum?"
+        print(f"without the input-gradient sums, rank {rank} {name}: relative grad diff {rel:.3g}")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -23,11 +23,14 @@ under the same names, so one factory, `decoder_block_plan`, reads the block and 
   (`ShardHeadParameter`);
 - a dense MLP (SwiGLU, Gemma3's GeGLU, Qwen3-MoE's `mlp_only_layers`): `w_gate/w_up`
   `ColwiseParallel`, `w_down` `RowwiseParallel`;
-- an MoE layer (Qwen3-MoE, GPT-OSS: a `feed_forward` with `router_logits_NX`): nothing is
-  split. Router and experts stay plain replicated tensors and every tp rank runs the whole
-  MoE on the whole (replicated) input: duplicated compute and memory, no communication.
-  Their gradients are complete on every rank, as the embedding's are, so they need no
-  reduction. (Sharding the experts along their intermediate size is not done.)
+- an MoE layer (a `feed_forward` with `router_logits_NX`): the router stays a plain
+  replicated tensor, run by every rank on the whole (replicated) input.
+  Qwen3-MoE's fused `SwiGLUExperts` are split along their intermediate size F
+  (`ShardExpertsIntermediate`: `w_gate/w_up` `Shard(1)`, `w_down` `Shard(2)`, the partial
+  output all-reduced once per layer, the partial gradients of its inputs all-reduced in
+  backward). GPT-OSS's experts (gate/up fused in one `[X, 2F, D]` tensor, biases) stay
+  replicated: every tp rank runs the whole MoE (duplicated compute and memory, no
+  communication), and their gradients are complete on every rank, as the embedding's are.
 
 Everything else (embedding, the block norms, the final norm, the output head) is replicated
 as plain tensors: their inputs are whole on every rank, so their gradients are already
@@ -43,9 +46,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 TPPlan = dict[str, ParallelStyle]
@@ -82,39 +86,109 @@ def tp_plan_for(model_type: str) -> PlanFactory:
     return TP_PLANS[model_type]
 
 
-class ShardHeadParameter(ParallelStyle):
-    """Split a module's per-head parameter `[H, ...]` (GPT-OSS's attention sinks) with the
-    heads: it becomes a `Shard(0)` DTensor (checkpoints and the optimizer see the whole
-    `[H, ...]`), and while the module runs its forward the attribute reads as this rank's
-    local `[H / tp, ...]` slice, so model code written for one device needs no change.
+class ShardParameters(ParallelStyle):
+    """Split some of a module's parameters over the tp mesh (`{name: placement}`, e.g.
+    `Shard(0)`) and let the module's own forward compute on this rank's pieces: each becomes
+    a DTensor parameter (checkpoints and the optimizer see the whole tensor), and while the
+    module runs its forward the attribute reads as the local shard, so model code written for
+    one device needs no change.
 
-    The slice is `DTensor.to_local()`, whose gradient flows back into the `Shard(0)`
-    parameter. It is set as an instance attribute, which Python finds before
-    `nn.Module.__getattr__` looks in `_parameters`, and removed after the forward (also when
-    the forward raises). Under fsdp+tp the parameter read is the one FSDP2 unsharded for this
-    forward (a tp DTensor)."""
+    The local shard is `DTensor.to_local()`, whose gradient flows back into the DTensor
+    parameter with the same placement. It is set as an instance attribute, which Python finds
+    before `nn.Module.__getattr__` looks in `_parameters`, and removed after the forward
+    (also when the forward raises). Under fsdp+tp the parameter read is the one FSDP2
+    unsharded for this forward (a tp DTensor)."""
 
-    def __init__(self, name: str):
+    def __init__(self, placements: dict[str, Placement]):
         super().__init__()
-        self.name = name
+        self.placements = placements
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        param = module._parameters.get(self.name)
-        if param is None:
-            raise TypeError(f"{type(module).__name__} has no parameter {self.name!r} to shard with the heads")
-        sharded = distribute_tensor(param.data, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
-        module.register_parameter(self.name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        module.register_forward_pre_hook(self._expose_local_slice)
-        module.register_forward_hook(self._hide_local_slice, always_call=True)
+        for name, placement in self.placements.items():
+            param = module._parameters.get(name)
+            if param is None:
+                raise TypeError(f"{type(module).__name__} has no parameter {name!r} to split over tensor-parallel ranks")
+            sharded = distribute_tensor(param.data, device_mesh, [placement], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module.register_forward_pre_hook(self._expose_local_shards)
+        module.register_forward_hook(self._hide_local_shards, always_call=True)
         return module
 
-    def _expose_local_slice(self, module: nn.Module, args: Any) -> None:
-        param = module._parameters[self.name]
-        local = param.to_local() if isinstance(param, DTensor) else param
-        object.__setattr__(module, self.name, local)  # nn.Module.__setattr__ refuses a non-Parameter
+    def _expose_local_shards(self, module: nn.Module, args: Any) -> None:
+        for name in self.placements:
+            param = module._parameters[name]
+            local = param.to_local() if isinstance(param, DTensor) else param
+            object.__setattr__(module, name, local)  # nn.Module.__setattr__ refuses a non-Parameter
 
-    def _hide_local_slice(self, module: nn.Module, args: Any, output: Any) -> None:
-        module.__dict__.pop(self.name, None)
+    def _hide_local_shards(self, module: nn.Module, args: Any, output: Any) -> None:
+        for name in self.placements:
+            module.__dict__.pop(name, None)
+
+
+def shard_head_parameter(name: str) -> ShardParameters:
+    """A per-head parameter `[H, ...]` (GPT-OSS's attention sinks) split with the heads."""
+    return ShardParameters({name: Shard(0)})
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) over `group` forward; identity backward (the gradient of a replicated
+    result is already whole on every rank)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _SumGradOverRanks(torch.autograd.Function):
+    """Identity forward; all-reduce (sum) of the gradient over `group` backward: the input is
+    replicated but each rank's use of it covers only its shard, so each gradient is partial."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ShardExpertsIntermediate(ShardParameters):
+    """Fused SwiGLU experts (`posttrain.models.moe.SwiGLUExperts`, Qwen3-MoE) split along
+    their intermediate size F: `w_gate`/`w_up` `[X, F, D]` `Shard(1)`, `w_down` `[X, D, F]`
+    `Shard(2)`. Each rank runs every routed token through its `F / tp` slice of every expert,
+    which yields a partial sum of the experts' weighted output; it is all-reduced once, at
+    the module's output. Backward: that output's gradient is whole on every rank (identity),
+    while the gradients each rank computes for the module's replicated inputs, the tokens
+    `x_ND` and the routing weights `expert_weight_Nk`, cover only its slice: both are
+    all-reduced on the way back, so the router and everything before it get whole gradients."""
+
+    def __init__(self) -> None:
+        super().__init__({"w_gate": Shard(1), "w_up": Shard(1), "w_down": Shard(2)})
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        super()._apply(module, device_mesh)
+        group = device_mesh.get_group()
+
+        def sum_input_grads(module: nn.Module, args: tuple) -> tuple:
+            x_ND, expert_idx_Nk, expert_weight_Nk = args
+            return (_SumGradOverRanks.apply(x_ND, group), expert_idx_Nk,
+                    _SumGradOverRanks.apply(expert_weight_Nk, group))
+
+        def sum_output(module: nn.Module, args: tuple, y_ND: torch.Tensor) -> torch.Tensor:
+            return _SumOverRanks.apply(y_ND, group)
+
+        module.register_forward_pre_hook(sum_input_grads)
+        module.register_forward_hook(sum_output)
+        return module
 
 
 def is_moe(feed_forward: nn.Module) -> bool:
@@ -135,15 +209,19 @@ def attention_plan(attention: nn.Module) -> TPPlan:
         for name in ("attention.q_norm", "attention.k_norm"):
             plan[name] = SequenceParallel(sequence_dim=HEAD_DIM_OF_QK, use_local_output=True)
     if isinstance(getattr(attention, "sinks", None), torch.Tensor):
-        plan["attention"] = ShardHeadParameter("sinks")
+        plan["attention"] = shard_head_parameter("sinks")
     return plan
 
 
 def feed_forward_plan(feed_forward: nn.Module) -> TPPlan:
-    """Entries for a dense gated MLP (`w_gate`, `w_up`, `w_down`); none for an MoE layer,
-    whose router and experts stay replicated (see the module docstring)."""
+    """Entries for a dense gated MLP (`w_gate`, `w_up`, `w_down`); for an MoE layer, its
+    `SwiGLUExperts` split along F (`ShardExpertsIntermediate`), any other experts (GPT-OSS's)
+    and the router replicated (see the module docstring)."""
     if is_moe(feed_forward):
-        return {}
+        from posttrain.models.moe import SwiGLUExperts
+
+        return {"feed_forward.experts": ShardExpertsIntermediate()} \
+            if isinstance(getattr(feed_forward, "experts", None), SwiGLUExperts) else {}
     return {
         "feed_forward.w_gate": ColwiseParallel(),
         "feed_forward.w_up": ColwiseParallel(),
