@@ -40,7 +40,6 @@ After the plan the attention module computes `n_heads / tp` query heads and
 `n_kv_heads / tp` key/value heads per rank; `localize_heads` sets those counts.
 """
 
-
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -51,6 +50,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+
+from posttrain.models.moe import SwiGLUExperts
 
 TPPlan = dict[str, ParallelStyle]
 PlanFactory = Callable[[nn.Module], TPPlan]  # decoder block -> {submodule path: style}
@@ -218,10 +219,8 @@ def feed_forward_plan(feed_forward: nn.Module) -> TPPlan:
     `SwiGLUExperts` split along F (`ShardExpertsIntermediate`), any other experts (GPT-OSS's)
     and the router replicated (see the module docstring)."""
     if is_moe(feed_forward):
-        from posttrain.models.moe import SwiGLUExperts
-
-        return {"feed_forward.experts": ShardExpertsIntermediate()} \
-            if isinstance(getattr(feed_forward, "experts", None), SwiGLUExperts) else {}
+        experts = getattr(feed_forward, "experts", None)
+        return {"feed_forward.experts": ShardExpertsIntermediate()} if isinstance(experts, SwiGLUExperts) else {}
     return {
         "feed_forward.w_gate": ColwiseParallel(),
         "feed_forward.w_up": ColwiseParallel(),
