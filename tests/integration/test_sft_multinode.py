@@ -1,0 +1,68 @@
+"""The multi-node SFT flow (flows/sft_multinode_flow.py) run locally through `metaflow.Runner`:
+its `@pytorch_parallel` train step starts 2 tasks (the control task and one subprocess), each
+one rank of the FSDP2 process group over gloo, and the run registers a model transformers
+loads whose per-step losses are the one-worker run's.
+"""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_sft_flow import REPO_ROOT, flow_env, typing_restored
+from test_sft_parallel import LOSS_TOL, TWO_WORKERS, losses, with_parallel
+
+FLOW = REPO_ROOT / "flows" / "sft_multinode_flow.py"
+
+
+def one_worker_losses(recipe, run_dir: Path, samples, rows_per_epoch: int, out: Path) -> list[float]:
+    """The same recipe on one worker, in this process, without checkpoints."""
+    from posttrain.data.tokenizer import load_tokenizer
+    from posttrain.steps import train
+    from posttrain.steps.paths import resolve
+
+    recipe = dataclasses.replace(with_parallel(recipe, "none", 1),
+                                 checkpoint=dataclasses.replace(recipe.checkpoint, enabled=False))
+    tokenizer = load_tokenizer(resolve(recipe.tokenizer.name_or_path, run_dir))
+    return losses(train.run(recipe, tokenizer, samples, rows_per_epoch, out).history)
+
+
+@pytest.mark.slow
+def test_two_node_flow_registers_a_model_and_follows_one_worker(tmp_path):
+    from metaflow import Runner
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.registry.local import uri_to_path
+
+    overrides = {"output_dir": str(tmp_path / "outputs"), "register.registry_dir": str(tmp_path / "registry"),
+                 "data.generate.num_train": 80, "eval.max_examples": 4}
+    with typing_restored():
+        running = Runner(str(FLOW), show_output=False, env=flow_env(), cwd=str(tmp_path),
+                         config=[("config", str(TWO_WORKERS))], config_value=[("overrides", overrides)]).run()
+    with running:
+        assert running.status == "successful", running.stdout + running.stderr
+        run, logs = running.run, running.stdout + running.stderr
+    assert "x 2 worker(s) (fsdp)" in logs  # rank 0 saw a process group of 2
+
+    tasks = list(run["train_nodes"])
+    assert len(tasks) == 2  # the control task and one more, each a rank
+    assert sum("history" in task for task in tasks) == 1  # only rank 0 stores results
+
+    data = run.data
+    assert data.train_summary["num_workers"] == 2
+    assert [h["step"] for h in data.history] == [1, 2, 3, 4, 5, 6]
+    assert data.verdict["passed"]
+    run_dir = Path(run["start"].task.data.run_dir)
+    assert Path(data.checkpoint_dir) == run_dir / "checkpoint"
+    assert sorted(p.name for p in (run_dir / "train_state" / "step_00000006").glob("rank_*.json")) == \
+        ["rank_00000.json", "rank_00001.json"]  # both tasks took part in the checkpoint
+
+    expected = one_worker_losses(data.recipe, run_dir, data.samples, data.pack_stats.num_rows,
+                                 tmp_path / "reference")
+    loss_diff = max(abs(a - b) for a, b in zip(losses(data.history), expected))
+    print(f"2 @pytorch_parallel tasks vs 1 worker: max |loss diff| {loss_diff:.3g}")
+    assert len(expected) == len(data.history) and loss_diff < LOSS_TOL
+
+    model = AutoModelForCausalLM.from_pretrained(uri_to_path(data.model_uri), dtype=torch.float32)
+    assert model.config.model_type == "qwen3"
