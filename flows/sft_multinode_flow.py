@@ -26,10 +26,10 @@ Locally, Metaflow starts the other tasks as subprocesses of the control task wit
 run directory (`output_dir`) must then be storage every node sees.
 
 Checkpoints and resume as in SFTFlow: every rank takes part in checkpoints under
-`<output_dir>/SFTMultinodeFlow/<run id>/train_state/`, and a retried (`@retry`) or resumed
-train step continues from the newest complete one:
+`<output_dir>/SFTMultinodeFlow/<run id>/train_state/`, and a retried (`@retry`: all the
+step's tasks start again) or resumed train step continues from the newest complete one:
 
-    python flows/sft_multinode_flow.py resume train
+    python flows/sft_multinode_flow.py resume train_nodes
 """
 
 from metaflow import card, current, pytorch_parallel, retry, step

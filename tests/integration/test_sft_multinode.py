@@ -2,6 +2,10 @@
 its `@pytorch_parallel` train step starts 2 tasks (the control task and one subprocess), each
 one rank of the FSDP2 process group over gloo, and the run registers a model transformers
 loads whose per-step losses are the one-worker run's.
+
+The run also goes through a failure: rank 0 raises after step 3 (`POSTTRAIN_FAULT_AT_STEP`,
+once), its peer's collective fails, `@retry` restarts both tasks and they continue from the
+step-3 checkpoint, so the trajectory checked against one worker spans the resume.
 """
 
 import dataclasses
@@ -29,25 +33,29 @@ def one_worker_losses(recipe, run_dir: Path, samples, rows_per_epoch: int, out: 
 
 
 @pytest.mark.slow
-def test_two_node_flow_registers_a_model_and_follows_one_worker(tmp_path):
+def test_two_node_flow_retries_registers_a_model_and_follows_one_worker(tmp_path):
     from metaflow import Runner
     from transformers import AutoModelForCausalLM
 
     from posttrain.registry.local import uri_to_path
+    from posttrain.steps.train import FAULT_AT_STEP_ENV
 
     overrides = {"output_dir": str(tmp_path / "outputs"), "register.registry_dir": str(tmp_path / "registry"),
                  "data.generate.num_train": 80, "eval.max_examples": 4}
+    env = {**flow_env(), FAULT_AT_STEP_ENV: "3"}  # rank 0 raises once, after the step-3 checkpoint
     with typing_restored():
-        running = Runner(str(FLOW), show_output=False, env=flow_env(), cwd=str(tmp_path),
+        running = Runner(str(FLOW), show_output=False, env=env, cwd=str(tmp_path),
                          config=[("config", str(TWO_WORKERS))], config_value=[("overrides", overrides)]).run()
     with running:
         assert running.status == "successful", running.stdout + running.stderr
         run, logs = running.run, running.stdout + running.stderr
     assert "x 2 worker(s) (fsdp)" in logs  # rank 0 saw a process group of 2
+    assert "injected failure after step 3" in logs and "resuming from step 3" in logs
 
     tasks = list(run["train_nodes"])
     assert len(tasks) == 2  # the control task and one more, each a rank
-    assert sum("history" in task for task in tasks) == 1  # only rank 0 stores results
+    [control] = [task for task in tasks if "history" in task]  # only rank 0 stores results
+    assert control.current_attempt == 1  # the retry
 
     data = run.data
     assert data.train_summary["num_workers"] == 2
@@ -55,6 +63,7 @@ def test_two_node_flow_registers_a_model_and_follows_one_worker(tmp_path):
     assert data.verdict["passed"]
     run_dir = Path(run["start"].task.data.run_dir)
     assert Path(data.checkpoint_dir) == run_dir / "checkpoint"
+    assert data.resumed_from == str(run_dir / "train_state" / "step_00000003")
     assert sorted(p.name for p in (run_dir / "train_state" / "step_00000006").glob("rank_*.json")) == \
         ["rank_00000.json", "rank_00001.json"]  # both tasks took part in the checkpoint
 
