@@ -60,20 +60,23 @@ def init_distributed(
     master_port: int,
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    local_rank: int | None = None,
 ) -> None:
     """Join the default process group as `rank` of `world_size` (TCP rendezvous at
-    `master_addr:master_port`). Also sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (and
-    LOCAL_RANK, assuming one node) so libraries that read them agree. On CUDA the rank uses
-    device `rank % device_count`."""
+    `master_addr:master_port`, waiting at most `timeout_s` for the peers). Also sets
+    RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT so libraries that read them agree.
+    `local_rank` is the process's index on its node (default: `rank`, one node); on CUDA the
+    process uses device `local_rank % device_count`."""
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process")
+    local_rank = rank if local_rank is None else local_rank
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
         MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
     )
     backend = backend or default_backend()
     if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
     dist.init_process_group(
         backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
@@ -87,11 +90,14 @@ def shutdown_distributed() -> None:
 
 
 def run_spmd(fn: Callable[..., Any], args: tuple, rank: int, world_size: int, master_addr: str,
-             master_port: int, backend: str | None = None) -> Any:
-    """Initialise the process group, run `fn(*args)`, always tear the group down. An
+             master_port: int, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+             local_rank: int | None = None) -> Any:
+    """Initialise the process group (`init_distributed`: raise `timeout_s` for cluster tasks
+    that start minutes apart; `local_rank` on multi-GPU nodes), run `fn(*args)`, always tear
+    the group down. An
     exception leaves with a `failed_at` attribute (wall-clock time, taken before the teardown
     makes the peers fail too), so a launcher can tell the first failure from its echoes."""
-    init_distributed(rank, world_size, master_addr, master_port, backend)
+    init_distributed(rank, world_size, master_addr, master_port, backend, timeout_s=timeout_s, local_rank=local_rank)
     try:
         return fn(*args)
     except BaseException as err:
