@@ -4,6 +4,7 @@ TensorBoard alike, and progress shows a bar on a terminal and plain ETA lines el
 from __future__ import annotations
 
 import io
+import time
 
 import pytest
 import torch
@@ -120,6 +121,9 @@ def test_tensorboard_resume_discards_steps_after_the_resume_point(tmp_path):
     for step in range(1, 6):
         first.append({"step": step, "loss": 10.0 + step})
     first.close()
+    # event files are read in name order, and names start with the creation second; a real
+    # resume starts seconds later (a new process), which this sleep stands for
+    time.sleep(1.05)
     resumed = TensorBoardLog(tmp_path, resume_step=3)
     for step in range(4, 7):
         resumed.append({"step": step, "loss": 20.0 + step})
