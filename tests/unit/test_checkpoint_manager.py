@@ -117,6 +117,24 @@ def test_only_tensors_go_to_dcp_and_the_rest_is_json(tmp_path):
     assert set(json.loads((path / "rank_00000.json").read_text())) == {"rng", "data"}
 
 
+def test_a_crafted_metadata_pickle_is_refused_before_it_runs(tmp_path):
+    """DCP's `.metadata` is a pickle; a checkpoint from elsewhere must not run code on load."""
+    import os
+    import pickle
+
+    path = CheckpointManager(tmp_path, every_steps=1).save(2, trained(2), data_state=None)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (path / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointError, match=r"(posix|os)\.system, which a DCP checkpoint never holds"):
+        CheckpointManager(tmp_path, every_steps=1).load(path, make_trainer())
+    assert not marker.exists()
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_crash_inside_save_leaves_the_previous_checkpoint_whole(tmp_path, stage):
     class Crash(Exception):

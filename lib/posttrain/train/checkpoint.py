@@ -20,8 +20,10 @@ Layout of one checkpoint, `root/step_{N:08d}/`:
 DCP would pickle any non-tensor value it is given (`torch.save` into a byte blob), so only
 tensors go to it; the skeleton is JSON with tags that keep tuples and non-string dict keys
 (`{"__tuple__": [...]}`, `{"__items__": [[key, value], ...]}`) so it round-trips exactly
-(floats through `repr`, bit for bit). Nothing here unpickles: DCP reads its own `.metadata`
-and tensor files (`torch.load(weights_only=True)`).
+(floats through `repr`, bit for bit). DCP's own `.metadata` file is a pickle: it is read
+through `SafeMetadataReader`, whose unpickler admits only DCP's metadata classes, torch
+sizes/dtypes/layouts and paths, so a crafted checkpoint cannot run code; tensor files are
+read by DCP as raw storage.
 
 Atomicity: a checkpoint is written into the sibling temporary `root/.tmp-step_{N:08d}`, every
 file fsync'd, `meta.json` last, then renamed to `step_{N:08d}` (and the root directory
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import warnings
 from dataclasses import dataclass, field
@@ -46,6 +49,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
@@ -159,12 +165,61 @@ def _barrier() -> None:
         dist.barrier()
 
 
+# what DCP's `.metadata` pickle may name: its metadata dataclasses and enums, the reader's
+# storage records, torch sizes/dtypes/layouts, and paths; anything else is refused
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": None,  # every name in DCP's metadata module
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"} | {name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)},
+    "torch._utils": {"_get_layout"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice", "bytearray"},
+}
+
+
+_REFUSED = "refusing to unpickle it"
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        allowed = _METADATA_GLOBALS.get(module, set())
+        if allowed is None or name in allowed:
+            return super().find_class(module, name)
+        raise CheckpointError(f"checkpoint .metadata names {module}.{name}, which a DCP checkpoint never holds: "
+                              f"{_REFUSED}")
+
+
+class SafeMetadataReader(FileSystemReader):
+    """DCP's file reader with `.metadata` read by a restricted unpickler (see `_METADATA_GLOBALS`)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as metadata_file:
+            metadata = _MetadataUnpickler(metadata_file).load()
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} does not hold DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
 def _dcp(function: Callable, tensors: dict[str, torch.Tensor], path: Path) -> None:
     """`dcp.save` / `dcp.load`, without DCP's warning that it runs in a single process
-    (that is intended here when no process group is initialised)."""
+    (that is intended here when no process group is initialised). Loads read `.metadata`
+    through `SafeMetadataReader`."""
+    kwargs = {"storage_reader": SafeMetadataReader(path)} if function is dcp.load else {}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        function(tensors, checkpoint_id=path, no_dist=not _distributed())
+        try:
+            function(tensors, checkpoint_id=path, no_dist=not _distributed(), **kwargs)
+        except CheckpointException as err:  # DCP flattens the reader's error into text per rank
+            refused = [str(e) for e in err.failures.values() if _REFUSED in str(e)]
+            if refused:
+                raise CheckpointError(f"{path}: {refused[0]}") from None
+            raise
 
 
 def config_differences(saved: Any, current: Any, path: str = "") -> list[str]:
