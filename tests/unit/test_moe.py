@@ -113,3 +113,13 @@ def test_load_balancing_loss_values():
     valid = torch.tensor([True] * 5 + [False] * 3)
     assert load_balancing_loss([padded], top_k=1, valid_N=valid).item() == pytest.approx(X)
     assert load_balancing_loss([padded], top_k=1).item() < X - 1
+
+
+def test_load_balancing_loss_of_an_all_padding_batch_is_zero_not_nan():
+    from posttrain.models.moe import load_balancing_loss
+
+    logits_NX = torch.randn(6, 4, requires_grad=True)
+    loss = load_balancing_loss([logits_NX], top_k=2, valid_N=torch.zeros(6, dtype=torch.bool))
+    assert loss.item() == 0.0
+    loss.backward()
+    assert torch.isfinite(logits_NX.grad).all()

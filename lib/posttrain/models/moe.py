@@ -87,6 +87,8 @@ def load_balancing_loss(
         assigned_X = assigned_X.scatter_add(0, idx_Nk.reshape(-1), w_N.repeat_interleave(top_k))
         prob_X = prob_X + (probs_NX * w_N[:, None]).sum(dim=0)
         rows = rows + w_N.sum()
+    # no real token at all (an all-padding micro-batch): no load to balance, and 0/0 would be NaN
+    rows = rows.clamp_min(1.0)
     return X * ((assigned_X / rows) * (prob_X / rows)).sum()
 
 
