@@ -28,9 +28,6 @@ if TYPE_CHECKING:  # torch is imported inside the functions: Metaflow's Runner i
     from posttrain.steps.train import TrainResult
     from posttrain.steps.train_model import Start
 
-# cluster tasks of one @parallel step can start minutes apart (image pulls, scheduling)
-NODE_RENDEZVOUS_TIMEOUT_S = 600.0
-
 
 class NodeSetupError(RuntimeError):
     """The parallel step cannot form the process group the recipe asks for."""
@@ -65,5 +62,4 @@ def train_this_node(parallel, recipe, tokenizer, samples: dict, rows_per_epoch: 
     job = TrainJob(recipe, tokenizer, samples, rows_per_epoch, str(run_dir), start)
     return run_spmd(train_loop, (job, on_step), rank=parallel.node_index, world_size=parallel.num_nodes,
                     master_addr=os.environ.get("MASTER_ADDR", parallel.main_ip),
-                    master_port=int(os.environ["MASTER_PORT"]), backend=recipe.parallel.backend,
-                    timeout_s=NODE_RENDEZVOUS_TIMEOUT_S)
+                    master_port=int(os.environ["MASTER_PORT"]), backend=recipe.parallel.backend)

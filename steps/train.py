@@ -330,6 +330,9 @@ def run(config: SFTConfig, tokenizer, samples: dict[str, list[TokenizedSample]],
 
     metrics_file = run_dir / "metrics.jsonl"
     metrics_file.unlink(missing_ok=True)  # rank 0 rewrites it from the start (history, then each step)
+    # a CUDA run gives each actor a GPU (Ray hides GPUs from actors that reserve none)
+    gpus_per_worker = 1 if pick_device(config.train.device).type == "cuda" else 0
     with FollowMetrics(metrics_file, on_step or (lambda record: None)):
-        results = run_workers(train_worker, (job,), num_workers=workers, backend=config.parallel.backend)
+        results = run_workers(train_worker, (job,), num_workers=workers, backend=config.parallel.backend,
+                              gpus_per_worker=gpus_per_worker)
     return results[0]

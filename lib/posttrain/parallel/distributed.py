@@ -28,7 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-DEFAULT_TIMEOUT_S = 120.0
+# how long the rendezvous waits for peers and, after it, how long any collective may wait:
+# long, because ranks wait at barriers while rank 0 alone writes an export or deletes an old
+# checkpoint (minutes at real sizes); a crashed peer still fails the others at once (its
+# connection closes)
+DEFAULT_TIMEOUT_S = 1800.0
 FAILURE_GRACE_S = 10.0
 
 
@@ -76,6 +80,9 @@ def init_distributed(
     )
     backend = backend or default_backend()
     if backend == "nccl":
+        if torch.cuda.device_count() == 0:
+            raise RuntimeError(f"backend 'nccl' on rank {rank}, but this process sees no CUDA device "
+                               "(a Ray actor needs gpus_per_worker > 0); use 'gloo' on CPU")
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     dist.init_process_group(
         backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size,
