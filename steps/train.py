@@ -10,7 +10,8 @@ sharded by `parallel.strategy` (`posttrain.parallel.apply.apply_parallelism`), e
 data-parallel rank reading its rows of the one packed stream. `train.micro_batch_size` is
 the global rows per micro-batch, split over the data-parallel ranks only: under `tp` (dp 1)
 every rank reads all of them, under `fsdp+tp` the tensor-parallel peers of a dp rank read
-the same ones. So the loss trajectory is the same for any worker count and strategy.
+the same ones. So the loss trajectory is the same for any worker count and strategy
+(without dropout: LoRA dropout masks are drawn per rank, so they depend on the split).
 `tp`/`fsdp+tp` recipes the plan cannot split (LoRA, an architecture without a TP plan, head
 counts `tp_size` does not divide) are refused before any worker starts.
 Rank 0 writes metrics and the export; every rank takes part in checkpoints.
@@ -40,7 +41,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-
 import torch.distributed as dist
 
 from posttrain.config.schema import SFTConfig
@@ -86,7 +86,10 @@ def total_steps_for(rows_per_epoch: int, config: SFTConfig) -> int:
 FAULT_AT_STEP_ENV = "POSTTRAIN_FAULT_AT_STEP"
 FAULT_TIMES_ENV = "POSTTRAIN_FAULT_TIMES"
 # Settings that do not change the loss trajectory, left out of the checkpoint fingerprint.
-COSMETIC_TRAIN_KEYS = ("device", "log_every", "card_refresh_s", "progress_bar", "tensorboard", "peak_flops")
+# (activation checkpointing recomputes bit for bit; health thresholds only flag, and the
+# non-finite skip does not depend on them)
+COSMETIC_TRAIN_KEYS = ("device", "log_every", "card_refresh_s", "progress_bar", "tensorboard", "peak_flops",
+                       "activation_checkpointing", "health")
 
 
 class InjectedFault(RuntimeError):
@@ -127,13 +130,22 @@ def checkpoint_manager(config: SFTConfig, run_dir: Path,
 
 
 def resume_point(config: SFTConfig, manager: CheckpointManager | None) -> Path | None:
-    """The newest complete checkpoint of this run, else `checkpoint.resume_from`, else None."""
+    """The newest complete checkpoint of this run, else `checkpoint.resume_from`, else None.
+
+    Under torch.distributed rank 0 decides and broadcasts the path, so every rank loads the
+    same checkpoint even where ranks see a shared directory differently (NFS caching)."""
     if manager is None:
         return None
-    latest = manager.latest()
-    if latest is not None:
-        return latest
-    return manager.resolve(config.checkpoint.resume_from) if config.checkpoint.resume_from else None
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    chosen: list[str | None] = [None]
+    if not distributed or dist.get_rank() == 0:
+        latest = manager.latest()
+        if latest is None and config.checkpoint.resume_from:
+            latest = manager.resolve(config.checkpoint.resume_from)
+        chosen[0] = str(latest) if latest is not None else None
+    if distributed:
+        dist.broadcast_object_list(chosen, src=0)
+    return Path(chosen[0]) if chosen[0] is not None else None
 
 
 def maybe_inject_fault(step: int, marker_dir: Path) -> None:
@@ -191,6 +203,8 @@ def train_loop(job: TrainJob, on_step: Callable[[dict], None] | None = None,
     mesh = build_device_mesh(config.parallel) if world > 1 else None
     model = apply_parallelism(model, config.parallel, mesh) if mesh is not None else model
     dp_rank, dp_size = dp_rank_and_size(mesh)
+    if dp_rank:  # dropout masks differ between data-parallel ranks (rank 0 keeps the one-worker seed)
+        torch.manual_seed(config.train.seed + dp_rank)
     total_steps = total_steps_for(job.rows_per_epoch, config)
     rows_per_rank = config.train.micro_batch_size // dp_size
     if lead:

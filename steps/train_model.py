@@ -19,6 +19,7 @@ beside it (`<run dir>/adapter`, base recorded as the starting directory).
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from posttrain.config.schema import ModelConfig, SFTConfig
-from posttrain.models.registry import build_model, get_architecture, load_hf_checkpoint, save_hf_checkpoint
+from posttrain.models.registry import (build_model, get_architecture, load_hf_checkpoint, replace_dir,
+                                       save_hf_checkpoint)
 
 # recipe fields copied into every architecture's config (the rest come from the registry's `tiny`)
 SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -71,6 +73,10 @@ def check_model_recipe(config: SFTConfig) -> None:
                                    "(our adapters target our layers' names); use the native backend")
         if parallel.num_workers > 1:
             raise RecipeModelError("model.backend 'transformers' trains in one worker; set parallel.num_workers: 1")
+        for key in ("activation_checkpointing", "compile"):
+            if getattr(config.train, key):
+                raise RecipeModelError(f"train.{key} wraps our decoder blocks; it is not available with "
+                                       "model.backend 'transformers'")
     if config.train.micro_batch_size % parallel.dp:
         raise RecipeModelError(f"train.micro_batch_size ({config.train.micro_batch_size}) is the global rows per "
                                f"micro-batch and must divide evenly over the {parallel.dp} data-parallel ranks")
@@ -157,10 +163,12 @@ def export_trained(trainer, config: SFTConfig, tokenizer, start: Start, run_dir:
 
     checkpoint_dir, adapter_dir = Path(run_dir) / "checkpoint", None
     if config.model.backend == "transformers":
-        if checkpoint_dir.exists():
-            shutil.rmtree(checkpoint_dir)
-        trainer.model.save_pretrained(checkpoint_dir)
-        tokenizer.save_pretrained(str(checkpoint_dir))
+        # written beside, then swapped in: a crash mid-save leaves the previous export whole
+        staging = checkpoint_dir.with_name(f".{checkpoint_dir.name}.tmp-{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        trainer.model.save_pretrained(staging)
+        tokenizer.save_pretrained(str(staging))
+        replace_dir(staging, checkpoint_dir)
     elif config.model.lora is not None:
         from posttrain.models.peft_export import save_peft_adapter
 

@@ -197,14 +197,20 @@ class HealthConfig:
     min_history: int = bounded(5, ge=1)
     max_consecutive_bad_steps: int = bounded(5, ge=1)
 
+    def validate(self) -> None:
+        if self.min_history > self.window:
+            raise ConfigError(f"train.health.min_history ({self.min_history}) > window ({self.window}): "
+                              "spike and explosion checks would never run")
+
 
 @dataclass
 class TrainConfig:
     """Optimisation, precision and logging of a training run (`posttrain.train.trainer`).
 
     `lr_schedule`: linear warmup, then `cosine` or `linear` decay to `min_lr_ratio`.
-    `mixed_precision: bf16` runs forward and loss under bf16 autocast; parameters, gradients
-    and optimizer state stay float32. `activation_checkpointing` recomputes each decoder
+    `mixed_precision: bf16` runs forward and loss under bf16 autocast (decoder matmuls in
+    bf16; the output projection and loss stay float32); parameters, gradients and optimizer
+    state stay float32. `activation_checkpointing` recomputes each decoder
     block in backward; `compile` compiles each decoder block with `torch.compile`.
     `peak_flops`: the device's peak FLOP/s, a number or a name in
     `posttrain.train.mfu.PEAK_FLOPS` (e.g. "h100-sxm/bf16"); MFU is reported when set.
@@ -323,6 +329,11 @@ class CheckpointConfig:
     keep_last: int = bounded(2, ge=1)
     directory: Optional[str] = None
     resume_from: Optional[str] = None
+
+    def validate(self) -> None:
+        if self.resume_from and not self.enabled:
+            raise ConfigError("checkpoint.resume_from is set but checkpoint.enabled is false: "
+                              "enable checkpoints to resume")
 
 
 @dataclass

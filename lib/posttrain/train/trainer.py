@@ -26,7 +26,10 @@ schedule advances only on applied steps.
 
 Options (`TrainConfig`): `mixed_precision: bf16` runs the loss function (model forward and
 loss) under `torch.autocast(device, bfloat16)`; parameters, gradients and AdamW state stay
-float32. `activation_checkpointing` and `compile` act on each decoder block of
+float32. The decoder's matmuls run in bf16; the output projection and cross-entropy stay
+float32 (the final norm returns float32 hidden states and the chunked loss writes its
+matmuls into float32 buffers, which autocast does not touch): exact loss, but the largest
+matmuls of a big-vocabulary model are not accelerated. `activation_checkpointing` and `compile` act on each decoder block of
 `model.layers` from outside the model; parameter names do not change (so state dicts and
 `export_weights` are the same with or without them).
 
