@@ -35,7 +35,7 @@ import json
 import math
 import os
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -225,22 +225,24 @@ def train_loop(job: TrainJob, on_step: Callable[[dict], None] | None = None,
         if lead:
             print(f"[train] resuming from step {trainer.step} at {resume}")
 
-    sinks = progress = None
-    if lead:
-        metrics_file = run_dir / "metrics.jsonl"  # restarts with the trajectory up to the resume point
-        metrics_file.write_text("".join(json.dumps(record) + "\n" for record in history), encoding="utf-8")
-        sinks = open_metrics(run_dir, tensorboard=config.train.tensorboard,
-                             resume_step=trainer.step if resume is not None else None)
-        sinks.records.extend(history)
-        if on_step is not None:
-            for record in history:
-                on_step(record)
-        progress = Progress(total_steps, config.train.log_every, enabled=config.train.progress_bar,
-                            initial_step=trainer.step)
-    started = time.perf_counter()
-    stream = training_batches(job.samples, config.data.sources, config.seed, config.pack, tokenizer.pad_token_id,
-                              rows_per_rank, state=data_state, rank=dp_rank, world_size=dp_size)
-    with stream as batches, sinks or nullcontext(), progress or nullcontext():
+    # everything opened here is closed however the loop ends (including a stream that fails to open)
+    with ExitStack() as stack:
+        sinks = progress = None
+        if lead:
+            metrics_file = run_dir / "metrics.jsonl"  # restarts with the trajectory up to the resume point
+            metrics_file.write_text("".join(json.dumps(record) + "\n" for record in history), encoding="utf-8")
+            sinks = stack.enter_context(open_metrics(run_dir, tensorboard=config.train.tensorboard,
+                                                     resume_step=trainer.step if resume is not None else None))
+            sinks.records.extend(history)
+            if on_step is not None:
+                for record in history:
+                    on_step(record)
+            progress = stack.enter_context(Progress(total_steps, config.train.log_every,
+                                                    enabled=config.train.progress_bar, initial_step=trainer.step))
+        started = time.perf_counter()
+        batches = stack.enter_context(training_batches(
+            job.samples, config.data.sources, config.seed, config.pack, tokenizer.pad_token_id, rows_per_rank,
+            state=data_state, rank=dp_rank, world_size=dp_size))
         for _, micro_batches in zip(range(total_steps - trainer.step), step_batches(batches, config, device)):
             metrics = trainer.train_step(micro_batches)
             metrics["elapsed_s"] = time.perf_counter() - started  # in this process
