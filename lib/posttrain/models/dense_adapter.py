@@ -50,6 +50,30 @@ def pad_vocab(tensor_VD: torch.Tensor, padded_rows: int) -> torch.Tensor:
     return torch.cat([tensor_VD, zeros], dim=0)
 
 
+def decoder_hf_names(config: Any, layer_names: dict[str, str]) -> dict[str, str]:
+    """HF name -> our name for a decoder: embedding, final norm, untied head, and each
+    layer's `{hf_suffix: our_suffix}` under `model.layers.{i}.` / `layers.{i}.`."""
+    names = {EMBED: "tok_embeddings.weight", "model.norm.weight": "norm.weight"}
+    if not config.tie_word_embeddings:
+        names[LM_HEAD] = "output.weight"
+    for i in range(config.num_hidden_layers):
+        for hf_suffix, our_suffix in layer_names.items():
+            names[f"model.layers.{i}.{hf_suffix}"] = f"layers.{i}.{our_suffix}"
+    return names
+
+
+def decoder_hf_shapes(config: Any, layer_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape for a decoder: embedding and untied head `[V, D]` (real vocabulary),
+    final norm `[D]`, and each layer's `{hf_suffix: shape}` under `model.layers.{i}.`."""
+    V, D = config.vocab_size, config.hidden_size
+    shapes = {EMBED: (V, D), "model.norm.weight": (D,)}
+    if not config.tie_word_embeddings:
+        shapes[LM_HEAD] = (V, D)
+    for i in range(config.num_hidden_layers):
+        shapes.update({f"model.layers.{i}.{k}": v for k, v in layer_shapes.items()})
+    return shapes
+
+
 class DenseDecoderAdapter:
     """Name/shape mapping between `DecoderLM` parameters and an HF checkpoint of `arch`."""
 
@@ -60,17 +84,11 @@ class DenseDecoderAdapter:
 
     def hf_to_ours(self, config: Any) -> dict[str, str]:
         """Every HF tensor name a checkpoint of `config` must hold -> our parameter name."""
-        names = {EMBED: "tok_embeddings.weight", "model.norm.weight": "norm.weight"}
-        if not config.tie_word_embeddings:
-            names[LM_HEAD] = "output.weight"
-        for i in range(config.num_hidden_layers):
-            for hf_suffix, our_suffix in self.layer_names.items():
-                names[f"model.layers.{i}.{hf_suffix}"] = f"layers.{i}.{our_suffix}"
-        return names
+        return decoder_hf_names(config, self.layer_names)
 
     def hf_shapes(self, config: Any) -> dict[str, tuple[int, ...]]:
         """The shape of every HF tensor of a `config` checkpoint (real, unpadded vocabulary)."""
-        V, D, F = config.vocab_size, config.hidden_size, config.intermediate_size
+        D, F = config.hidden_size, config.intermediate_size
         H, K, E = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         layer = {
             "input_layernorm.weight": (D,),
@@ -85,12 +103,7 @@ class DenseDecoderAdapter:
         }
         if self.qk_norm:
             layer.update({"self_attn.q_norm.weight": (E,), "self_attn.k_norm.weight": (E,)})
-        shapes = {EMBED: (V, D), "model.norm.weight": (D,)}
-        if not config.tie_word_embeddings:
-            shapes[LM_HEAD] = (V, D)
-        for i in range(config.num_hidden_layers):
-            shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
-        return shapes
+        return decoder_hf_shapes(config, layer)
 
     def import_tensor(self, hf_name: str, tensor: torch.Tensor, config: Any) -> tuple[str, torch.Tensor]:
         """Map one HF tensor to `(our_name, tensor in our layout)`; pads vocab rows with zeros.

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from posttrain.models.dense_adapter import EMBED, LM_HEAD, pad_vocab
+from posttrain.models.dense_adapter import EMBED, LM_HEAD, decoder_hf_names, decoder_hf_shapes, pad_vocab
 
 __all__ = ["export_tensors", "hf_shapes", "hf_to_ours", "import_tensor", "redundant_tensors"]
 
@@ -65,19 +65,12 @@ def _layer_names(config: Any) -> dict[str, str]:
 
 def hf_to_ours(config: Any) -> dict[str, str]:
     """Every HF tensor name a checkpoint of `config` must hold -> our parameter name."""
-    names = {EMBED: "tok_embeddings.weight", "model.norm.weight": "norm.weight"}
-    if not config.tie_word_embeddings:
-        names[LM_HEAD] = "output.weight"
-    layer = _layer_names(config)
-    for i in range(config.num_hidden_layers):
-        for hf_suffix, our_suffix in layer.items():
-            names[f"model.layers.{i}.{hf_suffix}"] = f"layers.{i}.{our_suffix}"
-    return names
+    return decoder_hf_names(config, _layer_names(config))
 
 
 def hf_shapes(config: Any) -> dict[str, tuple[int, ...]]:
     """The shape of every HF tensor of a `config` checkpoint (real, unpadded vocabulary)."""
-    V, D, F, X = config.vocab_size, config.hidden_size, config.intermediate_size, config.num_local_experts
+    D, F, X = config.hidden_size, config.intermediate_size, config.num_local_experts
     H, K, E = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     layer = {
         "input_layernorm.weight": (D,),
@@ -97,12 +90,7 @@ def hf_shapes(config: Any) -> dict[str, tuple[int, ...]]:
     if config.attention_bias:
         layer.update({"self_attn.q_proj.bias": (H * E,), "self_attn.k_proj.bias": (K * E,),
                       "self_attn.v_proj.bias": (K * E,), "self_attn.o_proj.bias": (D,)})
-    shapes = {EMBED: (V, D), "model.norm.weight": (D,)}
-    if not config.tie_word_embeddings:
-        shapes[LM_HEAD] = (V, D)
-    for i in range(config.num_hidden_layers):
-        shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
-    return shapes
+    return decoder_hf_shapes(config, layer)
 
 
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:
