@@ -61,6 +61,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, spread  # noqa: E402  (bench/common.py)
+
 FULL = dict(vocab_size=151_936, hidden=1024, tokens=4096, chunk_size=None)
 QUICK = dict(vocab_size=8192, hidden=256, tokens=512, chunk_size=128)
 IGNORE_EVERY = 64
@@ -181,7 +184,8 @@ def spawn(variant: str, settings: dict, calls: int, env: dict, save: str | None 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small V/D/T: a smoke run")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating naive/chunked child pairs")
+    parser.add_argument("--repeats", "--rounds", dest="rounds", type=int, default=3,
+                        help="alternating naive/chunked child pairs (each pair gives one ratio)")
     parser.add_argument("--calls", type=int, default=1, help="timed forward+backward calls per child")
     parser.add_argument("--chunk-size", type=int, default=None, help="chunk rows (default: the loss's default)")
     parser.add_argument("--child", choices=("naive", "chunked"), help=argparse.SUPPRESS)
@@ -216,9 +220,16 @@ def main() -> None:
     peak = {v: max(x["peak_bytes"] for x in rs) for v, rs in results.items()}
     times = {v: statistics.median(t for x in rs for t in x["times_s"]) for v, rs in results.items()}
     grad = results["chunked"][0]["grad_rel_diff"]
+    pairs = list(zip(results["naive"], results["chunked"]))
+    mem_ratios = [n["peak_bytes"] / c["peak_bytes"] for n, c in pairs]
+    time_ratios = [statistics.median(c["times_s"]) / statistics.median(n["times_s"]) for n, c in pairs]
     summary = {
         "benchmark": "chunked_ce",
+        "baseline": "naive: full logits, then F.cross_entropy",
+        "repeats": args.rounds,
         "peak_mem_ratio": round(peak["naive"] / peak["chunked"], 3),
+        "peak_mem_ratio_spread": spread(mem_ratios, 3),
+        "time_ratio_spread": spread(time_ratios, 4),
         "grad_max_rel_diff": max(grad.values()),
         "time_ratio": round(times["chunked"] / times["naive"], 4),
         "loss_rel_diff": results["chunked"][0]["loss_rel_diff"],
@@ -231,7 +242,7 @@ def main() -> None:
         "settings": {**settings, "dtype": "float32", "ignored_positions": len(range(0, settings["tokens"], IGNORE_EVERY)),
                      "rounds": args.rounds, "calls_per_child": args.calls, "threads": results["naive"][0]["threads"],
                      "peak_method": results["naive"][0]["peak_method"],
-                     "malloc": {k: env.get(k) for k in MALLOC_ENV}, "quick": args.quick},
+                     "malloc": {k: env.get(k) for k in MALLOC_ENV}, "quick": args.quick, **machine()},
         "seconds": None,
     }
     summary["met"] = {

@@ -1,67 +1,79 @@
-"""Training-step throughput: our trainer on packed rows vs transformers' Qwen3ForCausalLM on
-padded batches, same model weights, same samples, side by side in one process.
+"""Training-step throughput: our trainer on packed rows against transformers at its best
+practical setting, same weights, same documents, side by side in one process, on two model
+shapes (one whose cost is the LM head, one whose cost is the decoder blocks).
 
-    python bench/train_step.py [--quick] [--steps N] [--warmup N] [--row-length L] [--rows R]
-                               [--hidden D] [--layers N] [--compile | --eager]
+    python bench/train_step.py [--quick] [--repeats N] [--steps N] [--warmup N]
+                               [--shapes lm_head,blocks] [--variants NAME,...]
 
 Progress goes to stderr; the LAST stdout line is one JSON object:
 
-    {"benchmark": "train_step", "tokens_per_s_ours": ..., "tokens_per_s_hf": ...,
-     "ratio_vs_hf": ours/hf, "target": ">= 1.3", "met": bool, "data": "real"|"synthetic",
-     "ratio_vs_hf_cpu_time": hf/ours process CPU seconds, "loss_step1": {"ours", "hf"},
-     "step_s": {"ours", "hf"}, "step_cpu_s": {...}, "tokens": ..., "loss_tokens": ...,
-     "padded_efficiency_hf": ..., "settings": {...}, "seconds": ...}
+    {"benchmark": "train_step", "baseline": <best HF variant on the LM-head shape>,
+     "ratio_vs_hf": <median ratio, LM-head shape>, "ratio": {"min", "median", "max", "n"},
+     "ratio_vs_hf_blocks": <median, blocks shape>, "ratio_blocks": {...}, "repeats": N,
+     "tokens_per_s_ours", "tokens_per_s_hf", "data", "loss_step1", "shapes": {...},
+     "settings": {machine, commit, ...}, "seconds"}
 
-Model: a tiny Qwen3 (defaults: 4 layers, hidden 128, 4 query / 2 key-value heads of 32,
-MLP 384, tied embeddings) with the real Qwen3 vocabulary (151,669 tokens), built by
-`posttrain.models.registry.build_model`, exported with `save_hf_checkpoint` and loaded by
-`transformers.Qwen3ForCausalLM.from_pretrained(attn_implementation="sdpa")`: identical
-float32 weights on both sides.
+Shapes (our Qwen3 built by `posttrain.models.registry.build_model`, exported with
+`save_hf_checkpoint`, loaded by `transformers.Qwen3ForCausalLM.from_pretrained(
+attn_implementation="sdpa")`: identical float32 weights on every side):
+- `lm_head`: 4 layers, hidden 128, 4 query / 2 key-value heads of 32, MLP 384, tied
+  embeddings, the real Qwen3 vocabulary (151,669): 98% of the parameters and most of a
+  step's FLOPs are the embedding / output projection.
+- `blocks`: 8 layers, hidden 512, 8 query / 4 key-value heads of 64, MLP 1,536, tied, a
+  32,000-token vocabulary: most FLOPs are in the decoder blocks. Token ids are the real
+  Qwen3 ids folded modulo 32,000 (lengths and loss masks unchanged; the text meaning is lost,
+  which does not change the arithmetic).
 
-Data ("real"): the OASST, GSM8K and Orca chats of ../shared/data rendered with the real
-Qwen3 tokenizer and chat template (`bench/packing.py:real_samples`: loss on assistant tokens
-only), `--per-source` conversations of each; samples longer than a row are dropped. Without
-../shared/data: "synthetic", heavy-tailed lengths (lognormal, median L/20, sigma 1.2; loss mask
-Bernoulli(0.6)).
+Data ("real"): the OASST, GSM8K and Orca chats of ../shared/data rendered with the real Qwen3
+tokenizer and template (`bench/packing.py:real_samples`; loss on assistant tokens only),
+`--per-source` of each, samples over a row dropped; without ../shared/data, "synthetic"
+heavy-tailed lengths. Each step trains the same documents on every side: the documents of
+`--rows` best-fit packed rows of `--row-length` tokens.
 
-Each step trains the same documents on both sides:
-- ours: `pack_samples` (best fit) into `[R, L]` rows; one step is R rows through
-  `Trainer.train_step` (document-masked SDPA, chunked loss over the loss tokens only, fused
-  AdamW, clipping, health checks), each decoder block compiled (`TrainConfig.compile`;
-  the default, as it helped: see docs/benchmarks.md; `--eager` turns it off, `--quick`
-  runs eager unless `--compile`).
-- HF: the documents of that step's rows (cut out of the rows by document id), sorted by
-  length and cut into pad-to-longest micro-batches of at most R*L slots (as many as fit
-  `n * longest <= R*L`; sorting keeps padding low, its best practical setting), each with an
-  attention mask, HF's own loss with `num_items_in_batch` = the step's loss tokens (per-token
-  normalisation across micro-batches, as ours), backward, `clip_grad_norm_`, fused AdamW.
-Same optimizer settings on both sides. Steps alternate ours, HF, ours, HF, ... so machine
-noise hits both; the first `--warmup` steps of each are not timed. tokens/s = real
-(non-padding) tokens of the timed steps / their total wall time. `ratio_vs_hf_cpu_time`
-compares the process CPU time (all threads) of the timed steps instead: on a machine shared
-with other jobs it is steadier than wall time (waiting for a core is not counted). `loss_step1` is each
-side's first-step loss (the same objective on the same weights: they agree to ~1e-5).
+Variants (each its own copy of the model and optimizer; AdamW fused, same settings, clipping
+at 1.0):
+- `ours_eager`, `ours_compiled`: `Trainer.train_step` on the packed rows (document-masked
+  SDPA, chunked loss over the loss tokens only, health checks); compiled = each decoder block
+  `torch.compile`d (`TrainConfig.compile`).
+- `hf_padded_eager`, `hf_padded_compiled`: the step's documents sorted by length and cut into
+  pad-to-longest micro-batches of at most rows x row_length slots, attention mask, HF's loss
+  with `num_items_in_batch` (per-token normalisation across micro-batches, as ours).
+- `hf_flat_eager`, `hf_flat_compiled`: padding-free flattening (what
+  `DataCollatorWithFlattening` builds): the step's documents concatenated into one row with
+  restarting `position_ids`, no attention mask (transformers derives the document mask from
+  the position ids), the first label of each document -100; the fastest HF setting measured
+  on this machine.
+- HF compiled = `torch.compile(model)` (the whole model, default mode); a variant that fails
+  to compile is reported with its error and left out of the comparison.
 
-Defaults (rows of 1,024, 2 rows per step, 8 timed steps after 2 warm-up, compiled) took about
-3 minutes on 2 shared cores (compiling adds ~50 s on a cold inductor cache); `--quick` (1
-layer, hidden 32, rows of 256, 1 timed step, eager) ~20 seconds.
-Figures are comparable only under the same glibc allocator settings (docs/benchmarks.md);
-`settings.malloc_env` records them.
+Timing: `--warmup` untimed steps per variant first (compilation happens there), then
+`--repeats` timed passes over the same `--steps` steps, the variants' order rotated every step
+so machine noise hits all. tokens/s = real (non-padding) tokens / wall time. Per pass the
+ratio is the best ours variant's tokens/s over the best HF variant's (best = highest median
+over the passes); `ratio` gives min/median/max over the passes; the headline is the median.
+`loss_step1`: every variant's first-step loss (same objective, same weights: they agree).
+
+Defaults take about 10 minutes on 2 quiet cores; `--quick` (tiny shapes, 1 step, eager
+variants only) about 20 seconds. Figures are comparable only under the same glibc allocator
+settings (docs/benchmarks.md); `settings` records them with the CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import sys
 import tempfile
 import time
+import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, spread  # noqa: E402  (bench/common.py)
 from packing import SHARED_DATA, heavy_samples, real_samples  # noqa: E402  (bench/packing.py)
 
 from posttrain.config.schema import TrainConfig  # noqa: E402
@@ -71,9 +83,18 @@ from posttrain.models.registry import build_model, save_hf_checkpoint  # noqa: E
 from posttrain.train.trainer import Trainer  # noqa: E402
 
 QWEN3_VOCAB = 151_669
-TARGET = 1.3
-FULL = dict(row_length=1024, rows=2, steps=8, warmup=2, hidden=128, layers=4, per_source=80)  # + compile
-QUICK = dict(row_length=256, rows=1, steps=1, warmup=1, hidden=32, layers=1, per_source=6)
+SHAPES = {
+    "lm_head": dict(hidden=128, layers=4, head_dim=32, vocab=QWEN3_VOCAB),
+    "blocks": dict(hidden=512, layers=8, head_dim=64, vocab=32_000),
+}
+QUICK_SHAPES = {
+    "lm_head": dict(hidden=32, layers=1, head_dim=16, vocab=QWEN3_VOCAB),
+    "blocks": dict(hidden=64, layers=2, head_dim=16, vocab=4_096),
+}
+VARIANTS = ("ours_eager", "ours_compiled", "hf_padded_eager", "hf_padded_compiled", "hf_flat_eager",
+            "hf_flat_compiled")
+FULL = dict(row_length=1024, rows=2, steps=3, warmup=2, repeats=3, per_source=80)
+QUICK = dict(row_length=256, rows=1, steps=1, warmup=1, repeats=1, per_source=6)
 
 
 def log(message: str) -> None:
@@ -81,20 +102,21 @@ def log(message: str) -> None:
 
 
 def load_samples(per_source: int, row_length: int):
-    """(samples as (ids, mask) pairs, "real" | "synthetic"); samples over a row dropped."""
+    """(samples as (ids, mask) pairs, "real" | "synthetic"); samples over a row, or without a
+    loss token, dropped."""
     if SHARED_DATA.is_dir():
         samples, _, _ = real_samples(per_source)
         pairs, kind = [(s.input_ids, s.loss_mask) for s in samples], "real"
     else:
         pairs, kind = heavy_samples(3 * per_source, row_length), "synthetic"
-    return [(list(ids), list(mask)) for ids, mask in pairs if len(ids) <= row_length and sum(mask) > 0], kind
+    return [(list(ids), list(mask)) for ids, mask in pairs if len(ids) <= row_length and sum(mask[1:]) > 0], kind
 
 
-def model_config(hidden: int, layers: int) -> Qwen3Config:
-    heads = max(1, hidden // 32)
-    return Qwen3Config(vocab_size=QWEN3_VOCAB, hidden_size=hidden, intermediate_size=3 * hidden,
+def model_config(hidden: int, layers: int, head_dim: int, vocab: int) -> Qwen3Config:
+    heads = max(1, hidden // head_dim)
+    return Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
                        num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=max(1, heads // 2), head_dim=32, rope_theta=1_000_000.0,
+                       num_key_value_heads=max(1, heads // 2), head_dim=head_dim, rope_theta=1_000_000.0,
                        max_position_embeddings=4096, tie_word_embeddings=True)
 
 
@@ -113,7 +135,7 @@ def documents(batch: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return docs
 
 
-def hf_micro_batches(docs, budget: int, pad_id: int) -> list[dict]:
+def hf_padded_batches(docs, budget: int, pad_id: int) -> list[dict]:
     """Pad-to-longest micro-batches of the length-sorted documents, `n * longest <= budget`."""
     docs = sorted(docs, key=lambda d: -len(d[0]))
     batches, i = [], 0
@@ -132,12 +154,21 @@ def hf_micro_batches(docs, budget: int, pad_id: int) -> list[dict]:
     return batches
 
 
+def hf_flat_batches(docs) -> list[dict]:
+    """One padding-free row: the documents concatenated, position ids restarting per document
+    (`DataCollatorWithFlattening`'s layout; each document's first label is already -100)."""
+    return [{"input_ids": torch.cat([d[0] for d in docs])[None],
+             "labels": torch.cat([d[1] for d in docs])[None],
+             "position_ids": torch.cat([torch.arange(len(d[0])) for d in docs])[None]}]
+
+
 class HFStep:
     """One HF training step: micro-batches, HF loss normalised by the step's loss tokens,
     clipping, fused AdamW with the same settings as ours."""
 
-    def __init__(self, model, cfg: TrainConfig):
+    def __init__(self, model, cfg: TrainConfig, compiled: bool):
         self.model = model
+        self.forward = torch.compile(model) if compiled else model
         decay = [p for p in model.parameters() if p.ndim >= 2]
         plain = [p for p in model.parameters() if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(
@@ -151,7 +182,7 @@ class HFStep:
         self.optimizer.zero_grad(set_to_none=True)
         loss_total = 0.0
         for batch in micro_batches:
-            out = self.model(**batch, use_cache=False, num_items_in_batch=torch.tensor(num_items))
+            out = self.forward(**batch, use_cache=False, num_items_in_batch=torch.tensor(num_items))
             out.loss.backward()
             loss_total += float(out.loss.detach())
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
@@ -159,94 +190,161 @@ class HFStep:
         return loss_total
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    for name in FULL:
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--compile", action="store_true", default=None, help="compile our decoder blocks")
-    mode.add_argument("--eager", dest="compile", action="store_false", help="do not compile")
-    args = parser.parse_args()
-    settings = dict(QUICK if args.quick else FULL)
-    settings.update({k: getattr(args, k) for k in FULL if getattr(args, k) is not None})
-    compile_blocks = (not args.quick) if args.compile is None else args.compile
-    settings.update(quick=args.quick, compile=compile_blocks, threads=torch.get_num_threads(),
-                    malloc_env={k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")})
-    started = time.perf_counter()
+@dataclass
+class Variant:
+    name: str
+    step: object  # callable(step index) -> loss
+    seconds: list[float] = field(default_factory=list)  # one entry per timed pass
+    loss_step1: float | None = None
+    error: str | None = None
+
+
+def build_variants(names: list[str], config: Qwen3Config, cfg: TrainConfig, batches: list[dict],
+                   budget: int) -> list[Variant]:
+    """Every requested variant over its own copy of the same starting weights."""
     from transformers import Qwen3ForCausalLM
 
+    docs = [documents(b) for b in batches]
+    padded = [hf_padded_batches(d, budget, pad_id=0) for d in docs]
+    flat = [hf_flat_batches(d) for d in docs]
+    variants = []
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hf_checkpoint(build_model(config, seed=0), tmp)
+        for name in names:
+            if name.startswith("ours"):
+                trainer = Trainer(build_model(config, seed=0), dataclasses.replace(cfg, compile=name == "ours_compiled"),
+                                  total_steps=10**6)
+                variants.append(Variant(name, lambda i, t=trainer: t.train_step([batches[i]])["loss"]))
+            else:
+                model = Qwen3ForCausalLM.from_pretrained(tmp, attn_implementation="sdpa", dtype=torch.float32)
+                hf = HFStep(model, cfg, compiled=name.endswith("compiled"))
+                inputs = padded if "_padded_" in name else flat
+                variants.append(Variant(name, lambda i, h=hf, x=inputs: h(x[i])))
+    return variants
+
+
+def run_shape(shape: str, sizes: dict, settings: dict, samples, names: list[str]) -> dict:
+    """All variants on one model shape; see the module docstring."""
     L, R = settings["row_length"], settings["rows"]
-    samples, kind = load_samples(settings["per_source"], L)
-    rows, stats = pack_samples(samples, row_length=L, pad_id=0)
+    vocab = sizes["vocab"]
+    folded = [([t % vocab for t in ids], mask) for ids, mask in samples]
+    rows, stats = pack_samples(folded, row_length=L, pad_id=0)
     total = settings["warmup"] + settings["steps"]
     batches = list(iter_batches(rows, R, drop_last=True))
     if len(batches) < total:
-        raise SystemExit(f"only {len(batches)} full steps of {R}x{L} from {len(samples)} samples; "
-                         f"need {total}: raise --per-source")
+        raise SystemExit(f"only {len(batches)} full steps of {R}x{L}; need {total}: raise --per-source")
     batches = batches[:total]
-    log(f"{kind} data: {len(samples)} samples, {rows.num_rows} rows of {L} (efficiency "
-        f"{stats.efficiency:.3f}); {total} steps of {R} rows each")
+    config = model_config(**{k: sizes[k] for k in ("hidden", "layers", "head_dim", "vocab")})
+    cfg = TrainConfig(device="cpu", learning_rate=1e-4, warmup_steps=0, max_grad_norm=1.0, min_lr_ratio=1.0)
+    variants = build_variants(names, config, cfg, batches, budget=R * L)
+    real = [int((b["doc_ids"] >= 0).sum()) for b in batches]
+    log(f"{shape}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {vocab}; "
+        f"{total} steps of {R}x{L} rows (packing efficiency {stats.efficiency:.3f}); variants {names}")
 
-    config = model_config(settings["hidden"], settings["layers"])
-    ours = build_model(config, seed=0)
-    cfg = TrainConfig(device="cpu", learning_rate=1e-4, warmup_steps=0, max_grad_norm=1.0, min_lr_ratio=1.0,
-                      compile=settings["compile"])
-    with tempfile.TemporaryDirectory() as tmp:
-        save_hf_checkpoint(ours, tmp)
-        hf = Qwen3ForCausalLM.from_pretrained(tmp, attn_implementation="sdpa", dtype=torch.float32)
-    trainer = Trainer(ours, cfg, total_steps=total)
-    hf_step = HFStep(hf, cfg)
-    hf_batches = [hf_micro_batches(documents(b), R * L, pad_id=0) for b in batches]
-
-    timed = {"ours": [0.0, 0], "hf": [0.0, 0]}  # seconds, real tokens
-    cpu = {"ours": 0.0, "hf": 0.0}  # process CPU seconds (all threads)
-    first_loss, loss_tokens, hf_slots = {}, 0, 0
-    for i, (batch, hf_batch) in enumerate(zip(batches, hf_batches)):
-        real = int((batch["doc_ids"] >= 0).sum())
-        assert real == sum(int(b["attention_mask"].sum()) for b in hf_batch)
-        start, start_cpu = time.perf_counter(), time.process_time()
-        metrics = trainer.train_step([batch])
-        ours_s, ours_cpu = time.perf_counter() - start, time.process_time() - start_cpu
-        start, start_cpu = time.perf_counter(), time.process_time()
-        hf_loss = hf_step(hf_batch)
-        hf_s, hf_cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    def run_step(v: Variant, i: int) -> float | None:
+        if v.error is not None:
+            return None
+        start = time.perf_counter()
+        try:
+            loss = v.step(i)
+        except Exception as exc:  # a variant that fails (e.g. to compile) is reported, not fatal
+            v.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            log(f"{shape}: {v.name} failed at step {i + 1}: {v.error}\n{traceback.format_exc(limit=3)}")
+            return None
         if i == 0:
-            first_loss = {"ours": round(metrics["loss"], 6), "hf": round(hf_loss, 6)}
-        if i >= settings["warmup"]:
-            for side, seconds, cpu_s in (("ours", ours_s, ours_cpu), ("hf", hf_s, hf_cpu)):
-                timed[side][0] += seconds
-                timed[side][1] += real
-                cpu[side] += cpu_s
-            loss_tokens += metrics["loss_tokens"]
-            hf_slots += sum(b["input_ids"].numel() for b in hf_batch)
-        log(f"step {i + 1}/{total}{' (warm-up)' if i < settings['warmup'] else ''}: ours {ours_s:.3f}s "
-            f"loss {metrics['loss']:.4f}, hf {hf_s:.3f}s loss {hf_loss:.4f} ({len(hf_batch)} micro-batches)")
+            v.loss_step1 = round(float(loss), 6)
+        return time.perf_counter() - start
 
-    per_s = {side: t / s for side, (s, t) in timed.items()}
-    ratio = per_s["ours"] / per_s["hf"]
+    for i in range(settings["warmup"]):
+        for v in variants:
+            seconds = run_step(v, i)
+            if seconds is not None:
+                log(f"{shape}: warm-up step {i + 1} {v.name} {seconds:.2f}s")
+    timed = range(settings["warmup"], total)
+    for p in range(settings["repeats"]):
+        totals = {v.name: 0.0 for v in variants}
+        for j, i in enumerate(timed):
+            k = (p * len(timed) + j) % len(variants)
+            for v in variants[k:] + variants[:k]:
+                seconds = run_step(v, i)
+                if seconds is not None:
+                    totals[v.name] += seconds
+        for v in variants:
+            if v.error is None:
+                v.seconds.append(totals[v.name])
+        log(f"{shape}: pass {p + 1}: " + ", ".join(f"{v.name} {sum(real[i] for i in timed) / totals[v.name]:,.0f} "
+                                                   f"tokens/s" for v in variants if v.error is None))
+
+    tokens = sum(real[i] for i in timed)
+    ok = [v for v in variants if v.error is None]
+    per_s = {v.name: spread([tokens / s for s in v.seconds], 1) for v in ok}
+    ours = [v for v in ok if v.name.startswith("ours")]
+    hf = [v for v in ok if v.name.startswith("hf")]
     result = {
-        "benchmark": "train_step",
-        "tokens_per_s_ours": round(per_s["ours"], 1),
-        "tokens_per_s_hf": round(per_s["hf"], 1),
-        "ratio_vs_hf": round(ratio, 3),
-        "target": f">= {TARGET}",
-        "met": ratio >= TARGET,
-        "data": kind,
-        "ratio_vs_hf_cpu_time": round(cpu["hf"] / cpu["ours"], 3),
-        "loss_step1": first_loss,
-        "step_s": {side: round(s / settings["steps"], 4) for side, (s, _) in timed.items()},
-        "step_cpu_s": {side: round(s / settings["steps"], 4) for side, s in cpu.items()},
-        "tokens": timed["ours"][1],
-        "loss_tokens": loss_tokens,
-        "padded_efficiency_hf": round(timed["hf"][1] / hf_slots, 4),
+        "tokens_per_s": per_s,
+        "loss_step1": {v.name: v.loss_step1 for v in variants},
+        "failed": {v.name: v.error for v in variants if v.error is not None},
+        "timed_steps": len(timed),
+        "real_tokens_per_pass": tokens,
         "packing_efficiency": round(stats.efficiency, 4),
         "model": {"hidden_size": config.hidden_size, "num_hidden_layers": config.num_hidden_layers,
-                  "vocab_size": config.vocab_size, "parameters": sum(p.numel() for p in ours.parameters())},
-        "settings": settings,
+                  "num_attention_heads": config.num_attention_heads, "head_dim": config.head_dim,
+                  "vocab_size": config.vocab_size,
+                  "parameters": sum(p.numel() for p in build_model(config, seed=0).parameters())},
+    }
+    if ours and hf:
+        best_ours = max(ours, key=lambda v: per_s[v.name]["median"])
+        best_hf = max(hf, key=lambda v: per_s[v.name]["median"])
+        ratios = [h / o for o, h in zip(best_ours.seconds, best_hf.seconds)]
+        result.update(ours=best_ours.name, baseline=best_hf.name, ratio=spread(ratios, 3),
+                      ratio_vs_hf=spread(ratios, 3)["median"])
+        log(f"{shape}: {best_ours.name} vs {best_hf.name}: ratio {result['ratio']}")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, eager variants, one step")
+    for name in FULL:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {list(SHAPES)}")
+    parser.add_argument("--variants", default=None, help=f"comma-separated, from {list(VARIANTS)}")
+    args = parser.parse_args()
+    settings = dict(QUICK if args.quick else FULL)
+    settings.update({k: getattr(args, k) for k in FULL if getattr(args, k) is not None})
+    shapes = [s for s in args.shapes.split(",") if s]
+    names = (args.variants.split(",") if args.variants else
+             [v for v in VARIANTS if not (args.quick and v.endswith("compiled"))])
+    for bad in [s for s in shapes if s not in SHAPES] + [v for v in names if v not in VARIANTS]:
+        parser.error(f"unknown shape or variant {bad!r}")
+    if settings["repeats"] < 1 or settings["steps"] < 1:
+        parser.error("--repeats and --steps must be at least 1")
+    started = time.perf_counter()
+    samples, kind = load_samples(settings["per_source"], settings["row_length"])
+    log(f"{kind} data: {len(samples)} samples")
+    results = {s: run_shape(s, (QUICK_SHAPES if args.quick else SHAPES)[s], settings, samples, names)
+               for s in shapes}
+    head = results.get("lm_head") or results[shapes[0]]
+    blocks = results.get("blocks", {})
+    out = {
+        "benchmark": "train_step",
+        "baseline": head.get("baseline"),
+        "ours": head.get("ours"),
+        "ratio_vs_hf": head.get("ratio_vs_hf"),
+        "ratio": head.get("ratio"),
+        "baseline_blocks": blocks.get("baseline"),
+        "ratio_vs_hf_blocks": blocks.get("ratio_vs_hf"),
+        "ratio_blocks": blocks.get("ratio"),
+        "repeats": settings["repeats"],
+        "tokens_per_s_ours": head["tokens_per_s"].get(head.get("ours"), {}).get("median"),
+        "tokens_per_s_hf": head["tokens_per_s"].get(head.get("baseline"), {}).get("median"),
+        "data": kind,
+        "loss_step1": head["loss_step1"],
+        "shapes": results,
+        "settings": {**settings, "shapes": shapes, "variants": names, "quick": args.quick, **machine()},
         "seconds": round(time.perf_counter() - started, 1),
     }
-    print(json.dumps(result))
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

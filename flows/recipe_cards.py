@@ -134,7 +134,7 @@ class LiveTrainingCard:
             return
         self._last = now
         self._progress.update(metrics["step"])
-        mfu = f", MFU {metrics['mfu']:.1%}" if "mfu" in metrics else ""
+        mfu = f", MFU {metrics['mfu']:.1%} (HFU {metrics['hfu']:.1%})" if "mfu" in metrics else ""
         self._summary.update(
             f"step {metrics['step']}/{self._total}: loss **{metrics['loss']:.4f}**, lr {metrics['lr']:.2e}, "
             f"grad norm {metrics['grad_norm']:.3f}, **{metrics['tokens_per_s']:.0f} real tokens/s**{mfu}")

@@ -1,18 +1,14 @@
 """Multi-worker SFT: the train step on 2 SPMD Ray workers (FSDP2 / DDP / tensor parallel over
-gloo) follows the one-worker loss trajectory, and the flow runs it end to end with a live
-card; tp recipes the plan cannot split are refused before any worker starts.
+gloo) follows the one-worker loss trajectory; tp recipes the plan cannot split are refused
+before any worker starts. The two-worker flow itself, crashed and resumed, is test_sft_resume.
 
 `train.micro_batch_size` is global (split over the data-parallel ranks) and the loss is
 normalised per token over all ranks, so 1 and 2 workers see the same rows per step and the
 same loss up to float summation order.
 """
 
-import base64
 import dataclasses
 import json
-import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,7 +17,7 @@ import torch
 
 from posttrain.config.loader import load_sft_config
 
-from test_sft_flow import FLOW, REPO_ROOT, flow_env, typing_restored
+from test_sft_flow import REPO_ROOT
 
 TWO_WORKERS = REPO_ROOT / "configs" / "sft" / "tiny-2workers.yaml"
 LOSS_TOL = 1e-5
@@ -108,7 +104,7 @@ def test_two_workers_follow_the_one_worker_trajectory(recipe, one_worker, strate
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp", "tp"])
+@pytest.mark.parametrize("strategy", ["tp"])  # fsdp: the flow test (test_sft_resume) crashes and resumes it
 def test_two_workers_resume_after_a_worker_fails(recipe, one_worker, monkeypatch, strategy):
     from posttrain.parallel.distributed import WorkerError
     from posttrain.steps import train
@@ -172,44 +168,3 @@ def test_metrics_follower_reraises_a_callback_error(tmp_path):
     with pytest.raises(KeyError, match="loss"):
         with FollowMetrics(path, broken, poll_s=0.01):
             pass
-
-
-@pytest.mark.slow
-def test_flow_on_two_workers_registers_a_model_and_matches_one_worker(tmp_path):
-    from metaflow import Runner
-    from transformers import AutoModelForCausalLM
-
-    from posttrain.data.tokenizer import load_tokenizer
-    from posttrain.registry.local import uri_to_path
-    from posttrain.steps import train
-    from posttrain.steps.paths import resolve
-
-    overrides = {"output_dir": str(tmp_path / "outputs"), "register.registry_dir": str(tmp_path / "registry")}
-    with typing_restored():
-        runner = Runner(str(FLOW), show_output=False, env=flow_env(), cwd=str(tmp_path),
-                        config=[("config", str(TWO_WORKERS))], config_value=[("overrides", overrides)])
-        with runner.run() as running:
-            assert running.status == "successful", running.stdout + running.stderr
-            run, logs = running.run, running.stdout + running.stderr
-    data = run.data
-    assert data.train_summary["num_workers"] == 2 and "x 2 worker(s) (fsdp)" in logs
-    assert [h["step"] for h in data.history] == [1, 2, 3, 4, 5, 6]
-    assert data.verdict["passed"]
-
-    run_dir = Path(run["start"].task.data.run_dir)
-    recipe = dataclasses.replace(with_parallel(data.recipe, "none", 1),
-                                 checkpoint=dataclasses.replace(data.recipe.checkpoint, enabled=False))
-    tokenizer = load_tokenizer(resolve(recipe.tokenizer.name_or_path, run_dir))
-    expected = train.run(recipe, tokenizer, data.samples, data.pack_stats.num_rows, tmp_path / "reference").history
-    assert max(abs(a - b) for a, b in zip(losses(data.history), losses(expected))) < LOSS_TOL
-
-    model = AutoModelForCausalLM.from_pretrained(uri_to_path(data.model_uri), dtype=torch.float32)
-    assert model.config.model_type == "qwen3"
-
-    card = tmp_path / "train-card.html"
-    subprocess.run([sys.executable, str(FLOW), "card", "get", f"{run.id}/train/{run['train'].task.id}", str(card)],
-                   env=flow_env(), cwd=tmp_path, check=True, capture_output=True, timeout=120)
-    page = card.read_text()
-    decoded = "".join(base64.b64decode(b).decode("utf-8")
-                      for b in re.findall(r'window\.__MF_DATA__\["[^"]+"\] = "([A-Za-z0-9+/=]+)"', page))
-    assert "step 6/6" in decoded  # the live card got rank 0's steps from the metrics file

@@ -1,31 +1,18 @@
-"""Recipe variants of the SFT train step and flow: other architectures from `model.arch`
-(random init), LoRA (merged export + PEFT adapter), and the transformers backend (a model
-architecture we do not implement, trained and exported through transformers)."""
+"""Recipe variants of the SFT steps: other architectures from `model.arch` (random init), LoRA
+(merged export + PEFT adapter), and the transformers backend (a model architecture we do not
+implement, trained and exported through transformers). These drive the step functions the
+flow calls (train, verify, evaluate, register); the flow itself is run by test_sft_flow."""
 
 from pathlib import Path
 
 import pytest
 import torch
 
-from test_sft_flow import FLOW, REPO_ROOT, flow_env, typing_restored
+from test_sft_flow import REPO_ROOT
 from test_sft_parallel import tiny_recipe_data
 
 TINY = REPO_ROOT / "configs" / "sft" / "tiny.yaml"
 LORA = REPO_ROOT / "configs" / "sft" / "tiny-lora.yaml"
-
-
-def run_flow(tmp_path: Path, config: Path, **overrides):
-    """The SFT flow on `config` with outputs under `tmp_path`; returns (run, logs)."""
-    from metaflow import Runner
-
-    overrides = {"output_dir": str(tmp_path / "outputs"), "register.registry_dir": str(tmp_path / "registry"),
-                 "train.max_steps": 3, **overrides}
-    with typing_restored():
-        runner = Runner(str(FLOW), show_output=False, env=flow_env(), cwd=str(tmp_path),
-                        config=[("config", str(config))], config_value=[("overrides", overrides)])
-        with runner.run() as running:
-            assert running.status == "successful", running.stdout + running.stderr
-            return running.run, running.stdout + running.stderr
 
 
 def logits_of(model_dir, ids_BT: torch.Tensor, adapter_dir=None) -> torch.Tensor:
@@ -100,25 +87,44 @@ def test_recipe_combinations_the_train_step_cannot_run_are_refused_by_name():
                                                             "parallel.strategy": "ddp"}))
 
 
+def train_verify_register(tmp_path: Path, config_file: Path, **overrides):
+    """The recipe's train -> verify -> evaluate -> register steps on the tiny data (the flow's
+    artifacts, without Metaflow: the SFT flow test runs the flow itself); returns
+    (config, tokenizer, train result, verdict, evaluation, registry entry)."""
+    from posttrain.steps import evaluate, ingest, register, train, verify
+
+    config, tokenizer, samples, rows = tiny_recipe_data(tmp_path, config_file, **{
+        "train.max_steps": 3, "checkpoint.enabled": False, "register.registry_dir": str(tmp_path / "registry"),
+        **overrides})
+    result = train.run(config, tokenizer, samples, rows, tmp_path / "run")
+    verdict = verify.run(result.checkpoint_dir, config.verify, backend=config.model.backend)
+    heldout = ingest.run(config, tmp_path).heldout
+    evaluation = evaluate.run(result.base_dir, result.checkpoint_dir, tokenizer, heldout[:4], config)
+    entry = register.run(result.checkpoint_dir, config, data_counts={}, metrics={"verify": verdict},
+                         run_pathspec="SFTFlow/test", adapter_dir=result.adapter_dir)
+    return config, tokenizer, result, verdict, evaluation, entry
+
+
 @pytest.mark.slow
-def test_lora_flow_exports_the_merged_model_and_a_peft_adapter_that_computes_it(tmp_path):
+def test_lora_recipe_exports_the_merged_model_and_a_peft_adapter_that_computes_it(tmp_path):
     import json
 
     from posttrain.registry.local import uri_to_path
 
-    run, logs = run_flow(tmp_path, LORA)
-    data = run.data
-    assert data.verdict["passed"]
-    assert data.train_summary["trainable_parameters"] < data.train_summary["num_parameters"] / 2
-    adapter = Path(data.adapter_dir)
-    assert adapter == Path(data.checkpoint_dir).parent / "adapter"
+    _, _, result, verdict, _, entry = train_verify_register(tmp_path, LORA)
+    assert verdict["passed"]
+    assert result.summary["trainable_parameters"] < result.summary["num_parameters"] / 2
+    adapter = Path(result.adapter_dir)
+    assert adapter == Path(result.checkpoint_dir).parent / "adapter"
     config = json.loads((adapter / "adapter_config.json").read_text())
-    assert (config["r"], config["lora_alpha"]) == (4, 8) and config["base_model_name_or_path"] == data.base_dir
+    assert (config["r"], config["lora_alpha"]) == (4, 8) and config["base_model_name_or_path"] == result.base_dir
+    registered = uri_to_path(entry.uri)
+    assert (registered.parent / "adapter" / "adapter_config.json").is_file()  # registered beside the model
 
     ids_BT = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(0))
-    merged = logits_of(uri_to_path(data.model_uri), ids_BT)
-    through_peft = logits_of(data.base_dir, ids_BT, adapter_dir=adapter)
-    base = logits_of(data.base_dir, ids_BT)
+    merged = logits_of(registered, ids_BT)
+    through_peft = logits_of(result.base_dir, ids_BT, adapter_dir=adapter)
+    base = logits_of(result.base_dir, ids_BT)
     assert float((merged - through_peft).abs().max()) < 1e-4
     assert float((merged - base).abs().max()) > 1e-3  # the adapters did train
 
@@ -138,23 +144,22 @@ def save_tiny_mistral(path: Path, tokenizer) -> Path:
 
 
 @pytest.mark.slow
-def test_transformers_backend_flow_trains_and_exports_a_model_we_do_not_implement(tmp_path):
+def test_transformers_backend_recipe_trains_and_exports_a_model_we_do_not_implement(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from posttrain.registry.local import uri_to_path
 
     _, tokenizer, _, _ = tiny_recipe_data(tmp_path / "data", TINY)
     mistral = save_tiny_mistral(tmp_path / "mistral", tokenizer)
-    run, logs = run_flow(tmp_path, TINY, **{
+    _, _, result, verdict, evaluation, entry = train_verify_register(tmp_path, TINY, **{
         "model.backend": "transformers", "model.init": "pretrained", "model.name_or_path": str(mistral),
         "tokenizer.name_or_path": str(mistral)})
-    data = run.data
-    assert [h["step"] for h in data.history] == [1, 2, 3]
-    assert data.base_dir == str(mistral)
-    assert data.verdict["skipped"] and data.verdict["passed"] is None
-    assert "not applicable: transformers backend" in data.verdict["reason"] and "'mistral'" in data.verdict["reason"]
-    assert set(data.eval_metrics) == {"base", "tuned"}
-    tuned = AutoModelForCausalLM.from_pretrained(uri_to_path(data.model_uri), dtype=torch.float32)
+    assert [h["step"] for h in result.history] == [1, 2, 3]
+    assert result.base_dir == str(mistral)
+    assert verdict["skipped"] and verdict["passed"] is None
+    assert "not applicable: transformers backend" in verdict["reason"] and "'mistral'" in verdict["reason"]
+    assert set(evaluation.metrics) == {"base", "tuned"}
+    tuned = AutoModelForCausalLM.from_pretrained(uri_to_path(entry.uri), dtype=torch.float32)
     assert type(tuned).__name__ == "MistralForCausalLM"
     ids_BT = torch.randint(0, len(tokenizer), (1, 10), generator=torch.Generator().manual_seed(0))
     base = AutoModelForCausalLM.from_pretrained(mistral, dtype=torch.float32)

@@ -39,3 +39,16 @@ def eager_document_attention(q_BHTE, k_BKTE, v_BKTE, mask, scale=None):
             outs.append(probs_HLL @ v_HLE)
         rows.append(torch.cat(outs, dim=1))
     return torch.stack(rows)
+
+
+def eager_dense_row_attention(q_BHTE, k_BKTE, v_BKTE, mask, scale=None):
+    """What our CPU SDPA path executes: every row's full `T x T` score block with explicit
+    matmuls, the document mask applied to it; returns `o_BHTE` like `document_attention`."""
+    H, E = q_BHTE.shape[1], q_BHTE.shape[-1]
+    groups = H // k_BKTE.shape[1]
+    k_BHTE = k_BKTE.repeat_interleave(groups, dim=1)
+    v_BHTE = v_BKTE.repeat_interleave(groups, dim=1)
+    scale = E**-0.5 if scale is None else scale
+    scores_BHTT = (q_BHTE @ k_BHTE.transpose(-1, -2)) * scale
+    probs_BHTT = scores_BHTT.masked_fill(~mask.dense_B1TT, float("-inf")).softmax(-1)
+    return probs_BHTT @ v_BHTE

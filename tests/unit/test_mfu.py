@@ -14,7 +14,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import posttrain.models.layers as layers
-from eager_attention import eager_document_attention
+from eager_attention import eager_dense_row_attention, eager_document_attention
 from posttrain.models.registry import build_model, tiny_config
 from posttrain.ops.attention import build_attention_mask, document_attention
 from posttrain.ops.losses import causal_lm_loss
@@ -22,6 +22,7 @@ from posttrain.train.mfu import (
     LoraSpec,
     batch_step_flops,
     doc_lengths_from_doc_ids,
+    executed_step_flops,
     flops_per_token,
     mfu,
     peak_flops,
@@ -83,9 +84,22 @@ def test_formula_matches_flop_counter(eager_attention, make_batch, tied):
     # the hardware computes padding too: count it as documents to compare with the counter
     analytic = batch_step_flops(config, batch, include_padding=True)
     assert analytic.attention > 0.1 * analytic.total and analytic.output > 0.05 * analytic.total
-    assert abs(analytic.total - counted) / counted < 0.02, (analytic, counted)
+    assert analytic.total == pytest.approx(counted, rel=1e-9), (analytic, counted)
     # leaving attention out, or counting the packed row's full T*T, would miss by over 2%
     assert analytic.attention / counted > 0.02
+
+
+@pytest.mark.parametrize("make_batch", [padded_batch, packed_batch], ids=["padded", "packed"])
+def test_executed_flops_are_what_dense_row_attention_computes(monkeypatch, make_batch):
+    """`executed_step_flops` (HFU's numerator) is exactly what the CPU kernels run: full
+    `T x T` attention per row and every padding slot, counted here with explicit matmuls."""
+    monkeypatch.setattr(layers, "document_attention", eager_dense_row_attention)
+    config = tiny_config(**ATTENTION_HEAVY)
+    model = build_model(config, seed=0)
+    batch = make_batch()
+    executed = executed_step_flops(config, batch)
+    assert executed.total == pytest.approx(counted_flops(model, batch), rel=1e-9)
+    assert executed.total > batch_step_flops(config, batch).total  # the waste MFU leaves out
 
 
 def test_packed_attention_is_per_document_not_row_squared(eager_attention):

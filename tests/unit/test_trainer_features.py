@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from posttrain.models.registry import build_model, get_architecture, tiny_config
-from posttrain.train.mfu import PEAK_FLOPS, batch_step_flops
+from posttrain.train.mfu import PEAK_FLOPS, batch_step_flops, executed_step_flops
 from posttrain.train.optim import lr_lambda
 from posttrain.train.trainer import Trainer
 
@@ -106,6 +106,9 @@ def test_mfu_from_configured_peak(batches):
     metrics = trainer.train_step(batches)
     flops = sum(batch_step_flops(trainer.model.config, b).total for b in batches)
     assert metrics["mfu"] == pytest.approx(flops / metrics["step_time_s"] / peak, rel=1e-2)
+    executed = sum(executed_step_flops(trainer.model.config, b).total for b in batches)
+    assert metrics["hfu"] == pytest.approx(executed / metrics["step_time_s"] / peak, rel=1e-2)
+    assert metrics["hfu"] >= metrics["mfu"]
     named = Trainer(tiny_model(), config(peak_flops="a100/fp32"), total_steps=5).train_step(batches)
     assert named["mfu"] == pytest.approx(flops / named["step_time_s"] / PEAK_FLOPS["a100/fp32"], rel=1e-2)
     assert "mfu" not in Trainer(tiny_model(), config(), total_steps=5).train_step(batches)

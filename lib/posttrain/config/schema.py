@@ -30,6 +30,7 @@ class SourceConfig:
     kind: Literal["jsonl", "parquet", "hf"]
     path: str
     split: str = "train"
+    subset: Optional[str] = None  # "hf": the dataset's configuration name (e.g. "main" for openai/gsm8k)
     streaming: bool = False
     messages_field: str = "messages"
     prompt_field: Optional[str] = None

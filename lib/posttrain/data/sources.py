@@ -50,7 +50,8 @@ class SourceSpec:
     directory (its `*.parquet` files) or a glob; for "hf" a local data file or glob (loaded
     with the builder for its suffix: json, parquet, csv, arrow), a `save_to_disk` directory,
     or a dataset directory / hub id for `datasets.load_dataset(path, split=...)`.
-    `split` and `streaming` apply to "hf" only. `limit` caps the rows read (good and bad).
+    `split`, `subset` (the dataset's configuration name, e.g. "main" for `openai/gsm8k`) and
+    `streaming` apply to "hf" only. `limit` caps the rows read (good and bad).
     `format` names the adapter (`posttrain.data.formats.FORMATS`) and `fields` maps its
     logical fields to columns; `messages_field` / `prompt_field` / `response_field` are the
     `chat` format's older spelling of the same mapping. `columns` is the resolved mapping.
@@ -62,6 +63,7 @@ class SourceSpec:
     kind: str
     path: str
     split: str = "train"
+    subset: str | None = None
     streaming: bool = False
     messages_field: str = "messages"
     prompt_field: str | None = None
@@ -167,7 +169,8 @@ def _hf_builder(path: str) -> str | None:
     return _HF_BUILDERS.get(Path(name).suffix)
 
 
-def iter_hf(path: str, split: str = "train", streaming: bool = False) -> Iterator[tuple[int, dict]]:
+def iter_hf(path: str, split: str = "train", streaming: bool = False,
+            subset: str | None = None) -> Iterator[tuple[int, dict]]:
     """Yield `(row_index, row_dict)` from a Hugging Face `datasets` source (see `SourceSpec`)."""
     import datasets
 
@@ -181,7 +184,7 @@ def iter_hf(path: str, split: str = "train", streaming: bool = False) -> Iterato
             _hf_builder(path), data_files={split: path}, split=split, streaming=streaming
         )
     else:
-        dataset = datasets.load_dataset(path, split=split, streaming=streaming)
+        dataset = datasets.load_dataset(path, subset, split=split, streaming=streaming)
     for index, row in enumerate(dataset):
         yield index, row
 
@@ -196,7 +199,7 @@ def iter_rows(spec: SourceSpec) -> Iterator[tuple[str, int, Any]]:
     elif spec.kind == "parquet":
         streams = ((f, iter_parquet(f)) for f in _expand(spec.path, (".parquet",)))
     else:
-        streams = iter([(f"{spec.path}[{spec.split}]", iter_hf(spec.path, spec.split, spec.streaming))])
+        streams = iter([(f"{spec.path}[{spec.split}]", iter_hf(spec.path, spec.split, spec.streaming, spec.subset))])
     count = 0
     for source, rows in streams:
         for line, raw in rows:

@@ -134,9 +134,13 @@ def first_failure(failures: dict[int, tuple[float, str]]) -> WorkerError:
 def _spawned(rank: int, world_size: int, port: int, backend: str | None, fn: Callable, args: tuple,
              results: Any, received: Any) -> None:
     try:
-        results.put((rank, True, run_spmd(fn, args, rank, world_size, "127.0.0.1", port, backend)))
+        result = run_spmd(fn, args, rank, world_size, "127.0.0.1", port, backend)
     except BaseException as err:  # noqa: BLE001 - reported to the parent with its traceback
+        # a failure is text only: exit at once, which closes this rank's connections so peers
+        # blocked in a collective with it fail now instead of at the process-group timeout
         results.put((rank, False, (failed_at(err), traceback.format_exc())))
+        return
+    results.put((rank, True, result))
     # tensors travel through shared memory that this process serves: stay until they are read
     received.wait(timeout=60)
 

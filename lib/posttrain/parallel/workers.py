@@ -12,9 +12,10 @@ choice.
 
 Failure: a worker that raises makes `run_workers` raise `WorkerError` with the rank and
 traceback of the worker that failed first (its peers' later errors, e.g. a collective whose
-peer went away, are symptoms; they are waited for a few seconds, then named); every actor
-is killed (the others may be blocked in a
-collective and would otherwise wait for the process-group timeout).
+peer went away, are symptoms; they are waited for a few seconds, then named). The failed
+worker's actor is killed at once, which closes its connections so peers blocked in a
+collective with it fail within moments rather than at the process-group timeout; then every
+actor is killed.
 
 Ray: if Ray is not running, the driver starts a local instance sized for the job
 (`address="local"`, `include_dashboard=False`, a 512 MiB object store) and shuts it down
@@ -129,6 +130,9 @@ def run_workers(
             except ray.exceptions.RayError as err:  # the actor process died (no traceback of ours)
                 results[rank] = _Failed(time.time(), str(err))
             if isinstance(results[rank], _Failed):
+                # its peers may be blocked in a collective with it: ending its process closes
+                # its connections, so they fail at once instead of running out the grace period
+                ray.kill(actors[rank])
                 raise _first_failure(pending, results, FAILURE_GRACE_S)
         return [results[rank] for rank in range(num_workers)]
     finally:

@@ -22,6 +22,8 @@ runs) or L*(L+1)/2 pairs with `causal_pairs=True` (only the pairs a causal mask 
 a block-skipping kernel ideally computes). The padded/packed row length never enters: our
 CPU path (SDPA with a dense `[T, T]` mask) computes every row's full `T*T` block, but the
 cross-document and padding part is waste, and MFU counts useful model FLOPs only.
+`executed_step_flops` counts what the kernels execute instead (full rows, padding included);
+the trainer reports both, as `mfu` and `hfu`.
 
 Output projection: our loss (`posttrain.ops.losses.causal_lm_loss`) drops positions whose
 label is -100 before projecting, so the projection costs `2*D*V` per loss token only (V the
@@ -297,6 +299,18 @@ def batch_step_flops(config, batch: dict[str, torch.Tensor], lora: LoraSpec | No
     return step_flops(config, lengths, num_loss, lora, causal_pairs)
 
 
+def executed_step_flops(config, batch: dict[str, torch.Tensor], lora: LoraSpec | None = None) -> StepFlops:
+    """The FLOPs the CPU kernels really execute for a batch, beside the useful ones MFU counts
+    (`batch_step_flops`): every slot of the `[B, T]` batch goes through the linear layers,
+    padding included, and our dense masked SDPA computes each row's full `T x T` score block
+    whatever the documents and windows (the mask only zeroes entries). The output projection
+    is the same (our loss projects the loss tokens only). Hardware FLOPs utilisation (HFU) is
+    these over the peak; HFU >= MFU, and the gap is what packing-aware kernels could save."""
+    B, T = batch["doc_ids"].shape
+    num_loss = int((batch["labels"] != -100).sum())
+    return step_flops(config, [[T]] * B, num_loss, lora)
+
+
 def peak_flops(device: str | float | int, table: dict[str, float] | None = None) -> float:
     """Peak FLOP/s: a number passes through; a name (e.g. "h100-sxm/bf16") is looked up in
     `table` (default `PEAK_FLOPS`). CPUs have no standard peak: give a number."""
@@ -324,6 +338,7 @@ def mfu_from_step(step: StepFlops, step_time_s: float, peak: float, num_devices:
 
 __all__: Iterable[str] = (
     "LayerFlopSpec", "LoraSpec", "Matmul", "PEAK_FLOPS", "StepFlops", "batch_step_flops", "dense_layer_spec",
+    "executed_step_flops",
     "layer_flop_specs", "doc_lengths_from_doc_ids",
     "flops_per_token", "mfu", "mfu_from_step", "peak_flops", "step_flops",
 )

@@ -194,12 +194,15 @@ class Trainer:
             flat = self._all_reduce(torch.cat([g.reshape(-1) for g in grads]))
             torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
-    def _step_flops(self, micro_batches: list[dict]) -> float:
-        from posttrain.train.mfu import batch_step_flops
+    def _step_flops(self, micro_batches: list[dict]) -> tuple[float, float]:
+        """(useful, executed) training FLOPs of this rank's micro-batches (`posttrain.train.mfu`)."""
+        from posttrain.train.mfu import batch_step_flops, executed_step_flops
 
         lora_config = getattr(self.model, "lora_config", None)
         lora = lora_spec(lora_config) if lora_config is not None else None
-        return sum(batch_step_flops(self.model.config, b, lora=lora).total for b in micro_batches)
+        useful = sum(batch_step_flops(self.model.config, b, lora=lora).total for b in micro_batches)
+        executed = sum(executed_step_flops(self.model.config, b, lora=lora).total for b in micro_batches)
+        return useful, executed
 
     def _autocast(self, device: torch.device):
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.cfg.mixed_precision == "bf16")
@@ -210,8 +213,9 @@ class Trainer:
         Returns metrics: `step` (1-based, after this step), `loss` (global mean per loss token),
         `lr` (the one this step used or would have used), `grad_norm` (global L2 norm before
         clipping), `grad_clipped`, `tokens` (real tokens, `doc_ids >= 0`, all ranks),
-        `loss_tokens` (all ranks), `tokens_per_s`, `step_time_s`, `mfu` (when `peak_flops` is
-        configured; over `world_size` devices), health flags (`health`, `nonfinite`,
+        `loss_tokens` (all ranks), `tokens_per_s`, `step_time_s`, `mfu` and `hfu` (when
+        `peak_flops` is configured; over every device of the job: useful model FLOPs, and the
+        FLOPs the kernels execute, padding and dense full-row attention included), health flags (`health`, `nonfinite`,
         `loss_spike`, `grad_explosion`), `skipped` and `skipped_steps` (total so far).
         Raises ValueError if the step holds no loss token on any rank, TrainingHealthError
         after `max_consecutive_bad_steps` non-finite steps in a row.
@@ -225,9 +229,12 @@ class Trainer:
 
         counts = torch.stack([count_loss_tokens(b) for b in micro_batches])
         real = torch.stack([(b["doc_ids"] >= 0).sum() for b in micro_batches]).sum()
-        flops = self._step_flops(micro_batches) if self.peak_flops is not None else 0.0
-        totals = torch.stack([counts.sum().double(), real.double(), torch.tensor(flops, dtype=torch.float64, device=device)])
-        total_loss_tokens, tokens, flops = (int(v) if i < 2 else float(v) for i, v in enumerate(self._all_reduce(totals).tolist()))
+        flops, executed = self._step_flops(micro_batches) if self.peak_flops is not None else (0.0, 0.0)
+        totals = torch.stack([counts.sum().double(), real.double(),
+                              torch.tensor(flops, dtype=torch.float64, device=device),
+                              torch.tensor(executed, dtype=torch.float64, device=device)])
+        total_loss_tokens, tokens, flops, executed = (int(v) if i < 2 else float(v)
+                                                      for i, v in enumerate(self._all_reduce(totals).tolist()))
         counts = counts.tolist()
         if total_loss_tokens == 0:
             raise ValueError("no loss tokens in this step's micro-batches (every label is -100)")
@@ -281,6 +288,7 @@ class Trainer:
             # every process of the job computed this step (dp x tp devices), not just the dp group
             devices = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
             metrics["mfu"] = flops / step_time / (self.peak_flops * devices)
+            metrics["hfu"] = executed / step_time / (self.peak_flops * devices)  # what the kernels execute
         return metrics
 
     # ------------------------------------------------------------------ state
