@@ -16,7 +16,7 @@ export MALLOC_MMAP_MAX_ := 0
 export MALLOC_TRIM_THRESHOLD_ := 68719476736
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup run test bench clean
+.PHONY: setup browser run test bench clean
 
 setup: $(STAMP)
 
@@ -31,7 +31,14 @@ $(STAMP): setup.cfg pyproject.toml
 run: setup
 	$(BIN)/python flows/sft_flow.py --config config $(CONFIG) run
 
-test: setup
+# Debian's chromium: the card test opens every card of a flow run in a headless browser
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  echo "installing Debian's chromium for the card rendering test"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
+
+test: setup browser
 	$(BIN)/python -m pytest -q -x --durations=15
 
 bench: setup

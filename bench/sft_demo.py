@@ -45,7 +45,8 @@ def run_once(config) -> dict:
         data = ingest.run(config, run_dir)
         tokenizer = load_tokenizer(resolve(config.tokenizer.name_or_path, run_dir))
         seconds["ingest"], clock = time.perf_counter() - clock, time.perf_counter()
-        samples = tokenize.run(data.train, tokenizer, config.tokenizer.chat_template_kwargs, config.data.filters)
+        samples = tokenize.run(data.train, tokenizer, config.tokenizer.chat_template_kwargs, config.data.filters,
+                               config.pack)
         seconds["tokenize"], clock = time.perf_counter() - clock, time.perf_counter()
         pack_stats = pack.run(samples.samples, config, tokenizer.pad_token_id).stats
         seconds["pack"], clock = time.perf_counter() - clock, time.perf_counter()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import html
 import time
 
 import matplotlib
@@ -16,24 +15,16 @@ from posttrain.eval import plots  # noqa: E402
 MAX_TABLE_ROWS = 50
 
 
-def embedded_page(page: str, height: int = 900) -> Markdown:
-    """A self-contained HTML page (such as an evidently report) in an iframe inside the card.
-
-    Cards render Markdown with raw HTML allowed; `srcdoc` keeps the page's scripts and styles
-    isolated from the card's own.
-    """
-    return Markdown(f'<iframe srcdoc="{html.escape(page, quote=True)}" '
-                    f'style="width:100%;height:{height}px;border:0"></iframe>')
-
-
 def figure_image(fig, label: str | None = None) -> Image:
     image = Image.from_matplotlib(fig, label=label)
     plt.close(fig)
     return image
 
 
-def ingest_section(card, counts: dict, rejected: list) -> None:
+def ingest_section(card, counts: dict, rejected: list, warnings: list[str] = ()) -> None:
     card.append(Markdown("## Data sources"))
+    for warning in warnings:
+        card.append(Markdown(f"**Warning:** {warning}"))
     card.append(Table([[name, c["read"], c["kept"], c["rejected"]] for name, c in counts.items()],
                       headers=["source", "rows read", "kept", "rejected"]))
     card.append(Markdown(f"## Rejected rows ({len(rejected)})"))
@@ -55,8 +46,10 @@ def tokenize_section(card, stats) -> None:
     card.append(figure_image(plots.length_histograms_by_source(stats.length_histograms)))
     card.append(figure_image(plots.source_counts_bar(stats.lengths)))
     card.append(Markdown("## Filters (kept and rejected per source)"))
-    card.append(Table([[name, f["kept"], ", ".join(f"{k}: {v}" for k, v in f["rejected"].items()) or "none"]
-                       for name, f in stats.filters.items()], headers=["source", "kept", "rejected"]))
+    card.append(Table([[name, f["kept"], ", ".join(f"{k}: {v}" for k, v in f["rejected"].items()) or "none",
+                        f.get("over_row_length", 0)]
+                       for name, f in stats.filters.items()],
+                      headers=["source", "kept", "rejected", "kept but longer than a row (pack.on_overflow applies)"]))
 
 
 def pack_section(card, stats, samples_per_source: dict) -> None:

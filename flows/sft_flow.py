@@ -7,7 +7,9 @@
 Every step calls one plain function from `posttrain.steps` and stores what it returns as
 artifacts, so a notebook can inspect any stage (`notebooks/inspect_run.ipynb`). Files
 (checkpoints, rejected rows, metrics.jsonl) go to `<output_dir>/SFTFlow/<run id>/`; the
-registered model's location is the artifact `model_uri`.
+registered model is the artifact `model_path` (a local directory:
+`AutoModelForCausalLM.from_pretrained(run.data.model_path)`), its registry reference `model_uri`
+(`posttrain.registry.resolve_model_dir` turns any reference into a local directory).
 
 Checkpoints: the train step saves complete training state under
 `<output_dir>/SFTFlow/<run id>/train_state/` (`checkpoint` in the recipe) and resumes from the
@@ -26,7 +28,8 @@ variants: `model.arch` (random init of any registered architecture), `model.lora
 
 Cards: data sources and rejected rows (ingest), length histogram (tokenize), packing
 efficiency (pack), live loss and throughput (train), the logit verdict (verify), the
-evaluation table with an evidently report (evaluate), and an overview of the run (end).
+evaluation table and an evidently report in a card of its own (evaluate), and an overview of
+the run (end).
 """
 
 from metaflow import Config, FlowSpec, Run, card, current, retry, step
@@ -34,9 +37,10 @@ from metaflow import Config, FlowSpec, Run, card, current, retry, step
 from posttrain.config.loader import DEFAULT_SFT_CONFIG, sft_config_from_dict
 
 import recipe_cards as cards
-from recipe_configs import RecipeConfigError, parse_sft_config, parse_sft_overrides
+from recipe_configs import RecipeConfigError, ValidateRecipe, parse_sft_config, parse_sft_overrides
 
 
+@ValidateRecipe
 class SFTFlow(FlowSpec):
     config = Config("config", default=DEFAULT_SFT_CONFIG, parser=parse_sft_config,
                     help="SFT recipe YAML (see configs/sft/)")
@@ -75,7 +79,8 @@ class SFTFlow(FlowSpec):
         result = ingest.run(self.recipe, self.run_dir)
         self.train_records, self.heldout_records = result.train, result.heldout
         self.rejected, self.rejected_path, self.data_counts = result.rejected, result.rejected_path, result.counts
-        cards.ingest_section(current.card["ingest"], self.data_counts, self.rejected)
+        self.data_warnings = result.warnings  # e.g. a source whose every row was rejected
+        cards.ingest_section(current.card["ingest"], self.data_counts, self.rejected, self.data_warnings)
         self.next(self.tokenize)
 
     @card(type="blank", id="tokenize")
@@ -85,7 +90,7 @@ class SFTFlow(FlowSpec):
         from posttrain.steps import tokenize
 
         result = tokenize.run(self.train_records, self._tokenizer(), self.recipe.tokenizer.chat_template_kwargs,
-                              self.recipe.data.filters)
+                              self.recipe.data.filters, self.recipe.pack)
         self.samples, self.tokenize_stats = result.samples, result.stats
         self.rejected = self.rejected + result.rejected
         if result.rejected:  # keep the filters' rejections aside too, with ingest's
@@ -141,17 +146,21 @@ class SFTFlow(FlowSpec):
         self.next(self.evaluate)
 
     @card(type="blank", id="evaluation")
+    @card(type="html", id="report", options={"attribute": "evidently_html"})
     @step
     def evaluate(self):
-        """Held-out loss and task metric, base vs tuned, with an evidently report of their outputs."""
+        """Held-out loss and task metric, base vs tuned (the `evaluation` card: the table first,
+        then sample outputs), and an evidently report of their outputs (the `report` card, a
+        page of its own: `card get <run>/evaluate/<task> --id report`)."""
         from posttrain.steps import evaluate
 
         result = evaluate.run(self.base_dir, self.checkpoint_dir, self._tokenizer(), self.heldout_records, self.recipe)
         self.eval_metrics, self.eval_examples, self.evidently_html = result.metrics, result.examples, result.report_html
         card = current.card["evaluation"]
         cards.eval_section(card, self.eval_metrics)
-        card.append(cards.embedded_page(self.evidently_html))
         cards.examples_table(card, self.eval_examples)
+        card.append(cards.Markdown("The evidently report of the base and tuned outputs is this step's `report` "
+                                   "card (`flow.py card view evaluate --id report`)."))
         self.next(self.register)
 
     @step
@@ -164,7 +173,8 @@ class SFTFlow(FlowSpec):
                                            metrics={"train": self.train_summary, "eval": self.eval_metrics,
                                                     "verify": self.verdict},
                                            run_pathspec=pathspec, adapter_dir=self.adapter_dir)
-        self.model_uri = self.registry_entry.uri
+        self.model_uri = self.registry_entry.uri  # the registry's reference (a file:// URI here)
+        self.model_path = self.registry_entry.model_path  # a local directory: from_pretrained(model_path) loads it
         Run(pathspec).add_tags([f"model:{self.registry_entry.name}", f"model_version:v{self.registry_entry.version}"])
         self.next(self.end)
 
@@ -187,7 +197,7 @@ class SFTFlow(FlowSpec):
         cards.verify_section(card, self.verdict)
         cards.eval_section(card, self.eval_metrics)
         cards.pack_section(card, self.pack_stats, self.samples_per_source)
-        cards.ingest_section(card, self.data_counts, self.rejected)
+        cards.ingest_section(card, self.data_counts, self.rejected, self.data_warnings)
         print(f"[end] model_uri = {self.model_uri}")
 
 

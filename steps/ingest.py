@@ -1,7 +1,10 @@
 """Ingest: read every configured source, through its format adapter, into chat records.
 
 Malformed rows are not dropped: each becomes a `RejectedRow` (source file, line, reason),
-is counted per source, and is written to `rejected.jsonl` in the run directory.
+is counted per source, and is written to `rejected.jsonl` in the run directory, also when
+ingest then fails because no usable record is left (`DataError`, naming the most common
+reasons with their counts). A source whose rows are all rejected, beside sources that are
+fine, gets a warning (`IngestResult.warnings`: the log and the ingest card).
 When `data.generate` is set, the embedded demo task and its tokenizer are generated
 first under `${generated}` and then read back through the same readers as real data.
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +27,13 @@ from posttrain.data.sources import SourceSpec, read_records, write_rejected
 from posttrain.steps.paths import generated_directory, resolve
 
 
+_WHERE_IN_ROW = re.compile(r"^(message|turn) \d+: ")
+
+
+class DataError(ValueError):
+    """The configured data leaves nothing to train on (or to evaluate on)."""
+
+
 @dataclass
 class IngestResult:
     train: dict[str, list[ChatRecord]]  # by source name, in config order
@@ -30,6 +41,23 @@ class IngestResult:
     rejected: list[RejectedRow]
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
     rejected_path: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def reason_summary(rejected: list[RejectedRow], most: int = 3) -> str:
+    """The `most` most common rejection reasons with their counts and a first example,
+    e.g. `4x invalid JSON (first: data.jsonl line 2: invalid JSON: ... at column 9)`. Reasons
+    are grouped by their text before the first ':' (the kind of problem), after the place in
+    the row they name."""
+    groups: dict[str, list[RejectedRow]] = {}
+    for row in rejected:  # "message 2: unknown role 'bot'" is of kind "unknown role 'bot'"
+        groups.setdefault(_WHERE_IN_ROW.sub("", row.reason).split(":", 1)[0], []).append(row)
+    ranked = sorted(groups.items(), key=lambda kv: -len(kv[1]))
+    parts = [f"{len(rows)}x {kind} (first: {rows[0].source} line {rows[0].line}: {rows[0].reason})"
+             for kind, rows in ranked[:most]]
+    if len(ranked) > most:
+        parts.append(f"{sum(len(rows) for _, rows in ranked[most:])} more of {len(ranked) - most} other kinds")
+    return "; ".join(parts)
 
 
 def generate_demo_data(generate: GenerateConfig, run_dir: Path) -> Path:
@@ -81,10 +109,13 @@ def run(config: SFTConfig, run_dir: Path) -> IngestResult:
     train: dict[str, list[ChatRecord]] = {}
     rejected: list[RejectedRow] = []
     counts: dict[str, dict[str, int]] = {}
+    warnings: list[str] = []
     for source in config.data.sources:
         records, bad = read_conversations(source, run_dir)
         counts[source.name] = {"kept": len(records), "rejected": len(bad), "read": len(records) + len(bad)}
         print(f"[ingest] {source.name}: {len(records)} records kept, {len(bad)} rejected")
+        if bad and not records:
+            warnings.append(f"source '{source.name}': all {len(bad)} rows were rejected: {reason_summary(bad)}")
         train[source.name] = records
         rejected.extend(bad)
     if config.data.heldout is not None:
@@ -98,14 +129,20 @@ def run(config: SFTConfig, run_dir: Path) -> IngestResult:
         for name, records in train.items():
             train[name], held = split_heldout(records, config.data.heldout_fraction, config.seed)
             heldout.extend(held)
-    if not any(train.values()):
-        raise ValueError("no usable training records: every row of every source was rejected (see rejected.jsonl)")
     rejected_path = None
-    if rejected:
+    if rejected:  # written before any failure below: the reasons are never lost
         rejected_path = str(Path(run_dir) / "rejected.jsonl")
         write_rejected(rejected, rejected_path)
         print(f"[ingest] {len(rejected)} malformed rows kept aside in {rejected_path}")
-    return IngestResult(train=train, heldout=heldout, rejected=rejected, counts=counts, rejected_path=rejected_path)
+    if not any(train.values()):
+        where = f"; every rejected row is in {rejected_path}" if rejected_path else ""
+        reasons = f": {reason_summary(rejected)}" if rejected else " (the sources are empty)"
+        raise DataError(f"no usable training records in data.sources {[s.name for s in config.data.sources]}"
+                        f"{reasons}{where}")
+    for warning in warnings:
+        print(f"[ingest] WARNING: {warning}")
+    return IngestResult(train=train, heldout=heldout, rejected=rejected, counts=counts, rejected_path=rejected_path,
+                        warnings=warnings)
 
 
 def split_heldout(records: list[ChatRecord], fraction: float, seed: int) -> tuple[list, list]:

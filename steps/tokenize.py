@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from posttrain.config.schema import FilterConfig
+from posttrain.config.schema import FilterConfig, PackConfig
 from posttrain.data.chat import TokenizedSample, render_conversation
 from posttrain.data.filters import RecordFilter
 from posttrain.data.length_stats import LengthStats
@@ -37,9 +37,13 @@ class TokenizeResult:
     stats: TokenizeStats
 
 
-def _render_each(records: list[ChatRecord], tokenizer, template_kwargs: dict, desc: str):
-    """`(record, sample)` per record, in order; `sample` is None when nothing in it trains."""
+def _render_each(records: list[ChatRecord], tokenizer, template_kwargs: dict, desc: str,
+                 admit=lambda record: True):
+    """`(record, sample)` per record `admit` lets through, in order; `sample` is None when
+    nothing in it trains."""
     for record in tqdm(records, desc=f"[{desc}]", unit="rec", mininterval=2.0):
+        if not admit(record):
+            continue
         sample = render_conversation(tokenizer, record.messages, **template_kwargs)
         yield record, (sample if any(sample.loss_mask) else None)
 
@@ -61,18 +65,22 @@ def render(records: list[ChatRecord], tokenizer, template_kwargs: dict | None = 
 
 
 def run(records: dict[str, list[ChatRecord]], tokenizer, template_kwargs: dict | None = None,
-        filters: FilterConfig | None = None) -> TokenizeResult:
-    """Render every source's records, then apply the filters (dedup across sources, in config order)."""
-    record_filter = RecordFilter.from_config(filters or FilterConfig(), dedup_on="tokens")
+        filters: FilterConfig | None = None, pack: PackConfig | None = None) -> TokenizeResult:
+    """Render every source's records, then apply the filters (dedup across sources, in config
+    order). With the recipe's `pack` section, records too long to fit a row are rejected
+    before tokenization where their length alone shows it (`data.filters.max_chars`), samples
+    that truncation to the row would leave untrained are rejected, and samples longer than a
+    row are counted per source (`stats.filters[name]["over_row_length"]`)."""
+    record_filter = RecordFilter.from_config(filters or FilterConfig(), dedup_on="tokens", pack=pack)
     lengths = LengthStats()
     samples: dict[str, list[TokenizedSample]] = {}
     rejected: list[RejectedRow] = []
     for name, source_records in records.items():
         kept_records, rendered = [], []
-        for record, sample in _render_each(source_records, tokenizer, template_kwargs or {}, f"tokenize {name}"):
+        for record, sample in _render_each(source_records, tokenizer, template_kwargs or {}, f"tokenize {name}",
+                                           admit=lambda record: record_filter.check_chars(name, record)):
             if sample is None:
-                rejected.append(_untrainable(record))
-                record_filter.stats.add_rejected(name, "no trainable token")
+                record_filter.reject_untrainable(name, record)
             else:
                 kept_records.append(record)
                 rendered.append(sample)

@@ -35,7 +35,7 @@ def tiny_recipe_data(work: Path, config_file: Path = TWO_WORKERS, **overrides):
         "output_dir": str(work), **overrides})
     data = ingest.run(config, work)
     tokenizer = load_tokenizer(resolve(config.tokenizer.name_or_path, work))
-    samples = tokenize.run(data.train, tokenizer, {}, config.data.filters).samples
+    samples = tokenize.run(data.train, tokenizer, {}, config.data.filters, config.pack).samples
     rows = pack.run(samples, config, tokenizer.pad_token_id).stats.num_rows
     return config, tokenizer, samples, rows
 

@@ -12,6 +12,7 @@ import ast
 import json
 import pickle
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -163,6 +164,79 @@ def test_index_naming_a_missing_shard_file(tmp_path):
     (out / gone).unlink()
     with pytest.raises((CheckpointError, FileNotFoundError), match=re.escape(gone)):
         load_hf_checkpoint(out)
+
+
+# ------------------------------------------------------------------ unreadable files
+
+
+def corrupt_header(file: Path, how: str) -> None:
+    """Damage a safetensors file: its header length, its JSON, a tensor's offsets, or its end."""
+    data = bytearray(file.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    if how == "length":
+        data[:8] = (len(data) * 4).to_bytes(8, "little")
+    elif how == "json":
+        data[8:12] = b"\x00{{{"[:4]
+    elif how == "offsets":
+        name = next(k for k in header if k != "__metadata__")
+        start, _ = header[name]["data_offsets"]
+        header[name]["data_offsets"] = [start, start + 10**9]  # past the end of the file
+        text = json.dumps(header).encode().ljust(n)
+        data[8:8 + n] = text[:n] if len(text) <= n else text
+    elif how == "truncated":
+        del data[len(data) // 2:]
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["length", "json", "offsets", "truncated"])
+def test_a_corrupt_safetensors_file_is_a_checkpoint_error_naming_it(tmp_path, how):
+    out = save("qwen3", tied=True, sharded=False, path=tmp_path / "ckpt")
+    (weights,) = out.glob("*.safetensors")
+    corrupt_header(weights, how)
+    with pytest.raises(CheckpointError, match=re.escape(str(weights))):
+        load_hf_checkpoint(out)
+
+
+def test_a_malformed_config_or_index_is_a_checkpoint_error_naming_it(tmp_path):
+    out = save("qwen3", tied=True, sharded=True, path=tmp_path / "ckpt")
+    (out / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json is not valid JSON"):
+        load_hf_checkpoint(out)
+    (out / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        load_hf_checkpoint(out)
+
+
+def test_the_transformers_backend_refuses_a_checkpoint_with_missing_or_extra_tensors(tmp_path):
+    """transformers would load these with a printed report and random weights for what is
+    missing; the backend's loader refuses them by name, as ours does."""
+    import transformers
+
+    config = transformers.MistralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    good = tmp_path / "good"
+    transformers.MistralForCausalLM(config).save_pretrained(good)
+    load_hf_backend(good)  # the untouched checkpoint loads
+
+    for case, change, named in [
+        ("missing", lambda t: t.pop("model.layers.1.mlp.down_proj.weight"), "missing tensors ['model.layers.1.mlp.down_proj.weight']"),
+        ("unexpected", lambda t: t.__setitem__("model.layers.9.extra.weight", torch.zeros(2)),
+         "unexpected tensors ['model.layers.9.extra.weight']"),
+        ("misshaped", lambda t: t.__setitem__("model.norm.weight", torch.ones(7)), "model.norm.weight"),
+    ]:
+        broken = tmp_path / case
+        shutil.copytree(good, broken)
+        tensors = load_file(broken / "model.safetensors")
+        change(tensors)
+        save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(CheckpointError, match=re.escape(named)):
+            load_hf_backend(broken)
+    corrupt_header(tmp_path / "missing" / "model.safetensors", "length")
+    with pytest.raises(CheckpointError, match="transformers cannot load it"):
+        load_hf_backend(tmp_path / "missing")
 
 
 # ------------------------------------------------------------------ nothing is unpickled

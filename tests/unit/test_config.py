@@ -1,5 +1,6 @@
 """Recipe configs: strict keys with the nearest valid key, typed values with allowed ranges, overrides."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,28 @@ def test_exactly_one_heldout_set():
         load_sft_config(CONFIGS / "demo.yaml", overrides={"data.heldout_fraction": 0.1})
     config = load_sft_config(CONFIGS / "demo.yaml", overrides={"data.heldout": None, "data.heldout_fraction": 0.1})
     assert config.data.heldout is None
+
+
+def test_launch_path_checks_name_the_key_and_accept_hub_ids(tmp_path, monkeypatch):
+    from posttrain.config.loader import load_sft_config
+    from posttrain.config.paths import check_recipe_paths, is_hub_id
+
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "sft" / "tiny.yaml"
+    check_recipe_paths(load_sft_config(tiny))  # ${generated} paths are made by the run itself
+    data = tmp_path / "train.jsonl"
+    data.write_text("{}\n")
+    monkeypatch.chdir(tmp_path)
+    ok = {"data.sources.0.path": "train.jsonl", "data.heldout.path": str(tmp_path / "*.jsonl"),
+          "tokenizer.name_or_path": "Qwen/Qwen3-0.6B", "data.generate": None}
+    check_recipe_paths(load_sft_config(tiny, overrides=ok))  # relative, glob and hub id
+    hub = {**ok, "data.sources.0.kind": "hf", "data.sources.0.path": "openai/gsm8k"}
+    check_recipe_paths(load_sft_config(tiny, overrides=hub))
+    for override, message in [
+        ({"data.sources.0.path": "gone.jsonl"}, "source 'arithmetic' (data.sources.0.path): no such file"),
+        ({"data.sources.0.kind": "hf", "data.sources.0.path": "not a/hub id!"}, "neither an existing local path"),
+        ({"tokenizer.name_or_path": "./tok"}, "the tokenizer (tokenizer.name_or_path): no such file"),
+        ({"model.init": "pretrained", "model.name_or_path": "bad//id"}, "the starting model (model.name_or_path)"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            check_recipe_paths(load_sft_config(tiny, overrides={**ok, **override}))
+    assert is_hub_id("gpt2") and is_hub_id("Qwen/Qwen3-0.6B") and not is_hub_id("a--b/c") and not is_hub_id("a/b/c")

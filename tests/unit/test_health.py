@@ -133,7 +133,9 @@ def test_loss_spike_is_flagged_and_the_step_still_applied():
 
 def test_grad_explosion_is_flagged_relative_and_absolute():
     loss_fn = Injected(grad={5: 1000.0})
-    trainer = Trainer(tiny_model(), config(health=health(grad_explosion_factor=10.0)), total_steps=10, loss_fn=loss_fn)
+    # config() turns clipping off (max_grad_norm 1e9), which is also the default floor: set it
+    trainer = Trainer(tiny_model(), config(health=health(grad_explosion_factor=10.0, grad_explosion_min_norm=0.0)),
+                      total_steps=10, loss_fn=loss_fn)
     data = batches(6)
     ok = [trainer.train_step([b]) for b in data[:4]]
     assert not any(m["grad_explosion"] for m in ok)
@@ -165,3 +167,86 @@ def test_monitor_state_round_trips():
     restored.load_state_dict(monitor.state_dict())
     assert restored.state_dict() == monitor.state_dict()
     assert restored.check(5, 100.0, 0.5).loss_spike == monitor.check(5, 100.0, 0.5).loss_spike is True
+
+
+# ------------------------------------------------------------------ no false alarms
+
+
+def flags(monitor: HealthMonitor, losses, grad_norms) -> list[tuple[int, str]]:
+    """(step, health) of every flagged step when `monitor` sees this trajectory."""
+    out = []
+    for step, (loss, norm) in enumerate(zip(losses, grad_norms), start=1):
+        verdict = monitor.check(step, loss, norm)
+        if verdict.health != "ok":
+            out.append((step, verdict.health))
+    return out
+
+
+def converging(n: int = 600, seed: int = 0):
+    """A healthy run's shape: the loss falls from 5 to a floor of ~3e-4 that jitters by
+    several x from batch to batch (x/÷ 1.35 while it is large); the gradient norm falls from
+    ~3 to ~3e-4 (1e4x), log-normal around its trend (x/÷ 2.5)."""
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.linspace(0, 1, n, dtype=torch.float64)
+    z = lambda sigma: torch.exp(torch.randn(n, generator=gen, dtype=torch.float64) * sigma)  # noqa: E731
+    losses = 5.0 * torch.exp(-12 * t) * z(0.3) + 3e-4 * z(1.5)
+    norms = 3.0 * torch.exp(-9.2 * t) * z(0.9)
+    return losses.tolist(), norms.tolist()
+
+
+def old_rule_flags(losses, norms, window: int = 50) -> int:
+    """How many steps the monitor's former rules flagged: loss > 3x, norm > 10x the window median."""
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return sum((losses[i] > 3 * median(losses[i - window:i])) + (norms[i] > 10 * median(norms[i - window:i]))
+               for i in range(window, len(losses)))
+
+
+def test_a_converging_run_near_zero_loss_and_shrinking_gradients_flags_nothing():
+    losses, norms = converging()
+    assert flags(HealthMonitor(HealthConfig(), clip_norm=1.0), losses, norms) == []
+    assert old_rule_flags(losses, norms) > 10  # the relative rules alone cry wolf on it
+
+
+def test_injected_spikes_and_explosions_are_still_caught():
+    losses, norms = converging()
+    losses[100], losses[500] = losses[100] + 6.0, 4.0  # a jump mid-run (median 1.2), one near the end (3e-4)
+    norms[200], norms[550] = 40.0, 50.0  # far beyond the clipping threshold (1.0)
+    found = flags(HealthMonitor(HealthConfig(), clip_norm=1.0), losses, norms)
+    assert found == [(101, "loss_spike"), (201, "grad_explosion"), (501, "loss_spike"), (551, "grad_explosion")]
+
+
+def test_spikes_are_measured_as_rises_so_negative_losses_work():
+    gen = torch.Generator().manual_seed(1)
+    policy = (-0.05 + 0.01 * torch.randn(300, generator=gen, dtype=torch.float64)).tolist()  # a policy loss
+    assert flags(HealthMonitor(HealthConfig()), policy, [0.5] * 300) == []
+    policy[250] = 0.9
+    assert flags(HealthMonitor(HealthConfig()), policy, [0.5] * 300) == [(251, "loss_spike")]
+
+
+def test_a_clean_tiny_training_run_flags_nothing():
+    """Overfitting a few packed rows: the loss falls towards zero and the gradients shrink."""
+    trainer = Trainer(tiny_model(), config(learning_rate=3e-3, warmup_steps=5, max_grad_norm=1.0), total_steps=150)
+    data = batches(3)
+    history = [trainer.train_step([data[i % 3]]) for i in range(150)]
+    assert history[-1]["loss"] < history[0]["loss"] / 5
+    assert [m["step"] for m in history if m["health"] != "ok"] == []
+
+
+def demo_trajectory():
+    import json
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).resolve().parents[1] / "data" / "demo_trajectory.json").read_text())
+    return data["loss"], data["grad_norm"]
+
+
+def test_the_healthy_demo_run_flags_nothing_and_injected_faults_in_it_are_caught():
+    """The real trajectory of `make run` (loss 5.7 -> 3e-4; late gradient norms of ~0.02 that
+    jump to 1-4 on harder batches and are clipped): the former relative rules flagged 106 of
+    its steps."""
+    losses, norms = demo_trajectory()
+    assert flags(HealthMonitor(HealthConfig(), clip_norm=1.0), losses, norms) == []
+    assert old_rule_flags(losses, norms) > 50
+    losses[1500], norms[2000], losses[2400] = losses[1500] + 5.0, 200.0, 2.0
+    assert flags(HealthMonitor(HealthConfig(), clip_norm=1.0), losses, norms) == [
+        (1501, "loss_spike"), (2001, "grad_explosion"), (2401, "loss_spike")]

@@ -4,6 +4,7 @@ nothing behind, and a registered model loads in transformers and generates like 
 from __future__ import annotations
 
 import json
+import re
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -122,3 +123,26 @@ def test_lora_adapter_is_registered_beside_the_merged_model(tmp_path, hf_dir):
         assert torch.equal(ours, theirs), name
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
         register_model(tmp_path / "registry", "demo", hf_dir, lineage(), adapter_dir=tmp_path)
+
+
+def test_any_registry_reference_resolves_to_a_local_model_directory(tmp_path, hf_dir, monkeypatch):
+    from transformers import AutoConfig
+
+    from posttrain.registry import resolve_model_dir
+
+    registry = tmp_path / "registry"
+    first = register_model(registry, "m", hf_dir, {"recipe": "a"})
+    second = register_model(registry, "m", hf_dir, {"recipe": "b"})
+    assert resolve_model_dir(first.uri) == Path(first.model_path)
+    assert resolve_model_dir("registry:m", registry_dir=registry) == Path(second.model_path)  # the newest
+    assert resolve_model_dir("registry:m:1", registry_dir=registry) == Path(first.model_path)
+    assert resolve_model_dir("registry:m:v2", registry_dir=registry) == Path(second.model_path)
+    assert resolve_model_dir(first.path) == Path(first.model_path)  # an entry directory
+    assert resolve_model_dir(first.model_path) == Path(first.model_path)
+    monkeypatch.setenv("POSTTRAIN_REGISTRY", str(registry))
+    assert resolve_model_dir("registry:m") == Path(second.model_path)
+    AutoConfig.from_pretrained(resolve_model_dir(first.uri))  # what from_pretrained and vLLM accept
+    for bad, message in [("registry:nope", "no model named 'nope'"), ("registry:m:7", "has versions [1, 2]"),
+                         ("s3://bucket/model", "only file:// URIs"), (str(tmp_path), "not a model directory")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            resolve_model_dir(bad, registry_dir=registry)

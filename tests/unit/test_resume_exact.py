@@ -93,7 +93,7 @@ def tiny_recipe(tmp_path_factory):
         "checkpoint.every_steps": 2, "output_dir": str(work)})
     data = ingest.run(config, work)
     tokenizer = load_tokenizer(resolve(config.tokenizer.name_or_path, work))
-    tokenized = tokenize.run(data.train, tokenizer, {}, config.data.filters).samples
+    tokenized = tokenize.run(data.train, tokenizer, {}, config.data.filters, config.pack).samples
     rows = pack.run(tokenized, config, tokenizer.pad_token_id).stats.num_rows
     return config, tokenizer, tokenized, rows
 

@@ -112,12 +112,18 @@ def test_limit_counts_rows_not_blank_lines(tmp_path):
     assert [r.line for r in records] == [1, 3, 5] and not rejected
 
 
-def test_truncated_gzip_is_a_source_error(tmp_path):
+def test_truncated_gzip_keeps_the_rows_before_the_break_and_reports_it(tmp_path):
     path = tmp_path / "broken.jsonl.gz"
     data = gzip.compress(("\n".join(json.dumps(GOOD[1]) for _ in range(2000)) + "\n").encode())
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(SourceError, match="unreadable after line"):
-        read_chat_records(SourceSpec(name="b", kind="jsonl", path=str(path)))
+    records, rejected = read_chat_records(SourceSpec(name="b", kind="jsonl", path=str(path)))
+    assert len(records) > 100 and [r.line for r in records] == list(range(1, len(records) + 1))
+    (broken,) = rejected
+    assert broken.source == str(path) and broken.line == len(records) + 1
+    assert f"unreadable after line {len(records)}" in broken.reason and "compressed byte" in broken.reason
+    assert "rows before it are kept" in broken.reason
+    with pytest.raises(SourceError, match="unreadable after line"):  # strict: the whole source fails
+        read_chat_records(SourceSpec(name="b", kind="jsonl", path=str(path), strict=True))
     with pytest.raises(FileNotFoundError):
         read_chat_records(SourceSpec(name="c", kind="jsonl", path=str(tmp_path / "missing.jsonl")))
 

@@ -32,6 +32,9 @@ class SourceConfig:
     split: str = "train"
     subset: Optional[str] = None  # "hf": the dataset's configuration name (e.g. "main" for openai/gsm8k)
     streaming: bool = False
+    # a file that breaks mid-way (truncated .gz): fail, instead of keeping the rows before the
+    # break and reporting it as a rejected entry with the file and position
+    strict: bool = False
     messages_field: str = "messages"
     prompt_field: Optional[str] = None
     response_field: Optional[str] = None
@@ -77,11 +80,15 @@ class GenerateConfig:
 @dataclass
 class FilterConfig:
     """Record filters (`posttrain.data.filters`): token-length bounds on tokenized samples
-    (None: no bound) and exact de-duplication (first occurrence kept)."""
+    (None: no bound), a character bound checked before tokenization (`max_chars`), and exact
+    de-duplication (first occurrence kept). Samples that truncation to the row length would
+    leave with no trained token are rejected too."""
 
     min_tokens: Optional[int] = bounded(None, ge=1)
     max_tokens: Optional[int] = bounded(None, ge=1)
     dedup: bool = True
+    # checked before tokenization; None: 32 x pack.row_length (unbounded under on_overflow: split)
+    max_chars: Optional[int] = bounded(None, ge=1)
 
     def validate(self) -> None:
         if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -185,14 +192,26 @@ class HealthConfig:
     """Training health checks (`posttrain.train.health`).
 
     A step whose loss or gradient norm is NaN/Inf is skipped (no optimizer update, schedule
-    not advanced); `max_consecutive_bad_steps` of them in a row stop training. A loss above
-    `spike_factor` x the median loss of the last `window` finite steps is flagged as a spike,
-    a gradient norm above `max_grad_norm_alert` (if set) or above `grad_explosion_factor` x
-    the median of the last `window` finite gradient norms as an explosion; flagged steps are
-    still applied. Running references need `min_history` finite steps first."""
+    not advanced); `max_consecutive_bad_steps` of them in a row stop training. Spikes and
+    explosions are flagged (the step is still applied) against the last `window` finite
+    steps, once `min_history` of them exist; each rule needs an absolute floor, a relative
+    factor and a robust spread to be exceeded all at once, so noise on a loss near zero or on
+    gradient norms that shrink as training converges is not flagged:
+    - loss spike: the rise over the window's median loss exceeds `spike_min_delta` (loss
+      units), `(spike_factor - 1) x |median|` and `outlier_sigmas` robust standard deviations
+      (1.4826 x the median absolute deviation) of the window; valid for losses that are
+      negative or near zero (preference and policy losses) too;
+    - gradient explosion: the norm exceeds `grad_explosion_factor` x its reference, the
+      window's median norm but never less than `grad_explosion_min_norm` (default: the
+      clipping threshold `train.max_grad_norm`), and in log space its rise over the window's
+      median exceeds `outlier_sigmas` robust standard deviations; or it exceeds
+      `max_grad_norm_alert` when set (no history needed)."""
 
     spike_factor: float = bounded(3.0, gt=1)
+    spike_min_delta: float = bounded(0.5, ge=0)
     grad_explosion_factor: float = bounded(10.0, gt=1)
+    grad_explosion_min_norm: Optional[float] = bounded(None, ge=0)
+    outlier_sigmas: float = bounded(6.0, ge=0)
     max_grad_norm_alert: Optional[float] = bounded(None, gt=0)
     window: int = bounded(50, ge=1)
     min_history: int = bounded(5, ge=1)

@@ -5,8 +5,12 @@ record by record and in the order it sees them, whether a record is kept:
 
 1. invalid: the record fails `validate_record` (reason `"invalid: <why>"`);
 2. too short / too long: its token count is below `min_tokens` or above `max_tokens`
-   (bounds inclusive; None means no bound);
-3. duplicate: its key was seen before, in any source (first occurrence kept). The key is
+   (bounds inclusive; None means no bound); before tokenization, `check_chars` rejects a
+   record of more than `max_chars` characters (too long, never tokenized);
+3. truncated_untrainable: with a `row_length` and `on_overflow="truncate"`, a sample longer
+   than a row none of whose trained tokens fall in the first `row_length` (kept samples
+   longer than a row are counted per source, `FilterStats.over_row_length`);
+4. duplicate: its key was seen before, in any source (first occurrence kept). The key is
    a hash of the normalised content (`content_key`: record kind and content, not its
    origin; strings NFC-normalised, CRLF -> LF, outer whitespace stripped) or, with
    `dedup_on="tokens"`, of the token ids (`token_key`).
@@ -19,7 +23,8 @@ in `RecordFilter.rejected` and counted in `RecordFilter.stats`, a `FilterStats` 
 the source name the caller passes and by reason kind (`REASONS`). Rows the reader already
 rejected can be counted there too (`FilterStats.add_read_rejections`, kind "invalid").
 
-API: `check(name, record, tokens=None) -> bool` (one record), `filter(name, records) -> kept`,
+API: `check(name, record, tokens=None) -> bool` (one record), `check_chars(name, record)`,
+`reject_untrainable(name, record)`, `filter(name, records) -> kept`,
 `filter_with_tokens(name, records, tokens) -> (kept records, their tokens)`.
 """
 
@@ -42,7 +47,11 @@ from posttrain.data.records import (
     validate_record,
 )
 
-REASONS = ("invalid", "too_short", "too_long", "duplicate")
+REASONS = ("invalid", "too_short", "too_long", "untrainable", "truncated_untrainable", "duplicate")
+OVERFLOW_POLICIES = ("truncate", "split", "drop", "error")
+# no tokenizer averages more characters per token than this over a whole sample; a record with
+# more than this many characters per row slot cannot fit a row, whatever the tokenizer
+CHARS_PER_TOKEN_BOUND = 32
 DEDUP_ON = ("content", "tokens")
 
 
@@ -52,6 +61,7 @@ class FilterStats:
 
     kept: dict[str, int] = field(default_factory=dict)
     rejected: dict[str, dict[str, int]] = field(default_factory=dict)
+    over_row_length: dict[str, int] = field(default_factory=dict)  # kept samples longer than a row
 
     def add_kept(self, name: str, n: int = 1) -> None:
         self.kept[name] = self.kept.get(name, 0) + n
@@ -72,10 +82,18 @@ class FilterStats:
         names = [name] if name is not None else list(self.rejected)
         return sum(sum(self.rejected.get(n, {}).values()) for n in names)
 
+    def add_over_row_length(self, name: str) -> None:
+        self.over_row_length[name] = self.over_row_length.get(name, 0) + 1
+
     def as_dict(self) -> dict[str, dict[str, Any]]:
-        """`{name: {"kept": n, "rejected": {kind: n}}}` for every source seen."""
+        """`{name: {"kept": n, "rejected": {kind: n}}}` for every source seen, plus
+        `"over_row_length": n` for sources with kept samples longer than a row (the packer
+        truncates, splits or drops them, as `pack.on_overflow` says)."""
         names = list(dict.fromkeys([*self.kept, *self.rejected]))
-        return {n: {"kept": self.kept.get(n, 0), "rejected": dict(self.rejected.get(n, {}))} for n in names}
+        out = {n: {"kept": self.kept.get(n, 0), "rejected": dict(self.rejected.get(n, {}))} for n in names}
+        for n, count in self.over_row_length.items():
+            out.setdefault(n, {"kept": 0, "rejected": {}})["over_row_length"] = count
+        return out
 
 
 # ---------------------------------------------------------------- keys
@@ -112,6 +130,26 @@ def token_key(tokens: Any) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
+def content_chars(value: Any) -> int:
+    """Characters of every string in a record's content (message texts, field values)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(content_chars(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(content_chars(v) for v in value)
+    return 0
+
+
+def surviving_loss_tokens(tokens: Any, row_length: int) -> int:
+    """Loss tokens left when a sample is truncated to `row_length` tokens: labels are the next
+    token's, so positions 1..row_length-1 of the mask count."""
+    mask = getattr(tokens, "loss_mask", None)
+    if mask is None:
+        return 1  # no mask known: nothing to say
+    return int(sum(mask[1:row_length]))
+
+
 def token_count(record: Any, tokens: Any = None) -> int | None:
     """`tokens` as a count (int, or its length); a `SequenceRecord`'s own length when None."""
     if tokens is None:
@@ -128,21 +166,34 @@ class RecordFilter:
     """Stateful filter over a stream of records from several sources (see module docstring)."""
 
     def __init__(self, min_tokens: int | None = None, max_tokens: int | None = None, dedup: bool = True,
-                 dedup_on: str = "content"):
+                 dedup_on: str = "content", max_chars: int | None = None, row_length: int | None = None,
+                 on_overflow: str = "truncate"):
         if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({min_tokens}) > max_tokens ({max_tokens})")
         if dedup_on not in DEDUP_ON:
             raise ValueError(f"dedup_on must be one of {DEDUP_ON}, got {dedup_on!r}")
+        if on_overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"on_overflow must be one of {OVERFLOW_POLICIES}, got {on_overflow!r}")
         self.min_tokens, self.max_tokens = min_tokens, max_tokens
         self.dedup, self.dedup_on = dedup, dedup_on
+        self.max_chars, self.row_length, self.on_overflow = max_chars, row_length, on_overflow
         self.stats = FilterStats()
         self.rejected: list[RejectedRow] = []
         self._first: dict[bytes, tuple[str, int]] = {}
 
     @classmethod
-    def from_config(cls, config: Any, dedup_on: str = "content") -> "RecordFilter":
-        """From a `FilterConfig` (`min_tokens`, `max_tokens`, `dedup`)."""
-        return cls(config.min_tokens, config.max_tokens, config.dedup, dedup_on)
+    def from_config(cls, config: Any, dedup_on: str = "content", pack: Any = None) -> "RecordFilter":
+        """From a `FilterConfig` (`min_tokens`, `max_tokens`, `dedup`, `max_chars`) and, when
+        given, the recipe's `PackConfig` (`row_length`, `on_overflow`): rows of that length
+        bound what a sample can train. `max_chars` None means `CHARS_PER_TOKEN_BOUND x
+        row_length`, except under `on_overflow: split`, where long samples train in pieces."""
+        row_length = getattr(pack, "row_length", None)
+        on_overflow = getattr(pack, "on_overflow", "truncate")
+        max_chars = getattr(config, "max_chars", None)
+        if max_chars is None and row_length is not None and on_overflow != "split":
+            max_chars = CHARS_PER_TOKEN_BOUND * row_length
+        return cls(config.min_tokens, config.max_tokens, config.dedup, dedup_on, max_chars=max_chars,
+                   row_length=row_length, on_overflow=on_overflow)
 
     @property
     def needs_tokens(self) -> bool:
@@ -174,19 +225,52 @@ class RecordFilter:
             self._first[key] = (record.source, record.line)
         return None
 
-    def check(self, name: str, record: Any, tokens: Any = None) -> bool:
-        """True when `record` (from source `name`) is kept; otherwise it is recorded as rejected."""
-        verdict = self._reason(record, tokens)
-        if verdict is None:
-            self.stats.add_kept(name)
+    def _row_reason(self, tokens: Any) -> tuple[str, str] | None:
+        """A sample longer than a row that `on_overflow: truncate` would leave with no loss token."""
+        n = token_count(None, tokens)
+        if self.row_length is None or n is None or n <= self.row_length:
+            return None
+        if self.on_overflow == "truncate" and surviving_loss_tokens(tokens, self.row_length) == 0:
+            return ("truncated_untrainable", f"truncated to the row length ({n} tokens > pack.row_length "
+                    f"{self.row_length}), none of its trained tokens would survive")
+        return None
+
+    def check_chars(self, name: str, record: Any) -> bool:
+        """Before tokenization: False (the record rejected as too long) when its text has more
+        than `max_chars` characters; True otherwise. Saves tokenizing what cannot train."""
+        if self.max_chars is None:
             return True
-        kind, reason = verdict
+        chars = content_chars(record_content(record))
+        if chars <= self.max_chars:
+            return True
+        rows = f"; rows hold {self.row_length} tokens" if self.row_length else ""
+        self._reject(name, record, "too_long", f"too long: {chars:,} characters > data.filters.max_chars "
+                                               f"{self.max_chars:,}{rows} (not tokenized)")
+        return False
+
+    def reject_untrainable(self, name: str, record: Any) -> None:
+        """Record that `record` renders to no trained token at all."""
+        self._reject(name, record, "untrainable", "no trainable assistant token")
+
+    def _reject(self, name: str, record: Any, kind: str, reason: str) -> None:
         self.stats.add_rejected(name, kind)
         try:
             raw = raw_text(record_content(record))
         except TypeError:
             raw = raw_text(repr(record))
         self.rejected.append(RejectedRow(getattr(record, "source", name), getattr(record, "line", -1), reason, raw))
+
+    def check(self, name: str, record: Any, tokens: Any = None) -> bool:
+        """True when `record` (from source `name`) is kept; otherwise it is recorded as rejected."""
+        verdict = self._reason(record, tokens) or (self._row_reason(tokens) if tokens is not None else None)
+        if verdict is None:
+            self.stats.add_kept(name)
+            n = token_count(record, tokens)
+            if self.row_length is not None and n is not None and n > self.row_length:
+                self.stats.add_over_row_length(name)
+            return True
+        kind, reason = verdict
+        self._reject(name, record, kind, reason)
         return False
 
     def filter(self, name: str, records: Iterable[Any]) -> list:

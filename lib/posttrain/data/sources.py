@@ -25,6 +25,7 @@ from __future__ import annotations
 import glob
 import gzip
 import json
+import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +52,9 @@ class SourceSpec:
     with the builder for its suffix: json, parquet, csv, arrow), a `save_to_disk` directory,
     or a dataset directory / hub id for `datasets.load_dataset(path, split=...)`.
     `split`, `subset` (the dataset's configuration name, e.g. "main" for `openai/gsm8k`) and
-    `streaming` apply to "hf" only. `limit` caps the rows read (good and bad).
+    `streaming` apply to "hf" only. `limit` caps the rows read (good and bad). `strict`: a
+    file that breaks mid-way (a truncated `.gz`) fails the read (`SourceError`) instead of
+    keeping the rows before the break and reporting the break as a rejected entry.
     `format` names the adapter (`posttrain.data.formats.FORMATS`) and `fields` maps its
     logical fields to columns; `messages_field` / `prompt_field` / `response_field` are the
     `chat` format's older spelling of the same mapping. `columns` is the resolved mapping.
@@ -65,6 +68,7 @@ class SourceSpec:
     split: str = "train"
     subset: str | None = None
     streaming: bool = False
+    strict: bool = False
     messages_field: str = "messages"
     prompt_field: str | None = None
     response_field: str | None = None
@@ -123,28 +127,51 @@ def _expand(path: str, suffixes: tuple[str, ...]) -> list[str]:
 # ---------------------------------------------------------------- readers
 
 
-def iter_jsonl(path: str) -> Iterator[tuple[int, str | bytes]]:
+@dataclass(frozen=True)
+class BrokenStream:
+    """Yielded by a reader in place of a row when its file stops being readable mid-way (a
+    truncated or corrupt `.gz`): the rows before it were yielded; `read_records` turns this
+    into one rejected entry naming the file and where it broke."""
+
+    after_line: int
+    position: str
+    error: str
+
+    @property
+    def reason(self) -> str:
+        return f"unreadable after line {self.after_line} ({self.position}): {self.error}; the rows before it are kept"
+
+
+def iter_jsonl(path: str, strict: bool = False) -> Iterator[tuple[int, str | bytes | BrokenStream]]:
     """Yield `(line_number, line_text)` for each non-blank line of a JSONL file (`.gz` aware).
 
     Lines that are not valid UTF-8 are yielded as `bytes` (the caller rejects them).
-    A byte-order mark on the first line is removed. Raises `SourceError` if the stream
-    itself breaks (e.g. a truncated gzip file), naming the last line read.
+    A byte-order mark on the first line is removed. If the stream itself breaks (e.g. a
+    gzip file truncated or corrupted mid-way), the lines before the break have been yielded
+    and a final `(line_number + 1, BrokenStream)` says where it broke; with `strict`, it
+    raises `SourceError` instead, naming the last line read.
     """
-    opener = gzip.open if str(path).endswith(".gz") else open
+    gzipped = str(path).endswith(".gz")
+    opener = gzip.open if gzipped else open
     line_number = 0
-    try:
-        with opener(path, "rb") as f:
-            for line_number, data in enumerate(f, start=1):
-                if line_number == 1 and data.startswith(b"\xef\xbb\xbf"):
-                    data = data[3:]
-                if not data.strip():
-                    continue
-                try:
-                    yield line_number, data.decode("utf-8").rstrip("\r\n")
-                except UnicodeDecodeError:
-                    yield line_number, data
-    except (OSError, EOFError, zlib.error) as err:
-        raise SourceError(f"{path}: unreadable after line {line_number}: {err}") from err
+    with open(path, "rb") as raw:
+        size = os.fstat(raw.fileno()).st_size
+        try:
+            with opener(raw, "rb") if gzipped else raw as f:
+                for line_number, data in enumerate(f, start=1):
+                    if line_number == 1 and data.startswith(b"\xef\xbb\xbf"):
+                        data = data[3:]
+                    if not data.strip():
+                        continue
+                    try:
+                        yield line_number, data.decode("utf-8").rstrip("\r\n")
+                    except UnicodeDecodeError:
+                        yield line_number, data
+        except (OSError, EOFError, zlib.error) as err:
+            if strict:
+                raise SourceError(f"{path}: unreadable after line {line_number}: {err}") from err
+            where = f"near compressed byte {raw.tell():,} of {size:,}" if not raw.closed else f"file of {size:,} bytes"
+            yield line_number + 1, BrokenStream(line_number, where, str(err) or type(err).__name__)
 
 
 def iter_parquet(path: str, batch_size: int = 1024) -> Iterator[tuple[int, dict]]:
@@ -195,7 +222,7 @@ def iter_rows(spec: SourceSpec) -> Iterator[tuple[str, int, Any]]:
     `source` is the file the row came from (for "hf": `path[split]`).
     """
     if spec.kind == "jsonl":
-        streams = ((f, iter_jsonl(f)) for f in _expand(spec.path, (".jsonl", ".jsonl.gz")))
+        streams = ((f, iter_jsonl(f, spec.strict)) for f in _expand(spec.path, (".jsonl", ".jsonl.gz")))
     elif spec.kind == "parquet":
         streams = ((f, iter_parquet(f)) for f in _expand(spec.path, (".parquet",)))
     else:
@@ -242,6 +269,9 @@ def read_records(spec: SourceSpec) -> tuple[list, list[RejectedRow]]:
     records: list = []
     rejected: list[RejectedRow] = []
     for source, line, raw in iter_rows(spec):
+        if isinstance(raw, BrokenStream):
+            rejected.append(RejectedRow(source, line, raw.reason, ""))
+            continue
         try:
             made = parse_row(spec.format, _decode(raw), columns=columns, source=source, line=line,
                              system_prompt=spec.system_prompt)

@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -50,6 +49,7 @@ from posttrain.models.registry import (
     replace_dir,
     save_hf_checkpoint,
 )
+from posttrain.models.safetensors_io import open_safetensors, read_tensor
 
 HEAD_WEIGHTS = "head.safetensors"
 HEAD_CONFIG = "head_config.json"
@@ -242,11 +242,11 @@ def _read_head_tensors(head: nn.Module, file: Path, device, dtype) -> dict[str, 
     every shape as expected."""
     expected = {n: tuple(t.shape) for n, t in head.stored_tensors().items()}
     tensors: dict[str, torch.Tensor] = {}
-    with safe_open(str(file), framework="pt", device=str(device)) as f:
+    with open_safetensors(file, device) as f:
         for name in f.keys():
             if name not in expected:
                 raise CheckpointError(f"unexpected tensor {name!r} in {file.name}; a {head.kind} head has {sorted(expected)}")
-            tensor = f.get_tensor(name)
+            tensor = read_tensor(f, name, file)
             if tuple(tensor.shape) != expected[name]:
                 raise CheckpointError(
                     f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, expected {expected[name]}"

@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from posttrain.models.safetensors_io import CheckpointError
+
 BACKENDS = ("native", "transformers")
 # config attributes that make transformers change the logits after lm_head in ways we do not
 # reproduce (final_logit_softcapping we do: `logit_softcap`)
@@ -234,12 +236,36 @@ def load_hf_backend(
     `attn_implementation=None` lets transformers choose (SDPA where the class supports it).
     """
     import transformers
+    from safetensors import SafetensorError
 
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path_or_id), dtype=dtype, use_safetensors=True, trust_remote_code=False,
-        attn_implementation=attn_implementation,
-    )
+    try:
+        hf_model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path_or_id), dtype=dtype, use_safetensors=True, trust_remote_code=False,
+            attn_implementation=attn_implementation, output_loading_info=True,
+            ignore_mismatched_sizes=True,  # so misshaped tensors come back by name (refused below)
+        )
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:  # unreadable or corrupt files
+        raise CheckpointError(f"{path_or_id}: transformers cannot load it: {str(err).splitlines()[0]}") from None
+    check_loading_info(path_or_id, info)
     return HFCausalLM(hf_model.to(device), probe_packing=probe_packing)
+
+
+def check_loading_info(path_or_id, info: dict) -> None:
+    """Refuse a load that left weights at their random initialisation or dropped some:
+    transformers only prints a load report for missing, unexpected or misshaped tensors;
+    a recipe would then train on partly random weights. Raises `CheckpointError` naming them,
+    as our own loader does (`posttrain.models.registry.load_hf_checkpoint`)."""
+    problems = []
+    for key, what in (("missing_keys", "missing tensors"), ("unexpected_keys", "unexpected tensors"),
+                      ("mismatched_keys", "misshaped tensors")):
+        found = sorted(str(k[0]) if isinstance(k, tuple) else str(k) for k in info.get(key) or ())
+        if found:
+            more = f" (and {len(found) - 5} more)" if len(found) > 5 else ""
+            problems.append(f"{what} {found[:5]}{more}")
+    if info.get("error_msgs"):
+        problems.append(f"errors {list(info['error_msgs'])[:3]}")
+    if problems:
+        raise CheckpointError(f"checkpoint {path_or_id} does not match its config: " + "; ".join(problems))
 
 
 def build_training_model(model_cfg: Any, device: torch.device | str = "cpu") -> HFCausalLM:

@@ -37,12 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from posttrain.config.schema import LoraConfig
 from posttrain.models.lora import TARGET_MODULES, LoraError, apply_lora, lora_modules
 from posttrain.models.registry import get_architecture
+from posttrain.models.safetensors_io import open_safetensors, read_tensor
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -314,11 +314,11 @@ def load_peft_adapter(model: torch.nn.Module, path: str | os.PathLike) -> torch.
         expected[f"{KEY_PREFIX}{output.hf_name}"] = None
     optional = {f"{KEY_PREFIX}{twin}" for twin in output.twins} if output is not None else set()
     seen: dict[str, torch.Tensor] = {}
-    with safe_open(str(weights), framework="pt", device="cpu") as f:
+    with open_safetensors(weights, "cpu") as f:
         for key in f.keys():
             if key not in expected and key not in optional:
                 raise LoraError(f"unexpected tensor {key!r} in {weights}")
-            seen[key] = tensor = f.get_tensor(key)
+            seen[key] = tensor = read_tensor(f, key, weights)
             if key in optional:
                 continue
             our_name = expected[key]

@@ -30,7 +30,6 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from posttrain.models.gemma3 import hf_adapter as gemma3_adapter
@@ -44,14 +43,11 @@ from posttrain.models.qwen3 import hf_adapter as qwen3_adapter
 from posttrain.models.qwen3.model import Qwen3Config, Qwen3Model
 from posttrain.models.qwen3_moe import hf_adapter as qwen3_moe_adapter
 from posttrain.models.qwen3_moe.model import Qwen3MoeConfig, Qwen3MoeModel
+from posttrain.models.safetensors_io import CheckpointError, open_safetensors, read_json, read_tensor
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SINGLE_SAFETENSORS = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory does not match the model its config.json describes."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +144,10 @@ def _shard_files(path: Path) -> dict[str, list[str] | None]:
     """`{file name: tensor names the index assigns to it}` (None: no index, single file)."""
     index_file = path / SAFETENSORS_INDEX
     if index_file.exists():
-        weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+        index = read_json(index_file)
+        if not isinstance(index.get("weight_map"), dict):
+            raise CheckpointError(f"{index_file} has no 'weight_map' mapping")
+        weight_map: dict[str, str] = index["weight_map"]
         files: dict[str, list[str]] = {}
         for name, file in weight_map.items():
             files.setdefault(file, []).append(name)
@@ -177,7 +176,7 @@ def load_hf_checkpoint(
     (float32 by default; None keeps the stored dtype) and placed on `device`.
     """
     path = Path(path)
-    hf_config = json.loads((path / "config.json").read_text())
+    hf_config = read_json(path / "config.json")
     arch = get_architecture(hf_config.get("model_type"))
     config = arch.config_cls.from_hf_dict(hf_config)
     with torch.device("meta"):
@@ -190,7 +189,7 @@ def load_hf_checkpoint(
     seen: set[str] = set()
     extra: dict[str, torch.Tensor] = {}  # redundant tensors and the twins they are checked against
     for file, indexed in _shard_files(path).items():
-        with safe_open(str(path / file), framework="pt", device=str(device)) as f:
+        with open_safetensors(path / file, device) as f:
             names = list(f.keys())
             if indexed is not None and set(names) != set(indexed):
                 stray = sorted(set(names) ^ set(indexed))
@@ -201,7 +200,7 @@ def load_hf_checkpoint(
                 seen.add(name)
                 if name not in expected and name not in redundant:
                     raise CheckpointError(_unexpected_message(arch, name, file, config))
-                tensor = f.get_tensor(name)
+                tensor = read_tensor(f, name, path / file)
                 want = expected.get(name, expected.get(redundant.get(name)))
                 if tuple(tensor.shape) != tuple(want):
                     raise CheckpointError(

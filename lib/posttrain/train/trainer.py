@@ -174,7 +174,7 @@ class Trainer:
         self.optimizer = build_optimizer(model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, total_steps)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self.health = HealthMonitor(cfg.health)
+        self.health = HealthMonitor(cfg.health, clip_norm=cfg.max_grad_norm)
         self.step = 0  # train_step calls completed (skipped steps included)
 
     # ------------------------------------------------------------------ one step
