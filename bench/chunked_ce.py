@@ -19,6 +19,12 @@ weight both requiring grad:
 - naive: `logits = hidden @ weight.T` (`[T, V]`), `F.cross_entropy(logits, labels,
   ignore_index=-100, reduction="sum")`.
 - chunked: `posttrain.ops.losses.chunked_cross_entropy(hidden, weight, labels, V)`.
+- bf16 rows (`--bf16 auto`: where the CPU has native bf16): naive_bf16, the naive loss under
+  `torch.autocast("cpu", bfloat16)` (bf16 logits, float32 cross-entropy: what a bf16
+  training loop does); chunked_bf16, ours with `matmul_dtype=torch.bfloat16` (bf16 matmuls,
+  float32 log-sum-exp, softmax and gradient accumulation). Their loss and gradients are
+  compared with the float32 naive ones (`bf16.loss_rel_diff`, `bf16.grad_rel_diff`), their time
+  with chunked float32 and with naive bf16.
 
 Method. Every measurement of a variant runs in a fresh child process (`--child VARIANT`) that
 builds the inputs, warms the thread pool with a small matmul, then records its resident set
@@ -64,11 +70,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, spread  # noqa: E402  (bench/common.py)
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
+from posttrain.ops.precision import cpu_bf16_feature  # noqa: E402
+
 FULL = dict(vocab_size=151_936, hidden=1024, tokens=4096, chunk_size=None)
 QUICK = dict(vocab_size=8192, hidden=256, tokens=512, chunk_size=128)
 IGNORE_EVERY = 64
 SEED = 0
 TARGETS = {"peak_mem_ratio": ">= 5", "grad_max_rel_diff": "<= 1e-5", "time_ratio": "<= 1.15"}
+VARIANTS = ("naive", "chunked", "naive_bf16", "chunked_bf16")
 MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
 
 
@@ -125,7 +135,15 @@ def run_child(args: argparse.Namespace) -> None:
     def chunked():
         return chunked_cross_entropy(hidden_ND, weight_VD, labels_N, V, chunk_size=chunk)
 
-    fn = {"naive": naive, "chunked": chunked}[args.child]
+    def naive_bf16():  # what a bf16-autocast training loop does: bf16 logits, float32 cross-entropy
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits_NV = hidden_ND @ weight_VD.T
+            return F.cross_entropy(logits_NV, labels_N, ignore_index=-100, reduction="sum")
+
+    def chunked_bf16():  # bf16 matmuls, float32 log-sum-exp / softmax / reductions
+        return chunked_cross_entropy(hidden_ND, weight_VD, labels_N, V, chunk_size=chunk, matmul_dtype=torch.bfloat16)
+
+    fn = {"naive": naive, "chunked": chunked, "naive_bf16": naive_bf16, "chunked_bf16": chunked_bf16}[args.child]
     torch.ones(64, 64) @ torch.ones(64, 64)  # start the thread pool outside the measurement
 
     baseline_kib = _status_kib("VmRSS")
@@ -188,7 +206,9 @@ def main() -> None:
                         help="alternating naive/chunked child pairs (each pair gives one ratio)")
     parser.add_argument("--calls", type=int, default=1, help="timed forward+backward calls per child")
     parser.add_argument("--chunk-size", type=int, default=None, help="chunk rows (default: the loss's default)")
-    parser.add_argument("--child", choices=("naive", "chunked"), help=argparse.SUPPRESS)
+    parser.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
+                        help="also run the bf16 rows (auto: where the CPU has native bf16)")
+    parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     parser.add_argument("--save-grads", help=argparse.SUPPRESS)
     parser.add_argument("--compare-grads", help=argparse.SUPPRESS)
@@ -210,15 +230,19 @@ def main() -> None:
     env = {**MALLOC_ENV, **os.environ}
     log(f"settings {settings}, rounds {args.rounds}, calls per child {args.calls}")
 
-    results: dict[str, list[dict]] = {"naive": [], "chunked": []}
+    bf16 = args.bf16 == "on" or (args.bf16 == "auto" and cpu_bf16_feature() is not None)
+    names = ["naive", "chunked"] + (["naive_bf16", "chunked_bf16"] if bf16 else [])
+    results: dict[str, list[dict]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="chunked_ce_") as tmp:
         ref = os.path.join(tmp, "naive_grads.pt")
         for r in range(args.rounds):
-            results["naive"].append(spawn("naive", settings, args.calls, env, save=ref if r == 0 else None))
-            results["chunked"].append(spawn("chunked", settings, args.calls, env, compare=ref if r == 0 else None))
+            for name in names:  # every bf16 child is compared with the float32 naive gradients
+                results[name].append(spawn(name, settings, args.calls, env, save=ref if r == 0 and name == "naive" else None,
+                                           compare=ref if r == 0 and name != "naive" else None))
 
-    peak = {v: max(x["peak_bytes"] for x in rs) for v, rs in results.items()}
-    times = {v: statistics.median(t for x in rs for t in x["times_s"]) for v, rs in results.items()}
+    fp32 = {v: results[v] for v in ("naive", "chunked")}
+    peak = {v: max(x["peak_bytes"] for x in rs) for v, rs in fp32.items()}
+    times = {v: statistics.median(t for x in rs for t in x["times_s"]) for v, rs in fp32.items()}
     grad = results["chunked"][0]["grad_rel_diff"]
     pairs = list(zip(results["naive"], results["chunked"]))
     mem_ratios = [n["peak_bytes"] / c["peak_bytes"] for n, c in pairs]
@@ -237,7 +261,7 @@ def main() -> None:
         "peak_bytes": peak,
         "peak_gib": {v: round(b / 2**30, 3) for v, b in peak.items()},
         "times_s": {v: round(t, 3) for v, t in times.items()},
-        "all_times_s": {v: [[round(t, 3) for t in x["times_s"]] for x in rs] for v, rs in results.items()},
+        "all_times_s": {v: [[round(t, 3) for t in x["times_s"]] for x in rs] for v, rs in results.items()},  # bf16 too
         "targets": TARGETS,
         "settings": {**settings, "dtype": "float32", "ignored_positions": len(range(0, settings["tokens"], IGNORE_EVERY)),
                      "rounds": args.rounds, "calls_per_child": args.calls, "threads": results["naive"][0]["threads"],
@@ -245,6 +269,25 @@ def main() -> None:
                      "malloc": {k: env.get(k) for k in MALLOC_ENV}, "quick": args.quick, **machine()},
         "seconds": None,
     }
+    if bf16:
+        chunked16, naive16 = results["chunked_bf16"], results["naive_bf16"]
+        summary["bf16"] = {
+            "cpu_feature": cpu_bf16_feature(),
+            "time_ratio_vs_chunked_fp32": spread([statistics.median(a["times_s"]) / statistics.median(b["times_s"])
+                                                  for a, b in zip(chunked16, results["chunked"])], 4),
+            "time_ratio_vs_naive_bf16": spread([statistics.median(a["times_s"]) / statistics.median(b["times_s"])
+                                                for a, b in zip(chunked16, naive16)], 4),
+            "peak_mem_ratio_vs_naive_bf16": round(max(x["peak_bytes"] for x in naive16)
+                                                  / max(x["peak_bytes"] for x in chunked16), 3),
+            "peak_gib": {v: round(max(x["peak_bytes"] for x in results[v]) / 2**30, 3) for v in ("naive_bf16", "chunked_bf16")},
+            "times_s": {v: round(statistics.median(t for x in results[v] for t in x["times_s"]), 3)
+                        for v in ("naive_bf16", "chunked_bf16")},
+            # parity against the float32 naive loss (same inputs)
+            "loss_rel_diff": {v: results[v][0]["loss_rel_diff"] for v in ("naive_bf16", "chunked_bf16")},
+            "grad_rel_diff": {v: results[v][0]["grad_rel_diff"] for v in ("naive_bf16", "chunked_bf16")},
+        }
+    else:
+        summary["bf16"] = {"skipped": "this CPU has no native bf16 (AVX512-BF16 or AMX); --bf16 on forces it"}
     summary["met"] = {
         "peak_mem_ratio": summary["peak_mem_ratio"] >= 5,
         "grad_max_rel_diff": summary["grad_max_rel_diff"] <= 1e-5,

@@ -9,7 +9,8 @@ Progress goes to stderr; the LAST stdout line is one JSON object:
 
     {"benchmark": "train_step", "baseline": <best HF variant on the LM-head shape>,
      "ratio_vs_hf": <median ratio, LM-head shape>, "ratio": {"min", "median", "max", "n"},
-     "ratio_vs_hf_blocks": <median, blocks shape>, "ratio_blocks": {...}, "repeats": N,
+     "ratio_vs_hf_blocks": <median, blocks shape>, "ratio_blocks": {...},
+     "bf16_vs_fp32_ours", "ratio_vs_hf_bf16", "bf16_loss_rel_diff", "baseline_bf16", "repeats": N,
      "tokens_per_s_ours", "tokens_per_s_hf", "data", "loss_step1", "shapes": {...},
      "settings": {machine, commit, ...}, "seconds"}
 
@@ -45,16 +46,23 @@ at 1.0):
   on this machine.
 - HF compiled = `torch.compile(model)` (the whole model, default mode); a variant that fails
   to compile is reported with its error and left out of the comparison.
+- each of the six again in bf16 (`*_bf16_*`): ours with `mixed_precision: bf16` (bf16 decoder
+  matmuls and, with `head_precision: auto`, a bf16 output projection whose log-sum-exp,
+  softmax and reductions stay float32; float32 master weights), transformers under
+  `torch.autocast("cpu", bfloat16)` (how its Trainer runs `bf16=True` on a CPU).
 
 Timing: `--warmup` untimed steps per variant first (compilation happens there), then
 `--repeats` timed passes over the same `--steps` steps, the variants' order rotated every step
 so machine noise hits all. tokens/s = real (non-padding) tokens / wall time. Per pass the
 ratio is the best ours variant's tokens/s over the best HF variant's (best = highest median
-over the passes); `ratio` gives min/median/max over the passes; the headline is the median.
+over the passes), in float32 (`ratio_vs_hf`) and in bf16 (`ratio_vs_hf_bf16`), and ours in bf16
+over ours in float32 (`bf16_vs_fp32_ours`); each has min/median/max over the passes in the
+shape's `ratios`; the headline is the median. `bf16_loss_rel_diff`: ours' first-step loss in
+bf16 against float32 (same weights, same batch).
 `loss_step1`: every variant's first-step loss (same objective, same weights: they agree).
 
-Defaults take about 10 minutes on 2 quiet cores; `--quick` (tiny shapes, 1 step, eager
-variants only) about 20 seconds. Figures are comparable only under the same glibc allocator
+Defaults (12 variants, 2 shapes) take about 25 minutes on 2 quiet cores; `--quick` (tiny
+shapes, 1 step, eager variants only) about 20 seconds. Figures are comparable only under the same glibc allocator
 settings (docs/benchmarks.md); `settings` records them with the CPU.
 """
 
@@ -80,6 +88,7 @@ from posttrain.config.schema import TrainConfig  # noqa: E402
 from posttrain.data.packer import iter_batches, pack_samples  # noqa: E402
 from posttrain.models.qwen3.model import Qwen3Config  # noqa: E402
 from posttrain.models.registry import build_model, save_hf_checkpoint  # noqa: E402
+from posttrain.ops.precision import cpu_bf16_feature  # noqa: E402
 from posttrain.train.trainer import Trainer  # noqa: E402
 
 QWEN3_VOCAB = 151_669
@@ -91,8 +100,12 @@ QUICK_SHAPES = {
     "lm_head": dict(hidden=32, layers=1, head_dim=16, vocab=QWEN3_VOCAB),
     "blocks": dict(hidden=64, layers=2, head_dim=16, vocab=4_096),
 }
-VARIANTS = ("ours_eager", "ours_compiled", "hf_padded_eager", "hf_padded_compiled", "hf_flat_eager",
-            "hf_flat_compiled")
+FP32_VARIANTS = ("ours_eager", "ours_compiled", "hf_padded_eager", "hf_padded_compiled", "hf_flat_eager",
+                 "hf_flat_compiled")
+# the same under bf16: ours with mixed_precision bf16 (bf16 decoder and output projection, float32
+# softmax and master weights), transformers under torch.autocast(bfloat16)
+BF16_VARIANTS = tuple(v.replace("_eager", "_bf16_eager").replace("_compiled", "_bf16_compiled") for v in FP32_VARIANTS)
+VARIANTS = FP32_VARIANTS + BF16_VARIANTS
 FULL = dict(row_length=1024, rows=2, steps=3, warmup=2, repeats=3, per_source=80)
 QUICK = dict(row_length=256, rows=1, steps=1, warmup=1, repeats=1, per_source=6)
 
@@ -164,10 +177,12 @@ def hf_flat_batches(docs) -> list[dict]:
 
 class HFStep:
     """One HF training step: micro-batches, HF loss normalised by the step's loss tokens,
-    clipping, fused AdamW with the same settings as ours."""
+    clipping, fused AdamW with the same settings as ours; forward and loss under bf16 autocast
+    with `bf16` (how transformers' Trainer runs `bf16=True` on a CPU)."""
 
-    def __init__(self, model, cfg: TrainConfig, compiled: bool):
+    def __init__(self, model, cfg: TrainConfig, compiled: bool, bf16: bool = False):
         self.model = model
+        self.bf16 = bf16
         self.forward = torch.compile(model) if compiled else model
         decay = [p for p in model.parameters() if p.ndim >= 2]
         plain = [p for p in model.parameters() if p.ndim < 2]
@@ -182,7 +197,8 @@ class HFStep:
         self.optimizer.zero_grad(set_to_none=True)
         loss_total = 0.0
         for batch in micro_batches:
-            out = self.forward(**batch, use_cache=False, num_items_in_batch=torch.tensor(num_items))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+                out = self.forward(**batch, use_cache=False, num_items_in_batch=torch.tensor(num_items))
             out.loss.backward()
             loss_total += float(out.loss.detach())
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
@@ -211,13 +227,14 @@ def build_variants(names: list[str], config: Qwen3Config, cfg: TrainConfig, batc
     with tempfile.TemporaryDirectory() as tmp:
         save_hf_checkpoint(build_model(config, seed=0), tmp)
         for name in names:
+            bf16 = "_bf16_" in name
             if name.startswith("ours"):
-                trainer = Trainer(build_model(config, seed=0), dataclasses.replace(cfg, compile=name == "ours_compiled"),
-                                  total_steps=10**6)
+                trainer = Trainer(build_model(config, seed=0), dataclasses.replace(
+                    cfg, compile=name.endswith("compiled"), mixed_precision="bf16" if bf16 else "no"), total_steps=10**6)
                 variants.append(Variant(name, lambda i, t=trainer: t.train_step([batches[i]])["loss"]))
             else:
                 model = Qwen3ForCausalLM.from_pretrained(tmp, attn_implementation="sdpa", dtype=torch.float32)
-                hf = HFStep(model, cfg, compiled=name.endswith("compiled"))
+                hf = HFStep(model, cfg, compiled=name.endswith("compiled"), bf16=bf16)
                 inputs = padded if "_padded_" in name else flat
                 variants.append(Variant(name, lambda i, h=hf, x=inputs: h(x[i])))
     return variants
@@ -278,8 +295,6 @@ def run_shape(shape: str, sizes: dict, settings: dict, samples, names: list[str]
     tokens = sum(real[i] for i in timed)
     ok = [v for v in variants if v.error is None]
     per_s = {v.name: spread([tokens / s for s in v.seconds], 1) for v in ok}
-    ours = [v for v in ok if v.name.startswith("ours")]
-    hf = [v for v in ok if v.name.startswith("hf")]
     result = {
         "tokens_per_s": per_s,
         "loss_step1": {v.name: v.loss_step1 for v in variants},
@@ -292,13 +307,28 @@ def run_shape(shape: str, sizes: dict, settings: dict, samples, names: list[str]
                   "vocab_size": config.vocab_size,
                   "parameters": sum(p.numel() for p in build_model(config, seed=0).parameters())},
     }
-    if ours and hf:
-        best_ours = max(ours, key=lambda v: per_s[v.name]["median"])
-        best_hf = max(hf, key=lambda v: per_s[v.name]["median"])
-        ratios = [h / o for o, h in zip(best_ours.seconds, best_hf.seconds)]
-        result.update(ours=best_ours.name, baseline=best_hf.name, ratio=spread(ratios, 3),
-                      ratio_vs_hf=spread(ratios, 3)["median"])
-        log(f"{shape}: {best_ours.name} vs {best_hf.name}: ratio {result['ratio']}")
+
+    def best(prefix: str, bf16: bool) -> Variant | None:
+        group = [v for v in ok if v.name.startswith(prefix) and ("_bf16_" in v.name) == bf16]
+        return max(group, key=lambda v: per_s[v.name]["median"]) if group else None
+
+    def compare(key: str, faster: Variant | None, slower: Variant | None) -> None:
+        """`ratio[key]`: `faster`'s tokens/s over `slower`'s, per pass (min/median/max)."""
+        if faster is not None and slower is not None:
+            result.setdefault("ratios", {})[key] = {
+                "of": faster.name, "vs": slower.name,
+                **spread([h / o for o, h in zip(faster.seconds, slower.seconds)], 3)}
+            log(f"{shape}: {key}: {faster.name} vs {slower.name}: {result['ratios'][key]}")
+
+    ours32, hf32, ours16, hf16 = best("ours", False), best("hf", False), best("ours", True), best("hf", True)
+    compare("ours_vs_hf", ours32, hf32)
+    compare("ours_bf16_vs_hf_bf16", ours16, hf16)
+    compare("ours_bf16_vs_ours_fp32", ours16, ours32)
+    if ours32 is not None and hf32 is not None:
+        result.update(ours=ours32.name, baseline=hf32.name, ratio=result["ratios"]["ours_vs_hf"],
+                      ratio_vs_hf=result["ratios"]["ours_vs_hf"]["median"])
+    if ours16 is not None and ours32 is not None and ours32.loss_step1:
+        result["bf16_loss_rel_diff"] = abs(ours16.loss_step1 - ours32.loss_step1) / abs(ours32.loss_step1)
     return result
 
 
@@ -335,13 +365,20 @@ def main() -> None:
         "baseline_blocks": blocks.get("baseline"),
         "ratio_vs_hf_blocks": blocks.get("ratio_vs_hf"),
         "ratio_blocks": blocks.get("ratio"),
+        "bf16_vs_fp32_ours": head.get("ratios", {}).get("ours_bf16_vs_ours_fp32", {}).get("median"),
+        "ratio_vs_hf_bf16": head.get("ratios", {}).get("ours_bf16_vs_hf_bf16", {}).get("median"),
+        "bf16_loss_rel_diff": head.get("bf16_loss_rel_diff"),
+        "baseline_bf16": head.get("ratios", {}).get("ours_bf16_vs_hf_bf16", {}).get("vs"),
+        "bf16_vs_fp32_ours_blocks": blocks.get("ratios", {}).get("ours_bf16_vs_ours_fp32", {}).get("median"),
+        "ratio_vs_hf_bf16_blocks": blocks.get("ratios", {}).get("ours_bf16_vs_hf_bf16", {}).get("median"),
         "repeats": settings["repeats"],
         "tokens_per_s_ours": head["tokens_per_s"].get(head.get("ours"), {}).get("median"),
         "tokens_per_s_hf": head["tokens_per_s"].get(head.get("baseline"), {}).get("median"),
         "data": kind,
         "loss_step1": head["loss_step1"],
         "shapes": results,
-        "settings": {**settings, "shapes": shapes, "variants": names, "quick": args.quick, **machine()},
+        "settings": {**settings, "shapes": shapes, "variants": names, "quick": args.quick,
+                     "cpu_bf16": cpu_bf16_feature(), **machine()},
         "seconds": round(time.perf_counter() - started, 1),
     }
     print(json.dumps(out))

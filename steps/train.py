@@ -47,6 +47,7 @@ from posttrain.config.schema import SFTConfig
 from posttrain.config.strict import to_dict
 from posttrain.data.chat import TokenizedSample
 from posttrain.data.mixture import training_batches
+from posttrain.ops.precision import resolve_head_precision
 from posttrain.steps.train_model import RecipeModelError, Start, export_trained, load_start, prepare_start
 from posttrain.train.checkpoint import CheckpointManager
 from posttrain.train.metrics import open_metrics
@@ -114,6 +115,9 @@ def training_fingerprint(config: SFTConfig) -> dict:
     """The parts of the recipe the loss trajectory depends on (a resumed run must match them)."""
     full = to_dict(config)
     train = {k: v for k, v in full["train"].items() if k not in COSMETIC_TRAIN_KEYS}
+    # what the output projection really ran in on this machine (auto, or a CPU without bf16)
+    train["head_precision"] = resolve_head_precision(config.train.head_precision, config.train.mixed_precision,
+                                                     pick_device(config.train.device))[0]
     return {"seed": full["seed"], "data": full["data"], "tokenizer": full["tokenizer"], "model": full["model"],
             "pack": full["pack"], "train": train}
 

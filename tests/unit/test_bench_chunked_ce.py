@@ -17,7 +17,7 @@ REQUIRED = ("peak_mem_ratio", "grad_max_rel_diff", "time_ratio", "peak_bytes", "
 @pytest.mark.slow
 def test_quick_bench_prints_the_json_summary_last():
     done = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "chunked_ce.py"), "--quick"],
+        [sys.executable, str(REPO_ROOT / "bench" / "chunked_ce.py"), "--quick", "--repeats", "2"],
         capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -31,3 +31,8 @@ def test_quick_bench_prints_the_json_summary_last():
     assert result["peak_mem_ratio"] > 1
     assert set(result["peak_bytes"]) == set(result["times_s"]) == {"naive", "chunked"}
     assert all(t > 0 for t in result["times_s"].values())
+    assert result["repeats"] == 2 and result["time_ratio_spread"]["n"] == 2
+    bf16 = result["bf16"]
+    if "skipped" not in bf16:  # a CPU with native bf16: ours in bf16 against the float32 naive loss
+        assert bf16["loss_rel_diff"]["chunked_bf16"] < 1e-2 and bf16["grad_rel_diff"]["chunked_bf16"]["weight"] < 5e-2
+        assert bf16["time_ratio_vs_chunked_fp32"]["median"] > 0 and bf16["peak_gib"]["chunked_bf16"] > 0

@@ -229,8 +229,10 @@ class TrainConfig:
 
     `lr_schedule`: linear warmup, then `cosine` or `linear` decay to `min_lr_ratio`.
     `mixed_precision: bf16` runs forward and loss under bf16 autocast (decoder matmuls in
-    bf16; the output projection and loss stay float32); parameters, gradients and optimizer
-    state stay float32. `activation_checkpointing` recomputes each decoder
+    bf16); parameters, gradients and optimizer state stay float32. `head_precision`: the dtype
+    of the output projection's matmuls in the chunked losses ("auto": bf16 exactly when
+    `mixed_precision` is bf16; on a CPU without native bf16, float32 with a notice); its
+    log-sum-exp, softmax and reductions stay float32 (`posttrain.ops.precision`). `activation_checkpointing` recomputes each decoder
     block in backward; `compile` compiles each decoder block with `torch.compile`.
     `peak_flops`: the device's peak FLOP/s, a number or a name in
     `posttrain.train.mfu.PEAK_FLOPS` (e.g. "h100-sxm/bf16"); MFU is reported when set.
@@ -255,6 +257,7 @@ class TrainConfig:
     card_refresh_s: float = bounded(10.0, gt=0)
     lr_schedule: Literal["cosine", "linear"] = "cosine"
     mixed_precision: Literal["no", "bf16"] = "no"
+    head_precision: Literal["auto", "bf16", "fp32"] = "auto"
     activation_checkpointing: bool = False
     compile: bool = False
     peak_flops: Optional[Union[float, str]] = None

@@ -8,6 +8,13 @@ of four with recomputation in backward.
 With V = 151,936 the logits of a 4k-token row are 2.3 GiB in float32; a chunk of 512 rows is
 0.3 GiB.
 
+Precision: the three matmuls of a chunk run in `matmul_dtype` (by default what
+`posttrain.ops.precision.head_precision(...)` set, e.g. bfloat16 for a recipe with
+`train.head_precision: bf16`, else the inputs' dtype). With bf16 the chunk's logits are
+widened to float32 before soft-capping, the log-sum-exp and the softmax; the weight gradient
+is accumulated in float32 and both gradients return in the inputs' dtype (float32 master
+weights). tests/unit/test_head_precision.py states the tolerance this costs.
+
 Final-logit soft-capping (Gemma 2/3): with `logit_softcap=c` the cross-entropy is taken over
 `c * tanh(logits / c)` instead of the logits, and the gradient goes through the tanh
 (`d/dlogits = (softmax - onehot) * (1 - tanh^2)`); a second chunk-sized buffer holds that
@@ -34,6 +41,8 @@ from typing import NamedTuple
 
 import torch
 
+from posttrain.ops.precision import head_matmul_dtype
+
 IGNORE_INDEX = -100
 DEFAULT_CHUNK_SIZE = 512
 
@@ -41,11 +50,6 @@ DEFAULT_CHUNK_SIZE = 512
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Softmax/accumulation dtype: float32, or float64 for float64 inputs."""
     return torch.promote_types(dtype, torch.float32)
-
-
-def _chunk_logits(h_cD: torch.Tensor, w_VD: torch.Tensor) -> torch.Tensor:
-    """Logits of one chunk `[c, V]`, computed in the input dtype, returned in `_acc_dtype`."""
-    return (h_cD @ w_VD.T).to(_acc_dtype(h_cD.dtype))
 
 
 def _softmax_(logits_cV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,39 +73,45 @@ def _softcap_(logits_cV: torch.Tensor, cap: float, dcap_buf: torch.Tensor | None
 
 
 def _chunked_grads(hidden_ND, w_VD, labels_N, chunk_size, need_hidden, need_weight, padded_rows, loss_sum=None,
-                   logit_softcap=None):
+                   logit_softcap=None, matmul_dtype=None):
     """One pass over the chunks: gradients of the summed loss (upstream gradient 1) and, if
     `loss_sum` (a scalar accumulator) is given, the loss added into it. `logit_softcap` caps
-    the logits (`c * tanh(logits / c)`) before the softmax.
+    the logits (`c * tanh(logits / c)`) before the softmax. The three matmuls per chunk run in
+    `matmul_dtype` (default: the inputs' dtype); logits are widened to `_acc_dtype` before
+    soft-capping and the softmax, and the weight gradient is accumulated in `_acc_dtype`.
 
-    Returns `(grad_hidden_ND or None, grad_weight_VD or None)`; the weight gradient has
-    `padded_rows` rows (rows beyond `w_VD`'s stay zero), accumulated in `_acc_dtype` and
-    returned in the weight's dtype.
+    Returns `(grad_hidden_ND or None, grad_weight_VD or None)` in the inputs' dtypes; the
+    weight gradient has `padded_rows` rows (rows beyond `w_VD`'s stay zero).
     """
     acc = _acc_dtype(hidden_ND.dtype)
+    mm = matmul_dtype or hidden_ND.dtype
+    narrow = mm != acc  # the matmuls run in a narrower dtype than the softmax (bf16 head)
+    h_ND, w_mm_VD = hidden_ND.to(mm), w_VD.to(mm)
     grad_hidden_ND = torch.empty_like(hidden_ND) if need_hidden else None
     grad_w_PD = None
     if need_weight:
         grad_w_PD = torch.zeros((padded_rows, w_VD.shape[1]), dtype=acc, device=w_VD.device)
         grad_w_VD = grad_w_PD[: w_VD.shape[0]]  # contiguous view: padded rows get no gradient
-    # one logits buffer reused by every chunk (when logits are computed in `acc` already): a
-    # fresh [c, V] block per chunk fragments the heap and made the peak vary run to run
-    N = hidden_ND.shape[0]
-    buf_cV = None
-    if hidden_ND.dtype == acc and N > 0:
-        buf_cV = torch.empty((min(chunk_size, N), w_VD.shape[0]), dtype=acc, device=hidden_ND.device)
+    # buffers reused by every chunk: a fresh [c, V] block per chunk fragments the heap and made
+    # the peak vary run to run
+    N, V = hidden_ND.shape[0], w_VD.shape[0]
+    rows = min(chunk_size, N)
+    buf_cV = torch.empty((rows, V), dtype=acc, device=hidden_ND.device) if N > 0 else None
+    narrow_cV = torch.empty((rows, V), dtype=mm, device=hidden_ND.device) if narrow and N > 0 else None
+    narrow_VD = (torch.empty_like(w_mm_VD) if narrow and need_weight and N > 0 else None)  # a chunk's weight grad
     dcap_buf_cV = None
     if logit_softcap is not None and (need_hidden or need_weight) and N > 0:
-        dcap_buf_cV = torch.empty((min(chunk_size, N), w_VD.shape[0]), dtype=acc, device=hidden_ND.device)
+        dcap_buf_cV = torch.empty((rows, V), dtype=acc, device=hidden_ND.device)
     for start in range(0, N, chunk_size):
-        h_cD = hidden_ND[start : start + chunk_size]
+        h_cD = h_ND[start : start + chunk_size]
+        c = h_cD.shape[0]
         labels_c = labels_N[start : start + chunk_size]
         valid_c1 = (labels_c != IGNORE_INDEX)[:, None]
         target_c1 = labels_c.clamp(min=0)[:, None]
-        if buf_cV is not None:
-            logits_cV = torch.mm(h_cD, w_VD.T, out=buf_cV[: h_cD.shape[0]])
+        if narrow:
+            logits_cV = buf_cV[:c].copy_(torch.mm(h_cD, w_mm_VD.T, out=narrow_cV[:c]))
         else:
-            logits_cV = _chunk_logits(h_cD, w_VD)
+            logits_cV = torch.mm(h_cD, w_mm_VD.T, out=buf_cV[:c])
         if logit_softcap is not None:
             dcap_cV = _softcap_(logits_cV, logit_softcap, dcap_buf_cV)
         if loss_sum is not None:
@@ -116,14 +126,19 @@ def _chunked_grads(hidden_ND, w_VD, labels_N, chunk_size, need_hidden, need_weig
         grad_cV.mul_(valid_c1)
         if logit_softcap is not None:
             grad_cV.mul_(dcap_cV)  # chain rule through the cap
-        grad_cV = grad_cV.to(hidden_ND.dtype)
+        if narrow:
+            grad_cV = narrow_cV[:c].copy_(grad_cV)  # the logits it held are used up
         if need_hidden:
-            torch.mm(grad_cV, w_VD, out=grad_hidden_ND[start : start + chunk_size])
-        if need_weight:
-            if grad_cV.dtype == acc:
-                torch.addmm(grad_w_VD, grad_cV.T, h_cD, out=grad_w_VD)  # addmm_ is invisible to FlopCounterMode
+            out = grad_hidden_ND[start : start + chunk_size]
+            if out.dtype == mm:
+                torch.mm(grad_cV, w_mm_VD, out=out)
             else:
-                grad_w_VD += (grad_cV.T @ h_cD).to(acc)
+                out.copy_(grad_cV @ w_mm_VD)
+        if need_weight:
+            if narrow:
+                grad_w_VD += torch.mm(grad_cV.T, h_cD, out=narrow_VD)
+            else:
+                torch.addmm(grad_w_VD, grad_cV.T, h_cD, out=grad_w_VD)  # addmm_ is invisible to FlopCounterMode
     if grad_w_PD is not None and grad_w_PD.dtype != w_VD.dtype:
         grad_w_PD = grad_w_PD.to(w_VD.dtype)
     return grad_hidden_ND, grad_w_PD
@@ -140,14 +155,16 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_ND, weight_VD, labels_N, vocab_size, chunk_size, need_hidden, need_weight,
-                logit_softcap):
+                logit_softcap, matmul_dtype):
         ctx.save_for_backward(hidden_ND, weight_VD, labels_N)
         ctx.vocab_size, ctx.chunk_size, ctx.logit_softcap = vocab_size, chunk_size, logit_softcap
+        ctx.matmul_dtype = matmul_dtype
         loss_sum = torch.zeros((), dtype=_acc_dtype(hidden_ND.dtype), device=hidden_ND.device)
-        ctx.grads = _chunked_grads(
-            hidden_ND, weight_VD[:vocab_size], labels_N, chunk_size, need_hidden, need_weight,
-            weight_VD.shape[0], loss_sum=loss_sum, logit_softcap=logit_softcap,
-        )
+        with torch.autocast(hidden_ND.device.type, enabled=False):  # the dtypes are chosen here
+            ctx.grads = _chunked_grads(
+                hidden_ND, weight_VD[:vocab_size], labels_N, chunk_size, need_hidden, need_weight,
+                weight_VD.shape[0], loss_sum=loss_sum, logit_softcap=logit_softcap, matmul_dtype=matmul_dtype,
+            )
         return loss_sum
 
     @staticmethod
@@ -157,14 +174,15 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         if grads is None or (need_hidden and grads[0] is None) or (need_weight and grads[1] is None):
             # a second backward through a retained graph (or gradients forward did not make)
             hidden_ND, weight_VD, labels_N = ctx.saved_tensors
-            grads = _chunked_grads(
-                hidden_ND, weight_VD[: ctx.vocab_size], labels_N, ctx.chunk_size, need_hidden,
-                need_weight, weight_VD.shape[0], logit_softcap=ctx.logit_softcap,
-            )
+            with torch.autocast(hidden_ND.device.type, enabled=False):
+                grads = _chunked_grads(
+                    hidden_ND, weight_VD[: ctx.vocab_size], labels_N, ctx.chunk_size, need_hidden,
+                    need_weight, weight_VD.shape[0], logit_softcap=ctx.logit_softcap, matmul_dtype=ctx.matmul_dtype,
+                )
         grad_hidden_ND, grad_weight_VD = grads
         grad_hidden_ND = grad_hidden_ND.mul_(grad_loss) if need_hidden and grad_hidden_ND is not None else None
         grad_weight_VD = grad_weight_VD.mul_(grad_loss) if need_weight and grad_weight_VD is not None else None
-        return grad_hidden_ND, grad_weight_VD, None, None, None, None, None, None
+        return grad_hidden_ND, grad_weight_VD, None, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -174,6 +192,7 @@ def chunked_cross_entropy(
     vocab_size: int,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     logit_softcap: float | None = None,
+    matmul_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Sum over rows of `cross_entropy(hidden_ND @ weight_VD[:vocab_size].T, labels_N)`.
 
@@ -183,9 +202,13 @@ def chunked_cross_entropy(
     - `weight_VD` may have padded rows beyond `vocab_size`; they never receive probability and
       get a zero gradient.
     - Rows with label `-100` contribute nothing (an all-ignored or empty input gives 0).
-    - Returns a float32 scalar (float64 for float64 inputs; a sum, not a mean). Logits are
-      computed in the input dtype, softmax in float32. Peak extra memory is about
-      `chunk_size * vocab_size` float32s plus the gradients (`[V, D]` and `[N, D]`).
+    - Returns a float32 scalar (float64 for float64 inputs; a sum, not a mean). The matmuls run
+      in `matmul_dtype`, default `posttrain.ops.precision.head_matmul_dtype()` (set by
+      `head_precision(...)`), else the inputs' dtype; with bfloat16 the logits are widened to
+      float32 before soft-capping and the softmax, the weight gradient is accumulated in
+      float32, and both gradients come back in the inputs' dtypes. Peak extra memory is about
+      `chunk_size * vocab_size` float32s plus the gradients (`[V, D]` and `[N, D]`); a bf16
+      head adds a bf16 copy of the weight, a bf16 `[chunk, V]` and a bf16 `[V, D]` buffer.
     - With grad mode on and an input requiring grad, forward computes the gradients too (three
       matmuls per chunk, as much as forward + backward): evaluate under `torch.no_grad()`,
       where it computes the loss alone (one matmul per chunk).
@@ -205,9 +228,12 @@ def chunked_cross_entropy(
             raise ValueError(f"logit_softcap must be positive or None, got {logit_softcap}")
         logit_softcap = float(logit_softcap)
     grad_on = torch.is_grad_enabled()
+    matmul_dtype = matmul_dtype or head_matmul_dtype()
+    if matmul_dtype is not None and matmul_dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        raise ValueError(f"unsupported matmul_dtype {matmul_dtype}")
     return _ChunkedCrossEntropy.apply(
         hidden_ND, weight_VD, labels_N, vocab_size, chunk_size,
-        grad_on and hidden_ND.requires_grad, grad_on and weight_VD.requires_grad, logit_softcap,
+        grad_on and hidden_ND.requires_grad, grad_on and weight_VD.requires_grad, logit_softcap, matmul_dtype,
     )
 
 

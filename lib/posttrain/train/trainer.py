@@ -26,10 +26,12 @@ schedule advances only on applied steps.
 
 Options (`TrainConfig`): `mixed_precision: bf16` runs the loss function (model forward and
 loss) under `torch.autocast(device, bfloat16)`; parameters, gradients and AdamW state stay
-float32. The decoder's matmuls run in bf16; the output projection and cross-entropy stay
-float32 (the final norm returns float32 hidden states and the chunked loss writes its
-matmuls into float32 buffers, which autocast does not touch): exact loss, but the largest
-matmuls of a big-vocabulary model are not accelerated. `activation_checkpointing` and `compile` act on each decoder block of
+float32. The decoder's matmuls run in bf16. The output projection runs in the dtype of
+`head_precision` (`posttrain.ops.precision`; "auto": bf16 with bf16 mixed precision, on a CPU
+only where it has native bf16): its three matmuls in bf16, the log-sum-exp, softmax and
+reductions in float32 (the final norm returns float32 hidden states; the chunked loss casts
+them itself). The resolved choice is `self.head_precision` and every step's
+`metrics["head_precision"]`. `activation_checkpointing` and `compile` act on each decoder block of
 `model.layers` from outside the model; parameter names do not change (so state dicts and
 `export_weights` are the same with or without them).
 
@@ -60,6 +62,7 @@ from torch.distributed.tensor import DTensor
 from posttrain.config.schema import TrainConfig
 from posttrain.models.lora import lora_spec, merge_lora_weights
 from posttrain.ops.losses import IGNORE_INDEX, causal_lm_loss
+from posttrain.ops.precision import head_precision, matmul_dtype_for, resolve_head_precision
 from posttrain.parallel.grad_norm import clip_grads_with_norm_, total_grad_norm
 from posttrain.train.health import HealthMonitor
 from posttrain.train.optim import build_optimizer, build_scheduler
@@ -171,6 +174,11 @@ class Trainer:
             from posttrain.train.mfu import peak_flops
 
             self.peak_flops = peak_flops(cfg.peak_flops)
+        # the output projection's precision, resolved for this device (CPU: native bf16 only)
+        self.head_precision, why = resolve_head_precision(cfg.head_precision, cfg.mixed_precision,
+                                                          model_device(model))
+        if cfg.head_precision != "auto" or cfg.mixed_precision == "bf16":
+            print(f"[train] output projection: {why}")
         self.optimizer = build_optimizer(model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, total_steps)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -244,7 +252,7 @@ class Trainer:
         loss_sum_total = torch.zeros((), dtype=torch.float64, device=device)
         reported = []
         for batch in micro_batches:
-            with self._autocast(device):
+            with self._autocast(device), head_precision(matmul_dtype_for(self.head_precision)):
                 loss_sum, num_loss_tokens = self.loss_fn(self.model, batch)
             (loss_sum / total_loss_tokens).backward()
             loss_sum_total += loss_sum.detach().double()
@@ -283,6 +291,7 @@ class Trainer:
             **verdict.as_metrics(),
             "skipped": verdict.skip,
             "skipped_steps": self.health.skipped_steps,
+            "head_precision": self.head_precision,
         }
         if self.peak_flops is not None:
             # every process of the job computed this step (dp x tp devices), not just the dp group
