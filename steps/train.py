@@ -47,6 +47,7 @@ from posttrain.config.schema import SFTConfig
 from posttrain.config.strict import to_dict
 from posttrain.data.chat import TokenizedSample
 from posttrain.data.mixture import training_batches
+from posttrain.objectives.sft import SFTObjective
 from posttrain.ops.precision import resolve_head_precision
 from posttrain.steps.train_model import RecipeModelError, Start, export_trained, load_start, prepare_start
 from posttrain.train.checkpoint import CheckpointManager
@@ -216,7 +217,7 @@ def train_loop(job: TrainJob, on_step: Callable[[dict], None] | None = None,
               f"worker(s) ({config.parallel.strategy}); {job.rows_per_epoch} rows per epoch, {total_steps} steps of "
               f"{config.train.micro_batch_size}x{config.train.grad_accum_steps} rows")
 
-    trainer = Trainer(model, config.train, total_steps=total_steps,
+    trainer = Trainer(model, config.train, total_steps=total_steps, objective=SFTObjective(),
                       process_group=dp_group(mesh) if mesh is not None else None)
     manager = checkpoint_manager(config, run_dir, on_checkpoint_stage)
     resume = resume_point(config, manager)

@@ -13,7 +13,9 @@ Precision: the three matmuls of a chunk run in `matmul_dtype` (by default what
 `train.head_precision: bf16`, else the inputs' dtype). With bf16 the chunk's logits are
 widened to float32 before soft-capping, the log-sum-exp and the softmax; the weight gradient
 is accumulated in float32 and both gradients return in the inputs' dtype (float32 master
-weights). tests/unit/test_head_precision.py states the tolerance this costs.
+weights). Without soft-capping, that element-wise work of a big chunk runs as one compiled
+kernel where `torch.compile` works (`posttrain.ops.fused_softmax`), else op by op.
+tests/unit/test_head_precision.py states the tolerance this costs.
 
 Final-logit soft-capping (Gemma 2/3): with `logit_softcap=c` the cross-entropy is taken over
 `c * tanh(logits / c)` instead of the logits, and the gradient goes through the tanh
@@ -41,10 +43,12 @@ from typing import NamedTuple
 
 import torch
 
+from posttrain.ops.fused_softmax import fused_chunk
 from posttrain.ops.precision import head_matmul_dtype
 
 IGNORE_INDEX = -100
 DEFAULT_CHUNK_SIZE = 512
+NARROW_WEIGHT_GRAD_BYTES = 4 * 2**20  # the bf16 weight-gradient buffer (a cache-sized slice of the vocabulary)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -98,7 +102,10 @@ def _chunked_grads(hidden_ND, w_VD, labels_N, chunk_size, need_hidden, need_weig
     rows = min(chunk_size, N)
     buf_cV = torch.empty((rows, V), dtype=acc, device=hidden_ND.device) if N > 0 else None
     narrow_cV = torch.empty((rows, V), dtype=mm, device=hidden_ND.device) if narrow and N > 0 else None
-    narrow_VD = (torch.empty_like(w_mm_VD) if narrow and need_weight and N > 0 else None)  # a chunk's weight grad
+    # a chunk's weight gradient is formed a slice of the vocabulary at a time in the narrow dtype
+    # and added into the float32 accumulator (no mixed-dtype addmm on CPU): a [slice, D] buffer
+    slice_rows = min(V, max(1, NARROW_WEIGHT_GRAD_BYTES // (w_VD.shape[1] * w_mm_VD.element_size())))
+    narrow_sD = torch.empty((slice_rows, w_VD.shape[1]), dtype=mm, device=w_VD.device) if narrow and need_weight else None
     dcap_buf_cV = None
     if logit_softcap is not None and (need_hidden or need_weight) and N > 0:
         dcap_buf_cV = torch.empty((rows, V), dtype=acc, device=hidden_ND.device)
@@ -108,26 +115,38 @@ def _chunked_grads(hidden_ND, w_VD, labels_N, chunk_size, need_hidden, need_weig
         labels_c = labels_N[start : start + chunk_size]
         valid_c1 = (labels_c != IGNORE_INDEX)[:, None]
         target_c1 = labels_c.clamp(min=0)[:, None]
+        fused = None
         if narrow:
-            logits_cV = buf_cV[:c].copy_(torch.mm(h_cD, w_mm_VD.T, out=narrow_cV[:c]))
+            narrow_logits_cV = torch.mm(h_cD, w_mm_VD.T, out=narrow_cV[:c])
+            if logit_softcap is None:  # the element-wise rest in one compiled kernel, where it compiles
+                fused = fused_chunk(narrow_logits_cV, target_c1.squeeze(1), valid_c1.squeeze(1), need_hidden or need_weight)
+        if fused is not None:
+            chunk_loss, grad_cV = fused
+            if loss_sum is not None:
+                loss_sum += chunk_loss
+            if not (need_hidden or need_weight):
+                continue
         else:
-            logits_cV = torch.mm(h_cD, w_mm_VD.T, out=buf_cV[:c])
-        if logit_softcap is not None:
-            dcap_cV = _softcap_(logits_cV, logit_softcap, dcap_buf_cV)
-        if loss_sum is not None:
-            target_c = logits_cV.gather(1, target_c1).squeeze(1)
-        # d(lse - target)/dlogits = softmax - onehot(target); zero for ignored rows
-        grad_cV, lse_c = _softmax_(logits_cV)
-        if loss_sum is not None:
-            loss_sum += torch.where(valid_c1.squeeze(1), lse_c - target_c, 0.0).sum()
-        if not (need_hidden or need_weight):
-            continue
-        grad_cV.scatter_add_(1, target_c1, -valid_c1.to(acc))
-        grad_cV.mul_(valid_c1)
-        if logit_softcap is not None:
-            grad_cV.mul_(dcap_cV)  # chain rule through the cap
-        if narrow:
-            grad_cV = narrow_cV[:c].copy_(grad_cV)  # the logits it held are used up
+            if narrow:
+                logits_cV = buf_cV[:c].copy_(narrow_logits_cV)
+            else:
+                logits_cV = torch.mm(h_cD, w_mm_VD.T, out=buf_cV[:c])
+            if logit_softcap is not None:
+                dcap_cV = _softcap_(logits_cV, logit_softcap, dcap_buf_cV)
+            if loss_sum is not None:
+                target_c = logits_cV.gather(1, target_c1).squeeze(1)
+            # d(lse - target)/dlogits = softmax - onehot(target); zero for ignored rows
+            grad_cV, lse_c = _softmax_(logits_cV)
+            if loss_sum is not None:
+                loss_sum += torch.where(valid_c1.squeeze(1), lse_c - target_c, 0.0).sum()
+            if not (need_hidden or need_weight):
+                continue
+            grad_cV.scatter_add_(1, target_c1, -valid_c1.to(acc))
+            grad_cV.mul_(valid_c1)
+            if logit_softcap is not None:
+                grad_cV.mul_(dcap_cV)  # chain rule through the cap
+            if narrow:
+                grad_cV = narrow_cV[:c].copy_(grad_cV)  # the logits it held are used up
         if need_hidden:
             out = grad_hidden_ND[start : start + chunk_size]
             if out.dtype == mm:
@@ -136,7 +155,9 @@ def _chunked_grads(hidden_ND, w_VD, labels_N, chunk_size, need_hidden, need_weig
                 out.copy_(grad_cV @ w_mm_VD)
         if need_weight:
             if narrow:
-                grad_w_VD += torch.mm(grad_cV.T, h_cD, out=narrow_VD)
+                for v in range(0, V, slice_rows):
+                    part_sD = narrow_sD[: min(slice_rows, V - v)]
+                    grad_w_VD[v : v + slice_rows] += torch.mm(grad_cV[:, v : v + slice_rows].T, h_cD, out=part_sD)
             else:
                 torch.addmm(grad_w_VD, grad_cV.T, h_cD, out=grad_w_VD)  # addmm_ is invisible to FlopCounterMode
     if grad_w_PD is not None and grad_w_PD.dtype != w_VD.dtype:
@@ -208,7 +229,8 @@ def chunked_cross_entropy(
       float32 before soft-capping and the softmax, the weight gradient is accumulated in
       float32, and both gradients come back in the inputs' dtypes. Peak extra memory is about
       `chunk_size * vocab_size` float32s plus the gradients (`[V, D]` and `[N, D]`); a bf16
-      head adds a bf16 copy of the weight, a bf16 `[chunk, V]` and a bf16 `[V, D]` buffer.
+      head adds a bf16 copy of the weight and the inputs, a bf16 `[chunk, V]` buffer and a
+      4 MiB bf16 buffer for the weight gradient of a slice of the vocabulary.
     - With grad mode on and an input requiring grad, forward computes the gradients too (three
       matmuls per chunk, as much as forward + backward): evaluate under `torch.no_grad()`,
       where it computes the loss alone (one matmul per chunk).

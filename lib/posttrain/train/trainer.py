@@ -1,11 +1,14 @@
 """The step-level trainer: one call of `train_step` is one optimizer step.
 
-Loss normalisation is per token across all micro-batches of a step AND all data-parallel
-workers: the loss tokens of every micro-batch are counted first and (with a process group)
-summed over the ranks, then each micro-batch backpropagates `loss_sum / global_loss_tokens`.
-The gradient therefore equals the gradient of the mean loss over all loss tokens of the step,
-exactly as if every rank's micro-batches were one batch on one device (a mean of per-batch or
-per-rank means would weight the tokens of short batches more).
+What is optimised is an objective (`posttrain.train.objective`): it says how many units a
+micro-batch holds before the forward (loss tokens for SFT, pairs for DPO, ...) and returns
+the loss summed over them. Normalisation is per unit across all micro-batches of a step AND
+all data-parallel workers: the units of every micro-batch are counted first and (with a
+process group) summed over the ranks, then each micro-batch backpropagates
+`loss_sum / global_count`. The gradient therefore equals the gradient of the mean loss over
+all units of the step, exactly as if every rank's micro-batches were one batch on one device
+(a mean of per-batch or per-rank means would weight the units of short batches more). The
+objective's metric sums are all-reduced with the loss and reported per unit too.
 
 Contract for the cross-rank gradient reduction: each rank's gradient is its share of that
 global mean, so the ranks' gradients must be SUMMED, never averaged.
@@ -16,8 +19,8 @@ global mean, so the ranks' gradients must be SUMMED, never averaged.
 - `grad_sync="auto"` (default): "allreduce_sum" when the group has more than one rank and no
   parameter is a DTensor, else "none". A `DistributedDataParallel` model is refused (it
   averages).
-The reported `loss` is the global mean per loss token; `tokens` (real tokens) and MFU are
-global too; `grad_norm` is the norm of the reduced (global) gradient.
+The reported `loss` is the global mean per unit; `tokens` (real tokens) and MFU are global
+too; `grad_norm` is the norm of the reduced (global) gradient.
 
 Health (`posttrain.train.health`): a step with a non-finite loss or gradient norm is skipped
 (gradients dropped, no optimizer or scheduler step; every rank sees the same global values,
@@ -61,10 +64,11 @@ from torch.distributed.tensor import DTensor
 
 from posttrain.config.schema import TrainConfig
 from posttrain.models.lora import lora_spec, merge_lora_weights
-from posttrain.ops.losses import IGNORE_INDEX, causal_lm_loss
+from posttrain.ops.losses import causal_lm_loss
 from posttrain.ops.precision import head_precision, matmul_dtype_for, resolve_head_precision
 from posttrain.parallel.grad_norm import clip_grads_with_norm_, total_grad_norm
 from posttrain.train.health import HealthMonitor
+from posttrain.train.objective import Objective, as_objective
 from posttrain.train.optim import build_optimizer, build_scheduler
 
 LossFn = Callable[[torch.nn.Module, dict], tuple[torch.Tensor, torch.Tensor | int]]
@@ -79,11 +83,6 @@ def model_device(model: torch.nn.Module) -> torch.device:
 def batch_to(batch: dict, device: torch.device) -> dict:
     """The batch with every tensor on `device` (a no-op for tensors already there)."""
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def count_loss_tokens(batch: dict) -> torch.Tensor:
-    """Positions that carry a label (`labels != -100`), as a 0-d long tensor on the batch's device."""
-    return (batch["labels"] != IGNORE_INDEX).sum()
 
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -136,15 +135,19 @@ class Trainer:
     """AdamW + warmup/decay schedule + grad clipping + health checks over `model`.
 
     `total_steps` is the length of the schedule (it reaches `min_lr_ratio` on the last step).
-    `loss_fn(model, batch) -> (loss_sum, num_loss_tokens)` must sum (not average) the loss over
-    the positions where `labels != -100`; its token count is checked against that definition.
+    `objective`: an `Objective` (`posttrain.train.objective`), or a plain
+    `loss_fn(model, batch) -> (loss_sum, num_loss_tokens)` summing (not averaging) its loss over
+    the positions where `labels != -100` (default: the SFT loss, `causal_lm_loss`); the count a
+    forward reports is checked against the objective's own count. `loss_fn=` is the older
+    keyword for the same argument.
     `process_group`: the data-parallel group (default: the default group when
     torch.distributed is initialised; None: no cross-rank reduction). `grad_sync`: see the
     module docstring. Build the trainer after the model is on its device and sharded.
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, total_steps: int, loss_fn: LossFn = causal_lm_loss,
-                 process_group=DEFAULT_GROUP, grad_sync: str = "auto"):
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, total_steps: int,
+                 objective: Objective | LossFn = causal_lm_loss, process_group=DEFAULT_GROUP, grad_sync: str = "auto",
+                 *, loss_fn: LossFn | None = None):
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ValueError("DistributedDataParallel averages gradients; pass the plain model "
                              "(grad_sync='allreduce_sum' sums them as the per-token loss needs)")
@@ -153,7 +156,7 @@ class Trainer:
         self.model = model
         self.cfg = cfg
         self.total_steps = total_steps
-        self.loss_fn = loss_fn
+        self.objective = as_objective(loss_fn if loss_fn is not None else objective)
         self.group = resolve_group(process_group)
         self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
         if grad_sync == "auto":
@@ -218,15 +221,18 @@ class Trainer:
     def train_step(self, micro_batches: list[dict]) -> dict:
         """One optimizer step over `micro_batches` (dicts of `[B, T]` long tensors).
 
-        Returns metrics: `step` (1-based, after this step), `loss` (global mean per loss token),
+        Returns metrics: `step` (1-based, after this step), `loss` (global mean per unit of the
+        objective), `count` and `count_unit` (the step's units, all ranks), each of the
+        objective's `metric_names` (global mean per unit),
         `lr` (the one this step used or would have used), `grad_norm` (global L2 norm before
         clipping), `grad_clipped`, `tokens` (real tokens, `doc_ids >= 0`, all ranks),
-        `loss_tokens` (all ranks), `tokens_per_s`, `step_time_s`, `mfu` and `hfu` (when
-        `peak_flops` is configured; over every device of the job: useful model FLOPs, and the
-        FLOPs the kernels execute, padding and dense full-row attention included), health flags (`health`, `nonfinite`,
+        `loss_tokens` (= `count`, for objectives normalised by tokens), `tokens_per_s`,
+        `step_time_s`, `mfu` and `hfu` (when `peak_flops` is configured; over every device of
+        the job: useful model FLOPs, and the FLOPs the kernels execute, padding and dense
+        full-row attention included), `head_precision`, health flags (`health`, `nonfinite`,
         `loss_spike`, `grad_explosion`), `skipped` and `skipped_steps` (total so far).
-        Raises ValueError if the step holds no loss token on any rank, TrainingHealthError
-        after `max_consecutive_bad_steps` non-finite steps in a row.
+        Raises ValueError if the step holds no unit on any rank, TrainingHealthError after
+        `max_consecutive_bad_steps` non-finite steps in a row.
         """
         if not micro_batches:
             raise ValueError("train_step needs at least one micro-batch")
@@ -235,34 +241,41 @@ class Trainer:
         self.model.train()
         micro_batches = [batch_to(b, device) for b in micro_batches]
 
-        counts = torch.stack([count_loss_tokens(b) for b in micro_batches])
+        objective = self.objective
+        counts = torch.stack([objective.count(b) for b in micro_batches])
         real = torch.stack([(b["doc_ids"] >= 0).sum() for b in micro_batches]).sum()
         flops, executed = self._step_flops(micro_batches) if self.peak_flops is not None else (0.0, 0.0)
         totals = torch.stack([counts.sum().double(), real.double(),
                               torch.tensor(flops, dtype=torch.float64, device=device),
                               torch.tensor(executed, dtype=torch.float64, device=device)])
-        total_loss_tokens, tokens, flops, executed = (int(v) if i < 2 else float(v)
-                                                      for i, v in enumerate(self._all_reduce(totals).tolist()))
+        total_count, tokens, flops, executed = (int(v) if i < 2 else float(v)
+                                                for i, v in enumerate(self._all_reduce(totals).tolist()))
         counts = counts.tolist()
-        if total_loss_tokens == 0:
-            raise ValueError("no loss tokens in this step's micro-batches (every label is -100)")
+        if total_count == 0:
+            raise ValueError(f"nothing to train on in this step's micro-batches: {objective.name} counts 0 "
+                             f"{objective.unit} (e.g. every label is -100)")
 
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum_total = torch.zeros((), dtype=torch.float64, device=device)
+        # the loss sum first, then the objective's metric sums: one vector, one all-reduce
+        sums = torch.zeros(1 + len(objective.metric_names), dtype=torch.float64, device=device)
         reported = []
         for batch in micro_batches:
             with self._autocast(device), head_precision(matmul_dtype_for(self.head_precision)):
-                loss_sum, num_loss_tokens = self.loss_fn(self.model, batch)
-            (loss_sum / total_loss_tokens).backward()
-            loss_sum_total += loss_sum.detach().double()
-            reported.append(torch.as_tensor(num_loss_tokens, device=device))
+                out = objective(self.model, batch)
+            (out.loss_sum / total_count).backward()
+            sums[0] += out.loss_sum.detach().double()
+            for i, name in enumerate(objective.metric_names, start=1):
+                sums[i] += out.metric_sums[name].detach().double()
+            reported.append(torch.as_tensor(out.count, device=device))
         if torch.stack(reported).tolist() != counts:
-            raise RuntimeError(f"loss_fn counted {torch.stack(reported).tolist()} loss tokens, labels have {counts}")
+            raise RuntimeError(f"{objective.name} counted {torch.stack(reported).tolist()} {objective.unit} in its "
+                               f"forward, but {counts} before it")
         if self.grad_sync == "allreduce_sum":
             self._sync_grads()
 
-        loss = float(self._all_reduce(loss_sum_total)) / total_loss_tokens
+        sums = self._all_reduce(sums).tolist()
+        loss = sums[0] / total_count
         grads = [p.grad for p in self.params if p.grad is not None]
         norm = total_grad_norm(grads)  # gradients may live on several meshes (fsdp+tp)
         grad_norm = float(norm)
@@ -285,14 +298,18 @@ class Trainer:
             "grad_norm": grad_norm,
             "grad_clipped": (not verdict.skip) and grad_norm > self.cfg.max_grad_norm,
             "tokens": tokens,
-            "loss_tokens": total_loss_tokens,
+            "count": total_count,
+            "count_unit": objective.unit,
             "tokens_per_s": tokens / step_time,
             "step_time_s": step_time,
             **verdict.as_metrics(),
             "skipped": verdict.skip,
             "skipped_steps": self.health.skipped_steps,
             "head_precision": self.head_precision,
+            **{name: value / total_count for name, value in zip(objective.metric_names, sums[1:])},
         }
+        if objective.unit == "tokens":
+            metrics["loss_tokens"] = total_count
         if self.peak_flops is not None:
             # every process of the job computed this step (dp x tp devices), not just the dp group
             devices = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
