@@ -155,3 +155,49 @@ def test_sliding_window_mask_matches_definition_within_documents():
             assert bool(got[q, k]) == want, (q, k)
     # a window as long as the row is the plain document-causal mask
     assert torch.equal(document_causal_mask(doc_ids_BT, window=T), document_causal_mask(doc_ids_BT))
+
+
+def tree_row(P: int, C: int, R: int):
+    """One prefix-shared pair: prompt (branch 0), chosen (branch 1), rejected (branch 2); the
+    responses' positions both continue from the prompt."""
+    doc = torch.zeros(1, P + C + R, dtype=torch.long)
+    branch = torch.tensor([[0] * P + [1] * C + [2] * R])
+    pos = torch.tensor([list(range(P)) + list(range(P, P + C)) + list(range(P, P + R))])
+    return doc, branch, pos
+
+
+def test_tree_mask_lets_each_response_see_the_prompt_and_itself_only():
+    from posttrain.ops.attention import document_causal_mask
+
+    doc, branch, pos = tree_row(3, 2, 2)
+    allowed = document_causal_mask(doc, branch_ids_BT=branch, position_ids_BT=pos)[0, 0].int().tolist()
+    assert allowed == [
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0],  # chosen: the prompt and itself
+        [1, 1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 0, 0, 1, 0],  # rejected: the prompt and itself, never the chosen response
+        [1, 1, 1, 0, 0, 1, 1],
+    ]
+    window = document_causal_mask(doc, window=2, branch_ids_BT=branch, position_ids_BT=pos)[0, 0].int()
+    assert window[5].tolist() == [0, 0, 1, 0, 0, 1, 0]  # position 3 sees positions 2 and 3: by position, not row
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "gpt_oss"])
+def test_a_prefix_shared_row_gives_each_response_the_hidden_states_of_its_own_render(arch):
+    """The prompt once and both responses attending to it equals rendering prompt + chosen and
+    prompt + rejected separately (sliding windows and attention sinks included)."""
+    from posttrain.models.registry import build_model, tiny_config
+
+    model = build_model(tiny_config(arch), seed=0).eval()
+    gen = torch.Generator().manual_seed(0)
+    P, C, R = 9, 6, 4
+    prompt, chosen, rejected = (torch.randint(3, 200, (n,), generator=gen) for n in (P, C, R))
+    doc, branch, pos = tree_row(P, C, R)
+    with torch.no_grad():
+        shared = model(torch.cat([prompt, chosen, rejected])[None], pos, doc, branch)[0]
+        alone_c = model(torch.cat([prompt, chosen])[None], torch.arange(P + C)[None], torch.zeros(1, P + C, dtype=torch.long))[0]
+        alone_r = model(torch.cat([prompt, rejected])[None], torch.arange(P + R)[None], torch.zeros(1, P + R, dtype=torch.long))[0]
+    torch.testing.assert_close(shared[:P + C], alone_c, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shared[P + C:], alone_r[P:], atol=1e-5, rtol=1e-5)

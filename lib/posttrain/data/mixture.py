@@ -13,7 +13,7 @@ of samples the packer had consumed; the packer's pending window is restored from
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from tqdm import tqdm
 
@@ -55,19 +55,23 @@ def pack_one_pass(mixer: Mixer, pack: PackConfig, pad_id: int) -> tuple[PackedRo
     return rows, packer.stats
 
 
-def training_batches(samples: dict[str, Sequence[TokenizedSample]], sources: Sequence[SourceConfig], seed: int,
+def training_batches(samples: dict[str, Sequence[Any]], sources: Sequence[SourceConfig], seed: int,
                      pack: PackConfig, pad_id: int, batch_size: int, state: dict | None = None,
-                     rank: int = 0, world_size: int = 1) -> PackedBatchPrefetcher:
+                     rank: int = 0, world_size: int = 1, packer: StreamPacker | None = None,
+                     layout: Callable[[Any], Any] | None = None) -> PackedBatchPrefetcher:
     """Endless packed batches `[batch_size, row_length]` of the mixture, packed ahead in a
     background thread (at most `pack.prefetch_depth` batches ahead). `state`: a previous
     stream's `state_dict()` to resume from. With `world_size > 1` every data-parallel rank
     runs the same (seeded) stream and takes rows `rank, rank + world_size, ...` of each
     global batch of `world_size * batch_size` rows (`PackedBatchPrefetcher`'s sharding), so
     the ranks together see exactly the one-process stream. Close it (or use it as a context
-    manager)."""
+    manager). `packer` (default: `packer_for(pack, pad_id)`) and `layout` (what the packer
+    places for a sample, default the sample itself) let other sample kinds use the same
+    stream, e.g. preference pairs (`posttrain.data.pair_stream`)."""
 
-    def upstream(start: int) -> Iterator[TokenizedSample]:
-        return _items(build_mixer(samples, sources, seed), start=start)
+    def upstream(start: int) -> Iterator[Any]:
+        items = _items(build_mixer(samples, sources, seed), start=start)
+        return items if layout is None else map(layout, items)
 
-    return PackedBatchPrefetcher(upstream, packer_for(pack, pad_id), batch_size, depth=pack.prefetch_depth,
-                                 state=state, rank=rank, world_size=world_size)
+    return PackedBatchPrefetcher(upstream, packer if packer is not None else packer_for(pack, pad_id), batch_size,
+                                 depth=pack.prefetch_depth, state=state, rank=rank, world_size=world_size)

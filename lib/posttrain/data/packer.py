@@ -181,6 +181,32 @@ class StreamPacker:
         self._count = np.zeros(self.row_length + 1, dtype=np.int64)  # entries per length
         self._counts = dict.fromkeys(_COUNTERS, 0)
 
+    # ------------------------------------------------------------------ documents
+
+    @staticmethod
+    def _document_loss(mask: np.ndarray) -> int:
+        """Trained targets of a document (for `PackStats.loss_tokens`); see `_loss_count`."""
+        return _loss_count(mask)
+
+    # ------------------------------------------------------------------ batches of rows
+    # What a consumer that builds batches row by row (`posttrain.data.prefetch`) calls, so a
+    # packer with another row layout (`posttrain.data.pair_packer`) plugs into the same loop.
+
+    def empty_rows(self, n: int) -> PackedRows:
+        """`n` rows of padding to write plans into."""
+        return PackedRows.empty(n, self.row_length, self.pad_id)
+
+    def write_plan(self, rows: PackedRows, r: int, plan: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Write `plan` (from `next_plan`) as row `r` of `rows` (from `empty_rows`)."""
+        self.write_row(plan, rows.input_ids[r], rows.labels[r], rows.position_ids[r], rows.doc_ids[r])
+
+    @staticmethod
+    def batch_tensors(rows: PackedRows) -> dict:
+        """The training batch of `rows`: `torch.long` `[B, T]` tensors named `ROW_FIELDS`."""
+        import torch
+
+        return {name: torch.from_numpy(getattr(rows, name)) for name in ROW_FIELDS}
+
     # ------------------------------------------------------------------ window
 
     def __len__(self) -> int:
@@ -190,7 +216,7 @@ class StreamPacker:
     def _insert(self, ids: np.ndarray, mask: np.ndarray, loss: int | None = None) -> None:
         index = self._next_index
         self._next_index += 1
-        self._entries[index] = (ids, mask, _loss_count(mask) if loss is None else loss)
+        self._entries[index] = (ids, mask, self._document_loss(mask) if loss is None else loss)
         n = len(ids)
         self._count[n] += 1
         bucket = self._buckets.get(n)

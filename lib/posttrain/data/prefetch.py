@@ -114,7 +114,7 @@ class _Producer:
     def build(self) -> tuple[dict, PackerSnapshot, int, int] | None:
         """The next batch of this rank: (tensors, packer snapshot, padding rows, rows planned)."""
         packer, W, B, rank = self.packer, self.world_size, self.batch_size, self.rank
-        rows = PackedRows.empty(B, packer.row_length, packer.pad_id)  # fresh: the consumer keeps the tensors
+        rows = packer.empty_rows(B)  # fresh: the consumer keeps the tensors
         planned = mine = 0
         for j in range(W * B):
             plan = packer.next_plan(self.source)
@@ -122,13 +122,11 @@ class _Producer:
                 break
             planned += 1
             if j % W == rank:  # other ranks' rows are planned (to keep the stream) but not written
-                r = j // W
-                packer.write_row(plan, rows.input_ids[r], rows.labels[r], rows.position_ids[r], rows.doc_ids[r])
+                packer.write_plan(rows, j // W, plan)
                 mine += 1
         if planned == 0:
             return None
-        batch = {name: torch.from_numpy(getattr(rows, name)) for name in ROW_FIELDS}
-        return batch, packer.snapshot(), B - mine, planned
+        return packer.batch_tensors(rows), packer.snapshot(), B - mine, planned
 
     def run(self) -> None:
         try:

@@ -64,10 +64,11 @@ class DecoderBlock(nn.Module):
 class DecoderLM(nn.Module):
     """Decoder up to the final norm; the output projection belongs to the loss.
 
-    `forward(input_ids_BT, position_ids_BT, doc_ids_BT) -> hidden_BTD`: all `[B, T]` long;
-    positions restart per document, `doc_ids` number documents in a row (`-1` for padding) and
-    confine attention to earlier tokens of the same document (on sliding layers, to the last
-    `sliding_window` of them). One rotary table and one mask per layer type are built per
+    `forward(input_ids_BT, position_ids_BT, doc_ids_BT, branch_ids_BT=None) -> hidden_BTD`: all
+    `[B, T]` long; positions restart per document, `doc_ids` number documents in a row (`-1`
+    for padding) and confine attention to earlier tokens of the same document (on sliding
+    layers, to the last `sliding_window` positions); `branch_ids` make documents trees whose
+    branches see the trunk and themselves (`posttrain.ops.attention.document_causal_mask`). One rotary table and one mask per layer type are built per
     forward. Input ids must be `< vocab_size` (not checked, to avoid a device sync).
 
     Arguments beyond `config`: `block(i)` builds layer `i` (default: the dense `DecoderBlock`
@@ -105,7 +106,8 @@ class DecoderLM(nn.Module):
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def forward(
-        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor
+        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor,
+        branch_ids_BT: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x_BTD = self.tok_embeddings(input_ids_BT)
         types = set(self.layer_types)
@@ -113,7 +115,8 @@ class DecoderLM(nn.Module):
             rope = {t: self.rotary[t](position_ids_BT, x_BTD.dtype) for t in types}
         else:
             rope = dict.fromkeys(types, self.rotary(position_ids_BT, x_BTD.dtype))
-        masks = {w: build_attention_mask(doc_ids_BT, window=w) for w in set(self.layer_windows)}
+        masks = {w: build_attention_mask(doc_ids_BT, window=w, branch_ids_BT=branch_ids_BT,
+                                         position_ids_BT=position_ids_BT) for w in set(self.layer_windows)}
         for layer, layer_type, window in zip(self.layers, self.layer_types, self.layer_windows):
             x_BTD = layer(x_BTD, *rope[layer_type], masks[window])
         return self.norm(x_BTD)

@@ -3,7 +3,9 @@
 Packed rows hold several documents; a token may attend to key `k` from query `q` iff
 `k <= q` and both belong to the same document (`doc_ids[q] == doc_ids[k]`). Padding has
 `doc_id == -1`, so padding attends only to earlier padding and no query row is ever fully
-masked (the diagonal is always allowed).
+masked (the diagonal is always allowed). A document may be a tree (`branch_ids`): a shared
+trunk (a preference pair's prompt) and branches (its two responses) that each see the trunk
+and themselves, not each other.
 
 Backends (chosen once per forward by `select_backend`, then shared by every layer):
 - "sdpa": `F.scaled_dot_product_attention` with a dense boolean `[B, 1, T, T]` mask. Works
@@ -23,21 +25,36 @@ import torch.nn.functional as F
 BACKENDS = ("sdpa",)
 
 
-def document_causal_mask(doc_ids_BT: torch.Tensor, window: int | None = None) -> torch.Tensor:
+def document_causal_mask(doc_ids_BT: torch.Tensor, window: int | None = None,
+                         branch_ids_BT: torch.Tensor | None = None,
+                         position_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean mask `[B, 1, T, T]`: `allowed[b, 0, q, k] = k <= q and doc[b, q] == doc[b, k]`.
 
     With `window` (sliding-window attention), also `q - k < window`: a query sees itself and
     the `window - 1` tokens before it, as transformers' sliding-window layers do. Documents
     are contiguous runs of a row, so the distance in the row is the distance in the document.
+
+    Tree documents (`branch_ids_BT`, e.g. a preference pair whose prompt is shared): branch 0
+    is the trunk every token of the document may see; a token of branch `j > 0` sees the trunk
+    and earlier tokens of branch `j` only (`branch[k] == 0 or branch[k] == branch[q]`). A
+    branch's positions continue from the trunk, so within a tree the window is measured in
+    `position_ids_BT` (required with branches and a window), not in row distance.
     """
     T = doc_ids_BT.shape[1]
     causal_TT = torch.ones(T, T, dtype=torch.bool, device=doc_ids_BT.device).tril()
-    if window is not None:
-        if window < 1:
-            raise ValueError(f"sliding window must be >= 1, got {window}")
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window must be >= 1, got {window}")
+    if window is not None and branch_ids_BT is None:
         causal_TT = causal_TT.triu(-(window - 1))
-    same_doc_BTT = doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]
-    return (same_doc_BTT & causal_TT)[:, None, :, :]
+    allowed_BTT = (doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]) & causal_TT
+    if branch_ids_BT is not None:
+        key_branch_B1T = branch_ids_BT[:, None, :]
+        allowed_BTT &= (key_branch_B1T == 0) | (key_branch_B1T == branch_ids_BT[:, :, None])
+        if window is not None:
+            if position_ids_BT is None:
+                raise ValueError("a sliding window over tree documents needs position_ids_BT")
+            allowed_BTT &= (position_ids_BT[:, :, None] - position_ids_BT[:, None, :]) < window
+    return allowed_BTT[:, None, :, :]
 
 
 def select_backend(device: torch.device | str) -> str:
@@ -59,12 +76,15 @@ class AttentionMask:
 
 
 def build_attention_mask(doc_ids_BT: torch.Tensor, backend: str | None = None,
-                         window: int | None = None) -> AttentionMask:
-    """Prepare the mask for `doc_ids_BT` (`[B, T]` long, `-1` for padding); `window` as in
-    `document_causal_mask`. Models with mixed layer types build one mask per type."""
+                         window: int | None = None, branch_ids_BT: torch.Tensor | None = None,
+                         position_ids_BT: torch.Tensor | None = None) -> AttentionMask:
+    """Prepare the mask for `doc_ids_BT` (`[B, T]` long, `-1` for padding); `window`,
+    `branch_ids_BT` (tree documents) and `position_ids_BT` as in `document_causal_mask`. Models
+    with mixed layer types build one mask per type."""
     backend = backend or select_backend(doc_ids_BT.device)
     if backend == "sdpa":
-        return AttentionMask(backend, dense_B1TT=document_causal_mask(doc_ids_BT, window), window=window)
+        dense_B1TT = document_causal_mask(doc_ids_BT, window, branch_ids_BT, position_ids_BT)
+        return AttentionMask(backend, dense_B1TT=dense_B1TT, window=window)
     raise ValueError(f"unknown attention backend {backend!r}; available: {BACKENDS}")
 
 

@@ -292,14 +292,18 @@ def doc_lengths_from_doc_ids(doc_ids_BT: torch.Tensor, include_padding: bool = F
 
 
 def batch_step_flops(config, batch: dict[str, torch.Tensor], lora: LoraSpec | None = None,
-                     causal_pairs: bool = False, include_padding: bool = False) -> StepFlops:
-    """`step_flops` for a packed batch (`doc_ids`, `labels` as in `causal_lm_loss`)."""
-    num_loss = int((batch["labels"] != -100).sum())
+                     causal_pairs: bool = False, include_padding: bool = False,
+                     num_loss_tokens: int | None = None) -> StepFlops:
+    """`step_flops` for a packed batch (`doc_ids`, `labels` as in `causal_lm_loss`). A batch
+    without `labels` (pair batches) gives the positions its loss projects as `num_loss_tokens`
+    (`Objective.projected_positions`)."""
+    num_loss = int((batch["labels"] != -100).sum()) if num_loss_tokens is None else int(num_loss_tokens)
     lengths = doc_lengths_from_doc_ids(batch["doc_ids"], include_padding=include_padding)
     return step_flops(config, lengths, num_loss, lora, causal_pairs)
 
 
-def executed_step_flops(config, batch: dict[str, torch.Tensor], lora: LoraSpec | None = None) -> StepFlops:
+def executed_step_flops(config, batch: dict[str, torch.Tensor], lora: LoraSpec | None = None,
+                        num_loss_tokens: int | None = None) -> StepFlops:
     """The FLOPs the CPU kernels really execute for a batch, beside the useful ones MFU counts
     (`batch_step_flops`): every slot of the `[B, T]` batch goes through the linear layers,
     padding included, and our dense masked SDPA computes each row's full `T x T` score block
@@ -307,7 +311,7 @@ def executed_step_flops(config, batch: dict[str, torch.Tensor], lora: LoraSpec |
     is the same (our loss projects the loss tokens only). Hardware FLOPs utilisation (HFU) is
     these over the peak; HFU >= MFU, and the gap is what packing-aware kernels could save."""
     B, T = batch["doc_ids"].shape
-    num_loss = int((batch["labels"] != -100).sum())
+    num_loss = int((batch["labels"] != -100).sum()) if num_loss_tokens is None else int(num_loss_tokens)
     return step_flops(config, [[T]] * B, num_loss, lora)
 
 

@@ -211,8 +211,11 @@ class Trainer:
 
         lora_config = getattr(self.model, "lora_config", None)
         lora = lora_spec(lora_config) if lora_config is not None else None
-        useful = sum(batch_step_flops(self.model.config, b, lora=lora).total for b in micro_batches)
-        executed = sum(executed_step_flops(self.model.config, b, lora=lora).total for b in micro_batches)
+        projected = [self.objective.projected_positions(b) for b in micro_batches]
+        useful = sum(batch_step_flops(self.model.config, b, lora=lora, num_loss_tokens=n).total
+                     for b, n in zip(micro_batches, projected))
+        executed = sum(executed_step_flops(self.model.config, b, lora=lora, num_loss_tokens=n).total
+                       for b, n in zip(micro_batches, projected))
         return useful, executed
 
     def _autocast(self, device: torch.device):
