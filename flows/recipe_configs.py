@@ -38,8 +38,12 @@ def _clean_errors(parse):
     return parser
 
 
-parse_sft_config = _clean_errors(loader.parse_sft_config)
-parse_sft_overrides = _clean_errors(loader.parse_sft_overrides)
+def recipe_parsers(recipe: str) -> tuple:
+    """`(parse_config, parse_overrides)` for a recipe's Metaflow `Config`s, errors without tracebacks."""
+    return tuple(_clean_errors(parse) for parse in loader.recipe_parsers(recipe))
+
+
+parse_sft_config, parse_sft_overrides = recipe_parsers("sft")
 
 
 def launching(argv: list[str] | None = None) -> bool:
@@ -50,14 +54,40 @@ def launching(argv: list[str] | None = None) -> bool:
 
 
 class ValidateRecipe(FlowMutator):
-    """The recipe with its overrides, validated (and its paths checked) before the run starts."""
+    """The recipe with its overrides, validated (and its paths checked) before the run starts.
+    `@ValidateRecipe` checks an SFT recipe; `@ValidateRecipe("dpo")` another recipe kind."""
+
+    def init(self, recipe: str = "sft"):
+        self.recipe = recipe
 
     def pre_mutate(self, mutable_flow) -> None:
         configs = dict(mutable_flow.configs)
         try:
-            recipe = loader.sft_config_from_dict(configs["config"].to_dict(), source="config",
-                                                 overrides=configs["overrides"].to_dict())
+            recipe = loader.recipe_config_from_dict(configs["config"].to_dict(), getattr(self, "recipe", "sft"),
+                                                    source="config", overrides=configs["overrides"].to_dict())
             if launching():
                 check_recipe_paths(recipe)
+                check_starting_model(recipe)
         except ConfigError as exc:
             raise RecipeConfigError(str(exc)) from None
+
+
+def check_starting_model(recipe) -> None:
+    """`model.init_from` must name a model that exists: a registry entry (in the recipe's
+    `register.registry_dir`) or a model directory; the error says which run creates it."""
+    ref = recipe.model.init_from
+    if ref is None:
+        return
+    from posttrain.registry import resolve_model_dir
+
+    try:
+        resolve_model_dir(ref, registry_dir=recipe.register.registry_dir)
+    except ValueError as err:
+        hint = ""
+        if ref.startswith("registry:"):
+            name = ref.split(":")[1]
+            demos = {"sft-demo-arithmetic": "make run (configs/sft/demo.yaml)",
+                     "sft-demo-arithmetic-3digit": "make sft-3digit (configs/sft/demo-3digit.yaml)"}
+            hint = (f"; create it first: {demos[name]}" if name in demos else
+                    f"; create it first with a recipe whose register.model_name is {name!r}")
+        raise ConfigError(f"model.init_from: {err}{hint}") from None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.config.schema import SFTConfig
+from posttrain.config.schema import RecipeConfig
 from posttrain.data.chat import end_of_turn_token_ids, render_prompt
 from posttrain.data.packer import iter_batches, pack_samples
 from posttrain.data.records import ChatRecord
@@ -37,7 +37,7 @@ def prompt_and_reference(record: ChatRecord) -> tuple[list[dict], str]:
     return record.messages[:last], record.messages[last]["content"]
 
 
-def run(base_dir: str, tuned_dir: str, tokenizer, heldout: list[ChatRecord], config: SFTConfig) -> EvalResult:
+def run(base_dir: str, tuned_dir: str, tokenizer, heldout: list[ChatRecord], config: RecipeConfig) -> EvalResult:
     if not heldout:
         raise ValueError("evaluation needs held-out records: set data.heldout or data.heldout_fraction")
     records = heldout[: config.eval.max_examples] if config.eval.max_examples else heldout
@@ -68,3 +68,46 @@ def run(base_dir: str, tuned_dir: str, tokenizer, heldout: list[ChatRecord], con
     frame = build_comparison_frame(examples)
     report_html = evidently_report_html(frame[frame.model == "base"], frame[frame.model == "tuned"])
     return EvalResult(metrics=metrics, examples=examples, report_html=report_html)
+
+
+def pair_logps(model, pairs, config, tokenizer) -> torch.Tensor:
+    """`model`'s response log-probabilities of `pairs`, by pair id (`reference_logps`' table)."""
+    from posttrain.objectives.dpo import reference_logps
+
+    shared = getattr(getattr(config, "dpo", None), "shared_prompt", True)
+    return reference_logps(model, pairs, config.pack.row_length, tokenizer.pad_token_id,
+                           rows_per_batch=config.eval.batch_size, shared_prompt=shared, window=config.pack.window)
+
+
+def preference_metrics(table: torch.Tensor, reference: torch.Tensor, pairs) -> dict[str, float]:
+    """On held-out pairs, from a model's table and the reference's: how often the model gives
+    the chosen response a higher summed log-probability (`logp_accuracy`), and how often its
+    implicit reward margin `(c - c0) - (r - r0)` is positive (`reward_accuracy`, DPO's
+    preference accuracy; 0 for the reference itself) and its mean (`reward_margin`)."""
+    ids = torch.tensor([p.pair_id for p in pairs])
+    c, r = table[2 * ids], table[2 * ids + 1]
+    margin = (c - reference[2 * ids]) - (r - reference[2 * ids + 1])
+    return {"logp_accuracy": float((c > r).double().mean()), "reward_accuracy": float((margin > 0).double().mean()),
+            "reward_margin": float(margin.mean())}
+
+
+def run_pairs(base_dir: str, tuned_dir: str, tokenizer, heldout_pairs, heldout_chats: list[ChatRecord],
+              config: RecipeConfig) -> EvalResult:
+    """A preference recipe's evaluation: `run` (held-out loss and greedy exact match of the
+    chosen responses, base vs tuned, with the evidently report) plus `preference_metrics` on
+    the held-out pairs for both models (the base is the reference)."""
+    result = run(base_dir, tuned_dir, tokenizer, heldout_chats, config)
+    device = pick_device(config.train.device)
+    pairs = heldout_pairs[: config.eval.max_examples] if config.eval.max_examples else heldout_pairs
+    tables = {}
+    with torch.no_grad():
+        for label, model_dir in (("base", base_dir), ("tuned", tuned_dir)):
+            model = load_for_eval(model_dir, config, device).eval()
+            tables[label] = pair_logps(model, pairs, config, tokenizer)
+            del model
+    for label, table in tables.items():
+        result.metrics[label].update(preference_metrics(table, tables["base"], pairs))
+        m = result.metrics[label]
+        print(f"[evaluate] {label}: preference accuracy (log-prob) {m['logp_accuracy']:.3f}, "
+              f"reward accuracy {m['reward_accuracy']:.3f}, mean margin {m['reward_margin']:.3f}")
+    return result

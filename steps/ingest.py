@@ -8,9 +8,10 @@ fine, gets a warning (`IngestResult.warnings`: the log and the ingest card).
 When `data.generate` is set, the embedded demo task and its tokenizer are generated
 first under `${generated}` and then read back through the same readers as real data.
 
-SFT trains on conversations: chat formats give them directly, preference formats
-(`hh_rlhf`, `orca_dpo`, `preference`) give their prompt plus the chosen reply; formats that
-give other record kinds (prompts, raw sequences) are a configuration error here.
+SFT trains on conversations (`kind="conversations"`): chat formats give them directly,
+preference formats (`hh_rlhf`, `orca_dpo`, `preference`) give their prompt plus the chosen
+reply. Preference recipes (`kind="pairs"`) train on the pairs of preference formats. A format
+that gives another record kind is a configuration error here.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from posttrain.config.schema import GenerateConfig, SFTConfig, SourceConfig
+from posttrain.config.schema import GenerateConfig, RecipeConfig, SourceConfig
 from posttrain.data.records import ChatRecord, PreferenceRecord, RejectedRow
 from posttrain.data.sources import SourceSpec, read_records, write_rejected
 from posttrain.steps.paths import generated_directory, resolve
@@ -98,12 +99,27 @@ def as_conversation(record, source: SourceConfig) -> ChatRecord:
     )
 
 
-def read_conversations(source: SourceConfig, run_dir: Path) -> tuple[list[ChatRecord], list[RejectedRow]]:
+def as_pair(record, source: SourceConfig) -> PreferenceRecord:
+    """What preference recipes train on: a preference record itself."""
+    if isinstance(record, PreferenceRecord):
+        return record
+    raise ValueError(
+        f"source '{source.name}' (format '{source.format}') gives {type(record).__name__}s; a preference recipe "
+        "trains on pairs: use a preference format (hh_rlhf, orca_dpo, preference)"
+    )
+
+
+RECORD_KINDS = {"conversations": as_conversation, "pairs": as_pair}
+
+
+def read_conversations(source: SourceConfig, run_dir: Path, kind: str = "conversations"
+                       ) -> tuple[list, list[RejectedRow]]:
+    """The source's records as `kind` (conversations for SFT, pairs for preference recipes)."""
     records, rejected = read_records(_spec(source, run_dir))
-    return [as_conversation(r, source) for r in records], rejected
+    return [RECORD_KINDS[kind](r, source) for r in records], rejected
 
 
-def run(config: SFTConfig, run_dir: Path) -> IngestResult:
+def run(config: RecipeConfig, run_dir: Path, kind: str = "conversations") -> IngestResult:
     if config.data.generate is not None:
         generate_demo_data(config.data.generate, run_dir)
     train: dict[str, list[ChatRecord]] = {}
@@ -111,7 +127,7 @@ def run(config: SFTConfig, run_dir: Path) -> IngestResult:
     counts: dict[str, dict[str, int]] = {}
     warnings: list[str] = []
     for source in config.data.sources:
-        records, bad = read_conversations(source, run_dir)
+        records, bad = read_conversations(source, run_dir, kind)
         counts[source.name] = {"kept": len(records), "rejected": len(bad), "read": len(records) + len(bad)}
         print(f"[ingest] {source.name}: {len(records)} records kept, {len(bad)} rejected")
         if bad and not records:
@@ -119,7 +135,7 @@ def run(config: SFTConfig, run_dir: Path) -> IngestResult:
         train[source.name] = records
         rejected.extend(bad)
     if config.data.heldout is not None:
-        heldout, bad = read_conversations(config.data.heldout, run_dir)
+        heldout, bad = read_conversations(config.data.heldout, run_dir, kind)
         name = config.data.heldout.name
         counts[name] = {"kept": len(heldout), "rejected": len(bad), "read": len(heldout) + len(bad)}
         print(f"[ingest] {name} (held out): {len(heldout)} records kept, {len(bad)} rejected")

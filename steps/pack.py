@@ -9,23 +9,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.config.schema import SFTConfig
-from posttrain.data.chat import TokenizedSample
+from posttrain.config.schema import RecipeConfig
 from posttrain.data.mixture import build_mixer, pack_one_pass
 from posttrain.data.packer import PackedRows, PackStats
 
 
 @dataclass
 class PackResult:
-    rows: PackedRows  # one pass over the mixture
+    rows: PackedRows | object  # one pass over the mixture (PairRows for pairs)
     stats: PackStats
     samples_per_source: dict[str, int]  # in one pass
 
 
-def run(samples: dict[str, list[TokenizedSample]], config: SFTConfig, pad_id: int) -> PackResult:
+def run(samples: dict[str, list], config: RecipeConfig, pad_id: int, pairs: bool = False) -> PackResult:
+    """One pass over the mixture, packed as training packs it: token samples (SFT) or, with
+    `pairs`, preference pairs (`PairPacker`, laid out as the recipe's `dpo.shared_prompt` says)."""
     mixer = build_mixer(samples, config.data.sources, seed=config.seed)
     per_source = {name: mixer.pass_length(name) for name in mixer.names}
-    rows, stats = pack_one_pass(mixer, config.pack, pad_id)
+    if pairs:
+        from functools import partial
+
+        from posttrain.data.pair_packer import PairPacker
+        from posttrain.data.preference import pair_layout
+
+        shared = getattr(getattr(config, "dpo", None), "shared_prompt", True)
+        rows, stats = pack_one_pass(mixer, config.pack, pad_id, packer=PairPacker(
+            config.pack.row_length, pad_id, window=config.pack.window), layout=partial(pair_layout, shared=shared))
+    else:
+        rows, stats = pack_one_pass(mixer, config.pack, pad_id)
     print(
         f"[pack] one pass = {stats.num_samples} samples {per_source} -> {stats.num_rows} rows of "
         f"{config.pack.row_length} tokens, efficiency {stats.efficiency:.4f} "

@@ -1,4 +1,5 @@
-"""Tokenize: render each chat record through the tokenizer's own chat template, then filter.
+"""Tokenize: render each chat record through the tokenizer's own chat template, then filter
+(`run`); or render each preference record as a pair fitted to a row (`run_pairs`).
 
 Produces `TokenizedSample`s (token ids + assistant-only loss mask) per source. Filters
 (`data.filters`: token-length bounds, exact de-duplication across sources) and records that
@@ -17,7 +18,8 @@ from posttrain.config.schema import FilterConfig, PackConfig
 from posttrain.data.chat import TokenizedSample, render_conversation
 from posttrain.data.filters import RecordFilter
 from posttrain.data.length_stats import LengthStats
-from posttrain.data.records import ChatRecord, RejectedRow
+from posttrain.data.preference import PairError, PairSample, fit_pair, render_pair
+from posttrain.data.records import ChatRecord, PreferenceRecord, RejectedRow
 
 
 @dataclass
@@ -99,3 +101,46 @@ def run(records: dict[str, list[ChatRecord]], tokenizer, template_kwargs: dict |
         filters=record_filter.stats.as_dict(),
     )
     return TokenizeResult(samples=samples, rejected=rejected, stats=stats)
+
+
+@dataclass
+class PairTokenizeResult:
+    """`pairs[source]`: rendered and row-fitted pairs, `pair_id` numbering all of them in config
+    order (what the reference table is indexed by); `stats[source]`: kept, rejected (by
+    reason), truncated (responses cut to fit a row), and token totals."""
+
+    pairs: dict[str, list[PairSample]]
+    rejected: list[RejectedRow]
+    stats: dict[str, dict]
+
+
+def run_pairs(records: dict[str, list[PreferenceRecord]], tokenizer, template_kwargs: dict | None,
+              pack: PackConfig, shared_prompt: bool = True, first_id: int = 0) -> PairTokenizeResult:
+    """Render every source's preference records as pairs (`posttrain.data.preference`): a pair
+    that cannot train (a response without a trained token, identical responses, a prompt that
+    leaves no room in a row) is rejected with source, line and reason; an over-long pair keeps
+    its prompt and has its responses cut, counted per source."""
+    pairs: dict[str, list[PairSample]] = {}
+    rejected: list[RejectedRow] = []
+    stats: dict[str, dict] = {}
+    next_id = first_id
+    for name, source_records in records.items():
+        kept, reasons, truncated, tokens = [], {}, 0, 0
+        for record in tqdm(source_records, desc=f"[tokenize {name}]", unit="pair", mininterval=2.0):
+            try:
+                pair = render_pair(tokenizer, record, pair_id=next_id, **(template_kwargs or {}))
+                pair, cut = fit_pair(pair, pack.row_length, shared=shared_prompt)
+            except PairError as err:
+                rejected.append(RejectedRow(record.source, record.line, str(err), ""))
+                kind = str(err).split(":")[0][:60]
+                reasons[kind] = reasons.get(kind, 0) + 1
+                continue
+            truncated += cut
+            tokens += len(pair)
+            kept.append(pair)
+            next_id += 1
+        pairs[name] = kept
+        stats[name] = {"kept": len(kept), "rejected": reasons, "truncated": truncated, "tokens": tokens}
+        print(f"[tokenize] {name}: {len(kept)} pairs kept, {sum(reasons.values())} rejected, "
+              f"{truncated} truncated to fit {pack.row_length}-token rows")
+    return PairTokenizeResult(pairs, rejected, stats)

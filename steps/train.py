@@ -43,16 +43,18 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from posttrain.config.schema import SFTConfig
+from posttrain.config.schema import DPOConfig, RecipeConfig
 from posttrain.config.strict import to_dict
-from posttrain.data.chat import TokenizedSample
 from posttrain.data.mixture import training_batches
+from posttrain.data.pair_stream import preference_batches
+from posttrain.objectives.dpo import DPOObjective
 from posttrain.objectives.sft import SFTObjective
 from posttrain.ops.precision import resolve_head_precision
 from posttrain.steps.train_model import RecipeModelError, Start, export_trained, load_start, prepare_start
 from posttrain.train.checkpoint import CheckpointManager
 from posttrain.train.metrics import open_metrics
 from posttrain.train.progress import Progress
+from posttrain.train.objective import Objective
 from posttrain.train.trainer import Trainer
 
 
@@ -76,7 +78,7 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def total_steps_for(rows_per_epoch: int, config: SFTConfig) -> int:
+def total_steps_for(rows_per_epoch: int, config: RecipeConfig) -> int:
     """`train.max_steps`, or enough steps for `train.epochs` passes over the mixture."""
     train = config.train
     if train.max_steps is not None:
@@ -90,6 +92,7 @@ FAULT_TIMES_ENV = "POSTTRAIN_FAULT_TIMES"
 # Settings that do not change the loss trajectory, left out of the checkpoint fingerprint.
 # (activation checkpointing recomputes bit for bit; health thresholds only flag, and the
 # non-finite skip does not depend on them)
+RECIPE_SECTIONS = ("dpo",)  # a recipe's own section: part of what its trajectory depends on
 COSMETIC_TRAIN_KEYS = ("device", "log_every", "card_refresh_s", "progress_bar", "tensorboard", "peak_flops",
                        "activation_checkpointing", "health")
 
@@ -98,7 +101,7 @@ class InjectedFault(RuntimeError):
     """Raised by the `POSTTRAIN_FAULT_AT_STEP` fault-injection hook."""
 
 
-def step_batches(batches: Iterator[dict], config: SFTConfig, device: torch.device) -> Iterator[list[dict]]:
+def step_batches(batches: Iterator[dict], config: RecipeConfig, device: torch.device) -> Iterator[list[dict]]:
     """Optimizer steps: lists of `grad_accum_steps` micro-batches from the packed stream.
 
     The stream runs across epochs (the mixer reshuffles each pass), so a step may span an
@@ -112,18 +115,19 @@ def step_batches(batches: Iterator[dict], config: SFTConfig, device: torch.devic
             group = []
 
 
-def training_fingerprint(config: SFTConfig) -> dict:
+def training_fingerprint(config: RecipeConfig) -> dict:
     """The parts of the recipe the loss trajectory depends on (a resumed run must match them)."""
     full = to_dict(config)
     train = {k: v for k, v in full["train"].items() if k not in COSMETIC_TRAIN_KEYS}
     # what the output projection really ran in on this machine (auto, or a CPU without bf16)
     train["head_precision"] = resolve_head_precision(config.train.head_precision, config.train.mixed_precision,
                                                      pick_device(config.train.device))[0]
+    recipe = {k: full[k] for k in RECIPE_SECTIONS if k in full}  # e.g. the DPO loss settings
     return {"seed": full["seed"], "data": full["data"], "tokenizer": full["tokenizer"], "model": full["model"],
-            "pack": full["pack"], "train": train}
+            "pack": full["pack"], "train": train, **recipe}
 
 
-def checkpoint_manager(config: SFTConfig, run_dir: Path,
+def checkpoint_manager(config: RecipeConfig, run_dir: Path,
                        on_stage: Callable[[str, Path], None] | None = None) -> CheckpointManager | None:
     """The run's checkpoint manager, or None when `checkpoint.enabled` is false."""
     ckpt = config.checkpoint
@@ -134,7 +138,7 @@ def checkpoint_manager(config: SFTConfig, run_dir: Path,
                              fingerprint=training_fingerprint(config), on_stage=on_stage)
 
 
-def resume_point(config: SFTConfig, manager: CheckpointManager | None) -> Path | None:
+def resume_point(config: RecipeConfig, manager: CheckpointManager | None) -> Path | None:
     """The newest complete checkpoint of this run, else `checkpoint.resume_from`, else None.
 
     Under torch.distributed rank 0 decides and broadcasts the path, so every rank loads the
@@ -171,14 +175,37 @@ def maybe_inject_fault(step: int, marker_dir: Path) -> None:
 @dataclass
 class TrainJob:
     """What the training loop needs, on the driver or on every worker (picklable: Ray sends
-    it to the actors). `start.model` is set only in the one-worker path."""
+    it to the actors). `start.model` is set only in the one-worker path. `samples` are token
+    samples (SFT) or pairs (preference recipes, with the reference step's `ref_logps`)."""
 
-    config: SFTConfig
+    config: RecipeConfig
     tokenizer: object
-    samples: dict[str, list[TokenizedSample]]
+    samples: dict[str, list]
     rows_per_epoch: int
     run_dir: str
     start: Start
+    ref_logps: torch.Tensor | None = None
+
+
+def objective_for(config: RecipeConfig) -> Objective:
+    """What the recipe optimises: SFT's token cross-entropy, or its `dpo` section's loss."""
+    if isinstance(config, DPOConfig):
+        dpo = config.dpo
+        return DPOObjective(beta=dpo.beta, loss_type=dpo.loss_type, label_smoothing=dpo.label_smoothing,
+                            sft_weight=dpo.sft_weight, simpo_gamma=dpo.simpo_gamma)
+    return SFTObjective()
+
+
+def recipe_batches(job: TrainJob, rows_per_rank: int, state: dict | None, rank: int, world_size: int):
+    """The recipe's endless training stream (a context manager with `state_dict()`): packed
+    token rows for SFT, packed pairs with their reference log-probabilities for DPO."""
+    config, pad_id = job.config, job.tokenizer.pad_token_id
+    if isinstance(config, DPOConfig):
+        return preference_batches(job.samples, config.data.sources, config.seed, config.pack, pad_id, rows_per_rank,
+                                  ref_logps=job.ref_logps, shared_prompt=config.dpo.shared_prompt, state=state,
+                                  rank=rank, world_size=world_size)
+    return training_batches(job.samples, config.data.sources, config.seed, config.pack, pad_id, rows_per_rank,
+                            state=state, rank=rank, world_size=world_size)
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -217,7 +244,7 @@ def train_loop(job: TrainJob, on_step: Callable[[dict], None] | None = None,
               f"worker(s) ({config.parallel.strategy}); {job.rows_per_epoch} rows per epoch, {total_steps} steps of "
               f"{config.train.micro_batch_size}x{config.train.grad_accum_steps} rows")
 
-    trainer = Trainer(model, config.train, total_steps=total_steps, objective=SFTObjective(),
+    trainer = Trainer(model, config.train, total_steps=total_steps, objective=objective_for(config),
                       process_group=dp_group(mesh) if mesh is not None else None)
     manager = checkpoint_manager(config, run_dir, on_checkpoint_stage)
     resume = resume_point(config, manager)
@@ -245,9 +272,7 @@ def train_loop(job: TrainJob, on_step: Callable[[dict], None] | None = None,
             progress = stack.enter_context(Progress(total_steps, config.train.log_every,
                                                     enabled=config.train.progress_bar, initial_step=trainer.step))
         started = time.perf_counter()
-        batches = stack.enter_context(training_batches(
-            job.samples, config.data.sources, config.seed, config.pack, tokenizer.pad_token_id, rows_per_rank,
-            state=data_state, rank=dp_rank, world_size=dp_size))
+        batches = stack.enter_context(recipe_batches(job, rows_per_rank, data_state, dp_rank, dp_size))
         for _, micro_batches in zip(range(total_steps - trainer.step), step_batches(batches, config, device)):
             metrics = trainer.train_step(micro_batches)
             metrics["elapsed_s"] = time.perf_counter() - started  # in this process
@@ -292,7 +317,7 @@ def train_loop(job: TrainJob, on_step: Callable[[dict], None] | None = None,
 TP_STRATEGIES = ("tp", "fsdp+tp")
 
 
-def check_tensor_parallel(config: SFTConfig, start: Start) -> None:
+def check_tensor_parallel(config: RecipeConfig, start: Start) -> None:
     """Refuse, before any worker starts, a `tp`/`fsdp+tp` recipe the tensor-parallel plan
     cannot split: LoRA (the plan splits plain linear layers), an architecture without a plan,
     head counts `parallel.tp_size` does not divide (read from the starting model's config.json)."""
@@ -318,9 +343,10 @@ def train_worker(job: TrainJob) -> TrainResult | None:
     return train_loop(job)
 
 
-def run(config: SFTConfig, tokenizer, samples: dict[str, list[TokenizedSample]], rows_per_epoch: int,
+def run(config: RecipeConfig, tokenizer, samples: dict[str, list], rows_per_epoch: int,
         run_dir: Path, on_step: Callable[[dict], None] | None = None,
-        on_checkpoint_stage: Callable[[str, Path], None] | None = None) -> TrainResult:
+        on_checkpoint_stage: Callable[[str, Path], None] | None = None,
+        ref_logps: torch.Tensor | None = None) -> TrainResult:
     """Train on the weighted mixture of `samples`, packed on the fly ahead of the trainer,
     checkpointing and resuming as the module docstring says.
 
@@ -341,7 +367,7 @@ def run(config: SFTConfig, tokenizer, samples: dict[str, list[TokenizedSample]],
     workers = config.parallel.num_workers
     start = prepare_start(config, tokenizer, run_dir / "base", keep_model=workers == 1)
     check_tensor_parallel(config, start)
-    job = TrainJob(config, tokenizer, samples, rows_per_epoch, str(run_dir), start)
+    job = TrainJob(config, tokenizer, samples, rows_per_epoch, str(run_dir), start, ref_logps)
     if workers == 1:
         return train_loop(job, on_step=on_step, on_checkpoint_stage=on_checkpoint_stage)
     if on_checkpoint_stage is not None:

@@ -6,7 +6,9 @@ Three kinds of recipe `model` section:
   driver, to `<run dir>/base` (`prepare_start`), which evaluation uses as the base model
   and every worker of a multi-worker run loads, so all ranks start from the same weights.
 - native, pretrained (`init: pretrained`): a local HF directory or hub id, loaded by our
-  registry (its `model_type` must be registered).
+  registry (its `model_type` must be registered); or `init_from`: a registry entry
+  (`registry:NAME[:VERSION]`, e.g. the SFT demo's model) or a directory, resolved by
+  `posttrain.registry.resolve_model_dir` (what preference recipes start from).
 - `backend: transformers` (`init: pretrained` only): any `AutoModelForCausalLM` through
   `posttrain.models.hf_backend`, trained by the same Trainer and loss, exported with
   `save_pretrained`. One worker only; no LoRA (our adapters target our layer names).
@@ -28,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from posttrain.config.schema import ModelConfig, SFTConfig
+from posttrain.config.schema import ModelConfig, RecipeConfig
 from posttrain.models.registry import (build_model, get_architecture, load_hf_checkpoint, replace_dir,
                                        save_hf_checkpoint)
 
@@ -62,11 +64,11 @@ def model_config_for(model: ModelConfig, tokenizer):
     return arch.config_cls(**{k: v for k, v in kwargs.items() if k in accepted})
 
 
-def check_model_recipe(config: SFTConfig) -> None:
+def check_model_recipe(config: RecipeConfig) -> None:
     """Refuse combinations the train step does not support, naming the keys."""
     model, parallel = config.model, config.parallel
     if model.backend == "transformers":
-        if model.init != "pretrained":
+        if model.init != "pretrained" and model.init_from is None:
             raise RecipeModelError("model.backend 'transformers' needs model.init: pretrained (and model.name_or_path)")
         if model.lora is not None:
             raise RecipeModelError("model.lora is not supported with model.backend 'transformers' "
@@ -101,10 +103,14 @@ class Start:
     model: torch.nn.Module | None = None
 
 
-def prepare_start(config: SFTConfig, tokenizer, base_dir: Path, keep_model: bool) -> Start:
+def prepare_start(config: RecipeConfig, tokenizer, base_dir: Path, keep_model: bool) -> Start:
     """Resolve (pretrained) or build and write to `base_dir` (random init) the starting model.
     `keep_model`: return the built model too (the one-worker path trains it directly)."""
     check_model_recipe(config)
+    if config.model.init_from is not None:  # a registered model (or a directory), e.g. the SFT demo's
+        from posttrain.registry import resolve_model_dir
+
+        return Start(resolve_model_dir(config.model.init_from, registry_dir=config.register.registry_dir))
     if config.model.init == "pretrained":
         return Start(resolve_pretrained(config.model.name_or_path))
     model = build_model(model_config_for(config.model, tokenizer), seed=config.train.seed)
@@ -112,7 +118,7 @@ def prepare_start(config: SFTConfig, tokenizer, base_dir: Path, keep_model: bool
     return Start(Path(base_dir), model if keep_model else None)
 
 
-def load_start(config: SFTConfig, tokenizer, start: Start, device: torch.device) -> torch.nn.Module:
+def load_start(config: RecipeConfig, tokenizer, start: Start, device: torch.device) -> torch.nn.Module:
     """The starting model on `device`, with LoRA adapters when `model.lora` is set."""
     if start.model is not None:
         model = start.model
@@ -137,7 +143,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _unsharded_lora_copy(trainer, config: SFTConfig, start: Start) -> torch.nn.Module | None:
+def _unsharded_lora_copy(trainer, config: RecipeConfig, start: Start) -> torch.nn.Module | None:
     """Rank 0: a plain single-process copy of the (possibly sharded) LoRA model, with its
     adapters, holding the trained weights; other ranks: None. Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -155,7 +161,7 @@ def _unsharded_lora_copy(trainer, config: SFTConfig, start: Start) -> torch.nn.M
     return copy
 
 
-def export_trained(trainer, config: SFTConfig, tokenizer, start: Start, run_dir: Path) -> dict[str, str | None]:
+def export_trained(trainer, config: RecipeConfig, tokenizer, start: Start, run_dir: Path) -> dict[str, str | None]:
     """Write the trained model as an HF directory `<run dir>/checkpoint` (merged, for LoRA)
     and, for LoRA, the PEFT adapter `<run dir>/adapter`. Collective under torch.distributed;
     rank 0 writes. Returns `{"checkpoint_dir": ..., "adapter_dir": ... or None}`."""
@@ -183,7 +189,7 @@ def export_trained(trainer, config: SFTConfig, tokenizer, start: Start, run_dir:
     return {"checkpoint_dir": str(checkpoint_dir), "adapter_dir": None if adapter_dir is None else str(adapter_dir)}
 
 
-def load_for_eval(model_dir: str | Path, config: SFTConfig, device: torch.device) -> torch.nn.Module:
+def load_for_eval(model_dir: str | Path, config: RecipeConfig, device: torch.device) -> torch.nn.Module:
     """A model directory the train step wrote (or started from), loaded the way it was trained."""
     if config.model.backend == "transformers":
         from posttrain.models.hf_backend import load_hf_backend

@@ -17,11 +17,12 @@ from typing import Any
 
 import yaml
 
-from posttrain.config.schema import SFTConfig
+from posttrain.config.schema import RECIPES, RecipeConfig, SFTConfig
 from posttrain.config.strict import ConfigError, apply_overrides, check_overrides, from_dict, to_dict
 
 REPO_CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
 DEFAULT_SFT_CONFIG = str(REPO_CONFIG_DIR / "sft" / "demo.yaml")
+DEFAULT_DPO_CONFIG = str(REPO_CONFIG_DIR / "dpo" / "demo.yaml")
 
 
 def parse_yaml(text: str, source: str) -> dict:
@@ -37,26 +38,45 @@ def parse_yaml(text: str, source: str) -> dict:
     return data
 
 
-def load_sft_config(path: str | os.PathLike, overrides: dict | None = None) -> SFTConfig:
-    """Read and validate an SFT recipe file, applying dotted-key overrides."""
+def load_recipe_config(path: str | os.PathLike, recipe: str = "sft", overrides: dict | None = None) -> RecipeConfig:
+    """Read and validate a recipe file (`recipe`: a key of `RECIPES`), applying dotted-key overrides."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-    data = parse_yaml(text, str(path))
-    return sft_config_from_dict(data, source=str(path), overrides=overrides)
+    return recipe_config_from_dict(parse_yaml(text, str(path)), recipe, source=str(path), overrides=overrides)
 
 
-def sft_config_from_dict(data: dict, *, source: str = "<config>", overrides: dict | None = None) -> SFTConfig:
-    config = from_dict(SFTConfig, data, source=source)
+def recipe_config_from_dict(data: dict, recipe: str = "sft", *, source: str = "<config>",
+                            overrides: dict | None = None) -> RecipeConfig:
+    """The `recipe` config class (`RECIPES`) from a mapping, strictly, then with `overrides`."""
+    if recipe not in RECIPES:
+        raise ConfigError(f"unknown recipe {recipe!r}; known: {sorted(RECIPES)}")
+    cls = RECIPES[recipe]
+    config = from_dict(cls, data, source=source)
     if overrides:
         merged = apply_overrides(to_dict(config), overrides)
-        config = from_dict(SFTConfig, merged, source=f"{source} with overrides {json.dumps(overrides)}")
+        config = from_dict(cls, merged, source=f"{source} with overrides {json.dumps(overrides)}")
     return config
 
 
-def _config_source(name: str) -> str:
+def load_sft_config(path: str | os.PathLike, overrides: dict | None = None) -> SFTConfig:
+    """`load_recipe_config(path, "sft", overrides)`."""
+    return load_recipe_config(path, "sft", overrides)
+
+
+def sft_config_from_dict(data: dict, *, source: str = "<config>", overrides: dict | None = None) -> SFTConfig:
+    """`recipe_config_from_dict(data, "sft", ...)`."""
+    return recipe_config_from_dict(data, "sft", source=source, overrides=overrides)
+
+
+def default_config(recipe: str) -> str:
+    """The embedded demo config of a recipe (`configs/<recipe>/demo.yaml`)."""
+    return str(REPO_CONFIG_DIR / recipe / "demo.yaml")
+
+
+def _config_source(name: str, recipe: str = "sft") -> str:
     """Best effort: which file Metaflow was told to read for config `name` (for error messages)."""
     argv = sys.argv
     for i, arg in enumerate(argv[:-2]):
@@ -71,26 +91,31 @@ def _config_source(name: str) -> str:
         if path:
             return f"config file {path}"
     if name == "config":
-        return f"config file {DEFAULT_SFT_CONFIG} (the default)"
+        return f"config file {default_config(recipe)} (the default)"
     return f"--config-value {name}"
 
 
-def parse_sft_config(text: str) -> dict:
-    """Metaflow `Config` parser: validate strictly, return the full config with defaults filled."""
-    source = _config_source("config")
-    return to_dict(sft_config_from_dict(parse_yaml(text, source), source=source))
+def recipe_parsers(recipe: str) -> tuple:
+    """The Metaflow `Config` parsers of a recipe: `(parse_config, parse_overrides)`. The first
+    validates the file strictly and returns the full config with defaults filled; the second
+    checks the overrides' key paths, types and ranges against the recipe's schema (they are
+    applied, and cross-field rules checked, when the flow launches: `flows/recipe_configs.py`)."""
+    cls = RECIPES[recipe]
+
+    def parse_config(text: str) -> dict:
+        source = _config_source("config", recipe)
+        return to_dict(recipe_config_from_dict(parse_yaml(text, source), recipe, source=source))
+
+    def parse_overrides(text: str) -> dict:
+        overrides = parse_yaml(text, "--config-value overrides")
+        check_overrides(cls, overrides, source="--config-value overrides")
+        return overrides
+
+    parse_config.__name__, parse_overrides.__name__ = f"parse_{recipe}_config", f"parse_{recipe}_overrides"
+    return parse_config, parse_overrides
 
 
-def parse_sft_overrides(text: str) -> dict:
-    """Metaflow `Config` parser for `overrides`: a mapping of dotted keys (or nested mappings).
-
-    Key paths, value types and ranges are checked against the schema here, so a typo fails
-    at launch; the values are applied to the recipe (and cross-field rules checked) in the
-    flow's first step.
-    """
-    overrides = parse_yaml(text, "--config-value overrides")
-    check_overrides(SFTConfig, overrides, source="--config-value overrides")
-    return overrides
+parse_sft_config, parse_sft_overrides = recipe_parsers("sft")
 
 
 def config_to_yaml(config: Any) -> str:

@@ -168,8 +168,15 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     initializer_range: float = bounded(0.02, gt=0)
     lora: Optional[LoraConfig] = None  # LoRA fine-tuning (None: train every weight)
+    # start from a registered model ("registry:NAME" or "registry:NAME:VERSION") or a model
+    # directory; the same as init: pretrained with that name_or_path, resolved at launch
+    init_from: Optional[str] = None
 
     def validate(self) -> None:
+        if self.init_from is not None:
+            if self.name_or_path is not None:
+                raise ConfigError("set model.init_from or model.name_or_path, not both")
+            return
         if self.init == "pretrained" and not self.name_or_path:
             raise ConfigError("model.init is 'pretrained' but model.name_or_path is not set")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -360,8 +367,11 @@ class CheckpointConfig:
 
 
 @dataclass
-class SFTConfig:
-    """The SFT recipe: data -> tokenize -> pack -> train -> verify -> evaluate -> register."""
+class RecipeConfig:
+    """What every recipe has: its data, tokenizer, model, packing, training, verification,
+    evaluation, registration, parallelism and checkpoint sections. A recipe is a subclass
+    that adds its own section (`DPOConfig.dpo`, ...); `posttrain.config.loader` reads any of
+    them with the same strict rules."""
 
     name: str
     data: DataConfig
@@ -391,3 +401,42 @@ class SFTConfig:
             )
         if has_heldout_source and self.data.heldout.name in {s.name for s in self.data.sources}:
             raise ConfigError(f"data.heldout.name '{self.data.heldout.name}' is also the name of a training source")
+
+
+@dataclass
+class SFTConfig(RecipeConfig):
+    """The SFT recipe: data -> tokenize -> pack -> train -> verify -> evaluate -> register."""
+
+
+@dataclass
+class DPOSection:
+    """Direct preference optimisation (`posttrain.objectives.dpo`). `loss_type`: sigmoid (DPO),
+    robust, ipo, hinge or simpo (reference-free, length-normalised, margin `simpo_gamma`);
+    `label_smoothing` the conservative/robust `eps`; `sft_weight` adds the chosen response's
+    mean NLL. `shared_prompt`: pack each pair with its prompt once (both responses attend to
+    it) instead of rendering it twice. The reference is the starting model, scored once by the
+    flow's `reference` step."""
+
+    beta: float = bounded(0.1, gt=0)
+    loss_type: Literal["sigmoid", "robust", "ipo", "hinge", "simpo"] = "sigmoid"
+    label_smoothing: float = bounded(0.0, ge=0, lt=0.5)
+    sft_weight: float = bounded(0.0, ge=0)
+    simpo_gamma: float = 0.5
+    shared_prompt: bool = True
+
+
+@dataclass
+class DPOConfig(RecipeConfig):
+    """The DPO recipe: ingest pairs -> tokenize -> pack -> reference -> train -> verify ->
+    evaluate -> register, starting from a model (`model.init_from` or `model.name_or_path`)."""
+
+    dpo: DPOSection = field(default_factory=DPOSection)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.model.init != "pretrained" and not self.model.init_from:
+            raise ConfigError("a DPO recipe starts from a trained model: set model.init_from (a registry entry, "
+                              "e.g. registry:sft-demo-arithmetic, or a model directory) or model.init: pretrained")
+
+
+RECIPES = {"sft": SFTConfig, "dpo": DPOConfig}

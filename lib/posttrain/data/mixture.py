@@ -46,12 +46,24 @@ def _items(mixer: Mixer, limit: int | None = None, start: int = 0) -> Iterator[T
             yield sample
 
 
-def pack_one_pass(mixer: Mixer, pack: PackConfig, pad_id: int) -> tuple[PackedRows, PackStats]:
-    """The rows of one pass over the mixture (`mixer.pass_size` samples) and their stats."""
-    packer = packer_for(pack, pad_id)
+def pack_one_pass(mixer: Mixer, pack: PackConfig, pad_id: int, packer: StreamPacker | None = None,
+                  layout: Callable[[Any], Any] | None = None) -> tuple[Any, PackStats]:
+    """The rows of one pass over the mixture (`mixer.pass_size` samples) and their stats;
+    `packer` and `layout` as in `training_batches` (the rows are `packer.empty_rows`' kind)."""
+    packer = packer if packer is not None else packer_for(pack, pad_id)
     samples = tqdm(_items(mixer, mixer.pass_size), total=mixer.pass_size, desc="[pack]", unit="sample",
                    mininterval=2.0)
-    rows = packer.pack_all(samples)
+    if layout is not None:
+        samples = map(layout, samples)
+    if type(packer) is StreamPacker:
+        return packer.pack_all(samples), packer.stats
+    plans = []
+    source = iter(samples)
+    while (plan := packer.next_plan(source)) is not None:
+        plans.append(plan)
+    rows = packer.empty_rows(len(plans))
+    for r, plan in enumerate(plans):
+        packer.write_plan(rows, r, plan)
     return rows, packer.stats
 
 

@@ -1,0 +1,115 @@
+"""The steps every recipe flow shares: resolve the recipe, train, verify, register, summarise.
+
+A recipe flow (`SFTFlow`, `DPOFlow`) subclasses `RecipeFlow`, names its recipe kind
+(`RECIPE`, a key of `posttrain.config.schema.RECIPES`), declares its `config` / `overrides`
+Metaflow `Config`s with that recipe's parsers and its `@ValidateRecipe(kind)` launch check,
+and defines the steps that differ: `ingest`, `tokenize`, `pack` (and e.g. `reference`),
+`evaluate`. `start`, `train`, `verify`, `register` and `end` are written once, here; each calls
+one plain function of `posttrain.steps`. `start` goes on to `ingest`; `pack` (or the last
+recipe step before training) goes on to `train`; `evaluate` to `register`.
+"""
+
+from metaflow import FlowSpec, Run, card, current, retry, step
+
+from posttrain.config.loader import recipe_config_from_dict
+
+import recipe_cards as cards
+from recipe_configs import RecipeConfigError
+
+
+class RecipeFlow(FlowSpec):
+    RECIPE = "sft"
+
+    def _tokenizer(self):
+        from posttrain.data.tokenizer import load_tokenizer
+        from posttrain.steps.paths import resolve
+
+        return load_tokenizer(resolve(self.recipe.tokenizer.name_or_path, self.run_dir))
+
+    @step
+    def start(self):
+        """Resolve the recipe (file + overrides) and the run directory."""
+        from posttrain.config import ConfigError
+        from posttrain.config.loader import config_to_yaml
+        from posttrain.steps.paths import run_directory
+
+        try:
+            self.recipe = recipe_config_from_dict(self.config.to_dict(), self.RECIPE, source="config",
+                                                  overrides=self.overrides.to_dict())
+        except ConfigError as exc:  # a cross-field rule broken by the overrides
+            raise RecipeConfigError(str(exc)) from None
+        self.recipe_yaml = config_to_yaml(self.recipe)
+        self.run_dir = str(run_directory(self.recipe.output_dir, current.flow_name, current.run_id))
+        print(f"[start] recipe '{self.recipe.name}', outputs in {self.run_dir}")
+        self.next(self.ingest)
+
+    @retry(times=1, minutes_between_retries=0)
+    @card(type="blank", id="training", refresh_interval=5)
+    @step
+    def train(self):
+        """Train on rows packed on the fly; the card shows loss and throughput live.
+        `parallel.num_workers > 1` trains on that many Ray actors (the card follows rank 0's
+        metrics file). Checkpoints under the run directory; a retried or resumed task
+        continues from the newest complete checkpoint. A LoRA recipe also stores the PEFT
+        adapter's directory (`adapter_dir`). A preference recipe trains on its pairs with the
+        `reference` step's log-probabilities (`ref_logps`)."""
+        from posttrain.steps import train
+
+        rows_per_epoch = self.pack_stats.num_rows
+        total = train.total_steps_for(rows_per_epoch, self.recipe)
+        live = cards.LiveTrainingCard(current.card["training"], total, self.recipe.train.card_refresh_s)
+        result = train.run(self.recipe, self._tokenizer(), self.samples, rows_per_epoch, self.run_dir, on_step=live,
+                           ref_logps=getattr(self, "ref_logps", None))
+        self.history, self.train_summary = result.history, result.summary
+        self.checkpoint_dir, self.base_dir = result.checkpoint_dir, result.base_dir
+        self.resumed_from, self.train_state_dir = result.resumed_from, result.checkpoints_dir
+        self.adapter_dir = result.adapter_dir  # the PEFT adapter of a LoRA recipe, else None
+        self.next(self.verify)
+
+    @card(type="blank", id="verify")
+    @step
+    def verify(self):
+        """Reload the exported checkpoint with transformers and compare logits with ours."""
+        from posttrain.steps import verify
+
+        self.verdict = (verify.run(self.checkpoint_dir, self.recipe.verify, backend=self.recipe.model.backend)
+                        if self.recipe.verify.enabled else None)
+        cards.verify_section(current.card["verify"], self.verdict)
+        self.next(self.evaluate)
+
+    @step
+    def register(self):
+        """Copy the tuned model into the registry with its lineage; tag the run."""
+        from posttrain.steps import register
+
+        pathspec = f"{current.flow_name}/{current.run_id}"
+        self.registry_entry = register.run(self.checkpoint_dir, self.recipe, data_counts=self.data_counts,
+                                           metrics={"train": self.train_summary, "eval": self.eval_metrics,
+                                                    "verify": self.verdict},
+                                           run_pathspec=pathspec, adapter_dir=self.adapter_dir)
+        self.model_uri = self.registry_entry.uri  # the registry's reference (a file:// URI here)
+        self.model_path = self.registry_entry.model_path  # a local directory: from_pretrained(model_path) loads it
+        Run(pathspec).add_tags([f"model:{self.registry_entry.name}", f"model_version:v{self.registry_entry.version}"])
+        self.next(self.end)
+
+    @card(type="blank", id="overview")
+    @step
+    def end(self):
+        """An overview card of the whole run."""
+        from posttrain.eval import plots
+
+        card = current.card["overview"]
+        summary = self.train_summary
+        card.append(cards.Markdown(
+            f"# {self.recipe.name}\nModel registered at `{self.model_uri}`\n\n"
+            f"Training: loss {summary['first_loss']:.3f} (step 1) -> {summary['final_loss']:.3f} "
+            f"(mean of the last 10 steps) over {summary['steps']} steps, "
+            f"{summary['tokens_per_s']:.0f} real tokens/s, {summary['num_parameters'] / 1e6:.2f}M parameters."))
+        heldout = {label: m["heldout_loss"] for label, m in self.eval_metrics.items()}
+        card.append(cards.figure_image(plots.loss_curve(self.history, heldout), label="loss"))
+        card.append(cards.figure_image(plots.throughput_curve(self.history), label="throughput"))
+        cards.verify_section(card, self.verdict)
+        cards.eval_section(card, self.eval_metrics)
+        cards.pack_section(card, self.pack_stats, self.samples_per_source)
+        cards.ingest_section(card, self.data_counts, self.rejected, self.data_warnings)
+        print(f"[end] model_uri = {self.model_uri}")
