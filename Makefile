@@ -16,7 +16,7 @@ export MALLOC_MMAP_MAX_ := 0
 export MALLOC_TRIM_THRESHOLD_ := 68719476736
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup browser run test bench clean
+.PHONY: setup browser run sft-3digit dpo-demo test bench clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,14 @@ $(STAMP): setup.cfg pyproject.toml
 
 run: setup
 	$(BIN)/python flows/sft_flow.py --config config $(CONFIG) run
+
+# the DPO demo: the 3-digit SFT demo registers the model DPO starts from (once), then DPO
+sft-3digit: setup
+	$(BIN)/python flows/sft_flow.py --config config configs/sft/demo-3digit.yaml run
+
+dpo-demo: setup
+	test -d outputs/registry/sft-demo-arithmetic-3digit || $(MAKE) sft-3digit
+	$(BIN)/python flows/dpo_flow.py --config config configs/dpo/demo.yaml run
 
 # Debian's chromium: the card test opens every card of a flow run in a headless browser
 browser:

@@ -80,8 +80,21 @@ def verify_section(card, verdict: dict | None) -> None:
 
 def eval_section(card, metrics: dict) -> None:
     card.append(Markdown("## Evaluation: base vs tuned (held out)"))
-    card.append(Table([[label, f"{m['heldout_loss']:.4f}", f"{m['exact_match']:.1%}"] for label, m in metrics.items()],
-                      headers=["model", "held-out loss", "exact match"]))
+    extra = [k for k in ("logp_accuracy", "reward_accuracy", "reward_margin") if all(k in m for m in metrics.values())]
+    names = {"logp_accuracy": "prefers chosen (log-prob)", "reward_accuracy": "reward accuracy",
+             "reward_margin": "mean reward margin"}
+    card.append(Table([[label, f"{m['heldout_loss']:.4f}", f"{m['exact_match']:.1%}",
+                        *(f"{m[k]:.1%}" if k != "reward_margin" else f"{m[k]:.3f}" for k in extra)]
+                       for label, m in metrics.items()],
+                      headers=["model", "held-out loss", "exact match", *(names[k] for k in extra)]))
+
+
+def pairs_section(card, stats: dict) -> None:
+    """Pairs per source: kept, rejected (by reason), truncated to fit a row, tokens."""
+    card.append(Markdown("## Preference pairs"))
+    card.append(Table([[name, s["kept"], ", ".join(f"{k}: {v}" for k, v in s["rejected"].items()) or "none",
+                        s["truncated"], s["tokens"]] for name, s in stats.items()],
+                      headers=["source", "kept", "rejected", "responses truncated to fit a row", "tokens"]))
 
 
 def examples_table(card, examples: list[dict]) -> None:

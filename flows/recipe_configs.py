@@ -73,13 +73,18 @@ class ValidateRecipe(FlowMutator):
 
 
 def check_starting_model(recipe) -> None:
-    """`model.init_from` must name a model that exists: a registry entry (in the recipe's
-    `register.registry_dir`) or a model directory; the error says which run creates it."""
-    ref = recipe.model.init_from
-    if ref is None:
-        return
+    """`model.init_from` (and a `registry:` tokenizer) must name a model that exists: a registry
+    entry (in the recipe's `register.registry_dir`) or a model directory; the error says which
+    run creates it."""
     from posttrain.registry import resolve_model_dir
 
+    for key, ref in (("model.init_from", recipe.model.init_from), ("tokenizer.name_or_path",
+                                                                    recipe.tokenizer.name_or_path)):
+        if ref is not None and (key == "model.init_from" or ref.startswith("registry:")):
+            _check_reference(key, ref, recipe, resolve_model_dir)
+
+
+def _check_reference(key: str, ref: str, recipe, resolve_model_dir) -> None:
     try:
         resolve_model_dir(ref, registry_dir=recipe.register.registry_dir)
     except ValueError as err:
@@ -90,4 +95,4 @@ def check_starting_model(recipe) -> None:
                      "sft-demo-arithmetic-3digit": "make sft-3digit (configs/sft/demo-3digit.yaml)"}
             hint = (f"; create it first: {demos[name]}" if name in demos else
                     f"; create it first with a recipe whose register.model_name is {name!r}")
-        raise ConfigError(f"model.init_from: {err}{hint}") from None
+        raise ConfigError(f"{key}: {err}{hint}") from None

@@ -22,9 +22,9 @@ class RecipeFlow(FlowSpec):
 
     def _tokenizer(self):
         from posttrain.data.tokenizer import load_tokenizer
-        from posttrain.steps.paths import resolve
+        from posttrain.steps.paths import resolve_tokenizer
 
-        return load_tokenizer(resolve(self.recipe.tokenizer.name_or_path, self.run_dir))
+        return load_tokenizer(resolve_tokenizer(self.recipe, self.run_dir))
 
     @step
     def start(self):
@@ -86,7 +86,8 @@ class RecipeFlow(FlowSpec):
         self.registry_entry = register.run(self.checkpoint_dir, self.recipe, data_counts=self.data_counts,
                                            metrics={"train": self.train_summary, "eval": self.eval_metrics,
                                                     "verify": self.verdict},
-                                           run_pathspec=pathspec, adapter_dir=self.adapter_dir)
+                                           run_pathspec=pathspec, adapter_dir=self.adapter_dir,
+                                           parent_dir=self.base_dir)
         self.model_uri = self.registry_entry.uri  # the registry's reference (a file:// URI here)
         self.model_path = self.registry_entry.model_path  # a local directory: from_pretrained(model_path) loads it
         Run(pathspec).add_tags([f"model:{self.registry_entry.name}", f"model_version:v{self.registry_entry.version}"])
@@ -108,6 +109,11 @@ class RecipeFlow(FlowSpec):
         heldout = {label: m["heldout_loss"] for label, m in self.eval_metrics.items()}
         card.append(cards.figure_image(plots.loss_curve(self.history, heldout), label="loss"))
         card.append(cards.figure_image(plots.throughput_curve(self.history), label="throughput"))
+        objective_metrics = [m for m in ("margin", "accuracy", "reward_chosen", "reward_rejected")
+                             if self.history and m in self.history[-1]]
+        if objective_metrics:  # a preference recipe: its reward margin and accuracy per step
+            card.append(cards.figure_image(plots.metric_curves(self.history, objective_metrics,
+                                                               "preference metrics per step"), label="rewards"))
         cards.verify_section(card, self.verdict)
         cards.eval_section(card, self.eval_metrics)
         cards.pack_section(card, self.pack_stats, self.samples_per_source)

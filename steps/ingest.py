@@ -120,7 +120,11 @@ def read_conversations(source: SourceConfig, run_dir: Path, kind: str = "convers
 
 
 def run(config: RecipeConfig, run_dir: Path, kind: str = "conversations") -> IngestResult:
-    if config.data.generate is not None:
+    if config.data.generate is not None and config.data.generate.task == "arithmetic_pairs":
+        from posttrain.steps.mine_pairs import generate_preference_demo
+
+        generate_preference_demo(config, run_dir)
+    elif config.data.generate is not None:
         generate_demo_data(config.data.generate, run_dir)
     train: dict[str, list[ChatRecord]] = {}
     rejected: list[RejectedRow] = []

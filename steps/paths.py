@@ -23,3 +23,15 @@ def resolve(path: str, run_dir: Path) -> str:
     if GENERATED in path:
         return path.replace(GENERATED, str(generated_directory(run_dir)))
     return path
+
+
+def resolve_tokenizer(config, run_dir: Path) -> str:
+    """Where the recipe's tokenizer is: `${generated}` resolved, or a registry reference
+    (`registry:NAME[:VERSION]`, e.g. the starting model's own tokenizer) resolved to its
+    model directory in the recipe's registry."""
+    name = config.tokenizer.name_or_path
+    if name.startswith("registry:"):
+        from posttrain.registry import resolve_model_dir
+
+        return str(resolve_model_dir(name, registry_dir=config.register.registry_dir))
+    return resolve(name, run_dir)

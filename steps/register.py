@@ -3,17 +3,29 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
-from posttrain.config.schema import SFTConfig
-from posttrain.registry.local import RegistryEntry, register_model
+from posttrain.config.schema import RecipeConfig
+from posttrain.registry.local import LINEAGE_FILE, RegistryEntry, load_lineage, register_model
 
 
-def run(model_dir: str, config: SFTConfig, *, data_counts: dict, metrics: dict, run_pathspec: str,
-        adapter_dir: str | None = None) -> RegistryEntry:
-    """Register `model_dir` (and a LoRA recipe's PEFT `adapter_dir`) with the run's lineage."""
+def run(model_dir: str, config: RecipeConfig, *, data_counts: dict, metrics: dict, run_pathspec: str,
+        adapter_dir: str | None = None, parent_dir: str | None = None) -> RegistryEntry:
+    """Register `model_dir` (and a LoRA recipe's PEFT `adapter_dir`) with the run's lineage,
+    which names the parent model: the registry reference or checkpoint the recipe started from
+    (`model.init_from` / `model.name_or_path`) and its directory (`parent_dir`), with that
+    entry's own lineage when it was registered (so SFT -> DPO chains can be walked)."""
     name = config.register.model_name or config.name
+    parent = None
+    if config.model.init_from or config.model.init == "pretrained":
+        parent = {"reference": config.model.init_from or config.model.name_or_path, "model_dir": parent_dir}
+        if parent_dir is not None and (Path(parent_dir).parent / LINEAGE_FILE).is_file():
+            parent_lineage = load_lineage(Path(parent_dir).parent)
+            parent.update(name=parent_lineage.get("name"), version=parent_lineage.get("version"),
+                          run=parent_lineage.get("run"), recipe=parent_lineage.get("recipe"))
     lineage = {
         "recipe": config.name,
+        "parent": parent,
         "run": run_pathspec,
         "config": dataclasses.asdict(config),
         "data": {"sources": [dataclasses.asdict(s) for s in config.data.sources], "counts": data_counts},

@@ -21,6 +21,7 @@ from posttrain.config.strict import ConfigError
 
 GENERATED = "${generated}"
 BUILTIN_PREFIX = "builtin:"
+REGISTRY_PREFIX = "registry:"
 _GLOB_CHARS = set("*?[")
 # the Hugging Face Hub's repository id rules: 1-96 characters of letters, digits, - _ .
 # per part, no leading/trailing - or ., no '--' or '..'
@@ -63,8 +64,8 @@ def check_recipe_paths(config: Any) -> None:
     valid hub id (module docstring). Relative paths are taken from the current directory, as
     the flow's steps take them. Only `hf` data sources may name a hub dataset."""
     for key, what, value, kind in _recipe_places(config):
-        if GENERATED in value or (kind is None and value.startswith(BUILTIN_PREFIX)):
-            continue
+        if GENERATED in value or (kind is None and value.startswith((BUILTIN_PREFIX, REGISTRY_PREFIX))):
+            continue  # made by the run, shipped with the package, or a registry entry (checked by the flow)
         if looks_local(value) or kind in ("jsonl", "parquet"):
             if not _exists(value):
                 raise ConfigError(f"{what} ({key}): no such file or directory: {value} "

@@ -61,9 +61,13 @@ class SourceConfig:
 
 @dataclass
 class GenerateConfig:
-    """The embedded demo: a task generated deterministically, written to JSONL under `${generated}`."""
+    """The embedded demo: a task generated deterministically, written to JSONL under `${generated}`.
+    `arithmetic`: chats (train.jsonl, heldout.jsonl) and a tokenizer. `arithmetic_pairs` (for
+    preference recipes): the same problems, answered by the recipe's starting model; pairs of
+    the correct answer against one of the model's own wrong answers (pairs.jsonl,
+    heldout_pairs.jsonl), with the starting model's tokenizer (`posttrain.steps.mine_pairs`)."""
 
-    task: Literal["arithmetic"] = "arithmetic"
+    task: Literal["arithmetic", "arithmetic_pairs"] = "arithmetic"
     num_train: int = bounded(20000, ge=1)
     num_heldout: int = bounded(200, ge=1)
     min_digits: int = bounded(1, ge=1, le=6)

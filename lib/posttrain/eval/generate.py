@@ -1,4 +1,4 @@
-"""Greedy generation with our model, for evaluation.
+"""Greedy (and sampled) generation with our model, for evaluation and for mining preference pairs.
 
 No KV cache yet: every new token re-runs the forward over the whole sequence so far, and
 only the last position is projected to logits. Cost is O(new_tokens * length^2) per
@@ -33,7 +33,12 @@ def left_pad(sequences: list[list[int]], device: torch.device) -> tuple[torch.Te
     return input_ids_BT.to(device), position_ids_BT.to(device), doc_ids_BT.to(device)
 
 
-def _generate_batch(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int]) -> list[list[int]]:
+def _argmax(logits_BV: torch.Tensor) -> torch.Tensor:
+    return logits_BV.argmax(dim=-1)
+
+
+def _generate_batch(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+                    pick=_argmax) -> list[list[int]]:
     device = next(model.parameters()).device
     sequences = [list(p) for p in prompts]
     outputs: list[list[int]] = [[] for _ in prompts]
@@ -44,7 +49,7 @@ def _generate_batch(model, prompts: list[list[int]], max_new_tokens: int, stop_i
         input_ids_BT, position_ids_BT, doc_ids_BT = left_pad([sequences[i] for i in active], device)
         hidden_BTD = model(input_ids_BT, position_ids_BT, doc_ids_BT)
         logits_BV = model.compute_logits(hidden_BTD[:, -1:, :])[:, 0, :]
-        next_ids_B = logits_BV.argmax(dim=-1).tolist()
+        next_ids_B = pick(logits_BV).tolist()
         still_active = []
         for i, token in zip(active, next_ids_B):
             if token in stop_ids:
@@ -54,6 +59,48 @@ def _generate_batch(model, prompts: list[list[int]], max_new_tokens: int, stop_i
             still_active.append(i)
         active = still_active
     return outputs
+
+
+def _batched(model, prompts, batch_size, run) -> list[list[int]]:
+    """`run(chunk_prompts)` over length-sorted batches of `prompts`, results in the given order,
+    in eval mode (the previous mode restored)."""
+    if batch_size < 1:
+        raise ValueError(f"need batch_size >= 1, got {batch_size}")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    results: list[list[int]] = [[] for _ in prompts]
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(order), batch_size):
+            chunk = order[start:start + batch_size]
+            for i, out in zip(chunk, run([prompts[i] for i in chunk])):
+                results[i] = out
+    finally:
+        model.train(was_training)
+    return results
+
+
+@torch.no_grad()
+def sample_generate(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+                    batch_size: int, temperature: float = 1.0, seed: int = 0) -> list[list[int]]:
+    """Sampled continuations (softmax of the logits over `temperature`, drawn from one
+    `torch.Generator` seeded with `seed`: the same call gives the same samples), ending as
+    `greedy_generate`'s do. For building preference pairs from a model's own answers; the
+    rollout engines of the RL recipes are the full-featured sampler."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if max_new_tokens < 0:
+        raise ValueError(f"need max_new_tokens >= 0, got {max_new_tokens}")
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+
+    def draw(logits_BV: torch.Tensor) -> torch.Tensor:
+        probs_BV = torch.softmax(logits_BV.float() / temperature, dim=-1)
+        return torch.multinomial(probs_BV, 1, generator=gen).squeeze(1)
+
+    return _batched(model, prompts, batch_size,
+                    lambda chunk: _generate_batch(model, chunk, max_new_tokens, set(stop_ids), pick=draw))
 
 
 @torch.no_grad()
@@ -71,20 +118,7 @@ def greedy_generate(
     of at most `batch_size`; results equal one-by-one generation. The model is used in eval
     mode and its previous mode restored.
     """
-    if batch_size < 1 or max_new_tokens < 0:
-        raise ValueError(f"need batch_size >= 1 and max_new_tokens >= 0, got {batch_size}, {max_new_tokens}")
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    stop_ids = set(stop_ids)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    results: list[list[int]] = [[] for _ in prompts]
-    was_training = model.training
-    model.eval()
-    try:
-        for start in range(0, len(order), batch_size):
-            chunk = order[start:start + batch_size]
-            for i, out in zip(chunk, _generate_batch(model, [prompts[i] for i in chunk], max_new_tokens, stop_ids)):
-                results[i] = out
-    finally:
-        model.train(was_training)
-    return results
+    if max_new_tokens < 0:
+        raise ValueError(f"need max_new_tokens >= 0, got {max_new_tokens}")
+    return _batched(model, prompts, batch_size,
+                    lambda chunk: _generate_batch(model, chunk, max_new_tokens, set(stop_ids)))

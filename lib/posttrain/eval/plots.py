@@ -41,6 +41,21 @@ def throughput_curve(history: list[dict]):
     return fig
 
 
+def metric_curves(history: list[dict], names: list[str], title: str = ""):
+    """Each of `names` (per-step metrics, e.g. DPO's `margin` and `accuracy`) against the step,
+    one panel each."""
+    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 2.8), squeeze=False)
+    steps = [h["step"] for h in history]
+    for ax, name in zip(axes[0], names):
+        ax.plot(steps, [h.get(name, float("nan")) for h in history], lw=1.0)
+        ax.set_xlabel("step")
+        ax.set_title(name)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
 def optimizer_curves(history: list[dict]):
     """Gradient norm (log scale, before clipping) and learning rate per step; steps the health
     checks flagged are marked: skipped (non-finite) in red, loss spikes and gradient
