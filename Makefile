@@ -16,7 +16,7 @@ export MALLOC_MMAP_MAX_ := 0
 export MALLOC_TRIM_THRESHOLD_ := 68719476736
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup browser run sft-3digit dpo-demo test bench clean
+.PHONY: setup browser run sft-3digit dpo-demo rm-demo test bench clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,11 @@ sft-3digit: setup
 dpo-demo: setup
 	test -d outputs/registry/sft-demo-arithmetic-3digit || $(MAKE) sft-3digit
 	$(BIN)/python flows/dpo_flow.py --config config configs/dpo/demo.yaml run
+
+# the reward-model demo, on the same pairs, from the same SFT model
+rm-demo: setup
+	test -d outputs/registry/sft-demo-arithmetic-3digit || $(MAKE) sft-3digit
+	$(BIN)/python flows/rm_flow.py --config config configs/rm/demo.yaml run
 
 # Debian's chromium: the card test opens every card of a flow run in a headless browser
 browser:

@@ -78,15 +78,26 @@ def verify_section(card, verdict: dict | None) -> None:
                       headers=["case", "max |diff|", "mean |diff|"]))
 
 
+# the evaluation table's columns, in order: metric key -> (header, format); a column is shown
+# when every model has the metric (SFT: loss and exact match; DPO adds preference accuracies;
+# a reward model: pair accuracy with its standard error and the score margin)
+EVAL_COLUMNS = {
+    "heldout_loss": ("held-out loss", "{:.4f}"),
+    "exact_match": ("exact match", "{:.1%}"),
+    "logp_accuracy": ("prefers chosen (log-prob)", "{:.1%}"),
+    "reward_accuracy": ("reward accuracy", "{:.1%}"),
+    "reward_margin": ("mean reward margin", "{:.3f}"),
+    "pair_accuracy": ("pair accuracy", "{:.1%}"),
+    "pair_accuracy_se": ("± s.e.", "{:.1%}"),
+    "score_margin": ("mean score margin", "{:.3f}"),
+}
+
+
 def eval_section(card, metrics: dict) -> None:
     card.append(Markdown("## Evaluation: base vs tuned (held out)"))
-    extra = [k for k in ("logp_accuracy", "reward_accuracy", "reward_margin") if all(k in m for m in metrics.values())]
-    names = {"logp_accuracy": "prefers chosen (log-prob)", "reward_accuracy": "reward accuracy",
-             "reward_margin": "mean reward margin"}
-    card.append(Table([[label, f"{m['heldout_loss']:.4f}", f"{m['exact_match']:.1%}",
-                        *(f"{m[k]:.1%}" if k != "reward_margin" else f"{m[k]:.3f}" for k in extra)]
-                       for label, m in metrics.items()],
-                      headers=["model", "held-out loss", "exact match", *(names[k] for k in extra)]))
+    shown = [k for k in EVAL_COLUMNS if all(k in m for m in metrics.values())]
+    card.append(Table([[label, *(EVAL_COLUMNS[k][1].format(m[k]) for k in shown)] for label, m in metrics.items()],
+                      headers=["model", *(EVAL_COLUMNS[k][0] for k in shown)]))
 
 
 def pairs_section(card, stats: dict) -> None:

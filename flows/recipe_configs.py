@@ -1,7 +1,7 @@
 """Metaflow `Config` parsers and the launch check for recipes: strict validation before any
 step runs, errors without tracebacks.
 
-Each `Config` is parsed on its own (`parse_sft_config`, `parse_sft_overrides`: key paths,
+Each `Config` is parsed on its own (`recipe_parsers(recipe)`, `recipe_configs`: key paths,
 types, ranges). `ValidateRecipe`, a flow mutator, then sees both: it applies the overrides to
 the recipe file and validates the result as the `start` step will (cross-field rules, an
 override that names an unknown format or a list index past the end), and when a run is
@@ -12,7 +12,7 @@ key, before Metaflow starts the run.
 
 import sys
 
-from metaflow import FlowMutator
+from metaflow import Config, FlowMutator
 from metaflow.exception import MetaflowException
 
 from posttrain.config import loader
@@ -43,7 +43,16 @@ def recipe_parsers(recipe: str) -> tuple:
     return tuple(_clean_errors(parse) for parse in loader.recipe_parsers(recipe))
 
 
-parse_sft_config, parse_sft_overrides = recipe_parsers("sft")
+def recipe_configs(recipe: str, default: str, example_override: str) -> tuple[Config, Config]:
+    """A recipe flow's two Metaflow `Config`s, `config` (the recipe YAML, `default` unless
+    given) and `overrides` (dotted keys, e.g. `example_override`), with the recipe's parsers:
+
+        config, overrides = recipe_configs("dpo", DEFAULT_DPO_CONFIG, '{"dpo.beta": 0.2}')
+    """
+    parse_config, parse_overrides = recipe_parsers(recipe)
+    return (Config("config", default=default, parser=parse_config, help=f"{recipe} recipe YAML (see configs/{recipe}/)"),
+            Config("overrides", default_value="{}", parser=parse_overrides,
+                   help=f"dotted-key overrides, e.g. '{example_override}'"))
 
 
 def launching(argv: list[str] | None = None) -> bool:

@@ -64,15 +64,19 @@ class RecipeFlow(FlowSpec):
         self.checkpoint_dir, self.base_dir = result.checkpoint_dir, result.base_dir
         self.resumed_from, self.train_state_dir = result.resumed_from, result.checkpoints_dir
         self.adapter_dir = result.adapter_dir  # the PEFT adapter of a LoRA recipe, else None
+        self.parent_dir = result.parent_dir  # the trained model the recipe started from, else None
+        self.sequence_classifier_dir = result.sequence_classifier_dir  # a reward model's transformers export
         self.next(self.verify)
 
     @card(type="blank", id="verify")
     @step
     def verify(self):
-        """Reload the exported checkpoint with transformers and compare logits with ours."""
+        """Reload the exported checkpoint with transformers and compare logits with ours (a
+        reward model: its scores, against `AutoModelForSequenceClassification`)."""
         from posttrain.steps import verify
 
-        self.verdict = (verify.run(self.checkpoint_dir, self.recipe.verify, backend=self.recipe.model.backend)
+        self.verdict = (verify.run(self.checkpoint_dir, self.recipe.verify, backend=self.recipe.model.backend,
+                                   sequence_classifier=self.sequence_classifier_dir)
                         if self.recipe.verify.enabled else None)
         cards.verify_section(current.card["verify"], self.verdict)
         self.next(self.evaluate)
@@ -87,7 +91,7 @@ class RecipeFlow(FlowSpec):
                                            metrics={"train": self.train_summary, "eval": self.eval_metrics,
                                                     "verify": self.verdict},
                                            run_pathspec=pathspec, adapter_dir=self.adapter_dir,
-                                           parent_dir=self.base_dir)
+                                           parent_dir=self.parent_dir or self.base_dir)
         self.model_uri = self.registry_entry.uri  # the registry's reference (a file:// URI here)
         self.model_path = self.registry_entry.model_path  # a local directory: from_pretrained(model_path) loads it
         Run(pathspec).add_tags([f"model:{self.registry_entry.name}", f"model_version:v{self.registry_entry.version}"])
@@ -109,8 +113,8 @@ class RecipeFlow(FlowSpec):
         heldout = {label: m["heldout_loss"] for label, m in self.eval_metrics.items()}
         card.append(cards.figure_image(plots.loss_curve(self.history, heldout), label="loss"))
         card.append(cards.figure_image(plots.throughput_curve(self.history), label="throughput"))
-        objective_metrics = [m for m in ("margin", "accuracy", "reward_chosen", "reward_rejected")
-                             if self.history and m in self.history[-1]]
+        curves = ("margin", "accuracy", "reward_chosen", "reward_rejected", "score_chosen", "score_rejected")
+        objective_metrics = [m for m in curves if self.history and m in self.history[-1]]
         if objective_metrics:  # a preference recipe: its reward margin and accuracy per step
             card.append(cards.figure_image(plots.metric_curves(self.history, objective_metrics,
                                                                "preference metrics per step"), label="rewards"))

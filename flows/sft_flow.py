@@ -32,22 +32,19 @@ evaluation table and an evidently report in a card of its own (evaluate), and an
 the run (end).
 """
 
-from metaflow import Config, card, current, step
+from metaflow import card, current, step
 
 from posttrain.config.loader import DEFAULT_SFT_CONFIG
 
 import recipe_cards as cards
-from recipe_configs import ValidateRecipe, parse_sft_config, parse_sft_overrides
+from recipe_configs import ValidateRecipe, recipe_configs
 from recipe_flow import RecipeFlow
 
 
 @ValidateRecipe
 class SFTFlow(RecipeFlow):
     RECIPE = "sft"
-    config = Config("config", default=DEFAULT_SFT_CONFIG, parser=parse_sft_config,
-                    help="SFT recipe YAML (see configs/sft/)")
-    overrides = Config("overrides", default_value="{}", parser=parse_sft_overrides,
-                       help='dotted-key overrides, e.g. \'{"train.max_steps": 20}\'')
+    config, overrides = recipe_configs("sft", DEFAULT_SFT_CONFIG, '{"train.max_steps": 20}')
 
     @card(type="blank", id="ingest")
     @step

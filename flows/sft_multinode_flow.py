@@ -34,7 +34,8 @@ step's tasks start again) or resumed train step continues from the newest comple
 
 from metaflow import card, current, pytorch_parallel, retry, step
 
-import node_training
+from posttrain.steps import node_training
+
 import recipe_cards as cards
 from sft_flow import SFTFlow
 

@@ -2,7 +2,10 @@
 
 For each model: held-out loss (per token, assistant tokens only) and the task metric from
 greedy generation (exact match of the final assistant answer). An evidently report
-compares the two models' outputs (lengths, correctness).
+compares the two models' outputs (lengths, correctness). Preference recipes add the held-out
+pairs: DPO their log-prob and implicit-reward accuracies (`run_pairs`); a reward model
+(`run_reward`) is judged on the pairs alone: pair accuracy (chosen scored higher) with its
+standard error, mean score margin and the held-out Bradley-Terry loss.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ def pair_logps(model, pairs, config, tokenizer) -> torch.Tensor:
     """`model`'s response log-probabilities of `pairs`, by pair id (`reference_logps`' table)."""
     from posttrain.objectives.dpo import reference_logps
 
-    shared = getattr(getattr(config, "dpo", None), "shared_prompt", True)
+    shared = config.shared_prompt
     return reference_logps(model, pairs, config.pack.row_length, tokenizer.pad_token_id,
                            rows_per_batch=config.eval.batch_size, shared_prompt=shared, window=config.pack.window)
 
@@ -111,3 +114,62 @@ def run_pairs(base_dir: str, tuned_dir: str, tokenizer, heldout_pairs, heldout_c
         print(f"[evaluate] {label}: preference accuracy (log-prob) {m['logp_accuracy']:.3f}, "
               f"reward accuracy {m['reward_accuracy']:.3f}, mean margin {m['reward_margin']:.3f}")
     return result
+
+
+def _last_content(messages: list[dict]) -> str:
+    return messages[-1]["content"] if messages else ""
+
+
+def reward_metrics(scores: torch.Tensor, pairs) -> dict[str, float]:
+    """Held-out pair accuracy (chosen scored above rejected) with its binomial standard error,
+    the mean score margin and the mean Bradley-Terry loss `-log s(s_c - s_r)`, from a score
+    table by pair id (`posttrain.objectives.reward.score_pairs`)."""
+    import math
+
+    import torch.nn.functional as F
+
+    ids = torch.tensor([p.pair_id for p in pairs])
+    margin = scores[2 * ids] - scores[2 * ids + 1]
+    accuracy = float((margin > 0).double().mean())
+    return {"heldout_loss": float(-F.logsigmoid(margin.double()).mean()), "pair_accuracy": accuracy,
+            "pair_accuracy_se": math.sqrt(accuracy * (1 - accuracy) / len(pairs)),
+            "score_margin": float(margin.mean()), "pairs": len(pairs)}
+
+
+def run_reward(base_dir: str, tuned_dir: str, tokenizer, heldout_pairs, heldout_records,
+               config: RecipeConfig) -> EvalResult:
+    """A reward model's evaluation: `reward_metrics` on the held-out pairs for the starting
+    reward model (its new head) and the tuned one; examples list each pair's two scores, and
+    the evidently report compares the models' score margins and correctness."""
+    import pandas as pd
+
+    from posttrain.objectives.reward import score_pairs
+
+    device = pick_device(config.train.device)
+    limit = config.eval.max_examples
+    pairs = heldout_pairs[:limit] if limit else heldout_pairs
+    by_line = {(r.source, r.line): r for r in heldout_records}
+    metrics, examples, frames = {}, [], {}
+    for label, model_dir in (("base", base_dir), ("tuned", tuned_dir)):
+        model = load_for_eval(model_dir, config, device).eval()
+        table = score_pairs(model, pairs, config.pack.row_length, tokenizer.pad_token_id,
+                            rows_per_batch=config.eval.batch_size, shared_prompt=config.shared_prompt,
+                            window=config.pack.window)
+        del model
+        metrics[label] = reward_metrics(table, pairs)
+        m = metrics[label]
+        print(f"[evaluate] {label}: pair accuracy {m['pair_accuracy']:.3f} +- {m['pair_accuracy_se']:.3f} "
+              f"({m['pairs']} held-out pairs), mean margin {m['score_margin']:.3f}, loss {m['heldout_loss']:.4f}")
+        rows = []
+        for pair in pairs:
+            s_c, s_r = float(table[2 * pair.pair_id]), float(table[2 * pair.pair_id + 1])
+            record = by_line.get((pair.source, pair.line))
+            prompt, chosen, rejected = ((_last_content(record.prompt), _last_content(record.chosen),
+                                         _last_content(record.rejected)) if record is not None else ("", "", ""))
+            rows.append({"margin": s_c - s_r, "correct": s_c > s_r})
+            examples.append({"model": label, "prompt": prompt, "reference": chosen,
+                             "prediction": f"{s_c:+.2f} vs {s_r:+.2f} for {rejected!r}", "correct": s_c > s_r,
+                             "output_length": len(pair.chosen_ids)})
+        frames[label] = pd.DataFrame(rows)
+    report_html = evidently_report_html(frames["base"], frames["tuned"], numerical=["margin"], categorical=["correct"])
+    return EvalResult(metrics=metrics, examples=examples, report_html=report_html)

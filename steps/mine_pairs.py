@@ -85,15 +85,18 @@ def generate_preference_demo(config, run_dir: Path) -> Path:
     from posttrain.data.tokenizer import load_tokenizer
     from posttrain.models.registry import load_hf_checkpoint
     from posttrain.steps.paths import generated_directory
-    from posttrain.steps.train_model import prepare_start
+    from posttrain.steps.train_model import trained_start_dir
 
     generate = config.data.generate
     out_dir = generated_directory(run_dir)
     paths = write_arithmetic_dataset(out_dir, num_train=generate.num_train, num_heldout=generate.num_heldout,
                                      seed=generate.seed, min_digits=generate.min_digits, max_digits=generate.max_digits)
-    start = prepare_start(config, None, Path(run_dir) / "base", keep_model=False)
-    tokenizer = load_tokenizer(str(start.source))
-    model = load_hf_checkpoint(start.source)
+    start_dir = trained_start_dir(config)
+    if start_dir is None:
+        raise ValueError("data.generate.task 'arithmetic_pairs' answers the problems with the recipe's starting "
+                         "model: set model.init_from")
+    tokenizer = load_tokenizer(str(start_dir))
+    model = load_hf_checkpoint(start_dir)
     for split, name in (("train", "pairs.jsonl"), ("heldout", "heldout_pairs.jsonl")):
         records, _ = read_chat_records(SourceSpec(name=split, kind="jsonl", path=str(paths[split])))
         questions = [(r.messages[:-1], r.messages[-1]["content"]) for r in records]

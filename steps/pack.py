@@ -32,7 +32,7 @@ def run(samples: dict[str, list], config: RecipeConfig, pad_id: int, pairs: bool
         from posttrain.data.pair_packer import PairPacker
         from posttrain.data.preference import pair_layout
 
-        shared = getattr(getattr(config, "dpo", None), "shared_prompt", True)
+        shared = config.shared_prompt
         rows, stats = pack_one_pass(mixer, config.pack, pad_id, packer=PairPacker(
             config.pack.row_length, pad_id, window=config.pack.window), layout=partial(pair_layout, shared=shared))
     else:

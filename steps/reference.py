@@ -5,7 +5,8 @@ The reference of a DPO recipe is the model it starts from (`model.init_from`, or
 computed once, packed as training packs them (`posttrain.objectives.dpo.reference_logps`), and
 handed to the train step as a table indexed by pair id (`[2 * num_pairs]`, chosen then rejected),
 which the training stream attaches to every batch: no second model lives beside the policy
-while it trains.
+while it trains. With `dpo.reference: on_the_fly` this step scores nothing: the train step
+scores each batch as it trains (`posttrain.objectives.dpo.on_the_fly_reference`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from posttrain.steps.train_model import load_for_eval, prepare_start
 
 @dataclass
 class ReferenceResult:
-    ref_logps: torch.Tensor  # [2 * num_pairs], by pair id
+    ref_logps: torch.Tensor | None  # [2 * num_pairs], by pair id; None with an on-the-fly reference
     model_dir: str  # the reference (the starting model)
     seconds: float
 
@@ -34,10 +35,13 @@ def run(config: DPOConfig, tokenizer, pairs: dict[str, list[PairSample]], run_di
 
     started = time.perf_counter()
     start = prepare_start(config, tokenizer, Path(run_dir) / "base", keep_model=False)
+    if config.dpo.reference == "on_the_fly":
+        print(f"[reference] dpo.reference is on_the_fly: the train step scores each batch with {start.source}")
+        return ReferenceResult(None, str(start.source), time.perf_counter() - started)
     model = load_for_eval(start.source, config, pick_device(config.train.device))
     every = [p for group in pairs.values() for p in group]
     table = reference_logps(model, every, config.pack.row_length, tokenizer.pad_token_id,
-                            rows_per_batch=config.train.micro_batch_size, shared_prompt=config.dpo.shared_prompt,
+                            rows_per_batch=config.train.micro_batch_size, shared_prompt=config.shared_prompt,
                             window=config.pack.window)
     missing = int(torch.isnan(table[[2 * p.pair_id for p in every]]).sum())
     if missing:

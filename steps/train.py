@@ -43,14 +43,17 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from posttrain.config.schema import DPOConfig, RecipeConfig
+from posttrain.config.schema import PAIR_RECIPES, DPOConfig, RecipeConfig, RMConfig
 from posttrain.config.strict import to_dict
 from posttrain.data.mixture import training_batches
 from posttrain.data.pair_stream import preference_batches
-from posttrain.objectives.dpo import DPOObjective
+from posttrain.models.lora import has_lora
+from posttrain.objectives.dpo import DPOObjective, on_the_fly_reference
+from posttrain.objectives.reward import RewardObjective
 from posttrain.objectives.sft import SFTObjective
 from posttrain.ops.precision import resolve_head_precision
-from posttrain.steps.train_model import RecipeModelError, Start, export_trained, load_start, prepare_start
+from posttrain.steps.train_model import (RecipeModelError, Start, export_trained, load_for_eval, load_start,
+                                         prepare_start)
 from posttrain.train.checkpoint import CheckpointManager
 from posttrain.train.metrics import open_metrics
 from posttrain.train.progress import Progress
@@ -68,6 +71,8 @@ class TrainResult:
     checkpoints_dir: str | None = None
     adapter_dir: str | None = None  # the PEFT adapter (LoRA recipes)
     num_workers: int = 1
+    parent_dir: str | None = None  # the trained model the recipe started from (lineage); None for random init
+    sequence_classifier_dir: str | None = None  # a reward model's transformers export (in checkpoint_dir)
 
 
 def pick_device(name: str) -> torch.device:
@@ -92,7 +97,7 @@ FAULT_TIMES_ENV = "POSTTRAIN_FAULT_TIMES"
 # Settings that do not change the loss trajectory, left out of the checkpoint fingerprint.
 # (activation checkpointing recomputes bit for bit; health thresholds only flag, and the
 # non-finite skip does not depend on them)
-RECIPE_SECTIONS = ("dpo",)  # a recipe's own section: part of what its trajectory depends on
+RECIPE_SECTIONS = ("dpo", "rm")  # a recipe's own section: part of what its trajectory depends on
 COSMETIC_TRAIN_KEYS = ("device", "log_every", "card_refresh_s", "progress_bar", "tensorboard", "peak_flops",
                        "activation_checkpointing", "health")
 
@@ -188,21 +193,25 @@ class TrainJob:
 
 
 def objective_for(config: RecipeConfig) -> Objective:
-    """What the recipe optimises: SFT's token cross-entropy, or its `dpo` section's loss."""
+    """What the recipe optimises: SFT's token cross-entropy, its `dpo` section's loss, or its
+    `rm` section's Bradley-Terry loss."""
     if isinstance(config, DPOConfig):
         dpo = config.dpo
         return DPOObjective(beta=dpo.beta, loss_type=dpo.loss_type, label_smoothing=dpo.label_smoothing,
                             sft_weight=dpo.sft_weight, simpo_gamma=dpo.simpo_gamma)
+    if isinstance(config, RMConfig):
+        return RewardObjective(margin=config.rm.margin, centering=config.rm.centering, sft_weight=config.rm.sft_weight)
     return SFTObjective()
 
 
 def recipe_batches(job: TrainJob, rows_per_rank: int, state: dict | None, rank: int, world_size: int):
     """The recipe's endless training stream (a context manager with `state_dict()`): packed
-    token rows for SFT, packed pairs with their reference log-probabilities for DPO."""
+    token rows for SFT, packed pairs for the pair recipes (with the reference's
+    log-probabilities for DPO)."""
     config, pad_id = job.config, job.tokenizer.pad_token_id
-    if isinstance(config, DPOConfig):
+    if isinstance(config, PAIR_RECIPES):
         return preference_batches(job.samples, config.data.sources, config.seed, config.pack, pad_id, rows_per_rank,
-                                  ref_logps=job.ref_logps, shared_prompt=config.dpo.shared_prompt, state=state,
+                                  ref_logps=job.ref_logps, shared_prompt=config.shared_prompt, state=state,
                                   rank=rank, world_size=world_size)
     return training_batches(job.samples, config.data.sources, config.seed, config.pack, pad_id, rows_per_rank,
                             state=state, rank=rank, world_size=world_size)
@@ -244,7 +253,11 @@ def train_loop(job: TrainJob, on_step: Callable[[dict], None] | None = None,
               f"worker(s) ({config.parallel.strategy}); {job.rows_per_epoch} rows per epoch, {total_steps} steps of "
               f"{config.train.micro_batch_size}x{config.train.grad_accum_steps} rows")
 
-    trainer = Trainer(model, config.train, total_steps=total_steps, objective=objective_for(config),
+    objective = objective_for(config)
+    if isinstance(config, DPOConfig) and config.dpo.reference == "on_the_fly" and objective.needs_reference:
+        objective.reference = on_the_fly_reference(model, frozen=None if has_lora(model) else
+                                                   load_for_eval(job.start.source, config, device))
+    trainer = Trainer(model, config.train, total_steps=total_steps, objective=objective,
                       process_group=dp_group(mesh) if mesh is not None else None)
     manager = checkpoint_manager(config, run_dir, on_checkpoint_stage)
     resume = resume_point(config, manager)
@@ -311,7 +324,9 @@ def train_loop(job: TrainJob, on_step: Callable[[dict], None] | None = None,
     return TrainResult(checkpoint_dir=exported["checkpoint_dir"], base_dir=str(job.start.source), history=history,
                        summary=summary, resumed_from=str(resume) if resume is not None else None,
                        checkpoints_dir=str(manager.root) if manager is not None else None,
-                       adapter_dir=exported["adapter_dir"], num_workers=world)
+                       adapter_dir=exported["adapter_dir"], num_workers=world,
+                       parent_dir=None if job.start.parent is None else str(job.start.parent),
+                       sequence_classifier_dir=exported.get("sequence_classifier_dir"))
 
 
 TP_STRATEGIES = ("tp", "fsdp+tp")

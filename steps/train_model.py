@@ -16,6 +16,13 @@ Three kinds of recipe `model` section:
 `model.lora` adds LoRA adapters after loading and before the Trainer; the export is the
 merged model (transformers loads it as a plain checkpoint) and the PEFT adapter is written
 beside it (`<run dir>/adapter`, base recorded as the starting directory).
+
+A reward-model recipe (`RMConfig`) starts from the same kinds of model, with a new value
+head (`posttrain.models.heads.RewardModel`, the head seeded by `train.seed`) written with
+the backbone to `<run dir>/base` (`save_with_head`; a starting model that already has a
+value head keeps it). Its export is the same format at `<run dir>/checkpoint` plus, inside
+it, `sequence_classifier/`: the model as transformers' `AutoModelForSequenceClassification`
+(`export_sequence_classifier`), which is what the verify step compares ours with.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from posttrain.config.schema import ModelConfig, RecipeConfig
+from posttrain.config.schema import ModelConfig, RecipeConfig, RMConfig
 from posttrain.models.registry import (build_model, get_architecture, load_hf_checkpoint, replace_dir,
                                        save_hf_checkpoint)
 
@@ -94,25 +101,60 @@ def resolve_pretrained(name_or_path: str) -> Path:
     return Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
 
 
+SEQUENCE_CLASSIFIER_DIR = "sequence_classifier"  # inside a reward model's export
+
+
 @dataclass
 class Start:
     """Where training starts: `source` is an HF directory holding exactly the starting weights
-    (evaluation's base model); `model` the built model when the driver already has it."""
+    (evaluation's base model); `model` the built model when the driver already has it;
+    `parent` the trained model the recipe starts from (`model.init_from` / a pretrained
+    directory; None for random init), which the lineage names."""
 
     source: Path
     model: torch.nn.Module | None = None
+    parent: Path | None = None
+
+
+def _reward_start(config: RMConfig, tokenizer, parent: Path, base_dir: Path, keep_model: bool) -> Start:
+    """A reward model over `parent`'s backbone (a new value head, or the one `parent` has),
+    written to `base_dir` so that every worker and the evaluation start from the same weights."""
+    from posttrain.models.heads import HEAD_CONFIG, RewardModel, ValueHead, load_with_head, save_with_head
+
+    if (parent / HEAD_CONFIG).is_file():
+        model = load_with_head(parent)
+        if not isinstance(model, RewardModel):
+            raise RecipeModelError(f"{parent} holds a model with a {type(model.head).__name__}, not a value head")
+    else:
+        backbone = load_hf_checkpoint(parent)
+        head = ValueHead(backbone.config.hidden_size, bias=False)  # transformers' score has no bias
+        head.init_weights(config.train.seed, std=config.rm.head_init_std)
+        model = RewardModel(backbone, head)
+    save_with_head(model, base_dir, tokenizer=tokenizer)
+    return Start(Path(base_dir), model if keep_model else None, parent=parent)
+
+
+def trained_start_dir(config: RecipeConfig) -> Path | None:
+    """The trained model a recipe starts from: `model.init_from` (a registry entry or a
+    directory, e.g. the SFT demo's) or a pretrained `model.name_or_path`; None for random init."""
+    if config.model.init_from is not None:
+        from posttrain.registry import resolve_model_dir
+
+        return Path(resolve_model_dir(config.model.init_from, registry_dir=config.register.registry_dir))
+    if config.model.init == "pretrained":
+        return resolve_pretrained(config.model.name_or_path)
+    return None
 
 
 def prepare_start(config: RecipeConfig, tokenizer, base_dir: Path, keep_model: bool) -> Start:
     """Resolve (pretrained) or build and write to `base_dir` (random init) the starting model.
     `keep_model`: return the built model too (the one-worker path trains it directly)."""
     check_model_recipe(config)
-    if config.model.init_from is not None:  # a registered model (or a directory), e.g. the SFT demo's
-        from posttrain.registry import resolve_model_dir
-
-        return Start(resolve_model_dir(config.model.init_from, registry_dir=config.register.registry_dir))
-    if config.model.init == "pretrained":
-        return Start(resolve_pretrained(config.model.name_or_path))
+    parent = trained_start_dir(config)
+    if isinstance(config, RMConfig):
+        return _reward_start(config, tokenizer, parent, base_dir, keep_model)
+    if parent is not None:
+        return Start(parent, parent=parent)
     model = build_model(model_config_for(config.model, tokenizer), seed=config.train.seed)
     save_hf_checkpoint(model, base_dir, tokenizer=tokenizer)
     return Start(Path(base_dir), model if keep_model else None)
@@ -122,6 +164,10 @@ def load_start(config: RecipeConfig, tokenizer, start: Start, device: torch.devi
     """The starting model on `device`, with LoRA adapters when `model.lora` is set."""
     if start.model is not None:
         model = start.model
+    elif isinstance(config, RMConfig):
+        from posttrain.models.heads import load_with_head
+
+        model = load_with_head(start.source, device=device)
     elif config.model.backend == "transformers":
         from posttrain.models.hf_backend import load_hf_backend
 
@@ -143,9 +189,10 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _unsharded_lora_copy(trainer, config: RecipeConfig, start: Start) -> torch.nn.Module | None:
-    """Rank 0: a plain single-process copy of the (possibly sharded) LoRA model, with its
-    adapters, holding the trained weights; other ranks: None. Collective."""
+def _unsharded_copy(trainer, config: RecipeConfig, start: Start) -> torch.nn.Module | None:
+    """Rank 0: a plain single-process model holding the trained weights (the live model when
+    it is not sharded; else a fresh copy of the same structure, LoRA adapters and value head
+    included, filled from the gathered full state dict); other ranks: None. Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from posttrain.models.lora import apply_lora
@@ -156,19 +203,50 @@ def _unsharded_lora_copy(trainer, config: RecipeConfig, start: Start) -> torch.n
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if _rank() != 0:
         return None
-    copy = apply_lora(build_model(model.config, seed=0), config.model.lora, seed=0)
+    if isinstance(config, RMConfig):
+        from posttrain.models.heads import load_with_head
+
+        copy = load_with_head(start.source)  # the structure (and the starting weights, overwritten below)
+    else:
+        copy = build_model(model.config, seed=0)
+    if config.model.lora is not None:
+        copy = apply_lora(copy, config.model.lora, seed=0)
     copy.load_state_dict(weights, strict=True)
     return copy
+
+
+def _export_reward_model(trainer, config: RMConfig, tokenizer, start: Start, checkpoint_dir: Path) -> None:
+    """`save_with_head` at `checkpoint_dir` (LoRA merged) and the sequence-classifier export in
+    it. Collective under torch.distributed; rank 0 writes."""
+    from posttrain.models.heads import export_sequence_classifier, save_with_head
+    from posttrain.models.lora import has_lora
+
+    model = _unsharded_copy(trainer, config, start)
+    if model is not None:
+        save_with_head(model, checkpoint_dir, tokenizer=tokenizer)
+        if has_lora(model):  # the sequence classifier holds plain weights: merge a copy
+            from posttrain.models.heads import load_with_head
+
+            model = load_with_head(checkpoint_dir)
+        export_sequence_classifier(model, checkpoint_dir / SEQUENCE_CLASSIFIER_DIR, pad_token_id=tokenizer.pad_token_id)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(checkpoint_dir / SEQUENCE_CLASSIFIER_DIR))
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def export_trained(trainer, config: RecipeConfig, tokenizer, start: Start, run_dir: Path) -> dict[str, str | None]:
     """Write the trained model as an HF directory `<run dir>/checkpoint` (merged, for LoRA)
     and, for LoRA, the PEFT adapter `<run dir>/adapter`. Collective under torch.distributed;
-    rank 0 writes. Returns `{"checkpoint_dir": ..., "adapter_dir": ... or None}`."""
+    rank 0 writes. Returns `{"checkpoint_dir": ..., "adapter_dir": ... or None}` (and a reward
+    model's `"sequence_classifier_dir"`)."""
     from posttrain.train.checkpoint import export_hf_checkpoint
 
-    checkpoint_dir, adapter_dir = Path(run_dir) / "checkpoint", None
-    if config.model.backend == "transformers":
+    checkpoint_dir, adapter_dir, exported = Path(run_dir) / "checkpoint", None, {}
+    if isinstance(config, RMConfig):
+        _export_reward_model(trainer, config, tokenizer, start, checkpoint_dir)
+        exported["sequence_classifier_dir"] = str(checkpoint_dir / SEQUENCE_CLASSIFIER_DIR)
+    elif config.model.backend == "transformers":
         # written beside, then swapped in: a crash mid-save leaves the previous export whole
         staging = checkpoint_dir.with_name(f".{checkpoint_dir.name}.tmp-{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
@@ -178,7 +256,7 @@ def export_trained(trainer, config: RecipeConfig, tokenizer, start: Start, run_d
     elif config.model.lora is not None:
         from posttrain.models.peft_export import save_peft_adapter
 
-        model = _unsharded_lora_copy(trainer, config, start)
+        model = _unsharded_copy(trainer, config, start)
         if model is not None:
             save_hf_checkpoint(model, checkpoint_dir, tokenizer=tokenizer)  # adapters merged
             adapter_dir = save_peft_adapter(model, Path(run_dir) / "adapter", base_model_name_or_path=str(start.source))
@@ -186,11 +264,16 @@ def export_trained(trainer, config: RecipeConfig, tokenizer, start: Start, run_d
             dist.barrier()
     else:
         export_hf_checkpoint(trainer, checkpoint_dir, tokenizer=tokenizer)
-    return {"checkpoint_dir": str(checkpoint_dir), "adapter_dir": None if adapter_dir is None else str(adapter_dir)}
+    return {"checkpoint_dir": str(checkpoint_dir), "adapter_dir": None if adapter_dir is None else str(adapter_dir),
+            **exported}
 
 
 def load_for_eval(model_dir: str | Path, config: RecipeConfig, device: torch.device) -> torch.nn.Module:
     """A model directory the train step wrote (or started from), loaded the way it was trained."""
+    if isinstance(config, RMConfig):
+        from posttrain.models.heads import load_with_head
+
+        return load_with_head(model_dir, device=device)
     if config.model.backend == "transformers":
         from posttrain.models.hf_backend import load_hf_backend
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from posttrain.config.schema import VerifyConfig
-from posttrain.verify.logits import verify_checkpoint
+from posttrain.verify.logits import verify_checkpoint, verify_sequence_classifier
 
 
 class VerificationError(RuntimeError):
@@ -33,13 +33,22 @@ def not_applicable(model_dir: str, backend: str) -> dict | None:
                       "to compare with; the export is transformers' own save_pretrained)"}
 
 
-def run(model_dir: str, verify: VerifyConfig, device: str = "cpu", backend: str = "native") -> dict:
+def run(model_dir: str, verify: VerifyConfig, device: str = "cpu", backend: str = "native",
+        sequence_classifier: str | None = None) -> dict:
+    """Verify the export at `model_dir`: logits of our model against transformers' causal LM,
+    or, for a reward model (`sequence_classifier`: its transformers export's directory), the
+    scores of ours against `AutoModelForSequenceClassification`. Raises `VerificationError`
+    above tolerance."""
     skipped = not_applicable(model_dir, backend)
     if skipped is not None:
         print(f"[verify] {skipped['arch']}: {skipped['reason']}")
         return skipped
-    verdict = verify_checkpoint(model_dir, tolerance=verify.tolerance, batch_size=verify.batch_size,
-                                seq_len=verify.seq_len, device=device)
+    if sequence_classifier is not None:
+        verdict = verify_sequence_classifier(model_dir, sequence_classifier, tolerance=verify.tolerance,
+                                             batch_size=verify.batch_size, seq_len=verify.seq_len, device=device)
+    else:
+        verdict = verify_checkpoint(model_dir, tolerance=verify.tolerance, batch_size=verify.batch_size,
+                                    seq_len=verify.seq_len, device=device)
     error = verdict.get("error")
     print(f"[verify] {verdict['arch']}: max |diff| {verdict['max_abs_diff']:.2e}, "
           f"mean {verdict['mean_abs_diff']:.2e}, tolerance {verdict['tolerance']:.0e} -> "

@@ -200,3 +200,32 @@ def test_the_stream_attaches_the_reference_table_and_a_first_step_is_log_2(token
     with torch.no_grad():
         per_pair = objective.losses(response_logps(model, batch), batch["ref_logps"], batch["seq_tokens"])
     torch.testing.assert_close(per_pair["loss"], torch.full_like(per_pair["loss"], math.log(2)), atol=1e-5, rtol=0)
+
+
+def test_an_on_the_fly_reference_is_the_lora_policy_with_its_adapters_disabled(tokenizer, pairs):
+    """No second copy: the LoRA policy with its adapters disabled scores exactly what the
+    starting model scores (bit for bit), however far its adapters have moved, and the
+    adapters are back on afterwards; a frozen copy gives the same reference."""
+    from posttrain.config.schema import LoraConfig
+    from posttrain.models.lora import apply_lora
+    from posttrain.objectives.dpo import on_the_fly_reference
+
+    batch = batch_of(pairs)
+    start = model_for(tokenizer, seed=3).eval()
+    with torch.no_grad():
+        start_logps = response_logps(start, batch)
+    policy = apply_lora(model_for(tokenizer, seed=3), LoraConfig(rank=4, alpha=8, targets=["q", "v", "up"])).eval()
+    objective = DPOObjective(beta=0.1, reference=on_the_fly_reference(policy))
+    assert torch.equal(objective(policy, batch).loss_sum.detach(), torch.tensor(3 * math.log(2)))  # B = 0 at start
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if name.endswith("lora_B"):
+                param.normal_(0.0, 0.5)
+        moved = response_logps(policy, batch)
+        assert not torch.allclose(moved, start_logps)
+        assert torch.equal(objective.reference(policy, batch), start_logps)
+        assert torch.equal(response_logps(policy, batch), moved)  # adapters re-enabled
+        frozen = on_the_fly_reference(policy, frozen=model_for(tokenizer, seed=3))
+        assert torch.equal(frozen(policy, batch), start_logps)
+    with pytest.raises(ValueError, match="needs a LoRA policy"):
+        on_the_fly_reference(model_for(tokenizer))

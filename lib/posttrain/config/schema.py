@@ -50,7 +50,7 @@ class SourceConfig:
             raise ConfigError(
                 f"source '{self.name}': prompt_field and response_field go together (set both or neither)"
             )
-        from posttrain.data.formats import resolve_columns
+        from posttrain.catalog import resolve_columns
 
         try:
             resolve_columns(self.format, self.fields, messages_field=self.messages_field,
@@ -278,7 +278,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         if isinstance(self.peak_flops, str):
-            from posttrain.train.mfu import PEAK_FLOPS
+            from posttrain.catalog import PEAK_FLOPS
 
             if self.peak_flops not in PEAK_FLOPS:
                 raise ConfigError(
@@ -406,6 +406,13 @@ class RecipeConfig:
         if has_heldout_source and self.data.heldout.name in {s.name for s in self.data.sources}:
             raise ConfigError(f"data.heldout.name '{self.data.heldout.name}' is also the name of a training source")
 
+    @property
+    def shared_prompt(self) -> bool:
+        """Pair recipes: whether a pair is packed with its prompt once (their section's
+        `shared_prompt`); True for recipes without one."""
+        section = getattr(self, "dpo", None) or getattr(self, "rm", None)
+        return True if section is None else section.shared_prompt
+
 
 @dataclass
 class SFTConfig(RecipeConfig):
@@ -418,8 +425,11 @@ class DPOSection:
     robust, ipo, hinge or simpo (reference-free, length-normalised, margin `simpo_gamma`);
     `label_smoothing` the conservative/robust `eps`; `sft_weight` adds the chosen response's
     mean NLL. `shared_prompt`: pack each pair with its prompt once (both responses attend to
-    it) instead of rendering it twice. The reference is the starting model, scored once by the
-    flow's `reference` step."""
+    it) instead of rendering it twice. The reference is the starting model: `reference:
+    precomputed` scores every pair once in the flow's `reference` step (no second model while
+    training); `on_the_fly` scores each batch as it trains (with LoRA: the policy itself with
+    its adapters disabled, no second copy; otherwise a frozen copy of the starting model),
+    the form a reference that changes during training needs."""
 
     beta: float = bounded(0.1, gt=0)
     loss_type: Literal["sigmoid", "robust", "ipo", "hinge", "simpo"] = "sigmoid"
@@ -427,6 +437,7 @@ class DPOSection:
     sft_weight: float = bounded(0.0, ge=0)
     simpo_gamma: float = 0.5
     shared_prompt: bool = True
+    reference: Literal["precomputed", "on_the_fly"] = "precomputed"
 
 
 @dataclass
@@ -438,9 +449,45 @@ class DPOConfig(RecipeConfig):
 
     def validate(self) -> None:
         super().validate()
-        if self.model.init != "pretrained" and not self.model.init_from:
-            raise ConfigError("a DPO recipe starts from a trained model: set model.init_from (a registry entry, "
-                              "e.g. registry:sft-demo-arithmetic, or a model directory) or model.init: pretrained")
+        check_starts_from_trained(self, "DPO")
 
 
-RECIPES = {"sft": SFTConfig, "dpo": DPOConfig}
+@dataclass
+class RMSection:
+    """Reward modelling (`posttrain.objectives.reward`): Bradley-Terry on a scalar value head
+    over the starting model's hidden states, `-log s(s_c - s_r - margin) + centering *
+    (s_c + s_r)^2` per pair. The head (`score`, no bias, as transformers' sequence
+    classifiers) starts as N(0, `head_init_std`) seeded by `train.seed`. `sft_weight` adds the
+    chosen response's mean NLL under the backbone's LM head (hidden-state regularisation).
+    `shared_prompt`: pack each pair with its prompt once, each response scored at its last token."""
+
+    margin: float = 0.0
+    centering: float = bounded(0.0, ge=0)
+    sft_weight: float = bounded(0.0, ge=0)
+    head_init_std: float = bounded(0.02, gt=0)
+    shared_prompt: bool = True
+
+
+@dataclass
+class RMConfig(RecipeConfig):
+    """The reward-model recipe: ingest pairs -> tokenize -> pack -> train -> verify (sequence
+    classification) -> evaluate -> register, starting from a model (`model.init_from` or
+    `model.name_or_path`) whose LM head is replaced by the value head."""
+
+    rm: RMSection = field(default_factory=RMSection)
+
+    def validate(self) -> None:
+        super().validate()
+        check_starts_from_trained(self, "reward-model")
+        if self.model.backend != "native":
+            raise ConfigError("a reward-model recipe trains our own model definitions: model.backend must be 'native'")
+
+
+def check_starts_from_trained(config: RecipeConfig, what: str) -> None:
+    if config.model.init != "pretrained" and not config.model.init_from:
+        raise ConfigError(f"a {what} recipe starts from a trained model: set model.init_from (a registry entry, "
+                          "e.g. registry:sft-demo-arithmetic, or a model directory) or model.init: pretrained")
+
+
+RECIPES = {"sft": SFTConfig, "dpo": DPOConfig, "rm": RMConfig}
+PAIR_RECIPES = (DPOConfig, RMConfig)  # recipes trained on preference pairs

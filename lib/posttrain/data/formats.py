@@ -50,11 +50,11 @@ Registered formats (record kind; logical fields = default columns):
 
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from posttrain.catalog import format_fields, resolve_columns  # noqa: F401  (resolve_columns: re-exported)
 from posttrain.data.records import (
     ChatRecord,
     PreferenceRecord,
@@ -129,67 +129,27 @@ class Format:
     kind: type
     fields: Mapping[str, str | None]
     parse: Callable[[Row], list]
-    check: Callable[[dict], None] | None = None  # extra rule on the resolved columns (ValueError)
 
 
 FORMATS: dict[str, Format] = {}
 
 
-def register_format(name: str, kind: type, fields: Mapping[str, str | None],
-                    check: Callable[[dict], None] | None = None):
-    """Decorator: register `parse(row: Row) -> list[record]` as format `name`."""
+def register_format(name: str, kind: type):
+    """Decorator: register `parse(row: Row) -> list[record]` as format `name`, a name the
+    catalog declares with its fields (`posttrain.catalog.FORMAT_FIELDS`)."""
 
     def wrap(parse: Callable[[Row], list]) -> Callable[[Row], list]:
         if name in FORMATS:
             raise ValueError(f"format {name!r} is already registered")
-        FORMATS[name] = Format(name, kind, dict(fields), parse, check)
+        FORMATS[name] = Format(name, kind, dict(format_fields(name)), parse)
         return parse
 
     return wrap
 
 
 def get_format(name: str) -> Format:
-    if name not in FORMATS:
-        nearest = difflib.get_close_matches(str(name), list(FORMATS), n=1, cutoff=0.5)
-        hint = f"; did you mean {nearest[0]!r}?" if nearest else ""
-        raise ValueError(f"unknown format {name!r}{hint} (known: {', '.join(sorted(FORMATS))})")
+    format_fields(name)  # an unknown name: the catalog's error, with the nearest known name
     return FORMATS[name]
-
-
-def resolve_columns(format_name: str, fields: Mapping[str, Any] | None = None, *, messages_field: str = "messages",
-                    prompt_field: str | None = None, response_field: str | None = None) -> dict[str, str | None]:
-    """The column of every logical field of `format_name`: its defaults, then `fields`.
-
-    The legacy `messages_field` / `prompt_field` / `response_field` keys map the `chat`
-    format's `messages` / `prompt` / `response`; with any other format they must keep
-    their defaults. Raises `ValueError` for an unknown format or logical name, a column
-    that is not a non-empty string, or a key set both ways.
-    """
-    fmt = get_format(format_name)
-    fields = dict(fields or {})
-    unknown = sorted(set(fields) - set(fmt.fields))
-    if unknown:
-        raise ValueError(f"format {format_name!r} has no field {unknown[0]!r} "
-                         f"(its fields: {', '.join(fmt.fields)})")
-    for name, column in fields.items():
-        if not isinstance(column, str) or not column:
-            raise ValueError(f"fields.{name} must be a non-empty column name, got {column!r}")
-    columns = dict(fmt.fields)
-    legacy = {"messages": (messages_field, "messages"), "prompt": (prompt_field, None),
-              "response": (response_field, None)}
-    for name, (value, default) in legacy.items():
-        if value == default:
-            continue
-        if format_name != "chat":
-            raise ValueError(f"{name}_field applies to format 'chat' only; with format {format_name!r} "
-                             f"map columns with fields")
-        if name in fields and fields[name] != value:
-            raise ValueError(f"both {name}_field ({value!r}) and fields.{name} ({fields[name]!r}) are set")
-        columns[name] = value
-    columns.update(fields)
-    if fmt.check is not None:
-        fmt.check(columns)
-    return columns
 
 
 def parse_row(format_name: str, row: Any, *, columns: Mapping[str, str | None] | None = None,
@@ -257,12 +217,7 @@ def _preference(row: Row, prompt: list[dict], chosen: Any, rejected: Any) -> lis
 # ---------------------------------------------------------------- chat
 
 
-def _check_chat(columns: dict) -> None:
-    if (columns["prompt"] is None) != (columns["response"] is None):
-        raise ValueError("format 'chat': map prompt and response together (set both or neither)")
-
-
-@register_format("chat", ChatRecord, {"messages": "messages", "prompt": None, "response": None}, check=_check_chat)
+@register_format("chat", ChatRecord)
 def _chat(row: Row) -> list:
     if row.column("prompt") is None:
         field = row.column("messages")
@@ -274,7 +229,6 @@ def _chat(row: Row) -> list:
 
 # ---------------------------------------------------------------- OpenAssistant trees
 
-_OASST_FIELDS = {"text": "text", "role": "role", "replies": "replies", "rank": "rank", "deleted": "deleted"}
 _OASST_ROLES = {"prompter": "user", "assistant": "assistant"}
 
 
@@ -335,7 +289,7 @@ def _root(row: Row) -> dict:
     return row.obj
 
 
-@register_format("oasst_tree", ChatRecord, _OASST_FIELDS)
+@register_format("oasst_tree", ChatRecord)
 def _oasst_best(row: Row) -> list:
     path, node = [], _root(row)
     while node is not None:
@@ -345,7 +299,7 @@ def _oasst_best(row: Row) -> list:
     return _oasst_records(row, [path])
 
 
-@register_format("oasst_tree_all", ChatRecord, _OASST_FIELDS)
+@register_format("oasst_tree_all", ChatRecord)
 def _oasst_all(row: Row) -> list:
     paths, stack = [], [(_root(row), [])]
     while stack:  # depth-first, replies in listed order
@@ -361,7 +315,7 @@ def _oasst_all(row: Row) -> list:
 # ---------------------------------------------------------------- GSM8K
 
 
-@register_format("gsm8k_chat", ChatRecord, {"question": "question", "answer": "answer"})
+@register_format("gsm8k_chat", ChatRecord)
 def _gsm8k_chat(row: Row) -> list:
     turns = [{"role": "user", "content": row.string("question")},
              {"role": "assistant", "content": row.string("answer")}]
@@ -378,7 +332,7 @@ def gsm8k_final_answer(answer: str) -> str:
     return final
 
 
-@register_format("gsm8k_prompt", PromptRecord, {"question": "question", "answer": "answer"})
+@register_format("gsm8k_prompt", PromptRecord)
 def _gsm8k_prompt(row: Row) -> list:
     question, answer = row.string("question"), row.string("answer")
     prompt, reference, meta = validate_prompt(row.with_system([{"role": "user", "content": question}]),
@@ -406,7 +360,7 @@ def parse_hh_transcript(text: str, what: str) -> list[dict]:
     return turns
 
 
-@register_format("hh_rlhf", PreferenceRecord, {"chosen": "chosen", "rejected": "rejected"})
+@register_format("hh_rlhf", PreferenceRecord)
 def _hh_rlhf(row: Row) -> list:
     chosen = parse_hh_transcript(row.string("chosen"), "chosen")
     rejected = parse_hh_transcript(row.string("rejected"), "rejected")
@@ -424,17 +378,14 @@ def _generic_preference(row: Row) -> list:
     return _preference(row, _messages(row, "prompt", "user"), chosen, rejected)
 
 
-register_format("preference", PreferenceRecord,
-                {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"})(_generic_preference)
-register_format("orca_dpo", PreferenceRecord,
-                {"prompt": "input.messages", "chosen": "preferred_output",
-                 "rejected": "non_preferred_output"})(_generic_preference)
+register_format("preference", PreferenceRecord)(_generic_preference)
+register_format("orca_dpo", PreferenceRecord)(_generic_preference)
 
 
 # ---------------------------------------------------------------- prompts and sequences
 
 
-@register_format("prompt", PromptRecord, {"prompt": "prompt", "reference": "reference"})
+@register_format("prompt", PromptRecord)
 def _prompt(row: Row) -> list:
     prompt = _messages(row, "prompt", "user")
     reference = row.find("reference")
@@ -449,6 +400,6 @@ def _prompt(row: Row) -> list:
     return [PromptRecord(prompt, reference, meta, row.source, row.line)]
 
 
-@register_format("sequence", SequenceRecord, {"ids": "ids"})
+@register_format("sequence", SequenceRecord)
 def _sequence(row: Row) -> list:
     return [SequenceRecord(validate_sequence(row.get("ids")), row.source, row.line)]

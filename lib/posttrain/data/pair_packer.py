@@ -13,7 +13,10 @@ differs is how a row is written and what a batch holds:
   `[M]` (which response: `2 * k` is pair `k`'s chosen one, `2 * k + 1` its rejected one, `k`
   numbering the batch's pairs in row order), `pair_ids` `[K]` (each pair's id: its index in
   the recipe's pair list, where reference log-probabilities are looked up), and `seq_tokens`
-  `[2K]` (trained tokens per response, for length-normalised losses).
+  `[2K]` (trained tokens per response, for length-normalised losses), and `score_pos` `[2K]`
+  (index into the flattened hidden states of each response's last token: where a reward
+  model reads a response's score, as transformers' sequence classifiers read the last
+  token of prompt + response).
 
 In the shared layout the last prompt position predicts the first token of both responses, so
 a position can be the target position of two tokens; that is why targets are lists of
@@ -34,8 +37,8 @@ PAIR_ROW_FIELDS = ("input_ids", "position_ids", "doc_ids", "branch_ids")
 
 @dataclass
 class PairRows:
-    """`[n, T]` int64 arrays and, per row, its targets `(t, token, pair slot in row, side)` and
-    its pairs' ids in row order."""
+    """`[n, T]` int64 arrays and, per row, its targets `(t, token, pair slot in row, side)`, its
+    responses' last positions `(t, pair slot in row, side)` and its pairs' ids in row order."""
 
     input_ids: np.ndarray
     position_ids: np.ndarray
@@ -43,12 +46,13 @@ class PairRows:
     branch_ids: np.ndarray
     targets: list[list[tuple[int, int, int, int]]] = field(default_factory=list)
     pair_ids: list[list[int]] = field(default_factory=list)
+    ends: list[list[tuple[int, int, int]]] = field(default_factory=list)
 
     @classmethod
     def empty(cls, n: int, T: int, pad_id: int) -> "PairRows":
         return cls(np.full((n, T), pad_id, dtype=np.int64), np.zeros((n, T), dtype=np.int64),
                    np.full((n, T), -1, dtype=np.int64), np.zeros((n, T), dtype=np.int64),
-                   [[] for _ in range(n)], [[] for _ in range(n)])
+                   [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)])
 
 
 # part code -> what the run of tokens is: -1 the prompt, -2 its second copy (unshared layout),
@@ -107,6 +111,7 @@ class PairPacker(StreamPacker):
                 rows.position_ids[r, a:b] = trunk_len + np.arange(end - start)  # continue the prompt
                 rows.doc_ids[r, a:b] = doc
                 rows.branch_ids[r, a:b] = side + 1  # 1 chosen, 2 rejected: each sees the prompt and itself
+                rows.ends[r].append((b - 1, slot, side))
                 trained = (codes[start:end] % CODE_STRIDE == (CHOSEN if side == 0 else REJECTED))
                 for j in np.flatnonzero(trained):
                     predictor = trunk_end if j == 0 else a + j - 1
@@ -120,16 +125,20 @@ class PairPacker(StreamPacker):
 
         B, T = rows.input_ids.shape
         pos, tok, seq, pair_ids, slot_base = [], [], [], [], 0
+        score_pos = [0] * (2 * sum(len(p) for p in rows.pair_ids))
         for r in range(B):
             for t, token, slot, side in rows.targets[r]:
                 pos.append(r * T + t)
                 tok.append(token)
                 seq.append(2 * (slot_base + slot) + side)
+            for t, slot, side in rows.ends[r]:
+                score_pos[2 * (slot_base + slot) + side] = r * T + t
             pair_ids += rows.pair_ids[r]
             slot_base += len(rows.pair_ids[r])
         seq_t = torch.tensor(seq, dtype=torch.long)
         batch = {name: torch.from_numpy(getattr(rows, name)) for name in PAIR_ROW_FIELDS}
         batch.update(target_pos=torch.tensor(pos, dtype=torch.long), target_ids=torch.tensor(tok, dtype=torch.long),
                      target_seq=seq_t, pair_ids=torch.tensor(pair_ids, dtype=torch.long),
+                     score_pos=torch.tensor(score_pos, dtype=torch.long),
                      seq_tokens=torch.bincount(seq_t, minlength=2 * len(pair_ids)))
         return batch

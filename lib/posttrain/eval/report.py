@@ -40,35 +40,37 @@ def build_comparison_frame(examples: list[dict]) -> pd.DataFrame:
     return frame.astype({"correct": bool, "output_length": "int64"})
 
 
-def _report_data(frame: pd.DataFrame, role: str):
+def _report_data(frame: pd.DataFrame, role: str, numerical: list[str], categorical: list[str]):
     from evidently import DataDefinition, Dataset
 
     if frame.empty:
         raise ValueError(f"the {role} frame has no rows")
-    data = pd.DataFrame({
-        "output_length": frame["output_length"].astype("int64").to_numpy(),
-        "correct": frame["correct"].astype(int).to_numpy(),
-    })
-    definition = DataDefinition(numerical_columns=REPORT_NUMERICAL, categorical_columns=REPORT_CATEGORICAL)
+    data = pd.DataFrame({**{c: frame[c].to_numpy() for c in numerical},
+                         **{c: frame[c].astype(int).to_numpy() for c in categorical}})
+    definition = DataDefinition(numerical_columns=list(numerical), categorical_columns=list(categorical))
     return Dataset.from_pandas(data, data_definition=definition)
 
 
-def evidently_report_html(base_df: pd.DataFrame, tuned_df: pd.DataFrame) -> str:
+def evidently_report_html(base_df: pd.DataFrame, tuned_df: pd.DataFrame, numerical: list[str] | None = None,
+                          categorical: list[str] | None = None) -> str:
     """Standalone HTML of an evidently (0.7) report: base outputs as reference, tuned as current.
 
-    Both frames need `output_length` and `correct` and at least one row. Constant columns
-    (every answer wrong, every output the same length) are fine; the numerical warnings
-    evidently's statistics raise on them are silenced.
+    Both frames need the `numerical` columns (default `output_length`) and the `categorical`
+    ones (default `correct`, booleans) and at least one row; a reward model's evaluation
+    passes its score margins instead. Constant columns (every answer wrong, every output the
+    same length) are fine; the numerical warnings evidently's statistics raise on them are
+    silenced.
     """
     from evidently import Report
     from evidently.presets import DataDriftPreset, ValueStats
 
-    reference = _report_data(base_df, "base")
-    current = _report_data(tuned_df, "tuned")
+    numerical = REPORT_NUMERICAL if numerical is None else list(numerical)
+    categorical = REPORT_CATEGORICAL if categorical is None else list(categorical)
+    reference = _report_data(base_df, "base", numerical, categorical)
+    current = _report_data(tuned_df, "tuned", numerical, categorical)
     report = Report([
-        ValueStats(column="output_length"),
-        ValueStats(column="correct"),
-        DataDriftPreset(columns=REPORT_NUMERICAL + REPORT_CATEGORICAL),
+        *(ValueStats(column=c) for c in numerical + categorical),
+        DataDriftPreset(columns=numerical + categorical),
     ])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -121,7 +121,20 @@ class ReplacedHead(nn.Module):
 
 
 class RewardModel(nn.Module):
-    """`backbone` hidden states through a `ValueHead`: `forward(...) -> values_BT`."""
+    """`backbone` hidden states through a `ValueHead`.
+
+    `forward(input_ids_BT, position_ids_BT, doc_ids_BT, branch_ids_BT=None, positions_M=None)`:
+    `values_BT`, one scalar per position; with `positions_M` (indices into the flattened
+    `[B*T]` positions) only those positions are scored, `values_M` (what training needs: the
+    head runs on M positions, not B*T), and `return_hidden=True` adds the backbone's hidden
+    states, `(values_M, hidden_BTD)`, for a loss that also reads the LM head
+    (`output_weight`, the backbone's). `branch_ids_BT` passes tree masks to the backbone
+    (`posttrain.ops.attention`), so a packed pair scores each response against the shared
+    prompt. The output of the model is one number per position: `output_size` is 1 (MFU
+    counts this head, not the backbone's unused LM head).
+    """
+
+    output_size = 1
 
     def __init__(self, backbone: nn.Module, head: ValueHead):
         super().__init__()
@@ -129,10 +142,25 @@ class RewardModel(nn.Module):
         self.backbone, self.head = backbone, head
         self.config = backbone.config
 
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The backbone's LM head `[V_padded, D]` (an auxiliary language-modelling term reads it)."""
+        return self.backbone.output_weight
+
     def forward(
-        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor
-    ) -> torch.Tensor:
-        return self.head(self.backbone(input_ids_BT, position_ids_BT, doc_ids_BT))
+        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor,
+        branch_ids_BT: torch.Tensor | None = None, positions_M: torch.Tensor | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if branch_ids_BT is None:
+            hidden_BTD = self.backbone(input_ids_BT, position_ids_BT, doc_ids_BT)
+        else:
+            hidden_BTD = self.backbone(input_ids_BT, position_ids_BT, doc_ids_BT, branch_ids_BT)
+        if positions_M is None:
+            return self.head(hidden_BTD)
+        hidden_MD = hidden_BTD.reshape(-1, hidden_BTD.shape[-1]).index_select(0, positions_M)
+        values_M = self.head(hidden_MD)
+        return (values_M, hidden_BTD) if return_hidden else values_M
 
 
 class ReplacedHeadLM(nn.Module):

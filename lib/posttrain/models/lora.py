@@ -27,6 +27,7 @@ on a gathered full state dict). PEFT adapter export and import live in
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable
 
@@ -35,7 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from posttrain.config.schema import LoraConfig
-from posttrain.train.mfu import LoraSpec
+from posttrain.models.blocks import NoDecoderBlocks, decoder_blocks
+from posttrain.models.flops import LoraSpec
 
 # unified target name -> module path inside a decoder layer (`model.layers[i]`)
 TARGET_MODULES: dict[str, str] = {
@@ -74,6 +76,7 @@ class LoraLinear(nn.Module):
         self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, **factory))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, **factory))
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.adapter_enabled = True  # False: the base map alone (`adapters_disabled`)
 
     @torch.no_grad()
     def reset_lora_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -83,6 +86,8 @@ class LoraLinear(nn.Module):
 
     def forward(self, x_BTI: torch.Tensor) -> torch.Tensor:
         y_BTO = F.linear(x_BTI, self.weight, self.bias)
+        if not self.adapter_enabled:
+            return y_BTO
         update_BTO = F.linear(F.linear(self.dropout(x_BTI), self.lora_A), self.lora_B)
         return y_BTO + update_BTO * self.scaling
 
@@ -107,6 +112,23 @@ def has_lora(model: nn.Module) -> bool:
     return any(isinstance(m, LoraLinear) for m in model.modules())
 
 
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """Within the block `model` computes its base model: every adapter is skipped (not zeroed:
+    the factors are untouched), so a LoRA policy is also its own frozen reference without a
+    second copy. Re-enabled on exit, also on error. Raises `LoraError` without adapters."""
+    adapted = list(lora_modules(model).values())
+    if not adapted:
+        raise LoraError(f"{type(model).__name__} has no LoRA adapters to disable")
+    for module in adapted:
+        module.adapter_enabled = False
+    try:
+        yield model
+    finally:
+        for module in adapted:
+            module.adapter_enabled = True
+
+
 def check_lora_config(cfg: LoraConfig) -> None:
     """Raise `LoraError` for a config `apply_lora` cannot use (the YAML loader checks the same)."""
     targets = list(cfg.targets)
@@ -118,10 +140,10 @@ def check_lora_config(cfg: LoraConfig) -> None:
 
 
 def _layers(model: nn.Module) -> nn.ModuleList:
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise LoraError(f"{type(model).__name__} has no `layers` ModuleList of decoder layers to adapt")
-    return layers
+    try:
+        return decoder_blocks(model)
+    except NoDecoderBlocks as err:
+        raise LoraError(f"no decoder layers to adapt: {err}") from None
 
 
 def _target_linear(layer: nn.Module, index: int, target: str) -> nn.Linear:
@@ -151,6 +173,8 @@ def _target_linear(layer: nn.Module, index: int, target: str) -> nn.Linear:
 def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
     """Add LoRA adapters to `model` in place (see the module docstring) and return it.
 
+    Every base weight is frozen; a custom head of `model` (`posttrain.models.heads`: the
+    `head` of a reward model or of a replaced-vocabulary LM) stays trainable, as it is new.
     Adapter `A` matrices are drawn from a generator seeded with `seed` (module order), so the
     result is deterministic. Raises `LoraError` on a bad config, on a target that is not an
     `nn.Linear` in some layer, and if the model already holds adapters (merge them first).
@@ -177,6 +201,9 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
         setattr(layer.get_submodule(parent_path), leaf, adapted)
     if cfg.train_output:
         model.output_weight.requires_grad_(True)
+    head = getattr(model, "head", None)
+    if isinstance(head, nn.Module):  # a custom head (value head, replaced vocabulary) is new: it trains whole
+        head.requires_grad_(True)
     model.lora_config = LoraConfig(rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout,
                                    targets=list(cfg.targets), train_output=cfg.train_output)
     return model

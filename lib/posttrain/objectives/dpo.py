@@ -26,9 +26,12 @@ chunks by `chunked_logprobs` (never `[N, V]`), summed per response.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
+from posttrain.objectives.pairs import pair_count, pair_table
 from posttrain.ops.logprobs import chunked_logprobs
 from posttrain.train.objective import Objective, ObjectiveOutput
 
@@ -47,18 +50,17 @@ def response_logps(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     return torch.zeros(sequences, dtype=logp_M.dtype, device=logp_M.device).index_add(0, batch["target_seq"], logp_M)
 
 
-def pair_count(batch: dict) -> torch.Tensor:
-    return torch.as_tensor(batch["pair_ids"].numel(), device=batch["pair_ids"].device)
-
-
 class DPOObjective(Objective):
-    """See the module docstring. `reference_free` losses (`simpo`) ignore `ref_logps`."""
+    """See the module docstring. `reference_free` losses (`simpo`) ignore `ref_logps`.
+    `reference`: compute the reference log-probabilities per batch instead of reading the
+    batch's `ref_logps` (`on_the_fly_reference`)."""
 
     unit = "pairs"
     metric_names = ("reward_chosen", "reward_rejected", "margin", "accuracy", "logp_chosen", "logp_rejected")
 
     def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-                 sft_weight: float = 0.0, simpo_gamma: float = 0.5):
+                 sft_weight: float = 0.0, simpo_gamma: float = 0.5,
+                 reference: Callable[[torch.nn.Module, dict], torch.Tensor] | None = None):
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"DPO loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
         if not beta > 0:
@@ -68,6 +70,7 @@ class DPOObjective(Objective):
         self.beta, self.loss_type, self.eps = float(beta), loss_type, float(label_smoothing)
         self.sft_weight, self.gamma = float(sft_weight), float(simpo_gamma)
         self.name = f"dpo_{loss_type}"
+        self.reference = reference  # on-the-fly reference: (policy, batch) -> [2K] log-probs; None: the batch's
 
     @property
     def needs_reference(self) -> bool:
@@ -107,8 +110,14 @@ class DPOObjective(Objective):
                 "logp_chosen": (c / n_c).detach(), "logp_rejected": (r / n_r).detach()}
 
     def __call__(self, model: torch.nn.Module, batch: dict) -> ObjectiveOutput:
+        ref = None
+        if self.needs_reference:
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref = self.reference(model, batch)
+            else:
+                ref = batch.get("ref_logps")
         logps = response_logps(model, batch)
-        ref = batch.get("ref_logps") if self.needs_reference else None
         per_pair = self.losses(logps, None if ref is None else ref.to(logps.dtype), batch["seq_tokens"])
         return ObjectiveOutput(per_pair["loss"].sum(), pair_count(batch),
                                {k: per_pair[k].sum() for k in self.metric_names})
@@ -121,30 +130,28 @@ class DPOObjective(Objective):
 def reference_logps(model: torch.nn.Module, pairs, row_length: int, pad_id: int, rows_per_batch: int = 8,
                     shared_prompt: bool = True, window: int = 256) -> torch.Tensor:
     """Every pair's response log-probabilities under `model` (the frozen reference), as the
-    table the training stream reads: `[2 * (max pair id + 1)]` float32, chosen at `2 * id`,
-    rejected at `2 * id + 1` (NaN where no pair has that id). One pass over `pairs` packed as
-    training packs them; the model is put in eval mode and left there."""
-    from posttrain.data.pair_packer import PairPacker
-    from posttrain.data.preference import pair_layout
+    table the training stream reads (`posttrain.objectives.pairs.pair_table`: chosen at
+    `2 * id`, rejected at `2 * id + 1`, NaN where no pair has that id); the model is put in
+    eval mode and left there."""
+    return pair_table(model, pairs, row_length, pad_id, response_logps, rows_per_batch=rows_per_batch,
+                      shared_prompt=shared_prompt, window=window)
 
-    model.eval()
-    device = next(model.parameters()).device
-    pairs = list(pairs)
-    table = torch.full((2 * (max((p.pair_id for p in pairs), default=-1) + 1),), float("nan"))
-    packer = PairPacker(row_length, pad_id, window=window)
-    source = iter(pair_layout(p, shared=shared_prompt) for p in pairs)
-    done = False
-    while not done:
-        rows, n = packer.empty_rows(rows_per_batch), 0
-        while n < rows_per_batch and (plan := packer.next_plan(source)) is not None:
-            packer.write_plan(rows, n, plan)
-            n += 1
-        done = n < rows_per_batch
-        if n == 0:
-            break
-        batch = {k: v.to(device) for k, v in PairPacker.batch_tensors(rows).items()}
-        logps = response_logps(model, batch).float().cpu()
-        ids = batch["pair_ids"].cpu()
-        table[2 * ids] = logps[0::2]
-        table[2 * ids + 1] = logps[1::2]
-    return table
+
+def on_the_fly_reference(policy: torch.nn.Module, frozen: torch.nn.Module | None = None):
+    """The `reference` of a `DPOObjective` scored per batch: `frozen`'s log-probabilities (a
+    copy of the starting model, in eval mode, no gradients), or, when `frozen` is None, the
+    policy's own with its LoRA adapters disabled (`posttrain.models.lora.adapters_disabled`:
+    the starting model, without a second copy)."""
+    from posttrain.models.lora import adapters_disabled, has_lora
+
+    if frozen is not None:
+        frozen.eval().requires_grad_(False)
+        return lambda model, batch: response_logps(frozen, batch)
+    if not has_lora(policy):
+        raise ValueError("an on-the-fly reference without a frozen copy needs a LoRA policy (adapters disabled)")
+
+    def score(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        with adapters_disabled(model):
+            return response_logps(model, batch)
+
+    return score

@@ -102,7 +102,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 if need_hidden:
                     grad_hidden_ND[rows] = (g_mm_cV @ w_mm_VD).to(hidden_ND.dtype)
                 if need_weight:
-                    grad_weight_PD[:V] += (g_mm_cV.T @ h_cD.to(mm)).to(acc)
+                    if mm == acc:  # accumulate in place: no [V, D] temporary per chunk
+                        grad_weight_PD[:V].addmm_(g_mm_cV.T, h_cD)
+                    else:  # bf16 products, widened into the float32 accumulator
+                        grad_weight_PD[:V] += (g_mm_cV.T @ h_cD.to(mm)).to(acc)
         if grad_weight_PD is not None:
             grad_weight_PD = grad_weight_PD.to(weight_VD.dtype)
         return grad_hidden_ND, grad_weight_PD, None, None, None, None, None, None

@@ -4,8 +4,8 @@
     model = apply_parallelism(model, cfg.parallel, mesh)
     optimizer = build_optimizer(model, train_cfg)        # after: it must see the sharded params
 
-Strategies (the model must be a `posttrain.models.decoder.DecoderLM`-like module with a
-`layers` ModuleList of blocks and `config.model_type`):
+Strategies (the model is one of ours, or a model with a custom head around one: its blocks
+are found by `posttrain.models.blocks.decoder_blocks`):
 
 - "none": the model unchanged.
 - "fsdp": FSDP2 `fully_shard` on every decoder block, then on the root, over the "dp" mesh
@@ -39,14 +39,8 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from posttrain.config.schema import ParallelConfig
+from posttrain.models.blocks import decoder_blocks, decoder_of
 from posttrain.parallel.plans import TPConfigError, localize_heads, tp_plan_for
-
-
-def _blocks(model: nn.Module) -> nn.ModuleList:
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise TypeError(f"{type(model).__name__} has no `layers` ModuleList of decoder blocks to parallelise")
-    return layers
 
 
 def _sum_reduction(module: FSDPModule) -> None:
@@ -60,7 +54,7 @@ def _sum_reduction(module: FSDPModule) -> None:
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, **fully_shard_kwargs: Any) -> nn.Module:
     """FSDP2 over `mesh` (1-D: sharding; 2-D: HSDP, replicate x shard): each block, then the
     root; gradients summed over the mesh's data-parallel ranks."""
-    for block in _blocks(model):
+    for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, **fully_shard_kwargs)
     for module in model.modules():
@@ -73,8 +67,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """The architecture's TP plan on every block over the 1-D `tp_mesh`; raises
     `NoTPPlanError` for an architecture without one, `TPConfigError` for heads that do not
     split over the mesh or a planned layer that is not an `nn.Linear` (e.g. LoRA-wrapped)."""
-    plan_factory = tp_plan_for(model.config.model_type)
-    for index, block in enumerate(_blocks(model)):
+    plan_factory = tp_plan_for(decoder_of(model).config.model_type)
+    for index, block in enumerate(decoder_blocks(model)):
         plan = plan_factory(block)
         _check_split_layers(block, plan, f"layers.{index}")
         parallelize_module(block, tp_mesh, plan)

@@ -7,7 +7,7 @@
 there, and calls `fn(*args)` on every actor inside an initialised process group (gloo on
 CPU, NCCL on GPU; `posttrain.parallel.distributed.run_spmd`). It returns the per-rank
 results in rank order. `fn` and `args` travel by Ray's pickling: a module-level function of
-an installed package (e.g. `posttrain.parallel.spmd_train.train_on_stream`) is the safe
+an installed package (e.g. `posttrain.steps.train.train_worker`) is the safe
 choice.
 
 Failure: a worker that raises makes `run_workers` raise `WorkerError` with the rank and

@@ -53,33 +53,9 @@ from typing import Iterable, Sequence
 
 import torch
 
-# Dense peak FLOP/s per device, for `peak_flops()`. GPU figures are the vendor's dense
-# (no-sparsity) tensor-core peaks. CPUs have no standard peak: pass your own number
-# (for example cores x clock x FLOPs per cycle, or a measured large-matmul rate).
-PEAK_FLOPS: dict[str, float] = {
-    "h100-sxm/bf16": 989e12,
-    "h100-sxm/fp32": 67e12,
-    "h200/bf16": 989e12,
-    "a100/bf16": 312e12,
-    "a100/fp32": 19.5e12,
-}
-
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    """LoRA adapters of rank `rank` on the unified module names in `targets`."""
-
-    rank: int
-    targets: tuple[str, ...] = LORA_TARGETS
-    train_output: bool = False  # whether the output projection is trained (else frozen)
-
-    def __post_init__(self) -> None:
-        unknown = set(self.targets) - set(LORA_TARGETS)
-        if unknown or self.rank <= 0:
-            raise ValueError(f"LoraSpec needs rank > 0 and targets from {LORA_TARGETS}, got {self}")
-
+from posttrain.catalog import PEAK_FLOPS  # noqa: F401  (the known devices; re-exported)
+# the architectures' FLOP descriptions (re-exported: callers import them from here too)
+from posttrain.models.flops import LORA_TARGETS, LayerFlopSpec, LoraSpec, Matmul, dense_layer_spec  # noqa: F401
 
 @dataclass
 class StepFlops:
@@ -99,40 +75,6 @@ class StepFlops:
     @property
     def per_token(self) -> float:
         return self.total / self.num_tokens if self.num_tokens else 0.0
-
-
-@dataclass(frozen=True)
-class Matmul:
-    """One weight matrix of a layer: `n_in -> n_out`, applied `per_token` times per token
-    (1 for dense layers; top-k for each routed-expert matrix of an MoE layer)."""
-
-    name: str  # unified name: q, k, v, o, gate, up, down, router, ... (LoRA targets match it)
-    n_in: int
-    n_out: int
-    per_token: float = 1.0
-
-
-@dataclass(frozen=True)
-class LayerFlopSpec:
-    """What one decoder layer multiplies: its weight matrices, and its attention's query heads
-    and head dims (`qk_dim` for scores, `v_dim` for weighted values). `window` (sliding-window
-    layers) bounds the keys a query attends to in the `causal_pairs` count; the default
-    "square" count is a dense kernel's `L*L` per document either way."""
-
-    matmuls: tuple[Matmul, ...]
-    num_heads: int
-    qk_dim: int
-    v_dim: int
-    window: int | None = None
-
-
-def dense_layer_spec(config) -> LayerFlopSpec:
-    """The spec of a Llama-style dense layer (GQA attention + gated MLP) from config fields."""
-    D, F = config.hidden_size, config.intermediate_size
-    H, K, E = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    matmuls = (Matmul("q", D, H * E), Matmul("k", D, K * E), Matmul("v", D, K * E), Matmul("o", H * E, D),
-               Matmul("gate", D, F), Matmul("up", D, F), Matmul("down", F, D))
-    return LayerFlopSpec(matmuls, num_heads=H, qk_dim=E, v_dim=E)
 
 
 def layer_flop_specs(config) -> list[LayerFlopSpec]:
@@ -164,10 +106,13 @@ def step_flops(
     lora: LoraSpec | None = None,
     causal_pairs: bool = False,
     backward: bool = True,
+    output_size: int | None = None,
 ) -> StepFlops:
     """FLOPs of one training step over documents `doc_lengths` (rows of lengths).
 
-    `backward=False` gives the forward alone. See the module docstring for what is counted.
+    `backward=False` gives the forward alone. `output_size`: the width of the output head
+    (default the vocabulary; 1 for a reward model's value head, applied at its
+    `num_loss_tokens` scored positions). See the module docstring for what is counted.
     """
     lengths = [int(n) for row in doc_lengths for n in row]
     if any(n < 0 for n in lengths):
@@ -197,7 +142,8 @@ def step_flops(
     if backward:
         out_factor += float(needs_grad)  # gradient to the final hidden states
         out_factor += float(lora is None or lora.train_output)  # gradient of the projection
-    output = out_factor * 2.0 * config.hidden_size * config.vocab_size * loss_tokens
+    width = config.vocab_size if output_size is None else int(output_size)
+    output = out_factor * 2.0 * config.hidden_size * width * loss_tokens
     return StepFlops(linear=linear, attention=attention, output=output, num_tokens=tokens,
                      num_loss_tokens=loss_tokens,
                      parts={"linear_per_token": linear / tokens if tokens else 0.0,
@@ -293,17 +239,17 @@ def doc_lengths_from_doc_ids(doc_ids_BT: torch.Tensor, include_padding: bool = F
 
 def batch_step_flops(config, batch: dict[str, torch.Tensor], lora: LoraSpec | None = None,
                      causal_pairs: bool = False, include_padding: bool = False,
-                     num_loss_tokens: int | None = None) -> StepFlops:
+                     num_loss_tokens: int | None = None, output_size: int | None = None) -> StepFlops:
     """`step_flops` for a packed batch (`doc_ids`, `labels` as in `causal_lm_loss`). A batch
     without `labels` (pair batches) gives the positions its loss projects as `num_loss_tokens`
     (`Objective.projected_positions`)."""
     num_loss = int((batch["labels"] != -100).sum()) if num_loss_tokens is None else int(num_loss_tokens)
     lengths = doc_lengths_from_doc_ids(batch["doc_ids"], include_padding=include_padding)
-    return step_flops(config, lengths, num_loss, lora, causal_pairs)
+    return step_flops(config, lengths, num_loss, lora, causal_pairs, output_size=output_size)
 
 
 def executed_step_flops(config, batch: dict[str, torch.Tensor], lora: LoraSpec | None = None,
-                        num_loss_tokens: int | None = None) -> StepFlops:
+                        num_loss_tokens: int | None = None, output_size: int | None = None) -> StepFlops:
     """The FLOPs the CPU kernels really execute for a batch, beside the useful ones MFU counts
     (`batch_step_flops`): every slot of the `[B, T]` batch goes through the linear layers,
     padding included, and our dense masked SDPA computes each row's full `T x T` score block
@@ -312,7 +258,7 @@ def executed_step_flops(config, batch: dict[str, torch.Tensor], lora: LoraSpec |
     these over the peak; HFU >= MFU, and the gap is what packing-aware kernels could save."""
     B, T = batch["doc_ids"].shape
     num_loss = int((batch["labels"] != -100).sum()) if num_loss_tokens is None else int(num_loss_tokens)
-    return step_flops(config, [[T]] * B, num_loss, lora)
+    return step_flops(config, [[T]] * B, num_loss, lora, output_size=output_size)
 
 
 def peak_flops(device: str | float | int, table: dict[str, float] | None = None) -> float:

@@ -34,8 +34,9 @@ float32. The decoder's matmuls run in bf16. The output projection runs in the dt
 only where it has native bf16): its three matmuls in bf16, the log-sum-exp, softmax and
 reductions in float32 (the final norm returns float32 hidden states; the chunked loss casts
 them itself). The resolved choice is `self.head_precision` and every step's
-`metrics["head_precision"]`. `activation_checkpointing` and `compile` act on each decoder block of
-`model.layers` from outside the model; parameter names do not change (so state dicts and
+`metrics["head_precision"]`. `activation_checkpointing` and `compile` act on each decoder block
+(`posttrain.models.blocks.decoder_blocks`: `model.layers`, or a head model's
+`backbone.layers`) from outside the model; parameter names do not change (so state dicts and
 `export_weights` are the same with or without them).
 
 Batches are moved to the model's device if they are not already there.
@@ -63,6 +64,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from posttrain.config.schema import TrainConfig
+from posttrain.models.blocks import decoder_blocks
 from posttrain.models.lora import lora_spec, merge_lora_weights
 from posttrain.ops.losses import causal_lm_loss
 from posttrain.ops.precision import head_precision, matmul_dtype_for, resolve_head_precision
@@ -83,14 +85,6 @@ def model_device(model: torch.nn.Module) -> torch.device:
 def batch_to(batch: dict, device: torch.device) -> dict:
     """The batch with every tensor on `device` (a no-op for tensors already there)."""
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder blocks (`model.layers`) that activation checkpointing and compile act on."""
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
-        raise ValueError(f"{type(model).__name__} has no `layers` ModuleList of decoder blocks")
-    return list(layers)
 
 
 def _checkpointed(forward: Callable, *args, **kwargs):
@@ -212,9 +206,11 @@ class Trainer:
         lora_config = getattr(self.model, "lora_config", None)
         lora = lora_spec(lora_config) if lora_config is not None else None
         projected = [self.objective.projected_positions(b) for b in micro_batches]
-        useful = sum(batch_step_flops(self.model.config, b, lora=lora, num_loss_tokens=n).total
+        width = getattr(self.model, "output_size", None)  # a custom head's width (value head: 1)
+        useful = sum(batch_step_flops(self.model.config, b, lora=lora, num_loss_tokens=n, output_size=width).total
                      for b, n in zip(micro_batches, projected))
-        executed = sum(executed_step_flops(self.model.config, b, lora=lora, num_loss_tokens=n).total
+        executed = sum(executed_step_flops(self.model.config, b, lora=lora, num_loss_tokens=n,
+                                           output_size=width).total
                        for b, n in zip(micro_batches, projected))
         return useful, executed
 

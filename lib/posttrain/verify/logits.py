@@ -13,6 +13,13 @@ same random token ids:
 The verdict fails if either loader errors, if transformers reports missing, unexpected or
 mismatched tensors (it would silently random-initialise them), or if the largest absolute
 logit difference exceeds `tolerance` (or is not finite).
+
+Sequence-classification mode (`verify_sequence_classifier`, reward models): our
+`RewardModel` (loaded with `posttrain.models.heads.load_with_head`) against transformers'
+`AutoModelForSequenceClassification` on its export, comparing one score per sequence:
+"padded" (a right-padded batch; transformers reads each row's last non-pad token) and
+"packed" (several documents per row through ours, each scored at its last token, against
+each document alone through transformers).
 """
 
 from __future__ import annotations
@@ -168,3 +175,81 @@ def randomize_weights_(model: torch.nn.Module, seed: int, std: float = 0.2) -> t
             if name in ("tok_embeddings.weight", "output.weight"):
                 param[V:] = 0.0
     return model
+
+
+def _sequence_batch(vocab_size: int, pad_id: int, gen: torch.Generator, num_rows: int, seq_len: int,
+                    num_docs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]:
+    """Rows of `num_docs` random documents each (then padding), token ids never `pad_id` (a
+    sequence classifier finds the last token by it). Returns ids, positions, doc ids and the
+    `(row, start, length)` of every document."""
+    ids_BT = torch.full((num_rows, seq_len), pad_id, dtype=torch.long)
+    pos_BT = torch.zeros(num_rows, seq_len, dtype=torch.long)
+    doc_BT = torch.full((num_rows, seq_len), -1, dtype=torch.long)
+    docs = []
+    for r in range(num_rows):
+        pad = 0 if r == 0 else int(torch.randint(0, seq_len // 4 + 1, (), generator=gen))
+        start = 0
+        for d, length in enumerate(_random_lengths(seq_len - pad, num_docs, gen)):
+            tokens = torch.randint(0, vocab_size - 1, (length,), generator=gen)
+            ids_BT[r, start:start + length] = tokens + (tokens >= pad_id).long()  # skip pad_id
+            pos_BT[r, start:start + length] = torch.arange(length)
+            doc_BT[r, start:start + length] = d
+            docs.append((r, start, length))
+            start += length
+    return ids_BT, pos_BT, doc_BT, docs
+
+
+@torch.no_grad()
+def compare_sequence_scores(ours, hf_model, pad_id: int, gen: torch.Generator, batch_size: int, seq_len: int,
+                            num_docs: int) -> list[dict]:
+    """The padded and packed cases of the sequence-classification mode (module docstring)."""
+    from posttrain.models.heads import sequence_scores
+
+    device = next(ours.parameters()).device
+    V = ours.config.vocab_size
+    ids_BT, pos_BT, doc_BT, _ = _sequence_batch(V, pad_id, gen, batch_size, seq_len, 1)
+    ours_N = sequence_scores(ours(ids_BT.to(device), pos_BT.to(device), doc_BT.to(device)), doc_BT.to(device))
+    hf_N = hf_model(input_ids=ids_BT.to(device), attention_mask=(doc_BT >= 0).long().to(device)).logits[:, 0]
+    cases = [_diff_stats("padded", [(ours_N - hf_N).abs()])]
+
+    ids_BT, pos_BT, doc_BT, docs = _sequence_batch(V, pad_id, gen, batch_size, seq_len, max(1, num_docs))
+    ours_N = sequence_scores(ours(ids_BT.to(device), pos_BT.to(device), doc_BT.to(device)), doc_BT.to(device))
+    hf_N = torch.cat([hf_model(input_ids=ids_BT[r:r + 1, a:a + n].to(device)).logits[:, 0] for r, a, n in docs])
+    cases.append(_diff_stats("packed", [(ours_N - hf_N).abs()]))
+    return cases
+
+
+def verify_sequence_classifier(model_dir: str | Path, export_dir: str | Path, tolerance: float = 1e-4,
+                               seed: int = 0, batch_size: int = 3, seq_len: int = 48, num_docs: int = 3,
+                               device: str = "cpu") -> dict:
+    """Our reward model at `model_dir` (`save_with_head`) against transformers'
+    `AutoModelForSequenceClassification` loaded from `export_dir` (its
+    `export_sequence_classifier` export): the verdict of `verify_checkpoint`, over scores."""
+    from transformers import AutoModelForSequenceClassification
+
+    from posttrain.models.heads import load_with_head
+
+    verdict = {"arch": None, "mode": "sequence_classification", "model_dir": str(model_dir),
+               "export_dir": str(export_dir), "max_abs_diff": math.inf, "mean_abs_diff": math.inf,
+               "tolerance": tolerance, "passed": False, "cases": []}
+    try:
+        hf_config = json.loads((Path(export_dir) / "config.json").read_text())
+        verdict["arch"] = hf_config.get("model_type")
+        ours = load_with_head(model_dir, device=device, dtype=torch.float32).eval()
+        hf_model, info = AutoModelForSequenceClassification.from_pretrained(
+            export_dir, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    except Exception as exc:  # the verdict reports it; the caller decides
+        verdict["error"] = f"{type(exc).__name__}: {exc}"
+        return verdict
+    hf_model = hf_model.to(device).eval()
+    seq_len = min(seq_len, ours.config.max_position_embeddings)
+    cases = compare_sequence_scores(ours, hf_model, int(hf_config["pad_token_id"]), torch.Generator().manual_seed(seed),
+                                    batch_size, seq_len, num_docs)
+    max_diff = max(c["max_abs_diff"] for c in cases)
+    verdict.update(max_abs_diff=max_diff, cases=cases, passed=math.isfinite(max_diff) and max_diff <= tolerance,
+                   mean_abs_diff=sum(c["mean_abs_diff"] * c["numel"] for c in cases) / sum(c["numel"] for c in cases))
+    load_problems = {k: sorted(info[k]) for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)}
+    if load_problems:
+        verdict["passed"] = False
+        verdict["error"] = f"transformers did not load every tensor as is: {load_problems}"
+    return verdict

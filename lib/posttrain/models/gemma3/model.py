@@ -62,7 +62,7 @@ from posttrain.models.hf_config import (
 from posttrain.models.decoder import DecoderLM
 from posttrain.models.layers import GroupedQueryAttention, RMSNorm, RotaryEmbedding, ScaledEmbedding, SwiGLU
 from posttrain.ops.attention import AttentionMask
-from posttrain.train.mfu import LayerFlopSpec, dense_layer_spec
+from posttrain.models.flops import LayerFlopSpec, dense_layer_spec
 
 __all__ = ["Gemma3Config", "Gemma3Model", "GemmaRMSNorm", "ScaledEmbedding", "UnsupportedConfigError"]
 

@@ -70,7 +70,7 @@ from posttrain.models.moe import routed_experts
 from posttrain.models.rope import YarnScaling, build_rotary, rope_from_hf
 from posttrain.ops.attention import AttentionMask
 from posttrain.ops.sink_attention import sink_attention
-from posttrain.train.mfu import LayerFlopSpec, Matmul
+from posttrain.models.flops import LayerFlopSpec, Matmul
 
 __all__ = ["GptOssConfig", "GptOssModel", "UnsupportedConfigError"]
 

@@ -48,7 +48,7 @@ from posttrain.models.hf_config import UnsupportedConfigError, check_hf_dict, ch
 from posttrain.models.moe import SwiGLUExperts
 from posttrain.models.qwen3 import model as qwen3
 from posttrain.models.qwen3.model import Qwen3Config
-from posttrain.train.mfu import LayerFlopSpec, Matmul, dense_layer_spec
+from posttrain.models.flops import LayerFlopSpec, Matmul, dense_layer_spec
 
 __all__ = ["Qwen3MoeConfig", "Qwen3MoeModel", "SparseMoe", "UnsupportedConfigError"]
 

@@ -1,0 +1,64 @@
+"""The steps the preference-pair recipes share (DPO, reward models): ingest pairs, tokenize
+them, pack them.
+
+`PairRecipeFlow` is a `RecipeFlow` whose `ingest` reads preference records (the demo mines
+them from the starting model's own answers) and whose `tokenize` renders each pair through
+the chat template, prompt once, masks on the responses, fitted to a row (responses cut, never
+the prompt; unusable pairs kept aside with file, line and reason). Each recipe flow defines
+its own `pack` step (one line: `self._pack_pairs()`, then the recipe's next step: DPO scores
+the pairs with its reference first, a reward model trains directly) and its `evaluate`.
+"""
+
+from metaflow import card, current, step
+
+import recipe_cards as cards
+from recipe_flow import RecipeFlow
+
+
+class PairRecipeFlow(RecipeFlow):
+    @card(type="blank", id="ingest")
+    @step
+    def ingest(self):
+        """Read every source into validated preference pairs (the demo mines them from the
+        starting model's own answers); malformed rows are kept aside and counted."""
+        from posttrain.steps import ingest
+
+        result = ingest.run(self.recipe, self.run_dir, kind="pairs")
+        self.train_records, self.heldout_records = result.train, result.heldout
+        self.rejected, self.rejected_path, self.data_counts = result.rejected, result.rejected_path, result.counts
+        self.data_warnings = result.warnings
+        cards.ingest_section(current.card["ingest"], self.data_counts, self.rejected, self.data_warnings)
+        self.next(self.tokenize)
+
+    @card(type="blank", id="tokenize")
+    @step
+    def tokenize(self):
+        """Render each pair through the chat template (prompt once, masks on the responses),
+        fitted to a row: responses cut, never the prompt; unusable pairs kept aside."""
+        from pathlib import Path
+
+        from posttrain.data.sources import write_rejected
+        from posttrain.steps import tokenize
+
+        tokenizer, kw = self._tokenizer(), self.recipe.tokenizer.chat_template_kwargs
+        shared = self.recipe.shared_prompt
+        train = tokenize.run_pairs(self.train_records, tokenizer, kw, self.recipe.pack, shared)
+        first = sum(len(p) for p in train.pairs.values())
+        held = tokenize.run_pairs({"heldout": self.heldout_records}, tokenizer, kw, self.recipe.pack, shared,
+                                  first_id=first)
+        self.samples, self.heldout_pairs = train.pairs, held.pairs["heldout"]
+        self.tokenize_stats = {**train.stats, "heldout": held.stats["heldout"]}
+        self.rejected = self.rejected + train.rejected + held.rejected
+        if train.rejected or held.rejected:
+            self.rejected_path = str(write_rejected(self.rejected, Path(self.run_dir) / "rejected.jsonl"))
+        cards.pairs_section(current.card["tokenize"], self.tokenize_stats)
+        self.next(self.pack)
+
+    def _pack_pairs(self):
+        """One pass over the weighted mixture of pairs, best-fit packed: rows per epoch and
+        efficiency, in the `pack` card (the body of each pair recipe's `pack` step)."""
+        from posttrain.steps import pack
+
+        result = pack.run(self.samples, self.recipe, self._tokenizer().pad_token_id, pairs=True)
+        self.pack_stats, self.samples_per_source = result.stats, result.samples_per_source
+        cards.pack_section(current.card["pack"], self.pack_stats, self.samples_per_source)

@@ -1,0 +1,62 @@
+"""Reward modelling, end to end: ingest pairs -> tokenize -> pack -> train -> verify -> evaluate
+-> register.
+
+    make sft-3digit                                          # the SFT demo model the RM starts from
+    python flows/rm_flow.py run                              # the embedded demo (offline, CPU)
+    python flows/rm_flow.py --config config configs/rm/hh-rlhf-harmless.yaml run
+
+The same steps as `DPOFlow` without the reference (`PairRecipeFlow`: ingest, tokenize and
+packing of pairs; `RecipeFlow`: start, train, verify, register, end): the starting model
+(`model.init_from`, checked at launch) gets a scalar value head in place of its LM head and
+is trained with a Bradley-Terry loss on each pair's two scores (`posttrain.objectives.reward`;
+each response scored at its last token, the prompt packed once per pair). The export is our
+checkpoint with its head (`posttrain.models.heads.load_with_head` reads it) and, inside it,
+`sequence_classifier/`, which `AutoModelForSequenceClassification.from_pretrained` loads; the
+verify step compares the two implementations' scores. Lineage names the parent model.
+
+Cards: data sources and rejected pairs (ingest), pairs kept / rejected / truncated (tokenize),
+packing (pack), live loss (train), the score verdict (verify), held-out pair accuracy with its
+standard error, base (the new head) vs tuned, with an evidently report of the score margins
+(evaluate), and an overview with the accuracy and margin curves (end).
+"""
+
+from metaflow import card, current, step
+
+from posttrain.config.loader import DEFAULT_RM_CONFIG
+
+import recipe_cards as cards
+from pair_flow import PairRecipeFlow
+from recipe_configs import ValidateRecipe, recipe_configs
+
+
+@ValidateRecipe("rm")
+class RewardModelFlow(PairRecipeFlow):
+    RECIPE = "rm"
+    config, overrides = recipe_configs("rm", DEFAULT_RM_CONFIG, '{"rm.margin": 0.5}')
+
+    @card(type="blank", id="pack")
+    @step
+    def pack(self):
+        """One pass over the weighted mixture of pairs, best-fit packed: rows per epoch and efficiency."""
+        self._pack_pairs()
+        self.next(self.train)
+
+    @card(type="blank", id="evaluation")
+    @card(type="html", id="report", options={"attribute": "evidently_html"})
+    @step
+    def evaluate(self):
+        """Held-out pair accuracy (with its standard error), score margin and loss, base (the
+        starting model with its new head) vs tuned; an evidently report of the margins."""
+        from posttrain.steps import evaluate
+
+        result = evaluate.run_reward(self.base_dir, self.checkpoint_dir, self._tokenizer(), self.heldout_pairs,
+                                     self.heldout_records, self.recipe)
+        self.eval_metrics, self.eval_examples, self.evidently_html = result.metrics, result.examples, result.report_html
+        card = current.card["evaluation"]
+        cards.eval_section(card, self.eval_metrics)
+        cards.examples_table(card, self.eval_examples)
+        self.next(self.register)
+
+
+if __name__ == "__main__":
+    RewardModelFlow()

@@ -1,0 +1,139 @@
+"""The reward-model objective: each packed response is scored at its last token exactly as the
+response rendered alone, the Bradley-Terry loss (with margin and centring) and its gradients
+equal a plain implementation, the trainer counts pairs and MFU counts the value head, and a
+model with a head trains with LoRA, activation checkpointing and compile; its export is what
+transformers' sequence classifier computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from posttrain.config.schema import LoraConfig, TrainConfig
+from posttrain.models.heads import RewardModel, ValueHead, sequence_scores
+from posttrain.models.registry import build_model, tiny_config
+from posttrain.objectives.reward import RewardObjective, pair_scores, score_pairs
+from posttrain.train.trainer import Trainer
+from posttrain.verify.logits import randomize_weights_
+
+from test_dpo import alone_logps, batch_of, pairs, tokenizer  # noqa: F401  (the same pairs, fixtures and helpers)
+
+
+def reward_model(tokenizer, arch="qwen3", seed=0) -> RewardModel:
+    backbone = randomize_weights_(build_model(tiny_config(arch, vocab_size=len(tokenizer)), seed=seed), seed + 1)
+    head = ValueHead(backbone.config.hidden_size, bias=False)
+    head.init_weights(seed, std=0.5)
+    return RewardModel(backbone, head)
+
+
+def alone_scores(model, pair) -> torch.Tensor:
+    """The plain computation: prompt + response as one sequence, scored at its last token."""
+    out = []
+    for ids in (pair.chosen_ids, pair.rejected_ids):
+        full = torch.tensor(pair.prompt_ids + ids)[None]
+        n = full.shape[1]
+        doc = torch.zeros(1, n, dtype=torch.long)
+        out.append(sequence_scores(model(full, torch.arange(n)[None], doc), doc)[0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "unshared"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+def test_packed_scores_equal_each_response_scored_alone(tokenizer, pairs, shared, arch):
+    model = reward_model(tokenizer, arch).eval()
+    batch = batch_of(pairs, shared=shared)
+    with torch.no_grad():
+        packed = pair_scores(model, batch)
+        want = torch.cat([alone_scores(model, p) for p in pairs])
+    torch.testing.assert_close(packed, want, atol=1e-5, rtol=1e-5)
+    table = score_pairs(model, pairs, row_length=128, pad_id=0, rows_per_batch=1, shared_prompt=shared)
+    torch.testing.assert_close(table, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("margin,centering", [(0.0, 0.0), (0.5, 0.1)])
+def test_loss_and_gradients_equal_the_plain_bradley_terry_implementation(tokenizer, pairs, margin, centering):
+    plain_model, packed_model = reward_model(tokenizer).double(), reward_model(tokenizer).double()
+    scores = torch.cat([alone_scores(plain_model, p) for p in pairs])
+    s_c, s_r = scores[0::2], scores[1::2]
+    plain = (-torch.log(torch.sigmoid(s_c - s_r - margin)) + centering * (s_c + s_r) ** 2).sum()
+    plain.backward()
+
+    objective = RewardObjective(margin=margin, centering=centering)
+    out = objective(packed_model, batch_of(pairs))
+    out.loss_sum.backward()
+    assert float(out.loss_sum.detach()) == pytest.approx(float(plain.detach()), rel=1e-6)
+    assert int(out.count) == 3
+    assert float(out.metric_sums["accuracy"]) == float((s_c > s_r).sum())
+    for (name, a), b in zip(packed_model.named_parameters(), plain_model.parameters()):
+        if b.grad is None:  # the backbone's LM head: a reward model never uses it
+            assert a.grad is None and name == "backbone.output.weight", name
+            continue
+        scale = float(b.grad.abs().max()) or 1.0
+        assert float((a.grad - b.grad).abs().max()) / scale < 1e-5, name
+
+
+def test_the_lm_term_adds_the_chosen_mean_nll_from_the_same_forward(tokenizer, pairs):
+    """`sft_weight`: the Bradley-Terry loss plus the chosen response's mean NLL under the
+    backbone's own LM head, equal to the plain computation, gradients included."""
+    plain_model, packed_model = reward_model(tokenizer).double(), reward_model(tokenizer).double()
+    scores = torch.cat([alone_scores(plain_model, p) for p in pairs])
+    chosen_logps = torch.stack([alone_logps(plain_model.backbone, p)[0] for p in pairs])
+    tokens = torch.tensor([sum(p.chosen_mask) for p in pairs], dtype=torch.float64)
+    plain = (-F.logsigmoid(scores[0::2] - scores[1::2]) + 0.5 * (-chosen_logps / tokens)).sum()
+    plain.backward()
+    out = RewardObjective(sft_weight=0.5)(packed_model, batch_of(pairs))
+    out.loss_sum.backward()
+    assert float(out.loss_sum.detach()) == pytest.approx(float(plain.detach()), rel=1e-6)
+    assert float(out.metric_sums["logp_chosen"]) == pytest.approx(float((chosen_logps / tokens).sum()), rel=1e-6)
+    for (name, a), b in zip(packed_model.named_parameters(), plain_model.parameters()):
+        if b.grad is None:
+            assert a.grad is None, name
+            continue
+        scale = float(b.grad.abs().max()) or 1.0
+        assert float((a.grad - b.grad).abs().max()) / scale < 1e-5, name
+
+
+def test_the_trainer_counts_pairs_and_mfu_counts_the_value_head(tokenizer, pairs):
+    from posttrain.train.mfu import batch_step_flops
+
+    model = reward_model(tokenizer)
+    batch = batch_of(pairs)
+    cfg = TrainConfig(learning_rate=1e-2, warmup_steps=0, peak_flops=1e12)
+    trainer = Trainer(model, cfg, total_steps=5, objective=RewardObjective())
+    metrics = trainer.train_step([batch])
+    assert metrics["count"] == 3 and metrics["count_unit"] == "pairs" and "loss_tokens" not in metrics
+    assert {"accuracy", "margin", "score_chosen", "score_rejected"} <= set(metrics)
+    head = batch_step_flops(model.config, batch, num_loss_tokens=6, output_size=1)
+    lm = batch_step_flops(model.config, batch, num_loss_tokens=6)
+    assert head.output == 3 * 2.0 * model.config.hidden_size * 1 * 6  # 6 scored positions, width 1
+    assert lm.output == head.output * model.config.vocab_size
+    assert metrics["mfu"] * 1e12 * metrics["step_time_s"] == pytest.approx(head.total, rel=1e-9)
+
+
+def test_a_reward_model_trains_with_lora_activation_checkpointing_and_compile(tokenizer, pairs):
+    """LoRA freezes the backbone's base weights but trains the new head; activation
+    checkpointing and compile find the blocks through the wrapper; the loss trajectory
+    of the three options is the plain one (AC bit for bit)."""
+    from posttrain.models.lora import apply_lora, lora_parameters
+
+    batch = batch_of(pairs)
+
+    def losses(model, **options):
+        cfg = TrainConfig(learning_rate=1e-2, warmup_steps=0, weight_decay=0.0, **options)
+        trainer = Trainer(model, cfg, total_steps=4, objective=RewardObjective())
+        return [trainer.train_step([batch])["loss"] for _ in range(4)]
+
+    plain = losses(reward_model(tokenizer))
+    assert plain[-1] < plain[0]
+    assert losses(reward_model(tokenizer), activation_checkpointing=True) == plain
+    compiled = losses(reward_model(tokenizer), compile=True)
+    assert compiled == pytest.approx(plain, rel=1e-4, abs=1e-5)
+
+    model = apply_lora(reward_model(tokenizer), LoraConfig(rank=4, alpha=8, targets=["q", "v"]))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n, _ in lora_parameters(model)} | {"head.score.weight"}
+    assert all(n.startswith("backbone.layers.") for n, _ in lora_parameters(model))
+    head_before = model.head.score.weight.detach().clone()
+    with_lora = losses(model)
+    assert with_lora[-1] < with_lora[0] and not torch.equal(head_before, model.head.score.weight)
