@@ -1,6 +1,7 @@
 """FSDP2 and DDP on 2 CPU ranks (gloo): one Trainer step over a global batch split across the
-ranks equals a single-process step over the whole batch (loss and updated parameters), and
-a DCP save/load of the sharded model and optimizer restores them exactly."""
+ranks equals a single-process step over the whole batch (loss and updated parameters), also
+for a model with a custom head (a reward model: the blocks are found through the wrapper),
+and a DCP save/load of the sharded model and optimizer restores them exactly."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from posttrain.config.schema import ParallelConfig, TrainConfig
+from posttrain.models.heads import RewardModel, ValueHead
 from posttrain.models.registry import build_model, tiny_config
+from posttrain.ops.losses import causal_lm_loss
 from posttrain.parallel.apply import apply_parallelism
 from posttrain.parallel.distributed import spawn_local
 from posttrain.parallel.mesh import build_device_mesh, dp_group
@@ -56,8 +59,25 @@ def train_config(eps: float) -> TrainConfig:
                        device="cpu", tensorboard=False, progress_bar=False)
 
 
-def tiny_model(dtype: torch.dtype, tied: bool = False) -> torch.nn.Module:
-    return build_model(tiny_config("qwen3", tie_word_embeddings=tied), seed=0).to(dtype)
+def tiny_model(dtype: torch.dtype, tied: bool = False, head: bool = False) -> torch.nn.Module:
+    model = build_model(tiny_config("qwen3", tie_word_embeddings=tied), seed=0)
+    if head:  # a reward model: the backbone under a value head
+        value = ValueHead(model.config.hidden_size, bias=False)
+        value.init_weights(0, std=0.2)
+        model = RewardModel(model, value)
+    return model.to(dtype)
+
+
+def value_regression(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reward model's loss per labelled position (its value there regressed on 0.5): summed,
+    and normalised like the SFT loss by the loss tokens of the step."""
+    values_BT = model(batch["input_ids"], batch["position_ids"], batch["doc_ids"])
+    labelled = batch["labels"] != -100
+    return ((values_BT[labelled].float() - 0.5) ** 2).sum(), labelled.sum()
+
+
+def objective_for(head: bool):
+    return value_regression if head else causal_lm_loss
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -66,21 +86,22 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in get_model_state_dict(model, options=options).items()}
 
 
-def single_process_steps(steps: int, dtype: torch.dtype, eps: float, tied: bool = False
+def single_process_steps(steps: int, dtype: torch.dtype, eps: float, tied: bool = False, head: bool = False
                          ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = tiny_model(dtype, tied)
-    trainer = Trainer(model, train_config(eps), total_steps=10, process_group=None)
+    model = tiny_model(dtype, tied, head)
+    trainer = Trainer(model, train_config(eps), total_steps=10, process_group=None, objective=objective_for(head))
     losses = [trainer.train_step([global_batch(seed=s)])["loss"] for s in range(steps)]
     return losses, full_state(model)
 
 
-def sharded_steps(strategy: str, steps: int, dtype: torch.dtype, eps: float, tied: bool = False
+def sharded_steps(strategy: str, steps: int, dtype: torch.dtype, eps: float, tied: bool = False, head: bool = False
                   ) -> tuple[list[float], dict[str, torch.Tensor]]:
     world = dist.get_world_size()
     config = ParallelConfig(strategy=strategy, num_workers=world)
     mesh = build_device_mesh(config)
-    model = apply_parallelism(tiny_model(dtype, tied), config, mesh)
-    trainer = Trainer(model, train_config(eps), total_steps=10, process_group=dp_group(mesh))
+    model = apply_parallelism(tiny_model(dtype, tied, head), config, mesh)
+    trainer = Trainer(model, train_config(eps), total_steps=10, process_group=dp_group(mesh),
+                      objective=objective_for(head))
     assert trainer.grad_sync == "none"  # FSDP2 reduces (with SUM)
     rank = dist.get_rank()
     losses = [trainer.train_step([rank_rows(global_batch(seed=s), rank, world)])["loss"] for s in range(steps)]
@@ -98,10 +119,12 @@ def test_batch_ranks_see_different_loss_token_counts():
 # differ by summation order, up to ~1e-8 here; with the default eps (1e-8) that moved weights
 # apart by 4.6e-6, with eps 1e-6 by 1.2e-6 (measured). So fp32 runs use eps 1e-4 (sensitivity
 # <= 2.5) and fp64 runs, where the noise is ~1e-17, keep the default eps.
-# (strategy, dtype, AdamW eps, parameter tolerance, tied embedding/head)
-CASES = {"fsdp-fp32": ("fsdp", torch.float32, 1e-4, 1e-6, False), "ddp-fp32": ("ddp", torch.float32, 1e-4, 1e-6, False),
-         "fsdp-fp64": ("fsdp", torch.float64, 1e-8, 1e-10, False),
-         "fsdp-fp32-tied": ("fsdp", torch.float32, 1e-4, 1e-6, True)}
+# (strategy, dtype, AdamW eps, parameter tolerance, tied embedding/head, value head)
+CASES = {"fsdp-fp32": ("fsdp", torch.float32, 1e-4, 1e-6, False, False),
+         "ddp-fp32": ("ddp", torch.float32, 1e-4, 1e-6, False, False),
+         "fsdp-fp64": ("fsdp", torch.float64, 1e-8, 1e-10, False, False),
+         "fsdp-fp32-tied": ("fsdp", torch.float32, 1e-4, 1e-6, True, False),
+         "fsdp-fp64-reward-model": ("fsdp", torch.float64, 1e-8, 1e-10, False, True)}
 STEPS = 2
 
 
@@ -136,7 +159,8 @@ def dcp_round_trip(directory: str) -> dict:
 
 
 def all_cases(directory: str) -> dict:
-    out = {name: sharded_steps(strategy, STEPS, dtype, eps, tied) for name, (strategy, dtype, eps, _, tied) in CASES.items()}
+    out = {name: sharded_steps(strategy, STEPS, dtype, eps, tied, head)
+           for name, (strategy, dtype, eps, _, tied, head) in CASES.items()}
     out["dcp"] = dcp_round_trip(directory)
     return out
 
@@ -149,8 +173,8 @@ def two_rank_results(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_rank_steps_equal_one_process_steps(case, two_rank_results):
-    strategy, dtype, eps, tol, tied = CASES[case]
-    ref_losses, ref_params = single_process_steps(STEPS, dtype, eps, tied)
+    strategy, dtype, eps, tol, tied, head = CASES[case]
+    ref_losses, ref_params = single_process_steps(STEPS, dtype, eps, tied, head)
     worst = 0.0
     for rank, result in enumerate(two_rank_results):
         losses, params = result[case]
@@ -162,7 +186,7 @@ def test_two_rank_steps_equal_one_process_steps(case, two_rank_results):
             assert diff <= tol, f"rank {rank} {case} {name}: max |diff| {diff:.3g}"
             worst = max(worst, diff)
     print(f"{case}: max |param diff| {worst:.3g}, losses {ref_losses}")
-    init = tiny_model(dtype, tied).state_dict()
+    init = tiny_model(dtype, tied, head).state_dict()
     assert any((ref_params[n] - init[n]).abs().max() > 1e-4 for n in init)  # the steps moved the weights
 
 

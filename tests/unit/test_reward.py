@@ -137,3 +137,22 @@ def test_a_reward_model_trains_with_lora_activation_checkpointing_and_compile(to
     head_before = model.head.score.weight.detach().clone()
     with_lora = losses(model)
     assert with_lora[-1] < with_lora[0] and not torch.equal(head_before, model.head.score.weight)
+
+
+def test_the_sequence_classification_verifier_passes_the_export_and_catches_a_wrong_one(tmp_path, tokenizer):
+    from safetensors.torch import load_file, save_file
+
+    from posttrain.models.heads import export_sequence_classifier, save_with_head
+    from posttrain.verify.logits import verify_sequence_classifier
+
+    model = reward_model(tokenizer).eval()
+    ours = save_with_head(model, tmp_path / "rm")
+    export = export_sequence_classifier(model, tmp_path / "seqcls", pad_token_id=tokenizer.pad_token_id)
+    verdict = verify_sequence_classifier(ours, export)
+    assert verdict["passed"] and verdict["max_abs_diff"] < 1e-4, verdict
+    assert [c["name"] for c in verdict["cases"]] == ["padded", "packed"]
+    tensors = load_file(export / "model.safetensors")
+    tensors["score.weight"] = tensors["score.weight"] * 1.5  # an export that scores differently
+    save_file(tensors, str(export / "model.safetensors"), metadata={"format": "pt"})
+    wrong = verify_sequence_classifier(ours, export)
+    assert not wrong["passed"] and wrong["max_abs_diff"] > 1e-3

@@ -1,6 +1,8 @@
 """`python -m posttrain.verify MODEL_DIR` (or `--tiny MODEL_TYPE`, or `--all-tiny` for every
 registered architecture): print one JSON verdict line per model; exit 0 when all passed, 1 when
-any did not."""
+any did not. A reward model (`save_with_head` directory): `python -m posttrain.verify MODEL_DIR
+--sequence-classifier EXPORT_DIR` compares its scores with `AutoModelForSequenceClassification`
+on its export (the reward-model recipe writes it to `MODEL_DIR/sequence_classifier`)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from posttrain.models.registry import ARCHITECTURES
-from posttrain.verify.logits import build_tiny_checkpoint, verify_checkpoint
+from posttrain.verify.logits import build_tiny_checkpoint, verify_checkpoint, verify_sequence_classifier
 
 
 def _json_safe(value):
@@ -33,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="build a tiny random checkpoint of this type and verify it")
     parser.add_argument("--all-tiny", action="store_true",
                         help=f"verify a tiny random checkpoint of every registered type ({', '.join(ARCHITECTURES)})")
+    parser.add_argument("--sequence-classifier", metavar="EXPORT_DIR",
+                        help="MODEL_DIR is a reward model: compare its scores with transformers' sequence "
+                             "classifier loaded from EXPORT_DIR")
     parser.add_argument("--tolerance", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seq-len", type=int, default=48)
@@ -41,7 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     if sum([args.model_dir is not None, args.tiny is not None, args.all_tiny]) != 1:
         parser.error("give exactly one of MODEL_DIR, --tiny MODEL_TYPE or --all-tiny")
 
+    if args.sequence_classifier is not None and args.model_dir is None:
+        parser.error("--sequence-classifier goes with MODEL_DIR (the reward model's own directory)")
+
     def run(model_dir) -> dict:
+        if args.sequence_classifier is not None:
+            return verify_sequence_classifier(model_dir, args.sequence_classifier, tolerance=args.tolerance,
+                                              seed=args.seed, seq_len=args.seq_len, device=args.device)
         return verify_checkpoint(model_dir, tolerance=args.tolerance, seed=args.seed, seq_len=args.seq_len,
                                  device=args.device)
 
