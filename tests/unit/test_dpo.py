@@ -229,3 +229,20 @@ def test_an_on_the_fly_reference_is_the_lora_policy_with_its_adapters_disabled(t
         assert torch.equal(frozen(policy, batch), start_logps)
     with pytest.raises(ValueError, match="needs a LoRA policy"):
         on_the_fly_reference(model_for(tokenizer))
+
+
+def test_pairs_through_the_transformers_fallback_equal_ours_in_the_unshared_layout(tmp_path, tokenizer, pairs):
+    """The fallback backend (any AutoModelForCausalLM) scores packed pairs in the unshared
+    layout (each response after its own prompt copy, documents masked by restarting
+    positions) as our model does; a prompt shared by two responses is refused, not mis-masked."""
+    from posttrain.models.hf_backend import PackingNotSupported, load_hf_backend
+    from posttrain.models.registry import save_hf_checkpoint
+
+    ours = model_for(tokenizer, seed=2).eval()
+    fallback = load_hf_backend(save_hf_checkpoint(ours, tmp_path / "m")).eval()
+    unshared = batch_of(pairs, shared=False, row_length=256, rows=1)
+    with torch.no_grad():
+        torch.testing.assert_close(response_logps(fallback, unshared), response_logps(ours, unshared),
+                                   atol=1e-5, rtol=1e-5)
+        with pytest.raises(PackingNotSupported, match="shared_prompt"):
+            response_logps(fallback, batch_of(pairs, shared=True))

@@ -450,6 +450,9 @@ class DPOConfig(RecipeConfig):
     def validate(self) -> None:
         super().validate()
         check_starts_from_trained(self, "DPO")
+        if self.model.backend == "transformers" and self.dpo.shared_prompt:
+            raise ConfigError("model.backend 'transformers' cannot share a prompt between two responses (tree "
+                              "masks): set dpo.shared_prompt: false")
 
 
 @dataclass

@@ -54,6 +54,17 @@ class UnsupportedModel(ValueError):
     """The transformers model cannot be trained through our loss as it is."""
 
 
+def _shares_a_trunk(doc_ids_BT: torch.Tensor, branch_ids_BT: torch.Tensor) -> bool:
+    """Whether some document of the batch holds two different branches (a shared prompt)."""
+    branched = branch_ids_BT > 0
+    if not bool(branched.any()):
+        return False
+    rows = torch.arange(doc_ids_BT.shape[0], device=doc_ids_BT.device)[:, None].expand_as(doc_ids_BT)
+    triples = torch.stack([rows[branched], doc_ids_BT[branched], branch_ids_BT[branched]], dim=1).unique(dim=0)
+    documents = triples[:, :2].unique(dim=0)
+    return documents.shape[0] < triples.shape[0]
+
+
 class PackingNotSupported(ValueError):
     """A packed batch (several documents in a row) reached a model that cannot mask documents."""
 
@@ -105,9 +116,20 @@ class HFCausalLM(nn.Module):
         return self.lm_head.weight
 
     def forward(
-        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor
+        self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor,
+        branch_ids_BT: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Last hidden states `[B, T, D]` (what transformers' `lm_head` consumes)."""
+        """Last hidden states `[B, T, D]` (what transformers' `lm_head` consumes).
+
+        `branch_ids_BT` (tree masks of prefix-shared preference pairs) may not put two branches
+        in one document (the unshared layout, each response after its own copy of the prompt,
+        is fine): transformers derives
+        its document masks from restarting positions and has no way to let two branches share
+        a prompt, so a shared layout is refused (`PackingNotSupported`) rather than mis-masked."""
+        if branch_ids_BT is not None and _shares_a_trunk(doc_ids_BT, branch_ids_BT):
+            raise PackingNotSupported(
+                f"model {type(self.hf).__name__} (transformers backend) cannot attend a prompt shared by two responses "
+                "(tree masks); use the unshared layout (dpo.shared_prompt / rm.shared_prompt: false)")
         if bool((doc_ids_BT > 0).any()):
             if not self.supports_packing:
                 raise PackingNotSupported(

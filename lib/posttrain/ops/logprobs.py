@@ -29,20 +29,33 @@ import torch
 
 from posttrain.ops.precision import head_matmul_dtype
 
-DEFAULT_CHUNK_SIZE = 512
+DEFAULT_CHUNK_SIZE = 256  # rows per chunk: a [256, 151936] float32 block is 156 MB
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_logits(h_cD, w_VD, mm, acc, softcap):
-    """Widened logits `[c, V]` (soft-capped) and the cap's derivative (or None)."""
-    z_cV = torch.mm(h_cD.to(mm), w_VD.to(mm).T).to(acc)
+def _chunk_logits(h_cD, w_VD, mm, acc, softcap, buffer=None):
+    """Widened logits `[c, V]` (soft-capped) and the cap's derivative (or None). `buffer`
+    (`[>= c, V]`, float32 products only) receives the logits: one block reused by every
+    chunk, because a fresh block per chunk fragments the heap (peaks vary by 1.5x)."""
+    if buffer is not None and mm == acc:
+        z_cV = torch.mm(h_cD.to(mm), w_VD.to(mm).T, out=buffer[: h_cD.shape[0]])
+    else:
+        z_cV = torch.mm(h_cD.to(mm), w_VD.to(mm).T).to(acc)
     if softcap is None:
         return z_cV, None
     t_cV = torch.tanh(z_cV / softcap)
     return t_cV * softcap, 1.0 - t_cV * t_cV
+
+
+def _logits_buffer(N: int, chunk_size: int, w_VD: torch.Tensor, acc: torch.dtype, mm: torch.dtype):
+    """The one `[chunk, V]` block every chunk's float32 logits are written into (None when the
+    products are bf16: they are widened into a new tensor anyway)."""
+    if mm != acc:
+        return None
+    return torch.empty(min(N, chunk_size), w_VD.shape[0], dtype=acc, device=w_VD.device)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -57,15 +70,20 @@ class _ChunkedLogprobs(torch.autograd.Function):
         entropy_N = torch.empty(N, dtype=acc, device=hidden_ND.device) if with_entropy else None
         with torch.no_grad(), torch.autocast(hidden_ND.device.type, enabled=False):
             w_mm_VD = w_VD.to(mm)
+            buffer = _logits_buffer(N, chunk_size, w_VD, acc, mm)
             for start in range(0, N, chunk_size):
                 rows = slice(start, start + chunk_size)
-                z_cV, _ = _chunk_logits(hidden_ND[rows], w_mm_VD, mm, acc, softcap)
-                lse_c = torch.logsumexp(z_cV, dim=-1)
-                lse_N[rows] = lse_c
-                logp_N[rows] = z_cV.gather(1, targets_N[rows, None]).squeeze(1) - lse_c
+                z_cV, _ = _chunk_logits(hidden_ND[rows], w_mm_VD, mm, acc, softcap, buffer)
+                target_c = z_cV.gather(1, targets_N[rows, None]).squeeze(1)
                 if with_entropy:
+                    lse_c = torch.logsumexp(z_cV, dim=-1)
                     p_cV = torch.exp(z_cV - lse_c[:, None])
                     entropy_N[rows] = lse_c - (p_cV * z_cV).sum(-1)
+                else:  # the log-sum-exp in place (no [c, V] temporaries)
+                    max_c = z_cV.amax(dim=-1)
+                    lse_c = z_cV.sub_(max_c[:, None]).exp_().sum(-1).log_().add_(max_c)
+                lse_N[rows] = lse_c
+                logp_N[rows] = target_c - lse_c
         ctx.save_for_backward(hidden_ND, weight_VD, targets_N, lse_N, entropy_N if with_entropy else lse_N)
         ctx.vocab_size, ctx.chunk_size, ctx.with_entropy, ctx.softcap, ctx.mm = (
             vocab_size, chunk_size, with_entropy, softcap, mm)
@@ -82,17 +100,18 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_weight_PD = torch.zeros(weight_VD.shape, dtype=acc, device=weight_VD.device) if need_weight else None
         with torch.autocast(hidden_ND.device.type, enabled=False):
             w_mm_VD = w_VD.to(mm)
+            buffer = _logits_buffer(hidden_ND.shape[0], ctx.chunk_size, w_VD, acc, mm)
             for start in range(0, hidden_ND.shape[0], ctx.chunk_size):
                 rows = slice(start, start + ctx.chunk_size)
                 h_cD = hidden_ND[rows]
-                z_cV, dcap_cV = _chunk_logits(h_cD, w_mm_VD, mm, acc, ctx.softcap)
+                z_cV, dcap_cV = _chunk_logits(h_cD, w_mm_VD, mm, acc, ctx.softcap, buffer)
                 log_p_cV = z_cV.sub_(lse_N[rows, None])  # in place: the chunk's log-probabilities
-                g_cV = torch.exp(log_p_cV)  # p, turned into the gradient in place below
                 g_lp_c = (grad_logp_N[rows] if grad_logp_N is not None else torch.zeros_like(lse_N[rows])).to(acc)
                 if ctx.with_entropy and grad_entropy_N is not None:  # d H / dz = -p (log p + H)
+                    g_cV = torch.exp(log_p_cV)  # p, turned into the gradient in place below
                     d_ent_cV = log_p_cV.add_(entropy_N[rows, None]).mul_(g_cV).mul_(-grad_entropy_N[rows, None].to(acc))
-                else:
-                    d_ent_cV = None
+                else:  # p in place of log p: one [c, V] block per chunk, not two
+                    g_cV, d_ent_cV = log_p_cV.exp_(), None
                 g_cV.mul_(-g_lp_c[:, None]).scatter_add_(1, targets_N[rows, None], g_lp_c[:, None])  # (onehot - p) g
                 if d_ent_cV is not None:
                     g_cV.add_(d_ent_cV)
