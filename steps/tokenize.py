@@ -5,7 +5,9 @@ Produces `TokenizedSample`s (token ids + assistant-only loss mask) per source. F
 (`data.filters`: token-length bounds, exact de-duplication across sources) and records that
 render to no trainable token are rejected with source, line and reason and counted per
 source, never silently dropped. A template that cannot be masked at all stops the run
-(`ChatTemplateError`).
+(`ChatTemplateError`); for pairs, a pair whose turns the template cannot mask (e.g. Qwen3's,
+which renders an assistant turn differently once a later user turn follows it, inside a
+response of several turns) is rejected with that reason, the others train.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from posttrain.config.schema import FilterConfig, PackConfig
-from posttrain.data.chat import TokenizedSample, render_conversation
+from posttrain.data.chat import ChatTemplateError, TokenizedSample, render_conversation
 from posttrain.data.filters import RecordFilter
 from posttrain.data.length_stats import LengthStats
 from posttrain.data.preference import PairError, PairSample, fit_pair, render_pair
@@ -130,9 +132,10 @@ def run_pairs(records: dict[str, list[PreferenceRecord]], tokenizer, template_kw
             try:
                 pair = render_pair(tokenizer, record, pair_id=next_id, **(template_kwargs or {}))
                 pair, cut = fit_pair(pair, pack.row_length, shared=shared_prompt)
-            except PairError as err:
-                rejected.append(RejectedRow(record.source, record.line, str(err), ""))
-                kind = str(err).split(":")[0][:60]
+            except (PairError, ChatTemplateError) as err:  # a template that cannot mask this pair's turns
+                reason = str(err) if isinstance(err, PairError) else f"chat template: {err}"
+                rejected.append(RejectedRow(record.source, record.line, reason, ""))
+                kind = reason.split(":")[0][:60]
                 reasons[kind] = reasons.get(kind, 0) + 1
                 continue
             truncated += cut

@@ -246,3 +246,21 @@ def test_pairs_through_the_transformers_fallback_equal_ours_in_the_unshared_layo
                                    atol=1e-5, rtol=1e-5)
         with pytest.raises(PackingNotSupported, match="shared_prompt"):
             response_logps(fallback, batch_of(pairs, shared=True))
+
+
+def test_a_pair_the_template_cannot_mask_is_kept_aside_with_its_reason(tokenizer):
+    """Qwen3's template renders an assistant turn differently once a user turn follows it, so a
+    response of several turns after two assistant turns in a row (HH-RLHF has them, e.g. its
+    harmless-base line 701) cannot be masked: that pair is rejected with file, line and reason,
+    and the other pairs of the source train."""
+    from posttrain.config.schema import PackConfig
+    from posttrain.steps.tokenize import run_pairs
+
+    prompt = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+    several_turns = [{"role": "assistant", "content": "Also this."}, {"role": "user", "content": "What?"},
+                     {"role": "assistant", "content": "Sorry."}]
+    bad = PreferenceRecord(prompt, several_turns, [{"role": "assistant", "content": "No."}], "hh.jsonl", 2)
+    result = run_pairs({"hh": [records(1)[0], bad]}, tokenizer, {}, PackConfig(row_length=256))
+    assert [p.line for p in result.pairs["hh"]] == [1]
+    assert [(r.source, r.line) for r in result.rejected] == [("hh.jsonl", 2)]
+    assert result.rejected[0].reason.startswith("chat template: ") and result.stats["hh"]["kept"] == 1
