@@ -60,13 +60,18 @@ class RecipeFlow(FlowSpec):
         live = cards.LiveTrainingCard(current.card["training"], total, self.recipe.train.card_refresh_s)
         result = train.run(self.recipe, self._tokenizer(), self.samples, rows_per_epoch, self.run_dir, on_step=live,
                            ref_logps=getattr(self, "ref_logps", None))
+        self._store_train_result(result)
+        self.next(self.verify)
+
+    def _store_train_result(self, result):
+        """The train step's artifacts from its `TrainResult` (any train step: this one, or the
+        control task of a multi-node one)."""
         self.history, self.train_summary = result.history, result.summary
         self.checkpoint_dir, self.base_dir = result.checkpoint_dir, result.base_dir
         self.resumed_from, self.train_state_dir = result.resumed_from, result.checkpoints_dir
         self.adapter_dir = result.adapter_dir  # the PEFT adapter of a LoRA recipe, else None
         self.parent_dir = result.parent_dir  # the trained model the recipe started from, else None
         self.sequence_classifier_dir = result.sequence_classifier_dir  # a reward model's transformers export
-        self.next(self.verify)
 
     @card(type="blank", id="verify")
     @step

@@ -69,10 +69,7 @@ class SFTMultinodeFlow(SFTFlow):
                                                self.pack_stats.num_rows, self.run_dir, self.train_start,
                                                on_step=on_step)
         if lead:  # the other ranks set no artifact, so join_nodes merges rank 0's
-            self.history, self.train_summary = result.history, result.summary
-            self.checkpoint_dir, self.base_dir = result.checkpoint_dir, result.base_dir
-            self.resumed_from, self.train_state_dir = result.resumed_from, result.checkpoints_dir
-            self.adapter_dir = result.adapter_dir
+            self._store_train_result(result)
         self.next(self.join_nodes)
 
     @step

@@ -75,7 +75,7 @@ def recipe_yaml(recipe: str, tmp: Path, bad_source: Path) -> Path:
     text = f"""name: {recipe}-tiny
 output_dir: {tmp / 'outputs'}
 data:
-  generate: {{task: arithmetic_pairs, num_train: 96, num_heldout: 24, min_digits: 1, max_digits: 2, seed: 0}}
+  generate: {{task: arithmetic_pairs, num_train: 64, num_heldout: 16, min_digits: 1, max_digits: 2, seed: 0}}
   sources:
     - {{name: mined, kind: jsonl, format: preference, path: "${{generated}}/pairs.jsonl"}}
     - {{name: written, kind: jsonl, format: preference, path: "{bad_source}"}}
@@ -83,10 +83,10 @@ data:
 tokenizer: {{name_or_path: "registry:{START_NAME}"}}
 model: {{init_from: "registry:{START_NAME}"}}
 pack: {{row_length: {ROW_LENGTH}, window: 32}}
-train: {{max_steps: 40, micro_batch_size: 8, learning_rate: 0.003, warmup_steps: 2, weight_decay: 0.0, log_every: 10,
+train: {{max_steps: 24, micro_batch_size: 8, learning_rate: 0.003, warmup_steps: 2, weight_decay: 0.0, log_every: 10,
         card_refresh_s: 1}}
-{section}checkpoint: {{every_steps: 20, keep_last: 1}}
-eval: {{max_examples: 24, max_new_tokens: 4, batch_size: 8}}
+{section}checkpoint: {{every_steps: 12, keep_last: 1}}
+eval: {{max_examples: 16, max_new_tokens: 4, batch_size: 8}}
 register: {{registry_dir: "{tmp / 'registry'}", model_name: {recipe}-tiny}}
 """
     path = tmp / f"{recipe}.yaml"
@@ -103,30 +103,45 @@ def workspace(tmp_path_factory):
     return tmp, bad
 
 
-def run_flow(recipe: str, workspace):
+def start_flow(recipe: str, workspace):
+    """Launch the recipe's flow (blocking until it ends); one torch thread per task, since the
+    two flows run side by side."""
     from metaflow import Runner
 
     tmp, bad = workspace
     flow = REPO_ROOT / "flows" / {"dpo": "dpo_flow.py", "rm": "rm_flow.py"}[recipe]
-    with typing_restored():
-        runner = Runner(str(flow), show_output=False, env=flow_env(), cwd=str(tmp),
-                        config=[("config", str(recipe_yaml(recipe, tmp, bad)))])
-        running = runner.run()
-    return running
+    env = {**flow_env(), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    runner = Runner(str(flow), show_output=False, env=env, cwd=str(tmp / recipe),
+                    config=[("config", str(recipe_yaml(recipe, tmp, bad)))])
+    return runner.run()
 
 
 @pytest.fixture(scope="module")
-def dpo_run(workspace):
-    with run_flow("dpo", workspace) as running:
+def runs(workspace):
+    """Both flows at once (each is mostly process start-up and tiny steps, so side by side they
+    take little more than one); `{"dpo": run, "rm": run}`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    for recipe in ("dpo", "rm"):
+        (workspace[0] / recipe).mkdir(exist_ok=True)
+    with typing_restored(), ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {recipe: pool.submit(start_flow, recipe, workspace) for recipe in ("dpo", "rm")}
+        done = {recipe: future.result() for recipe, future in futures.items()}
+    for running in done.values():
         assert running.status == "successful", running.stdout + running.stderr
-        yield running.run
+    yield {recipe: running.run for recipe, running in done.items()}
+    for running in done.values():
+        running.__exit__(None, None, None)  # the Runner's temporary files
 
 
 @pytest.fixture(scope="module")
-def rm_run(workspace):
-    with run_flow("rm", workspace) as running:
-        assert running.status == "successful", running.stdout + running.stderr
-        yield running.run
+def dpo_run(runs):
+    return runs["dpo"]
+
+
+@pytest.fixture(scope="module")
+def rm_run(runs):
+    return runs["rm"]
 
 
 def check_bad_pairs_kept_aside(run, bad: Path) -> None:
@@ -152,7 +167,7 @@ def test_dpo_flow_trains_registers_with_lineage_and_keeps_bad_pairs_aside(dpo_ru
     assert history[0]["count_unit"] == "pairs" and {"margin", "accuracy", "reward_chosen"} <= set(history[-1])
     metrics = dpo_run["evaluate"].task.data.eval_metrics
     assert metrics["base"]["reward_accuracy"] == 0.0  # the base is the reference: every margin is 0
-    assert metrics["tuned"]["reward_accuracy"] >= 0.75, metrics  # held-out pairs, 40 steps
+    assert metrics["tuned"]["reward_accuracy"] >= 0.75, metrics  # held-out pairs, 24 steps
     assert metrics["tuned"]["heldout_loss"] < metrics["base"]["heldout_loss"] - 1.0, metrics  # chosen answers
     lineage = json.loads((Path(dpo_run["register"].task.data.model_path).parent / "lineage.json").read_text())
     assert lineage["parent"]["reference"] == f"registry:{START_NAME}" and lineage["parent"]["name"] == START_NAME

@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch import nn
 
 
-class NoDecoderBlocks(TypeError):
+class NoDecoderBlocks(ValueError):
     """The model (or what it wraps) has no `layers` ModuleList of decoder blocks."""
 
 
