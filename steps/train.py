@@ -31,6 +31,7 @@ raise on the first n attempts that reach step K.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -97,7 +98,9 @@ FAULT_TIMES_ENV = "POSTTRAIN_FAULT_TIMES"
 # Settings that do not change the loss trajectory, left out of the checkpoint fingerprint.
 # (activation checkpointing recomputes bit for bit; health thresholds only flag, and the
 # non-finite skip does not depend on them)
-RECIPE_SECTIONS = ("dpo", "rm")  # a recipe's own section: part of what its trajectory depends on
+# the sections every recipe has; a subclass's own section (DPOConfig.dpo, RMConfig.rm, ...) is
+# part of what its trajectory depends on
+BASE_SECTIONS = frozenset(f.name for f in dataclasses.fields(RecipeConfig))
 COSMETIC_TRAIN_KEYS = ("device", "log_every", "card_refresh_s", "progress_bar", "tensorboard", "peak_flops",
                        "activation_checkpointing", "health")
 
@@ -127,7 +130,7 @@ def training_fingerprint(config: RecipeConfig) -> dict:
     # what the output projection really ran in on this machine (auto, or a CPU without bf16)
     train["head_precision"] = resolve_head_precision(config.train.head_precision, config.train.mixed_precision,
                                                      pick_device(config.train.device))[0]
-    recipe = {k: full[k] for k in RECIPE_SECTIONS if k in full}  # e.g. the DPO loss settings
+    recipe = {k: v for k, v in full.items() if k not in BASE_SECTIONS}  # a recipe's own section (dpo, rm, ...)
     return {"seed": full["seed"], "data": full["data"], "tokenizer": full["tokenizer"], "model": full["model"],
             "pack": full["pack"], "train": train, **recipe}
 

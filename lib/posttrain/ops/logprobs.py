@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from posttrain.ops.losses import check_projection_args
 from posttrain.ops.precision import head_matmul_dtype
 
 DEFAULT_CHUNK_SIZE = 256  # rows per chunk: a [256, 151936] float32 block is 156 MB
@@ -136,18 +137,9 @@ def chunked_logprobs(hidden_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N
     """`log softmax(hidden_ND @ weight_VD[:vocab_size].T)[n, targets_N[n]]` for every row `n`
     (`[N]`, float32 or float64), and with `with_entropy` also each row's entropy; see the module
     docstring. `targets_N` must be real token ids (no -100: choose the positions first)."""
-    if hidden_ND.ndim != 2 or weight_VD.ndim != 2 or hidden_ND.shape[1] != weight_VD.shape[1]:
-        raise ValueError(f"need hidden [N, D] and weight [V, D], got {tuple(hidden_ND.shape)} and {tuple(weight_VD.shape)}")
-    if targets_N.shape != hidden_ND.shape[:1]:
-        raise ValueError(f"targets {tuple(targets_N.shape)} do not match hidden rows {hidden_ND.shape[0]}")
-    if not 0 < vocab_size <= weight_VD.shape[0]:
-        raise ValueError(f"vocab_size {vocab_size} outside (0, {weight_VD.shape[0]}]")
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    logit_softcap = check_projection_args(hidden_ND, weight_VD, targets_N, vocab_size, chunk_size, logit_softcap,
+                                          "targets")
     if targets_N.numel() and (int(targets_N.min()) < 0 or int(targets_N.max()) >= vocab_size):
         raise ValueError(f"targets must be token ids in [0, {vocab_size}); choose the positions that have one first")
-    if logit_softcap is not None and not logit_softcap > 0:
-        raise ValueError(f"logit_softcap must be positive or None, got {logit_softcap}")
     return _ChunkedLogprobs.apply(hidden_ND, weight_VD, targets_N, vocab_size, chunk_size, with_entropy,
-                                  None if logit_softcap is None else float(logit_softcap),
-                                  matmul_dtype or head_matmul_dtype())
+                                  logit_softcap, matmul_dtype or head_matmul_dtype())

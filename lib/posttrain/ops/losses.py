@@ -206,6 +206,25 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return grad_hidden_ND, grad_weight_VD, None, None, None, None, None, None, None
 
 
+def check_projection_args(hidden_ND: torch.Tensor, weight_VD: torch.Tensor, rows_N: torch.Tensor, vocab_size: int,
+                          chunk_size: int, logit_softcap: float | None, rows_name: str) -> float | None:
+    """The argument checks every chunked output-projection op shares (`ValueError` naming the
+    argument); returns the soft-cap as a float (or None)."""
+    if hidden_ND.ndim != 2 or weight_VD.ndim != 2 or hidden_ND.shape[1] != weight_VD.shape[1]:
+        raise ValueError(
+            f"need hidden [N, D] and weight [V, D], got {tuple(hidden_ND.shape)} and {tuple(weight_VD.shape)}"
+        )
+    if rows_N.shape != hidden_ND.shape[:1]:
+        raise ValueError(f"{rows_name} {tuple(rows_N.shape)} do not match hidden rows {hidden_ND.shape[0]}")
+    if not 0 < vocab_size <= weight_VD.shape[0]:
+        raise ValueError(f"vocab_size {vocab_size} outside (0, {weight_VD.shape[0]}]")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"logit_softcap must be positive or None, got {logit_softcap}")
+    return None if logit_softcap is None else float(logit_softcap)
+
+
 def chunked_cross_entropy(
     hidden_ND: torch.Tensor,
     weight_VD: torch.Tensor,
@@ -235,20 +254,8 @@ def chunked_cross_entropy(
       matmuls per chunk, as much as forward + backward): evaluate under `torch.no_grad()`,
       where it computes the loss alone (one matmul per chunk).
     """
-    if hidden_ND.ndim != 2 or weight_VD.ndim != 2 or hidden_ND.shape[1] != weight_VD.shape[1]:
-        raise ValueError(
-            f"need hidden [N, D] and weight [V, D], got {tuple(hidden_ND.shape)} and {tuple(weight_VD.shape)}"
-        )
-    if labels_N.shape != hidden_ND.shape[:1]:
-        raise ValueError(f"labels {tuple(labels_N.shape)} do not match hidden rows {hidden_ND.shape[0]}")
-    if not 0 < vocab_size <= weight_VD.shape[0]:
-        raise ValueError(f"vocab_size {vocab_size} outside (0, {weight_VD.shape[0]}]")
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    if logit_softcap is not None:
-        if not logit_softcap > 0:
-            raise ValueError(f"logit_softcap must be positive or None, got {logit_softcap}")
-        logit_softcap = float(logit_softcap)
+    logit_softcap = check_projection_args(hidden_ND, weight_VD, labels_N, vocab_size, chunk_size, logit_softcap,
+                                          "labels")
     grad_on = torch.is_grad_enabled()
     matmul_dtype = matmul_dtype or head_matmul_dtype()
     if matmul_dtype is not None and matmul_dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
