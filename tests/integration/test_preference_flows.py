@@ -15,7 +15,8 @@ import pytest
 # Import torch (and its typing_extensions) before metaflow's Runner; see `typing_restored`.
 import torch  # noqa: F401
 
-from test_sft_flow import REPO_ROOT, flow_env, typing_restored
+from flow_pool import background_flow, run_flow, single_thread_env
+from test_sft_flow import REPO_ROOT, flow_env
 
 START_NAME = "sft-tiny-start"
 ROW_LENGTH = 64
@@ -94,54 +95,47 @@ register: {{registry_dir: "{tmp / 'registry'}", model_name: {recipe}-tiny}}
     return path
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("preference_flows")
+def prepare_workspace(tmp: Path) -> tuple[Path, Path]:
+    """The starting model registered in `tmp`'s registry and the source of bad pairs."""
     register_starting_model(tmp)
     bad = tmp / "bad_pairs.jsonl"
     write_pair_source(bad)
     return tmp, bad
 
 
-def start_flow(recipe: str, workspace):
-    """Launch the recipe's flow (blocking until it ends); one torch thread per task, since the
-    two flows run side by side."""
-    from metaflow import Runner
-
-    tmp, bad = workspace
+def start_flow(recipe: str, workspace: tuple[Path, Path]) -> dict:
+    """Launch the recipe's flow from a workspace of its own (blocking until it ends)."""
     flow = REPO_ROOT / "flows" / {"dpo": "dpo_flow.py", "rm": "rm_flow.py"}[recipe]
-    env = {**flow_env(), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    runner = Runner(str(flow), show_output=False, env=env, cwd=str(tmp / recipe),
-                    config=[("config", str(recipe_yaml(recipe, tmp, bad)))])
-    return runner.run()
+    running = run_flow(flow, env=single_thread_env(flow_env()), cwd=workspace[0],
+                       config=[("config", str(recipe_yaml(recipe, *workspace)))])
+    return {"running": running, "workspace": workspace, "close": [running]}
+
+
+@background_flow("dpo", priority=2, prepare=prepare_workspace)
+def dpo_scenario(workspace: tuple[Path, Path]) -> dict:
+    return start_flow("dpo", workspace)
+
+
+@background_flow("rm", priority=2, prepare=prepare_workspace)
+def rm_scenario(workspace: tuple[Path, Path]) -> dict:
+    return start_flow("rm", workspace)
+
+
+def finished(flow_pool, recipe: str):
+    result = flow_pool.result(recipe)
+    running = result["running"]
+    assert running.status == "successful", running.stdout + running.stderr
+    return running.run, result["workspace"]
 
 
 @pytest.fixture(scope="module")
-def runs(workspace):
-    """Both flows at once (each is mostly process start-up and tiny steps, so side by side they
-    take little more than one); `{"dpo": run, "rm": run}`."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    for recipe in ("dpo", "rm"):
-        (workspace[0] / recipe).mkdir(exist_ok=True)
-    with typing_restored(), ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {recipe: pool.submit(start_flow, recipe, workspace) for recipe in ("dpo", "rm")}
-        done = {recipe: future.result() for recipe, future in futures.items()}
-    for running in done.values():
-        assert running.status == "successful", running.stdout + running.stderr
-    yield {recipe: running.run for recipe, running in done.items()}
-    for running in done.values():
-        running.__exit__(None, None, None)  # the Runner's temporary files
+def dpo_run(flow_pool):
+    return finished(flow_pool, "dpo")
 
 
 @pytest.fixture(scope="module")
-def dpo_run(runs):
-    return runs["dpo"]
-
-
-@pytest.fixture(scope="module")
-def rm_run(runs):
-    return runs["rm"]
+def rm_run(flow_pool):
+    return finished(flow_pool, "rm")
 
 
 def check_bad_pairs_kept_aside(run, bad: Path) -> None:
@@ -158,9 +152,10 @@ def check_bad_pairs_kept_aside(run, bad: Path) -> None:
 
 
 @pytest.mark.slow
-def test_dpo_flow_trains_registers_with_lineage_and_keeps_bad_pairs_aside(dpo_run, workspace):
+def test_dpo_flow_trains_registers_with_lineage_and_keeps_bad_pairs_aside(dpo_run):
     from transformers import AutoModelForCausalLM
 
+    dpo_run, workspace = dpo_run
     check_bad_pairs_kept_aside(dpo_run, workspace[1])
     history = dpo_run["train"].task.data.history
     assert history[0]["loss"] == pytest.approx(1.0 * history[0]["loss"])  # finite, logged
@@ -176,11 +171,12 @@ def test_dpo_flow_trains_registers_with_lineage_and_keeps_bad_pairs_aside(dpo_ru
 
 
 @pytest.mark.slow
-def test_rm_flow_exports_a_sequence_classifier_that_scores_as_ours(rm_run, workspace):
+def test_rm_flow_exports_a_sequence_classifier_that_scores_as_ours(rm_run):
     from transformers import AutoModelForSequenceClassification
 
     from posttrain.models.heads import RewardModel, load_with_head
 
+    rm_run, workspace = rm_run
     check_bad_pairs_kept_aside(rm_run, workspace[1])
     history = rm_run["train"].task.data.history
     assert history[0]["count_unit"] == "pairs" and {"accuracy", "margin", "score_chosen"} <= set(history[-1])

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from flow_pool import background_flow, run_flow, single_thread_env
 from posttrain.registry import resolve_model_dir
 from posttrain.registry.local import uri_to_path
 
@@ -89,11 +90,9 @@ def typing_restored():
         typing._collect_parameters = original
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    from metaflow import Runner
-
-    tmp = tmp_path_factory.mktemp("sft_flow")
+@background_flow("sft", priority=1)
+def sft_scenario(tmp: Path) -> dict:
+    """The tiny SFT flow with a mixed, an all-bad and a long source beside the generated one."""
     mixed, all_bad, long = tmp / "mixed.jsonl", tmp / "all_bad.jsonl", tmp / "long.jsonl"
     write_mixed_source(mixed)
     all_bad.write_text("\n".join(ALL_BAD_LINES) + "\n")
@@ -102,15 +101,18 @@ def tiny_run(tmp_path_factory):
     extra = "".join(f"    - name: {p.stem}\n      kind: jsonl\n      path: {p}\n" for p in (mixed, all_bad, long))
     config.write_text(TINY.read_text().replace(
         "      path: ${generated}/train.jsonl\n", f"      path: ${{generated}}/train.jsonl\n{extra}"))
-    env = flow_env()
     overrides = {"output_dir": str(tmp / "outputs"), "register.registry_dir": str(tmp / "registry")}
-    with typing_restored():
-        runner = Runner(str(FLOW), show_output=False, env=env, cwd=str(tmp),
-                        config=[("config", str(config))], config_value=[("overrides", overrides)])
-        running = runner.run()
-    with running:
-        assert running.status == "successful", running.stdout + running.stderr
-        yield running.run, tmp, running.stdout
+    running = run_flow(FLOW, env=single_thread_env(flow_env()), cwd=tmp, config=[("config", str(config))],
+                       config_value=[("overrides", overrides)])
+    return {"running": running, "tmp": tmp, "close": [running]}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(flow_pool):
+    result = flow_pool.result("sft")
+    running = result["running"]
+    assert running.status == "successful", running.stdout + running.stderr
+    return running.run, result["tmp"], running.stdout
 
 
 @pytest.mark.slow

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_sft_flow import REPO_ROOT, flow_env, typing_restored
+from flow_pool import background_flow, run_flow, single_thread_env
+from posttrain.steps.train import FAULT_AT_STEP_ENV
+from test_sft_flow import REPO_ROOT, flow_env
 from test_sft_parallel import LOSS_TOL, TWO_WORKERS, losses, with_parallel
 
 FLOW = REPO_ROOT / "flows" / "sft_multinode_flow.py"
@@ -32,23 +34,27 @@ def one_worker_losses(recipe, run_dir: Path, samples, rows_per_epoch: int, out: 
     return losses(train.run(recipe, tokenizer, samples, rows_per_epoch, out).history)
 
 
+@background_flow("multinode", priority=4)
+def multinode_scenario(tmp: Path) -> dict:
+    """The 2-task flow whose rank 0 raises once after the step-3 checkpoint (then @retry)."""
+    overrides = {"output_dir": str(tmp / "outputs"), "register.registry_dir": str(tmp / "registry"),
+                 "data.generate.num_train": 80, "eval.max_examples": 4}
+    env = single_thread_env({**flow_env(), FAULT_AT_STEP_ENV: "3"})
+    running = run_flow(FLOW, env=env, cwd=tmp, config=[("config", str(TWO_WORKERS))],
+                       config_value=[("overrides", overrides)])
+    return {"tmp": tmp, "status": running.status, "run": running.run, "logs": running.stdout + running.stderr,
+            "close": [running]}
+
+
 @pytest.mark.slow
-def test_two_node_flow_retries_registers_a_model_and_follows_one_worker(tmp_path):
-    from metaflow import Runner
+def test_two_node_flow_retries_registers_a_model_and_follows_one_worker(flow_pool):
     from transformers import AutoModelForCausalLM
 
     from posttrain.registry.local import uri_to_path
-    from posttrain.steps.train import FAULT_AT_STEP_ENV
 
-    overrides = {"output_dir": str(tmp_path / "outputs"), "register.registry_dir": str(tmp_path / "registry"),
-                 "data.generate.num_train": 80, "eval.max_examples": 4}
-    env = {**flow_env(), FAULT_AT_STEP_ENV: "3"}  # rank 0 raises once, after the step-3 checkpoint
-    with typing_restored():
-        running = Runner(str(FLOW), show_output=False, env=env, cwd=str(tmp_path),
-                         config=[("config", str(TWO_WORKERS))], config_value=[("overrides", overrides)]).run()
-    with running:
-        assert running.status == "successful", running.stdout + running.stderr
-        run, logs = running.run, running.stdout + running.stderr
+    result = flow_pool.result("multinode")
+    tmp_path, run, logs = result["tmp"], result["run"], result["logs"]
+    assert result["status"] == "successful", logs
     assert "x 2 worker(s) (fsdp)" in logs  # rank 0 saw a process group of 2
     assert "injected failure after step 3" in logs and "resuming from step 3" in logs
 

@@ -20,13 +20,30 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_sft_flow import FLOW, flow_env, typing_restored
+from flow_pool import background_flow, run_flow, single_thread_env
+from posttrain.steps.train import FAULT_AT_STEP_ENV, FAULT_TIMES_ENV
+from test_sft_flow import FLOW, flow_env
 from test_sft_parallel import LOSS_TOL, TWO_WORKERS, losses, with_parallel
 
 
+@background_flow("resume", priority=5)
+def resume_scenario(tmp: Path) -> dict:
+    """The two-worker flow failing twice at step 3 (first attempt and its @retry), then resumed."""
+    env = single_thread_env({**flow_env(), FAULT_AT_STEP_ENV: "3", FAULT_TIMES_ENV: "2"})
+    overrides = {"output_dir": str(tmp / "outputs"), "register.registry_dir": str(tmp / "registry"),
+                 "checkpoint.every_steps": 2}
+    failed = run_flow(FLOW, env=env, cwd=tmp, config=[("config", str(TWO_WORKERS))],
+                      config_value=[("overrides", overrides)])
+    origin, train_logs = failed.run, failed.stdout + failed.stderr
+    if failed.status != "failed":
+        return {"error": f"the faulted run ended {failed.status}:\n{train_logs}", "close": [failed]}
+    resumed = run_flow(FLOW, env=env, cwd=tmp, resume_origin=origin.id)  # resume reuses the configs
+    return {"tmp": tmp, "origin": origin, "train_logs": train_logs, "status": resumed.status, "run": resumed.run,
+            "resume_logs": resumed.stdout + resumed.stderr, "close": [failed, resumed]}
+
+
 @pytest.mark.slow
-def test_two_worker_flow_retried_then_resumed_matches_uninterrupted_runs_and_registers(tmp_path):
-    from metaflow import Runner
+def test_two_worker_flow_retried_then_resumed_matches_uninterrupted_runs_and_registers(flow_pool):
     from transformers import AutoModelForCausalLM
 
     from posttrain.data.tokenizer import load_tokenizer
@@ -34,22 +51,11 @@ def test_two_worker_flow_retried_then_resumed_matches_uninterrupted_runs_and_reg
     from posttrain.steps import train
     from posttrain.steps.paths import resolve
 
-    env = {**flow_env(), train.FAULT_AT_STEP_ENV: "3", train.FAULT_TIMES_ENV: "2"}
-    overrides = {"output_dir": str(tmp_path / "outputs"), "register.registry_dir": str(tmp_path / "registry"),
-                 "checkpoint.every_steps": 2}
-    with typing_restored():
-        runner = Runner(str(FLOW), show_output=False, env=env, cwd=str(tmp_path),
-                        config=[("config", str(TWO_WORKERS))], config_value=[("overrides", overrides)])
-        with runner.run() as failed:
-            assert failed.status == "failed", failed.stdout + failed.stderr
-            origin = failed.run
-            run_dir = Path(origin["start"].task.data.run_dir)
-            train_logs = failed.stdout + failed.stderr
-        resumer = Runner(str(FLOW), show_output=False, env=env, cwd=str(tmp_path))  # resume reuses the configs
-        with resumer.resume(origin_run_id=origin.id) as resumed:
-            assert resumed.status == "successful", resumed.stdout + resumed.stderr
-            run = resumed.run
-            resume_logs = resumed.stdout + resumed.stderr
+    result = flow_pool.result("resume")
+    assert "error" not in result, result.get("error")
+    assert result["status"] == "successful", result["resume_logs"]
+    tmp_path, run, train_logs, resume_logs = result["tmp"], result["run"], result["train_logs"], result["resume_logs"]
+    run_dir = Path(result["origin"]["start"].task.data.run_dir)
 
     assert train_logs.count("injected failure after step 3") >= 2  # first attempt and its @retry
     assert "x 2 worker(s) (fsdp)" in train_logs

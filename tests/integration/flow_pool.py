@@ -1,0 +1,94 @@
+"""Flow runs started side by side in the background as soon as the integration tests begin.
+
+A flow run through `metaflow.Runner` is mostly process start-up (every step is a new Python
+process importing torch, transformers and Metaflow) and tiny training steps, each on one
+core, so several runs at once take little more than the longest. A test module registers
+what it launches as a *scenario*:
+
+    @background_flow("sft")
+    def sft_scenario(tmp: Path) -> dict: ...      # runs flows (subprocesses only), returns what tests read
+
+and its fixture waits for the result (`flow_pool.result("sft")`). A result dict may list, under
+"close", the `ExecutingRun`s to exit when the session ends (their temporary files). Every scenario of a module
+with a selected test starts when the session's first integration test does, in a pool of
+`POOL_WORKERS` threads, longest first. Scenarios launch flows with one torch thread per task
+(`single_thread_env`); anything computed in the test process itself (reference trajectories)
+belongs in the test, not in the scenario, so the test process's own torch pool is never
+shared between threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+POOL_WORKERS = 3
+
+
+@dataclass
+class Scenario:
+    launch: Callable[[Any], Any]  # in a pool thread: flows (subprocesses) only
+    priority: int
+    prepare: Callable[[Path], Any] | None  # in the main thread, before any launch: files, tiny models
+
+
+SCENARIOS: dict[str, Scenario] = {}
+
+
+def background_flow(name: str, priority: int = 0, prepare: Callable[[Path], Any] | None = None):
+    """Register the decorated `launch(arg) -> result` as the background scenario `name`:
+    `arg` is `prepare(tmp_dir)` when `prepare` is given (run in the main thread first, as
+    imports and torch work must not race in threads), else the scenario's temporary directory.
+    Higher `priority` starts earlier (give the longest runs the highest)."""
+
+    def register(fn):
+        SCENARIOS[name] = Scenario(fn, priority, prepare)
+        return fn
+
+    return register
+
+
+def single_thread_env(env: dict) -> dict:
+    """`env` with one torch / OpenMP thread per process (the runs share two cores)."""
+    return {**env, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+class FlowPool:
+    def __init__(self, futures: dict[str, Future]):
+        self.futures = futures
+
+    def result(self, name: str) -> Any:
+        if name not in self.futures:
+            raise KeyError(f"background scenario {name!r} was not started (its module has no selected test)")
+        return self.futures[name].result()
+
+
+_RUNNER_LOCK = threading.Lock()
+
+
+def run_flow(flow_file: Path, *, env: dict, cwd: Path, resume_origin: str | None = None, **runner_kwargs):
+    """`metaflow.Runner(flow_file, ...).run()` (or `.resume(origin_run_id=resume_origin)`) from a
+    pool thread, to the end; returns the `ExecutingRun`. A Runner's construction and launch
+    reload Metaflow's CLI modules in this process and may change directory, so one thread at a
+    time does them (under a lock, until the run has started); the waiting is concurrent. The
+    returned run's `run` is read anew once the run has ended (the tags its steps added)."""
+    from metaflow import Runner
+
+    loop = asyncio.new_event_loop()
+    try:
+        with _RUNNER_LOCK:
+            runner = Runner(str(flow_file), show_output=False, env=env, cwd=str(cwd), **runner_kwargs)
+            start = runner.async_resume(origin_run_id=resume_origin) if resume_origin else runner.async_run()
+            running = loop.run_until_complete(start)
+        loop.run_until_complete(running.wait())
+    finally:
+        loop.close()
+    from metaflow import Run
+
+    running.run = Run(running.run.pathspec, _namespace_check=False)  # read after the end: tags, finished steps
+    return running
+
