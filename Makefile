@@ -16,7 +16,7 @@ export MALLOC_MMAP_MAX_ := 0
 export MALLOC_TRIM_THRESHOLD_ := 68719476736
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup browser run sft-3digit dpo-demo rm-demo test bench clean
+.PHONY: setup browser run sft-3digit dpo-demo rm-demo distill-demo test bench clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,12 @@ dpo-demo: setup
 rm-demo: setup
 	test -d outputs/registry/sft-demo-arithmetic-3digit || $(MAKE) sft-3digit
 	$(BIN)/python flows/rm_flow.py --config config configs/rm/demo.yaml run
+
+# the distillation demo: the SFT demo's model (make run, once) is the teacher of a student
+# trained on a small slice of its data
+distill-demo: setup
+	test -d outputs/registry/sft-demo-arithmetic || $(MAKE) run
+	$(BIN)/python flows/distill_flow.py --config config configs/distill/demo.yaml run
 
 # Debian's chromium: the card test opens every card of a flow run in a headless browser
 browser:

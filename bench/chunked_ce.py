@@ -99,10 +99,14 @@ IGNORE_EVERY = 64
 SEED = 0
 # per op: what `met` checks (the time target applies to cross-entropy only, module docstring)
 TARGETS = {"cross_entropy": {"peak_mem_ratio": ">= 5", "grad_max_rel_diff": "<= 1e-5", "time_ratio": "<= 1.15"},
-           "logprobs": {"peak_mem_ratio": ">= 5", "grad_max_rel_diff": "<= 1e-5"}}
+           "logprobs": {"peak_mem_ratio": ">= 5", "grad_max_rel_diff": "<= 1e-5"},
+           "kd": {"peak_mem_ratio": ">= 5", "grad_max_rel_diff": "<= 1e-5", "time_ratio": "<= 1.2"}}
 OPS = tuple(TARGETS)
 BASELINES = {"cross_entropy": "naive: full logits, then F.cross_entropy",
-             "logprobs": "naive: full logits, then log_softmax and gather"}
+             "logprobs": "naive: full logits, then log_softmax and gather",
+             "kd": "naive: full student and teacher logits, log_softmax of both, then the divergence and CE"}
+# the KD setting measured: the usual forward KL at temperature 2, mixed half and half with the labels' CE
+KD = dict(loss="forward_kl", temperature=2.0, hard_weight=0.5)
 VARIANTS = ("naive", "chunked", "naive_bf16", "chunked_bf16")
 MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
 
@@ -133,36 +137,51 @@ def _reset_high_water() -> bool:
 
 
 def make_inputs(vocab_size: int, hidden: int, tokens: int, op: str = "cross_entropy"):
+    """`(hidden_ND, weight_VD, labels_N, teacher)`: `teacher` is `(hidden_ND, weight_VD)` of a
+    second, frozen model for `kd` (None otherwise)."""
     import torch
 
     gen = torch.Generator().manual_seed(SEED)
     hidden_ND = torch.randn(tokens, hidden, generator=gen)
     weight_VD = torch.randn(vocab_size, hidden, generator=gen).mul_(0.02)
     labels_N = torch.randint(0, vocab_size, (tokens,), generator=gen)
-    if op == "cross_entropy":  # log-probabilities take real ids only (positions are chosen first)
+    if op in ("cross_entropy", "kd"):  # log-probabilities take real ids only (positions are chosen first)
         labels_N[::IGNORE_EVERY] = -100
-    return hidden_ND.requires_grad_(), weight_VD.requires_grad_(), labels_N
+    teacher = None
+    if op == "kd":
+        teacher = (torch.randn(tokens, hidden, generator=gen), torch.randn(vocab_size, hidden, generator=gen).mul_(0.05))
+    return hidden_ND.requires_grad_(), weight_VD.requires_grad_(), labels_N, teacher
 
 
 def ignored_positions(op: str, tokens: int) -> int:
     return len(range(0, tokens, IGNORE_EVERY)) if op == "cross_entropy" else 0
 
 
-def naive_op(op: str, logits_NV, labels_N):
+def naive_op(op: str, logits_NV, labels_N, teacher_logits_NV=None):
     """The naive sum over `[T, V]` logits (float32 arithmetic for bf16 logits)."""
     import torch
     import torch.nn.functional as F
 
+    if op == "kd":
+        from posttrain.ops.kd import naive_kd_loss
+
+        return naive_kd_loss(logits_NV, teacher_logits_NV, labels_N=labels_N, **KD)
     if op == "cross_entropy":
         return F.cross_entropy(logits_NV, labels_N, ignore_index=-100, reduction="sum")
     return torch.log_softmax(logits_NV.float(), -1).gather(-1, labels_N[:, None]).sum()
 
 
-def chunked_op(op: str, hidden_ND, weight_VD, labels_N, vocab_size: int, chunk: int, matmul_dtype=None):
+def chunked_op(op: str, hidden_ND, weight_VD, labels_N, vocab_size: int, chunk: int, matmul_dtype=None,
+               teacher=None):
     """Ours: the same sum, projected one chunk of rows at a time."""
     from posttrain.ops.logprobs import chunked_logprobs
     from posttrain.ops.losses import chunked_cross_entropy
 
+    if op == "kd":
+        from posttrain.ops.kd import chunked_kd_loss
+
+        return chunked_kd_loss(hidden_ND, weight_VD, teacher[0], teacher[1], vocab_size, labels_N=labels_N,
+                               chunk_size=chunk, matmul_dtype=matmul_dtype, **KD).loss_sum
     if op == "cross_entropy":
         return chunked_cross_entropy(hidden_ND, weight_VD, labels_N, vocab_size, chunk_size=chunk,
                                      matmul_dtype=matmul_dtype)
@@ -175,13 +194,17 @@ def run_child(args: argparse.Namespace) -> None:
 
     settings = json.loads(args.settings)
     op, V, chunk = settings["op"], settings["vocab_size"], settings["chunk_size"]
-    hidden_ND, weight_VD, labels_N = make_inputs(V, settings["hidden"], settings["tokens"], op)
+    hidden_ND, weight_VD, labels_N, teacher = make_inputs(V, settings["hidden"], settings["tokens"], op)
 
     def naive():
-        return naive_op(op, hidden_ND @ weight_VD.T, labels_N)
+        if teacher is None:
+            return naive_op(op, hidden_ND @ weight_VD.T, labels_N)
+        with torch.no_grad():  # the frozen teacher's full logits first (no graph), then the student's
+            teacher_logits_NV = teacher[0] @ teacher[1].T
+        return naive_op(op, hidden_ND @ weight_VD.T, labels_N, teacher_logits_NV)
 
     def chunked():
-        return chunked_op(op, hidden_ND, weight_VD, labels_N, V, chunk)
+        return chunked_op(op, hidden_ND, weight_VD, labels_N, V, chunk, teacher=teacher)
 
     def naive_bf16():  # what a bf16-autocast training loop does: bf16 logits, float32 loss arithmetic
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -282,14 +305,20 @@ def main() -> None:
     settings = {"op": args.op, **(QUICK if args.quick else FULL)}
     if args.chunk_size is not None:
         settings["chunk_size"] = args.chunk_size
-    from posttrain.ops import logprobs, losses
+    if args.op == "kd":
+        settings["kd"] = KD
+    from posttrain.ops import kd, logprobs, losses
 
-    default_chunk = {"cross_entropy": losses.DEFAULT_CHUNK_SIZE, "logprobs": logprobs.DEFAULT_CHUNK_SIZE}[args.op]
+    default_chunk = {"cross_entropy": losses.DEFAULT_CHUNK_SIZE, "logprobs": logprobs.DEFAULT_CHUNK_SIZE,
+                     "kd": kd.DEFAULT_CHUNK_SIZE}[args.op]
     settings["chunk_size"] = settings["chunk_size"] or default_chunk
-    env = {**MALLOC_ENV, **os.environ}
+    if args.op == "kd":  # glibc's defaults: under MALLOC_ENV the naive side (two models' logits) outgrew 24 GiB
+        env = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV}
+    else:
+        env = {**MALLOC_ENV, **os.environ}
     log(f"settings {settings}, rounds {args.rounds}, calls per child {args.calls}")
 
-    bf16 = args.bf16 == "on" or (args.bf16 == "auto" and cpu_bf16_feature() is not None)
+    bf16 = args.op != "kd" and (args.bf16 == "on" or (args.bf16 == "auto" and cpu_bf16_feature() is not None))
     names = ["naive", "chunked"] + (["naive_bf16", "chunked_bf16"] if bf16 else [])
     results: dict[str, list[dict]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="chunked_ce_") as tmp:
@@ -307,7 +336,7 @@ def main() -> None:
     mem_ratios = [n["peak_bytes"] / c["peak_bytes"] for n, c in pairs]
     time_ratios = [statistics.median(c["times_s"]) / statistics.median(n["times_s"]) for n, c in pairs]
     summary = {
-        "benchmark": "chunked_ce",
+        "benchmark": "kd_loss" if args.op == "kd" else "chunked_ce",
         "op": args.op,
         "baseline": BASELINES[args.op],
         "repeats": args.rounds,
@@ -347,6 +376,8 @@ def main() -> None:
             "loss_rel_diff": {v: results[v][0]["loss_rel_diff"] for v in ("naive_bf16", "chunked_bf16")},
             "grad_rel_diff": {v: results[v][0]["grad_rel_diff"] for v in ("naive_bf16", "chunked_bf16")},
         }
+    elif args.op == "kd":
+        summary["bf16"] = {"skipped": "the kd op is measured in float32 only"}
     else:
         summary["bf16"] = {"skipped": "this CPU has no native bf16 (AVX512-BF16 or AMX); --bf16 on forces it"}
     summary["met"] = {key: meets(summary[key], target) for key, target in TARGETS[args.op].items()}

@@ -78,6 +78,22 @@ def verify_section(card, verdict: dict | None) -> None:
                       headers=["case", "max |diff|", "mean |diff|"]))
 
 
+def teacher_section(card, spec) -> None:
+    """A distillation recipe's teacher: where it is, its identity, the shared vocabulary, its
+    logit verdict and, with `distill.cache`, the stored top-k."""
+    ident = spec.identity
+    lines = [f"## Teacher\n`{ident['reference']}` -> `{spec.model_dir}` ({spec.backend} backend), "
+             f"sha256 `{ident['sha256'][:16]}`, {ident['bytes'] / 1e6:.1f} MB of weights; shares the student's "
+             f"{spec.vocab_size} token ids. Prepared in {spec.seconds:.1f}s."]
+    manifest = spec.cache_manifest
+    if manifest:
+        lines.append(f"Top-{manifest['top_k']} cache at `{spec.cache_dir}`: {manifest['num_samples']} samples, "
+                     f"{manifest['num_positions']} loss positions, {manifest['bytes'] / 1e6:.1f} MB "
+                     f"({manifest['bytes_per_position']} bytes per position), temperature {manifest['temperature']}.")
+    card.append(Markdown("\n\n".join(lines)))
+    verify_section(card, spec.verdict)
+
+
 # the evaluation table's columns, in order: metric key -> (header, format); a column is shown
 # when every model has the metric (SFT: loss and exact match; DPO adds preference accuracies;
 # a reward model: pair accuracy with its standard error and the score margin)

@@ -82,15 +82,20 @@ class ValidateRecipe(FlowMutator):
 
 
 def check_starting_model(recipe) -> None:
-    """`model.init_from` (and a `registry:` tokenizer) must name a model that exists: a registry
-    entry (in the recipe's `register.registry_dir`) or a model directory; the error says which
-    run creates it."""
+    """Every model the recipe reads (`model.init_from`, a recipe's own such as `distill.teacher`,
+    and a `registry:` tokenizer) must exist: a registry entry (in the recipe's
+    `register.registry_dir`) or a model directory (a teacher may also be a hub id); the error
+    says which run creates it."""
     from posttrain.registry import resolve_model_dir
 
-    for key, ref in (("model.init_from", recipe.model.init_from), ("tokenizer.name_or_path",
-                                                                    recipe.tokenizer.name_or_path)):
-        if ref is not None and (key == "model.init_from" or ref.startswith("registry:")):
-            _check_reference(key, ref, recipe, resolve_model_dir)
+    from posttrain.config.paths import is_hub_id, looks_local
+
+    for key, ref, hub_id_allowed in recipe.model_references():
+        if not (hub_id_allowed and not ref.startswith("registry:") and not looks_local(ref) and is_hub_id(ref)):
+            _check_reference(key, ref, recipe, resolve_model_dir)  # a hub id (a teacher's) downloads later
+    tokenizer = recipe.tokenizer.name_or_path
+    if tokenizer.startswith("registry:"):
+        _check_reference("tokenizer.name_or_path", tokenizer, recipe, resolve_model_dir)
 
 
 def _check_reference(key: str, ref: str, recipe, resolve_model_dir) -> None:

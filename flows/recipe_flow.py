@@ -52,14 +52,15 @@ class RecipeFlow(FlowSpec):
         metrics file). Checkpoints under the run directory; a retried or resumed task
         continues from the newest complete checkpoint. A LoRA recipe also stores the PEFT
         adapter's directory (`adapter_dir`). A preference recipe trains on its pairs with the
-        `reference` step's log-probabilities (`ref_logps`)."""
+        `reference` step's log-probabilities (`ref_logps`); a distillation recipe against its
+        `teacher` step's teacher (`teacher_spec`)."""
         from posttrain.steps import train
 
         rows_per_epoch = self.pack_stats.num_rows
         total = train.total_steps_for(rows_per_epoch, self.recipe)
         live = cards.LiveTrainingCard(current.card["training"], total, self.recipe.train.card_refresh_s)
         result = train.run(self.recipe, self._tokenizer(), self.samples, rows_per_epoch, self.run_dir, on_step=live,
-                           ref_logps=getattr(self, "ref_logps", None))
+                           ref_logps=getattr(self, "ref_logps", None), teacher=getattr(self, "teacher_spec", None))
         self._store_train_result(result)
         self.next(self.verify)
 
@@ -118,11 +119,11 @@ class RecipeFlow(FlowSpec):
         heldout = {label: m["heldout_loss"] for label, m in self.eval_metrics.items()}
         card.append(cards.figure_image(plots.loss_curve(self.history, heldout), label="loss"))
         card.append(cards.figure_image(plots.throughput_curve(self.history), label="throughput"))
-        curves = ("margin", "accuracy", "reward_chosen", "reward_rejected", "score_chosen", "score_rejected")
+        curves = ("margin", "accuracy", "reward_chosen", "reward_rejected", "score_chosen", "score_rejected", "kd", "ce")
         objective_metrics = [m for m in curves if self.history and m in self.history[-1]]
-        if objective_metrics:  # a preference recipe: its reward margin and accuracy per step
+        if objective_metrics:  # a preference recipe's margins and accuracy, a distillation's KD and CE terms
             card.append(cards.figure_image(plots.metric_curves(self.history, objective_metrics,
-                                                               "preference metrics per step"), label="rewards"))
+                                                               "objective metrics per step"), label="objective"))
         cards.verify_section(card, self.verdict)
         cards.eval_section(card, self.eval_metrics)
         cards.pack_section(card, self.pack_stats, self.samples_per_source)

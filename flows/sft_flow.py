@@ -32,61 +32,24 @@ evaluation table and an evidently report in a card of its own (evaluate), and an
 the run (end).
 """
 
-from metaflow import card, current, step
+from metaflow import card, step
 
 from posttrain.config.loader import DEFAULT_SFT_CONFIG
 
-import recipe_cards as cards
+from chat_flow import ChatRecipeFlow
 from recipe_configs import ValidateRecipe, recipe_configs
-from recipe_flow import RecipeFlow
 
 
 @ValidateRecipe
-class SFTFlow(RecipeFlow):
+class SFTFlow(ChatRecipeFlow):
     RECIPE = "sft"
     config, overrides = recipe_configs("sft", DEFAULT_SFT_CONFIG, '{"train.max_steps": 20}')
-
-    @card(type="blank", id="ingest")
-    @step
-    def ingest(self):
-        """Read every source into validated chat records; malformed rows are kept aside and counted."""
-        from posttrain.steps import ingest
-
-        result = ingest.run(self.recipe, self.run_dir)
-        self.train_records, self.heldout_records = result.train, result.heldout
-        self.rejected, self.rejected_path, self.data_counts = result.rejected, result.rejected_path, result.counts
-        self.data_warnings = result.warnings  # e.g. a source whose every row was rejected
-        cards.ingest_section(current.card["ingest"], self.data_counts, self.rejected, self.data_warnings)
-        self.next(self.tokenize)
-
-    @card(type="blank", id="tokenize")
-    @step
-    def tokenize(self):
-        """Render each conversation with the tokenizer's chat template (assistant-only loss masks), then filter."""
-        from posttrain.steps import tokenize
-
-        result = tokenize.run(self.train_records, self._tokenizer(), self.recipe.tokenizer.chat_template_kwargs,
-                              self.recipe.data.filters, self.recipe.pack)
-        self.samples, self.tokenize_stats = result.samples, result.stats
-        self.rejected = self.rejected + result.rejected
-        if result.rejected:  # keep the filters' rejections aside too, with ingest's
-            from pathlib import Path
-
-            from posttrain.data.sources import write_rejected
-
-            self.rejected_path = str(write_rejected(self.rejected, Path(self.run_dir) / "rejected.jsonl"))
-        cards.tokenize_section(current.card["tokenize"], self.tokenize_stats)
-        self.next(self.pack)
 
     @card(type="blank", id="pack")
     @step
     def pack(self):
         """One pass over the weighted mixture, best-fit packed: rows per epoch and efficiency."""
-        from posttrain.steps import pack
-
-        result = pack.run(self.samples, self.recipe, self._tokenizer().pad_token_id)
-        self.packed_rows, self.pack_stats, self.samples_per_source = result.rows, result.stats, result.samples_per_source
-        cards.pack_section(current.card["pack"], self.pack_stats, self.samples_per_source)
+        self._pack_chats()
         self.next(self.train)
 
     @card(type="blank", id="evaluation")
@@ -96,15 +59,7 @@ class SFTFlow(RecipeFlow):
         """Held-out loss and task metric, base vs tuned (the `evaluation` card: the table first,
         then sample outputs), and an evidently report of their outputs (the `report` card, a
         page of its own: `card get <run>/evaluate/<task> --id report`)."""
-        from posttrain.steps import evaluate
-
-        result = evaluate.run(self.base_dir, self.checkpoint_dir, self._tokenizer(), self.heldout_records, self.recipe)
-        self.eval_metrics, self.eval_examples, self.evidently_html = result.metrics, result.examples, result.report_html
-        card = current.card["evaluation"]
-        cards.eval_section(card, self.eval_metrics)
-        cards.examples_table(card, self.eval_examples)
-        card.append(cards.Markdown("The evidently report of the base and tuned outputs is this step's `report` "
-                                   "card (`flow.py card view evaluate --id report`)."))
+        self._evaluate_chats()
         self.next(self.register)
 
 

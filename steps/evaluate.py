@@ -40,7 +40,11 @@ def prompt_and_reference(record: ChatRecord) -> tuple[list[dict], str]:
     return record.messages[:last], record.messages[last]["content"]
 
 
-def run(base_dir: str, tuned_dir: str, tokenizer, heldout: list[ChatRecord], config: RecipeConfig) -> EvalResult:
+def run(base_dir: str, tuned_dir: str, tokenizer, heldout: list[ChatRecord], config: RecipeConfig,
+        others: dict[str, tuple[str, str]] | None = None) -> EvalResult:
+    """Held-out loss and exact match of the base and the tuned model (and of `others`: label ->
+    `(model directory, backend)`, e.g. a distillation recipe's teacher), and an evidently
+    report of the base's and the tuned model's outputs."""
     if not heldout:
         raise ValueError("evaluation needs held-out records: set data.heldout or data.heldout_fraction")
     records = heldout[: config.eval.max_examples] if config.eval.max_examples else heldout
@@ -55,8 +59,10 @@ def run(base_dir: str, tuned_dir: str, tokenizer, heldout: list[ChatRecord], con
 
     metrics: dict[str, dict[str, float]] = {}
     examples: list[dict] = []
-    for label, model_dir in (("base", base_dir), ("tuned", tuned_dir)):
-        model = load_for_eval(model_dir, config, device).eval()
+    models = [("base", base_dir, None), ("tuned", tuned_dir, None)]
+    models += [(label, model_dir, backend) for label, (model_dir, backend) in (others or {}).items()]
+    for label, model_dir, backend in models:
+        model = load_for_eval(model_dir, config, device, backend=backend).eval()
         with torch.no_grad():
             loss = evaluate_loss(model, iter_batches(rows, config.eval.batch_size))
             outputs = greedy_generate(model, prompt_ids, config.eval.max_new_tokens, stop_ids, config.eval.batch_size)
@@ -150,8 +156,10 @@ def run_reward(base_dir: str, tuned_dir: str, tokenizer, heldout_pairs, heldout_
     pairs = heldout_pairs[:limit] if limit else heldout_pairs
     by_line = {(r.source, r.line): r for r in heldout_records}
     metrics, examples, frames = {}, [], {}
-    for label, model_dir in (("base", base_dir), ("tuned", tuned_dir)):
-        model = load_for_eval(model_dir, config, device).eval()
+    models = [("base", base_dir, None), ("tuned", tuned_dir, None)]
+    models += [(label, model_dir, backend) for label, (model_dir, backend) in (others or {}).items()]
+    for label, model_dir, backend in models:
+        model = load_for_eval(model_dir, config, device, backend=backend).eval()
         table = score_pairs(model, pairs, config.pack.row_length, tokenizer.pad_token_id,
                             rows_per_batch=config.eval.batch_size, shared_prompt=config.shared_prompt,
                             window=config.pack.window)

@@ -44,7 +44,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from posttrain.config.schema import PAIR_RECIPES, DPOConfig, RecipeConfig, RMConfig
+from posttrain.config.schema import PAIR_RECIPES, DistillConfig, DPOConfig, RecipeConfig, RMConfig
 from posttrain.config.strict import to_dict
 from posttrain.data.mixture import training_batches
 from posttrain.data.pair_stream import preference_batches
@@ -136,14 +136,19 @@ def training_fingerprint(config: RecipeConfig) -> dict:
 
 
 def checkpoint_manager(config: RecipeConfig, run_dir: Path,
-                       on_stage: Callable[[str, Path], None] | None = None) -> CheckpointManager | None:
-    """The run's checkpoint manager, or None when `checkpoint.enabled` is false."""
+                       on_stage: Callable[[str, Path], None] | None = None,
+                       teacher_identity: dict | None = None) -> CheckpointManager | None:
+    """The run's checkpoint manager, or None when `checkpoint.enabled` is false. A frozen
+    teacher is never checkpointed; its identity (`teacher_identity`) is part of the fingerprint."""
     ckpt = config.checkpoint
     if not ckpt.enabled:
         return None
     root = Path(ckpt.directory).expanduser().resolve() if ckpt.directory else Path(run_dir) / "train_state"
+    fingerprint = training_fingerprint(config)
+    if teacher_identity is not None:
+        fingerprint["teacher"] = {"reference": teacher_identity["reference"], "sha256": teacher_identity["sha256"]}
     return CheckpointManager(root, every_steps=ckpt.every_steps, keep_last=ckpt.keep_last,
-                             fingerprint=training_fingerprint(config), on_stage=on_stage)
+                             fingerprint=fingerprint, on_stage=on_stage)
 
 
 def resume_point(config: RecipeConfig, manager: CheckpointManager | None) -> Path | None:
@@ -193,18 +198,61 @@ class TrainJob:
     run_dir: str
     start: Start
     ref_logps: torch.Tensor | None = None
+    teacher: object | None = None  # a distillation recipe's `posttrain.steps.teacher.TeacherSpec`
 
 
 def objective_for(config: RecipeConfig) -> Objective:
     """What the recipe optimises: SFT's token cross-entropy, its `dpo` section's loss, or its
-    `rm` section's Bradley-Terry loss."""
+    `rm` section's Bradley-Terry loss (a distillation recipe's needs its teacher:
+    `distill_objective`)."""
     if isinstance(config, DPOConfig):
         dpo = config.dpo
         return DPOObjective(beta=dpo.beta, loss_type=dpo.loss_type, label_smoothing=dpo.label_smoothing,
                             sft_weight=dpo.sft_weight, simpo_gamma=dpo.simpo_gamma)
     if isinstance(config, RMConfig):
         return RewardObjective(margin=config.rm.margin, centering=config.rm.centering, sft_weight=config.rm.sft_weight)
+    if isinstance(config, DistillConfig):
+        raise RecipeModelError("a distillation recipe's objective needs its teacher: distill_objective(config, spec)")
     return SFTObjective()
+
+
+def distill_objective(config: DistillConfig, spec, device: torch.device, mesh=None) -> Objective:
+    """The distillation objective against the teacher of `spec` (a `TeacherSpec` from the
+    teacher step): its stored top-k (`distill.cache`), or the teacher itself, loaded frozen on
+    `device` and sharded over `mesh` by the recipe's parallel strategy, as the student is."""
+    from posttrain.objectives.distill import DistillObjective
+    from posttrain.steps.teacher import load_teacher
+
+    if spec is None:
+        raise RecipeModelError("a distillation recipe trains against its teacher: run the teacher step "
+                               "(posttrain.steps.teacher.run) and pass its TeacherSpec as teacher=")
+    d = config.distill
+    settings = dict(loss=d.loss, beta=d.beta, temperature=d.temperature, hard_weight=d.hard_weight)
+    if spec.cache_dir is not None:
+        from posttrain.objectives.teacher_cache import TeacherCache
+
+        cache = TeacherCache.load(spec.cache_dir, top_k=d.cache.top_k, temperature=d.temperature,
+                                  vocab_size=spec.vocab_size, identity=spec.identity)
+        return DistillObjective(spec.vocab_size, cache=cache, **settings)
+    teacher = load_teacher(spec, device)
+    if mesh is not None:
+        from posttrain.parallel.apply import apply_parallelism
+
+        teacher = apply_parallelism(teacher, config.parallel, mesh)
+    return DistillObjective(spec.vocab_size, teacher=teacher, **settings)
+
+
+def check_same_teacher(resume: Path, saved_fingerprint: dict | None, spec) -> None:
+    """Refuse to resume a distillation run against another teacher than the one it trained
+    with, naming both (their identities are in the checkpoint's fingerprint)."""
+    from posttrain.train.checkpoint import CheckpointError
+
+    saved = (saved_fingerprint or {}).get("teacher")
+    if spec is None or saved is None or saved.get("sha256") == spec.identity["sha256"]:
+        return
+    raise CheckpointError(f"{resume} was trained against teacher {saved.get('reference')} (sha256 "
+                          f"{saved.get('sha256', '')[:12]}), but this run's teacher is {spec.identity['reference']} "
+                          f"(sha256 {spec.identity['sha256'][:12]}): resume with the same teacher, or start a new run")
 
 
 def recipe_batches(job: TrainJob, rows_per_rank: int, state: dict | None, rank: int, world_size: int):
@@ -256,16 +304,19 @@ def train_loop(job: TrainJob, on_step: Callable[[dict], None] | None = None,
               f"worker(s) ({config.parallel.strategy}); {job.rows_per_epoch} rows per epoch, {total_steps} steps of "
               f"{config.train.micro_batch_size}x{config.train.grad_accum_steps} rows")
 
-    objective = objective_for(config)
+    objective = (distill_objective(config, job.teacher, device, mesh) if isinstance(config, DistillConfig)
+                 else objective_for(config))
     if isinstance(config, DPOConfig) and config.dpo.reference == "on_the_fly" and objective.needs_reference:
         objective.reference = on_the_fly_reference(model, frozen=None if has_lora(model) else
                                                    load_for_eval(job.start.source, config, device))
     trainer = Trainer(model, config.train, total_steps=total_steps, objective=objective,
                       process_group=dp_group(mesh) if mesh is not None else None)
-    manager = checkpoint_manager(config, run_dir, on_checkpoint_stage)
+    manager = checkpoint_manager(config, run_dir, on_checkpoint_stage,
+                                 teacher_identity=job.teacher.identity if job.teacher is not None else None)
     resume = resume_point(config, manager)
     data_state, history, earlier_s = None, [], 0.0
     if resume is not None:
+        check_same_teacher(resume, manager.info(resume).fingerprint, job.teacher)
         data_state = manager.load(resume, trainer)
         info = manager.info(resume)
         history, earlier_s = info.extra.get("history", []), info.extra.get("train_seconds", 0.0)
@@ -364,7 +415,7 @@ def train_worker(job: TrainJob) -> TrainResult | None:
 def run(config: RecipeConfig, tokenizer, samples: dict[str, list], rows_per_epoch: int,
         run_dir: Path, on_step: Callable[[dict], None] | None = None,
         on_checkpoint_stage: Callable[[str, Path], None] | None = None,
-        ref_logps: torch.Tensor | None = None) -> TrainResult:
+        ref_logps: torch.Tensor | None = None, teacher=None) -> TrainResult:
     """Train on the weighted mixture of `samples`, packed on the fly ahead of the trainer,
     checkpointing and resuming as the module docstring says.
 
@@ -378,14 +429,15 @@ def run(config: RecipeConfig, tokenizer, samples: dict[str, list], rows_per_epoc
     `rows_per_epoch` (from the pack step) sets the schedule length for `train.epochs`.
     `on_step(metrics)` is called for every step of the trajectory, the ones restored from a
     checkpoint included. `on_checkpoint_stage`: `CheckpointManager`'s `on_stage` hook (one
-    worker only: it does not travel to actors).
+    worker only: it does not travel to actors). `teacher`: a distillation recipe's
+    `TeacherSpec` from the teacher step (every worker loads the teacher from it).
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     workers = config.parallel.num_workers
     start = prepare_start(config, tokenizer, run_dir / "base", keep_model=workers == 1)
     check_tensor_parallel(config, start)
-    job = TrainJob(config, tokenizer, samples, rows_per_epoch, str(run_dir), start, ref_logps)
+    job = TrainJob(config, tokenizer, samples, rows_per_epoch, str(run_dir), start, ref_logps, teacher)
     if workers == 1:
         return train_loop(job, on_step=on_step, on_checkpoint_stage=on_checkpoint_stage)
     if on_checkpoint_stage is not None:

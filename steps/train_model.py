@@ -268,13 +268,15 @@ def export_trained(trainer, config: RecipeConfig, tokenizer, start: Start, run_d
             **exported}
 
 
-def load_for_eval(model_dir: str | Path, config: RecipeConfig, device: torch.device) -> torch.nn.Module:
-    """A model directory the train step wrote (or started from), loaded the way it was trained."""
-    if isinstance(config, RMConfig):
+def load_for_eval(model_dir: str | Path, config: RecipeConfig, device: torch.device,
+                  backend: str | None = None) -> torch.nn.Module:
+    """A model directory the train step wrote (or started from), loaded the way it was trained
+    (`backend`, "native" or "transformers": another model's way, e.g. a teacher's)."""
+    if isinstance(config, RMConfig) and backend is None:
         from posttrain.models.heads import load_with_head
 
         return load_with_head(model_dir, device=device)
-    if config.model.backend == "transformers":
+    if (backend or config.model.backend) == "transformers":
         from posttrain.models.hf_backend import load_hf_backend
 
         return load_hf_backend(model_dir, device=device)

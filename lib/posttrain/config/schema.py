@@ -406,6 +406,12 @@ class RecipeConfig:
         if has_heldout_source and self.data.heldout.name in {s.name for s in self.data.sources}:
             raise ConfigError(f"data.heldout.name '{self.data.heldout.name}' is also the name of a training source")
 
+    def model_references(self) -> list[tuple[str, str, bool]]:
+        """`(key, reference, hub_id_allowed)` of every model the recipe reads besides its data:
+        the starting model (`model.init_from`: a registry entry or a directory), and a recipe's
+        own (e.g. `distill.teacher`, which may also be a hub id); checked at launch."""
+        return [("model.init_from", self.model.init_from, False)] if self.model.init_from is not None else []
+
     @property
     def shared_prompt(self) -> bool:
         """Pair recipes: whether a pair is packed with its prompt once (their section's
@@ -486,11 +492,70 @@ class RMConfig(RecipeConfig):
             raise ConfigError("a reward-model recipe trains our own model definitions: model.backend must be 'native'")
 
 
+@dataclass
+class TeacherCacheConfig:
+    """The offline teacher cache (`posttrain.objectives.teacher_cache`): the teacher runs once
+    over the training samples and its `top_k` most likely tokens per loss position (their
+    log-probabilities at `distill.temperature`) are stored as safetensors shards in
+    `directory` (default `<run dir>/teacher_cache`); the student then trains against them, the
+    rest of the teacher's mass kept as one tail bucket, with no teacher in memory. A directory
+    that already holds a cache of the same teacher, samples, temperature and `top_k` is
+    reused (e.g. one written on another machine)."""
+
+    top_k: int = bounded(64, ge=1)
+    directory: Optional[str] = None
+    shard_samples: int = bounded(4096, ge=1)  # samples per safetensors shard
+
+
+@dataclass
+class DistillSection:
+    """Knowledge distillation (`posttrain.objectives.distill`, losses in `posttrain.ops.kd`).
+    `teacher`: a registry entry (`registry:NAME[:VERSION]`), a model directory or a hub id,
+    loaded by our registry (`teacher_backend: native`, verified against transformers before
+    training when `verify_teacher`) or as any `AutoModelForCausalLM` (`transformers`); frozen,
+    sharded like the student, never checkpointed (its identity is). It must share the
+    student's token ids. `loss`: forward_kl, reverse_kl or jsd (`beta`: the mixture weight of
+    the teacher); `temperature` T (the soft loss is scaled by T^2); `hard_weight`: the share
+    of the ordinary cross-entropy on the labels, `(1 - w) T^2 D + w CE` per loss token.
+    `cache`: train against the teacher's stored top-k instead of running it beside the student."""
+
+    teacher: str
+    teacher_backend: Literal["native", "transformers"] = "native"
+    loss: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
+    beta: float = bounded(0.5, gt=0, lt=1)
+    temperature: float = bounded(1.0, gt=0)
+    hard_weight: float = bounded(0.0, ge=0, le=1)
+    verify_teacher: bool = True
+    cache: Optional[TeacherCacheConfig] = None
+
+
+@dataclass
+class DistillConfig(RecipeConfig):
+    """The distillation recipe: ingest chats -> tokenize -> pack -> teacher (resolve, check the
+    vocabulary, verify, optionally cache its top-k) -> train the student against it -> verify
+    -> evaluate (base, student and teacher) -> register. The student is any model section
+    (random init or a starting model)."""
+
+    distill: DistillSection = field(default_factory=lambda: DistillSection(teacher=""))
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.distill.teacher:
+            raise ConfigError("distill.teacher must name the teacher: a registry entry (registry:NAME[:VERSION]), "
+                              "a model directory or a hub id")
+        if self.distill.cache is not None and self.pack.on_overflow == "split":
+            raise ConfigError("distill.cache keys the teacher's top-k by sample: it needs pack.on_overflow "
+                              "truncate, drop or error, not split")
+
+    def model_references(self) -> list[tuple[str, str]]:
+        return super().model_references() + [("distill.teacher", self.distill.teacher, True)]
+
+
 def check_starts_from_trained(config: RecipeConfig, what: str) -> None:
     if config.model.init != "pretrained" and not config.model.init_from:
         raise ConfigError(f"a {what} recipe starts from a trained model: set model.init_from (a registry entry, "
                           "e.g. registry:sft-demo-arithmetic, or a model directory) or model.init: pretrained")
 
 
-RECIPES = {"sft": SFTConfig, "dpo": DPOConfig, "rm": RMConfig}
+RECIPES = {"sft": SFTConfig, "dpo": DPOConfig, "rm": RMConfig, "distill": DistillConfig}
 PAIR_RECIPES = (DPOConfig, RMConfig)  # recipes trained on preference pairs

@@ -1,0 +1,73 @@
+"""The steps the recipes that train on conversations share (SFT, distillation): ingest chats,
+tokenize them, pack them, evaluate base against tuned.
+
+`ChatRecipeFlow` is a `RecipeFlow` whose `ingest` reads chat records and whose `tokenize`
+renders each conversation with the tokenizer's chat template (assistant-only loss masks),
+then filters. Each recipe flow defines its own `pack` step (its body `self._pack_chats()`, then
+the recipe's next step: SFT trains, distillation prepares its teacher first) and its
+`evaluate` step (its body `self._evaluate_chats(...)`, then `register`).
+"""
+
+from metaflow import card, current, step
+
+import recipe_cards as cards
+from recipe_flow import RecipeFlow
+
+
+class ChatRecipeFlow(RecipeFlow):
+    @card(type="blank", id="ingest")
+    @step
+    def ingest(self):
+        """Read every source into validated chat records; malformed rows are kept aside and counted."""
+        from posttrain.steps import ingest
+
+        result = ingest.run(self.recipe, self.run_dir)
+        self.train_records, self.heldout_records = result.train, result.heldout
+        self.rejected, self.rejected_path, self.data_counts = result.rejected, result.rejected_path, result.counts
+        self.data_warnings = result.warnings  # e.g. a source whose every row was rejected
+        cards.ingest_section(current.card["ingest"], self.data_counts, self.rejected, self.data_warnings)
+        self.next(self.tokenize)
+
+    @card(type="blank", id="tokenize")
+    @step
+    def tokenize(self):
+        """Render each conversation with the tokenizer's chat template (assistant-only loss masks), then filter."""
+        from posttrain.steps import tokenize
+
+        result = tokenize.run(self.train_records, self._tokenizer(), self.recipe.tokenizer.chat_template_kwargs,
+                              self.recipe.data.filters, self.recipe.pack)
+        self.samples, self.tokenize_stats = result.samples, result.stats
+        self.rejected = self.rejected + result.rejected
+        if result.rejected:  # keep the filters' rejections aside too, with ingest's
+            from pathlib import Path
+
+            from posttrain.data.sources import write_rejected
+
+            self.rejected_path = str(write_rejected(self.rejected, Path(self.run_dir) / "rejected.jsonl"))
+        cards.tokenize_section(current.card["tokenize"], self.tokenize_stats)
+        self.next(self.pack)
+
+    def _pack_chats(self):
+        """One pass over the weighted mixture, best-fit packed: rows per epoch and efficiency, in
+        the `pack` card (the body of each chat recipe's `pack` step)."""
+        from posttrain.steps import pack
+
+        result = pack.run(self.samples, self.recipe, self._tokenizer().pad_token_id)
+        self.packed_rows, self.pack_stats, self.samples_per_source = result.rows, result.stats, result.samples_per_source
+        cards.pack_section(current.card["pack"], self.pack_stats, self.samples_per_source)
+
+    def _evaluate_chats(self, others=None):
+        """Held-out loss and task metric, base vs tuned (and `others`: label -> (model directory,
+        backend)), in the `evaluation` card (the table first, then sample outputs), and an
+        evidently report of the base's and the tuned model's outputs (the `report` card). The
+        body of each chat recipe's `evaluate` step."""
+        from posttrain.steps import evaluate
+
+        result = evaluate.run(self.base_dir, self.checkpoint_dir, self._tokenizer(), self.heldout_records, self.recipe,
+                              others=others)
+        self.eval_metrics, self.eval_examples, self.evidently_html = result.metrics, result.examples, result.report_html
+        card = current.card["evaluation"]
+        cards.eval_section(card, self.eval_metrics)
+        cards.examples_table(card, self.eval_examples)
+        card.append(cards.Markdown("The evidently report of the base and tuned outputs is this step's `report` "
+                                   "card (`flow.py card view evaluate --id report`)."))
