@@ -30,29 +30,37 @@ from common import machine, spread  # noqa: E402  (bench/common.py)
 from posttrain.config import load_sft_config  # noqa: E402
 from posttrain.data.tokenizer import load_tokenizer  # noqa: E402
 from posttrain.steps import evaluate, ingest, pack, tokenize, train  # noqa: E402
-from posttrain.steps.paths import resolve  # noqa: E402
+from posttrain.steps.paths import resolve_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DOCUMENTED_EXACT_MATCH = 0.95  # the demo's documented floor (it measures 1.0; docs/benchmarks.md)
 
 
-def run_once(config) -> dict:
-    """One run of the recipe's steps in a temporary directory; its figures."""
+def run_once(config, prepare_train=None) -> dict:
+    """One run of the recipe's steps in a temporary directory; its figures. `prepare_train(config,
+    tokenizer, samples, run_dir) -> (train_kwargs, others)`, when given, runs before training (a
+    distillation recipe's teacher step): `train_kwargs` go to `train.run`, `others` (label ->
+    (model directory, backend)) are evaluated beside the base and the tuned model."""
     seconds: dict[str, float] = {}
+    train_kwargs, others = {}, None
     with tempfile.TemporaryDirectory(prefix="posttrain-bench-") as tmp:
         run_dir = Path(tmp)
         clock = time.perf_counter()
         data = ingest.run(config, run_dir)
-        tokenizer = load_tokenizer(resolve(config.tokenizer.name_or_path, run_dir))
+        tokenizer = load_tokenizer(resolve_tokenizer(config, run_dir))
         seconds["ingest"], clock = time.perf_counter() - clock, time.perf_counter()
         samples = tokenize.run(data.train, tokenizer, config.tokenizer.chat_template_kwargs, config.data.filters,
                                config.pack)
         seconds["tokenize"], clock = time.perf_counter() - clock, time.perf_counter()
         pack_stats = pack.run(samples.samples, config, tokenizer.pad_token_id).stats
         seconds["pack"], clock = time.perf_counter() - clock, time.perf_counter()
-        result = train.run(config, tokenizer, samples.samples, pack_stats.num_rows, run_dir)
+        if prepare_train is not None:
+            train_kwargs, others = prepare_train(config, tokenizer, samples.samples, run_dir)
+            seconds["prepare"], clock = time.perf_counter() - clock, time.perf_counter()
+        result = train.run(config, tokenizer, samples.samples, pack_stats.num_rows, run_dir, **train_kwargs)
         seconds["train"], clock = time.perf_counter() - clock, time.perf_counter()
-        evaluation = evaluate.run(result.base_dir, result.checkpoint_dir, tokenizer, data.heldout, config)
+        evaluation = evaluate.run(result.base_dir, result.checkpoint_dir, tokenizer, data.heldout, config,
+                                  others=others)
         seconds["evaluate"] = time.perf_counter() - clock
     summary, metrics = result.summary, evaluation.metrics
     return {
@@ -68,7 +76,21 @@ def run_once(config) -> dict:
         "base_exact_match": metrics["base"]["exact_match"],
         "tuned_exact_match": metrics["tuned"]["exact_match"],
         "seconds": {k: round(v, 1) for k, v in seconds.items()},
+        "others": {label: {"heldout_loss": round(m["heldout_loss"], 4), "exact_match": m["exact_match"]}
+                   for label, m in metrics.items() if label not in ("base", "tuned")},
+        "heldout_examples": len(data.heldout[: config.eval.max_examples] if config.eval.max_examples else data.heldout),
+        "teacher": _teacher_summary(train_kwargs["teacher"]) if "teacher" in train_kwargs else None,
     }
+
+
+def _teacher_summary(spec) -> dict:
+    """A distillation run's teacher: its identity and, with a cache, the cache's size."""
+    out = {"sha256": spec.identity["sha256"][:16], "cache": None}
+    if spec.cache_manifest:
+        m = spec.cache_manifest
+        out["cache"] = {k: m[k] for k in ("top_k", "num_samples", "num_positions", "bytes", "bytes_per_position",
+                                          "seconds")}
+    return out
 
 
 def main() -> None:

@@ -74,7 +74,7 @@ def run(base_dir: str, tuned_dir: str, tokenizer, heldout: list[ChatRecord], con
         for messages, reference, prediction, ok, ids in zip(prompts, references, predictions, correct, outputs):
             examples.append({"model": label, "prompt": messages[-1]["content"], "reference": reference,
                              "prediction": prediction, "correct": ok, "output_length": len(ids)})
-    frame = build_comparison_frame(examples)
+    frame = build_comparison_frame([e for e in examples if e["model"] in ("base", "tuned")])
     report_html = evidently_report_html(frame[frame.model == "base"], frame[frame.model == "tuned"])
     return EvalResult(metrics=metrics, examples=examples, report_html=report_html)
 

@@ -6,6 +6,7 @@ gradients against the naive full-logit loss (tied and untied heads), the teacher
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -226,3 +227,57 @@ def test_a_resume_against_another_teacher_is_refused_by_name(tmp_path, demo_toke
     with pytest.raises(CheckpointError, match=r"trained against teacher registry:big .* this run's teacher is "
                                               r"registry:other"):
         check_same_teacher(tmp_path, manager.fingerprint, other)
+
+
+def test_a_transformers_backend_teacher_we_do_not_implement(tmp_path, demo_tokenizer):
+    """A teacher of an architecture we do not define runs through transformers (the verifier
+    does not apply: nothing of ours to compare) and teaches through the same objective."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from posttrain.steps import teacher as teacher_step
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=len(demo_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=None,
+                           tie_word_embeddings=False, pad_token_id=demo_tokenizer.pad_token_id)
+    MistralForCausalLM(config).save_pretrained(tmp_path / "mistral")
+    demo_tokenizer.save_pretrained(str(tmp_path / "mistral"))
+    recipe = _recipe(tmp_path, str(tmp_path / "mistral"), teacher_backend="transformers")
+    spec = teacher_step.run(recipe, demo_tokenizer, {}, tmp_path / "run")
+    assert spec.verdict is None and spec.backend == "transformers"
+    teacher = teacher_step.load_teacher(spec)
+    student = _model(0, vocab=len(demo_tokenizer))
+    samples = [s.__class__([i % len(demo_tokenizer) for i in s.input_ids], s.loss_mask) for s in _samples()]
+    out = DistillObjective(spec.vocab_size, teacher=teacher, temperature=2.0)(student, _batch(samples))
+    out.loss_sum.backward()
+    assert float(out.metric_sums["kd"]) > 0 and student.output_weight.grad.abs().sum() > 0
+
+
+def test_train_step_against_the_cached_teacher_resumes_only_with_it(tmp_path, demo_tokenizer):
+    """The train step with `distill.cache`: the teacher step stores the top-k, training reads it
+    (no teacher in memory), and the checkpoint records the teacher."""
+    from posttrain.steps import teacher as teacher_step
+    from posttrain.steps import train
+
+    good = _write_model(tmp_path / "teacher", demo_tokenizer)
+    from posttrain.data.chat import TokenizedSample
+
+    g = torch.Generator().manual_seed(3)
+    samples = {"a": [TokenizedSample(torch.randint(3, len(demo_tokenizer), (n,), generator=g).tolist(),
+                                     [0] * (n // 2) + [1] * (n - n // 2)) for n in range(8, 40)]}
+    recipe = _recipe(tmp_path, str(good), temperature=2.0, cache={"top_k": 8})
+    recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, hidden_size=32, intermediate_size=64,
+                                                                   num_hidden_layers=1, num_attention_heads=2,
+                                                                   num_key_value_heads=1, head_dim=16),
+                                 pack=dataclasses.replace(recipe.pack, row_length=64),
+                                 train=dataclasses.replace(recipe.train, max_steps=4, micro_batch_size=2,
+                                                           warmup_steps=0, tensorboard=False, progress_bar=False),
+                                 checkpoint=dataclasses.replace(recipe.checkpoint, every_steps=2))
+    spec = teacher_step.run(recipe, demo_tokenizer, samples, tmp_path / "run")
+    assert spec.cache_manifest["num_samples"] == 32 and Path(spec.cache_dir).is_dir()
+    again = teacher_step.run(recipe, demo_tokenizer, samples, tmp_path / "run")  # reused, not rebuilt
+    assert again.cache_manifest == spec.cache_manifest
+    result = train.run(recipe, demo_tokenizer, samples, 16, tmp_path / "run", teacher=spec)
+    assert [h["step"] for h in result.history] == [1, 2, 3, 4] and all(h["kd"] >= 0 for h in result.history)
+    meta = json.loads((Path(result.checkpoints_dir) / "step_00000004" / "meta.json").read_text())
+    assert meta["fingerprint"]["teacher"]["sha256"] == spec.identity["sha256"]

@@ -1,7 +1,7 @@
 """FSDP2 and DDP on 2 CPU ranks (gloo): one Trainer step over a global batch split across the
 ranks equals a single-process step over the whole batch (loss and updated parameters), also
-for a model with a custom head (a reward model: the blocks are found through the wrapper),
-and a DCP save/load of the sharded model and optimizer restores them exactly."""
+for a model with a custom head (a reward model: the blocks are found through the wrapper) and
+for distillation against a frozen teacher sharded by the same plan as the student, and a DCP save/load of the sharded model and optimizer restores them exactly."""
 
 from __future__ import annotations
 
@@ -76,7 +76,16 @@ def value_regression(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor,
     return ((values_BT[labelled].float() - 0.5) ** 2).sum(), labelled.sum()
 
 
-def objective_for(head: bool):
+def objective_for(head: bool, distill: bool = False, teacher_plan=None):
+    """The case's objective; a distillation case's teacher (another seed, frozen) is sharded by
+    `teacher_plan(teacher)` when given, as the train step shards it like the student."""
+    if distill:
+        from posttrain.objectives.distill import DistillObjective
+
+        teacher = build_model(tiny_config("qwen3", tie_word_embeddings=True), seed=7).to(torch.float64)
+        teacher = teacher_plan(teacher) if teacher_plan is not None else teacher
+        return DistillObjective(teacher.config.vocab_size, teacher=teacher, loss="jsd", temperature=2.0,
+                                hard_weight=0.3)
     return value_regression if head else causal_lm_loss
 
 
@@ -86,22 +95,25 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in get_model_state_dict(model, options=options).items()}
 
 
-def single_process_steps(steps: int, dtype: torch.dtype, eps: float, tied: bool = False, head: bool = False
-                         ) -> tuple[list[float], dict[str, torch.Tensor]]:
+def single_process_steps(steps: int, dtype: torch.dtype, eps: float, tied: bool = False, head: bool = False,
+                         distill: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = tiny_model(dtype, tied, head)
-    trainer = Trainer(model, train_config(eps), total_steps=10, process_group=None, objective=objective_for(head))
+    trainer = Trainer(model, train_config(eps), total_steps=10, process_group=None,
+                      objective=objective_for(head, distill))
     losses = [trainer.train_step([global_batch(seed=s)])["loss"] for s in range(steps)]
     return losses, full_state(model)
 
 
-def sharded_steps(strategy: str, steps: int, dtype: torch.dtype, eps: float, tied: bool = False, head: bool = False
-                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
+def sharded_steps(strategy: str, steps: int, dtype: torch.dtype, eps: float, tied: bool = False, head: bool = False,
+                  distill: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
     world = dist.get_world_size()
     config = ParallelConfig(strategy=strategy, num_workers=world)
     mesh = build_device_mesh(config)
     model = apply_parallelism(tiny_model(dtype, tied, head), config, mesh)
-    trainer = Trainer(model, train_config(eps), total_steps=10, process_group=dp_group(mesh),
-                      objective=objective_for(head))
+    objective = objective_for(head, distill, teacher_plan=lambda t: apply_parallelism(t, config, mesh))
+    if distill:
+        assert all(isinstance(p, DTensor) for p in objective.teacher.parameters())  # sharded like the student
+    trainer = Trainer(model, train_config(eps), total_steps=10, process_group=dp_group(mesh), objective=objective)
     assert trainer.grad_sync == "none"  # FSDP2 reduces (with SUM)
     rank = dist.get_rank()
     losses = [trainer.train_step([rank_rows(global_batch(seed=s), rank, world)])["loss"] for s in range(steps)]
@@ -119,12 +131,13 @@ def test_batch_ranks_see_different_loss_token_counts():
 # differ by summation order, up to ~1e-8 here; with the default eps (1e-8) that moved weights
 # apart by 4.6e-6, with eps 1e-6 by 1.2e-6 (measured). So fp32 runs use eps 1e-4 (sensitivity
 # <= 2.5) and fp64 runs, where the noise is ~1e-17, keep the default eps.
-# (strategy, dtype, AdamW eps, parameter tolerance, tied embedding/head, value head)
-CASES = {"fsdp-fp32": ("fsdp", torch.float32, 1e-4, 1e-6, False, False),
-         "ddp-fp32": ("ddp", torch.float32, 1e-4, 1e-6, False, False),
-         "fsdp-fp64": ("fsdp", torch.float64, 1e-8, 1e-10, False, False),
-         "fsdp-fp32-tied": ("fsdp", torch.float32, 1e-4, 1e-6, True, False),
-         "fsdp-fp64-reward-model": ("fsdp", torch.float64, 1e-8, 1e-10, False, True)}
+# (strategy, dtype, AdamW eps, parameter tolerance, tied embedding/head, value head, distillation)
+CASES = {"fsdp-fp32": ("fsdp", torch.float32, 1e-4, 1e-6, False, False, False),
+         "ddp-fp32": ("ddp", torch.float32, 1e-4, 1e-6, False, False, False),
+         "fsdp-fp64": ("fsdp", torch.float64, 1e-8, 1e-10, False, False, False),
+         "fsdp-fp32-tied": ("fsdp", torch.float32, 1e-4, 1e-6, True, False, False),
+         "fsdp-fp64-reward-model": ("fsdp", torch.float64, 1e-8, 1e-10, False, True, False),
+         "fsdp-fp64-distill": ("fsdp", torch.float64, 1e-8, 1e-10, False, False, True)}
 STEPS = 2
 
 
@@ -159,8 +172,8 @@ def dcp_round_trip(directory: str) -> dict:
 
 
 def all_cases(directory: str) -> dict:
-    out = {name: sharded_steps(strategy, STEPS, dtype, eps, tied, head)
-           for name, (strategy, dtype, eps, _, tied, head) in CASES.items()}
+    out = {name: sharded_steps(strategy, STEPS, dtype, eps, tied, head, distill)
+           for name, (strategy, dtype, eps, _, tied, head, distill) in CASES.items()}
     out["dcp"] = dcp_round_trip(directory)
     return out
 
@@ -173,8 +186,8 @@ def two_rank_results(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_rank_steps_equal_one_process_steps(case, two_rank_results):
-    strategy, dtype, eps, tol, tied, head = CASES[case]
-    ref_losses, ref_params = single_process_steps(STEPS, dtype, eps, tied, head)
+    strategy, dtype, eps, tol, tied, head, distill = CASES[case]
+    ref_losses, ref_params = single_process_steps(STEPS, dtype, eps, tied, head, distill)
     worst = 0.0
     for rank, result in enumerate(two_rank_results):
         losses, params = result[case]
