@@ -80,7 +80,8 @@ def main() -> None:
         seeded = {**overrides, "seed": seed, "train.seed": seed} if args.seeds > 1 else overrides
         kd_config = load_recipe_config(args.config, "distill", overrides=seeded)
         sft_config = recipe_config_from_dict({k: v for k, v in raw.items() if k != "distill"}, "sft",
-                                             source=f"{args.config} without distill", overrides=seeded)
+                                             source=f"{args.config} without distill",
+                                             overrides={k: v for k, v in seeded.items() if k.split(".")[0] != "distill"})
         runs["kd"].append(run_once(kd_config, with_teacher))
         runs["sft"].append(run_once(sft_config))
     if args.cache_top_k:
