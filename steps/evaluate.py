@@ -156,10 +156,8 @@ def run_reward(base_dir: str, tuned_dir: str, tokenizer, heldout_pairs, heldout_
     pairs = heldout_pairs[:limit] if limit else heldout_pairs
     by_line = {(r.source, r.line): r for r in heldout_records}
     metrics, examples, frames = {}, [], {}
-    models = [("base", base_dir, None), ("tuned", tuned_dir, None)]
-    models += [(label, model_dir, backend) for label, (model_dir, backend) in (others or {}).items()]
-    for label, model_dir, backend in models:
-        model = load_for_eval(model_dir, config, device, backend=backend).eval()
+    for label, model_dir in (("base", base_dir), ("tuned", tuned_dir)):
+        model = load_for_eval(model_dir, config, device).eval()
         table = score_pairs(model, pairs, config.pack.row_length, tokenizer.pad_token_id,
                             rows_per_batch=config.eval.batch_size, shared_prompt=config.shared_prompt,
                             window=config.pack.window)
