@@ -1,4 +1,6 @@
-"""Test-wide settings: offline hubs, a named Metaflow user, and the shared data location."""
+"""Test-wide settings: offline hubs, a named Metaflow user, the shared data location, and the
+pool of background runs (flows and bench smoke runs) that starts with the session's first test
+(`tests/flow_pool.py` says how it works)."""
 
 import os
 import tempfile
@@ -33,3 +35,39 @@ def qwen3_tokenizer():
     from posttrain.data.tokenizer import load_tokenizer
 
     return load_tokenizer("builtin:qwen3")
+
+
+@pytest.fixture(scope="session")
+def flow_pool(request, tmp_path_factory):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch  # noqa: F401  (before Metaflow's Runner: its typing patch breaks later torch imports)
+    from flow_pool import POOL_WORKERS, SCENARIOS, FlowPool, typing_restored
+
+    modules = {item.module.__name__ for item in request.session.items if item.module is not None}
+    wanted = sorted(((name, s) for name, s in SCENARIOS.items() if s.module in modules),
+                    key=lambda entry: -entry[1].priority)
+    if any(s.launch.__module__ != "flow_pool" for _, s in wanted):  # flows: the Runner's modules load here, once
+        with typing_restored():
+            import metaflow.client  # noqa: F401
+            import metaflow.runner.click_api  # noqa: F401
+            import metaflow.runner.metaflow_runner  # noqa: F401
+            import metaflow.runner.subprocess_manager  # noqa: F401
+    args = {}
+    for name, scenario in wanted:
+        tmp = tmp_path_factory.mktemp(f"bg_{name}")
+        args[name] = scenario.prepare(tmp) if scenario.prepare is not None else tmp
+    pool = ThreadPoolExecutor(max_workers=POOL_WORKERS, thread_name_prefix="background")
+    futures = {name: pool.submit(scenario.launch, args[name]) for name, scenario in wanted}
+    yield FlowPool(futures)
+    pool.shutdown(wait=True)
+    for future in futures.values():
+        result = future.result() if future.done() and not future.exception() else None
+        for closing in (result.get("close", []) if isinstance(result, dict) else []):
+            closing.__exit__(None, None, None)  # the Runners' temporary files
+
+
+@pytest.fixture(autouse=True)
+def _start_background_runs(flow_pool):
+    """Every test starts the pool (the first one does the work)."""
+

@@ -1,19 +1,17 @@
 """The SFT flow end to end through `metaflow.Runner`, on the tiny config; then the notebook on its run."""
 
 import base64
-import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
-import typing
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 
-from flow_pool import background_flow, run_flow, single_thread_env
+from flow_pool import background_flow, run_flow, single_thread_env, typing_restored  # noqa: F401
 from posttrain.registry import resolve_model_dir
 from posttrain.registry.local import uri_to_path
 
@@ -76,18 +74,6 @@ def write_long_source(path: Path) -> None:
         [{"role": "user", "content": "Count to 300."}, {"role": "assistant", "content": " ".join(map(str, range(300)))}],
     ]
     path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
-
-
-@contextlib.contextmanager
-def typing_restored():
-    """Undo the patch Metaflow's vendored typing_extensions applies to `typing` when the Runner
-    loads it: its `_collect_parameters` rejects the TypeVars of the PyPI typing_extensions, so
-    any torch module imported afterwards in this process would fail to import."""
-    original = typing._collect_parameters
-    try:
-        yield
-    finally:
-        typing._collect_parameters = original
 
 
 @background_flow("sft", priority=1)

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from flow_pool import background_command
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+if SHARED_DATA.is_dir():  # run beside the other tests (tests/flow_pool.py)
+    background_command("bench_dpo_step", __name__,
+                       [sys.executable, str(REPO_ROOT / "bench" / "dpo_step.py"), "--quick", "--threads", "1"], REPO_ROOT)
 REQUIRED = ("baseline", "ours", "pairs_per_s_ours", "pairs_per_s_trl", "ratio_vs_trl", "ratio", "goal", "met",
             "pairs_per_s_ours_incl_ref", "pairs_per_s_trl_incl_ref", "ratio_vs_trl_incl_ref", "ref_seconds",
             "prefix_sharing_gain", "prefix_sharing", "peak_rss_bytes_ours", "peak_rss_bytes_trl", "peak_rss_bytes",
@@ -23,12 +27,9 @@ REQUIRED = ("baseline", "ours", "pairs_per_s_ours", "pairs_per_s_trl", "ratio_vs
 
 @pytest.mark.slow
 @pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="the pairs and the Qwen3 tokenizer come from ../shared/data")
-def test_quick_bench_prints_the_json_summary_last():
+def test_quick_bench_prints_the_json_summary_last(flow_pool):
     pytest.importorskip("trl")
-    done = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "dpo_step.py"), "--quick", "--threads", "1"],
-        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
-    )
+    done = flow_pool.result("bench_dpo_step")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[dpo_step]" in done.stderr  # progress goes to stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])

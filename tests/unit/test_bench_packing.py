@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from flow_pool import background_command
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# run beside the other tests (tests/flow_pool.py)
+background_command("bench_packing", __name__, [sys.executable, str(REPO_ROOT / "bench" / "packing.py"), "--quick"], REPO_ROOT)
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 
 REQUIRED = ("dataset", "baseline", "effective_throughput_ratio", "ratio", "repeats", "fraction",
@@ -20,12 +22,8 @@ BASELINES = {"padded_naive", "padded_length_grouped", "flattened"}
 
 
 @pytest.mark.slow
-def test_quick_bench_prints_the_json_summary_last():
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "packing.py"), "--quick"],
-        capture_output=True, text=True, timeout=600, env=env, cwd=REPO_ROOT,
-    )
+def test_quick_bench_prints_the_json_summary_last(flow_pool):
+    done = flow_pool.result("bench_packing")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[packing]" in done.stderr  # progress goes to stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])

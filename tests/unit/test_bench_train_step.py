@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from flow_pool import background_command
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# run beside the other tests (tests/flow_pool.py)
+background_command("bench_train_step", __name__, [sys.executable, str(REPO_ROOT / "bench" / "train_step.py"), "--quick"], REPO_ROOT)
 REQUIRED = ("baseline", "ratio_vs_hf", "ratio", "ratio_vs_hf_blocks", "ratio_blocks", "repeats",
             "bf16_vs_fp32_ours", "ratio_vs_hf_bf16", "bf16_loss_rel_diff", "baseline_bf16",
             "tokens_per_s_ours", "tokens_per_s_hf", "data", "loss_step1", "shapes", "settings")
 
 
-def test_quick_bench_prints_the_json_summary_last():
-    done = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "train_step.py"), "--quick"],
-        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
-    )
+def test_quick_bench_prints_the_json_summary_last(flow_pool):
+    done = flow_pool.result("bench_train_step")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[train_step]" in done.stderr  # progress goes to stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-"""Flow runs started side by side in the background as soon as the integration tests begin.
+"""Flow runs (and bench smoke runs) started side by side in the background as the session begins.
 
 A flow run through `metaflow.Runner` is mostly process start-up (every step is a new Python
 process importing torch, transformers and Metaflow) and tiny training steps, each on one
@@ -9,10 +9,12 @@ what it launches as a *scenario*:
     def sft_scenario(tmp: Path) -> dict: ...      # runs flows (subprocesses only), returns what tests read
 
 and its fixture waits for the result (`flow_pool.result("sft")`). A result dict may list, under
-"close", the `ExecutingRun`s to exit when the session ends (their temporary files). Every scenario of a module
-with a selected test starts when the session's first integration test does, in a pool of
-`POOL_WORKERS` threads, longest first. Scenarios launch flows with one torch thread per task
-(`single_thread_env`); anything computed in the test process itself (reference trajectories)
+"close", the `ExecutingRun`s to exit when the session ends (their temporary files). A bench's
+smoke test registers its command the same way (`background_command`: a subprocess, its
+`CompletedProcess` the result). Every scenario of a module with a selected test starts when
+the session's first test does (tests/conftest.py's `flow_pool`), in a pool of `POOL_WORKERS`
+threads, highest priority first (the flows, which the integration tests wait for first).
+Scenarios launch their processes with one torch thread each (`single_thread_env`); anything computed in the test process itself (reference trajectories)
 belongs in the test, not in the scenario, so the test process's own torch pool is never
 shared between threads.
 """
@@ -20,7 +22,11 @@ shared between threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import subprocess
 import threading
+import typing
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +40,7 @@ class Scenario:
     launch: Callable[[Any], Any]  # in a pool thread: flows (subprocesses) only
     priority: int
     prepare: Callable[[Path], Any] | None  # in the main thread, before any launch: files, tiny models
+    module: str  # the test module that registered it (started when one of its tests is selected)
 
 
 SCENARIOS: dict[str, Scenario] = {}
@@ -46,10 +53,34 @@ def background_flow(name: str, priority: int = 0, prepare: Callable[[Path], Any]
     Higher `priority` starts earlier (give the longest runs the highest)."""
 
     def register(fn):
-        SCENARIOS[name] = Scenario(fn, priority, prepare)
+        SCENARIOS[name] = Scenario(fn, priority, prepare, fn.__module__)
         return fn
 
     return register
+
+
+def background_command(name: str, module: str, argv: list[str], cwd: Path, timeout: float = 900,
+                       priority: int = 0) -> None:
+    """Register `argv` (a bench's smoke run, say) as the scenario `name` of test `module`: run
+    in the pool with one torch thread, its `subprocess.CompletedProcess` (text output) the result."""
+
+    def launch(_tmp: Path) -> subprocess.CompletedProcess:
+        env = single_thread_env({**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+
+    SCENARIOS[name] = Scenario(launch, priority, None, module)
+
+
+@contextlib.contextmanager
+def typing_restored():
+    """Undo the patch Metaflow's vendored typing_extensions applies to `typing` when the Runner
+    loads it: its `_collect_parameters` rejects the TypeVars of the PyPI typing_extensions, so
+    any torch module imported afterwards in this process would fail to import."""
+    original = typing._collect_parameters
+    try:
+        yield
+    finally:
+        typing._collect_parameters = original
 
 
 def single_thread_env(env: dict) -> dict:
