@@ -88,10 +88,10 @@ def check_starting_model(recipe) -> None:
     says which run creates it."""
     from posttrain.registry import resolve_model_dir
 
-    from posttrain.config.paths import is_hub_id, looks_local
+    from posttrain.config.paths import names_hub_model
 
     for key, ref, hub_id_allowed in recipe.model_references():
-        if not (hub_id_allowed and not ref.startswith("registry:") and not looks_local(ref) and is_hub_id(ref)):
+        if not (hub_id_allowed and names_hub_model(ref)):
             _check_reference(key, ref, recipe, resolve_model_dir)  # a hub id (a teacher's) downloads later
     tokenizer = recipe.tokenizer.name_or_path
     if tokenizer.startswith("registry:"):

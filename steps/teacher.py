@@ -51,11 +51,11 @@ class TeacherSpec:
 
 def resolve_teacher(config: DistillConfig) -> Path:
     """The teacher's local model directory (module docstring, 1)."""
-    from posttrain.config.paths import is_hub_id, looks_local
+    from posttrain.config.paths import names_hub_model
     from posttrain.registry import resolve_model_dir
 
     ref = config.distill.teacher
-    if ref.startswith("registry:") or looks_local(ref) or not is_hub_id(ref):
+    if not names_hub_model(ref):
         try:
             return Path(resolve_model_dir(ref, registry_dir=config.register.registry_dir))
         except ValueError as err:

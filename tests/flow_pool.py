@@ -97,6 +97,14 @@ class FlowPool:
             raise KeyError(f"background scenario {name!r} was not started (its module has no selected test)")
         return self.futures[name].result()
 
+    def successful_run(self, name: str) -> tuple[Any, dict]:
+        """`(run, result)` of a flow scenario whose result holds its `ExecutingRun` as "running",
+        asserting that the flow succeeded (its output is the assertion message otherwise)."""
+        result = self.result(name)
+        running = result["running"]
+        assert running.status == "successful", running.stdout + running.stderr
+        return running.run, result
+
 
 _RUNNER_LOCK = threading.Lock()
 

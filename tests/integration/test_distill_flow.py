@@ -57,17 +57,15 @@ def distill_scenario(tmp: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def distill_run(flow_pool):
-    result = flow_pool.result("distill")
-    running = result["running"]
-    assert running.status == "successful", running.stdout + running.stderr
-    return running.run, result["tmp"], running.stdout
+    run, result = flow_pool.successful_run("distill")
+    return run, result["tmp"]
 
 
 @pytest.mark.slow
 def test_distill_flow_trains_against_the_teacher_and_registers(distill_run):
     from transformers import AutoModelForCausalLM
 
-    run, tmp, logs = distill_run
+    run, tmp = distill_run
     spec = run["teacher"].task.data.teacher_spec
     assert spec.verdict["passed"] and spec.vocab_size > 0 and len(spec.identity["sha256"]) == 64
     assert spec.identity["reference"] == f"registry:{START_NAME}"

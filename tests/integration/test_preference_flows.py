@@ -16,6 +16,7 @@ import pytest
 import torch  # noqa: F401
 
 from flow_pool import background_flow, run_flow, single_thread_env
+from tiny_models import save_tiny_demo_qwen3
 from test_sft_flow import REPO_ROOT, flow_env
 
 START_NAME = "sft-tiny-start"
@@ -53,19 +54,9 @@ def write_pair_source(path: Path) -> None:
 
 def register_starting_model(tmp: Path) -> Path:
     """A tiny random Qwen3 with the demo tokenizer, registered as `START_NAME`; returns the registry."""
-    from posttrain.data.demo import build_demo_tokenizer, write_arithmetic_dataset
-    from posttrain.data.tokenizer import load_tokenizer
-    from posttrain.models.registry import build_model, save_hf_checkpoint, tiny_config
     from posttrain.registry.local import register_model
 
-    paths = write_arithmetic_dataset(tmp / "corpus", num_train=200, num_heldout=0, seed=0, max_digits=2)
-    tokenizer = load_tokenizer(str(build_demo_tokenizer(tmp / "tokenizer", corpus_paths=[paths["train"]],
-                                                        vocab_size=256)))
-    model = build_model(tiny_config("qwen3", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                    bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-                                    pad_token_id=tokenizer.pad_token_id), seed=0)
-    model_dir = save_hf_checkpoint(model, tmp / "start", tokenizer=tokenizer)
+    model_dir = save_tiny_demo_qwen3(tmp)
     registry = tmp / "registry"
     register_model(registry, START_NAME, model_dir, {"recipe": "test-start"})
     return registry
@@ -121,21 +112,16 @@ def rm_scenario(workspace: tuple[Path, Path]) -> dict:
     return start_flow("rm", workspace)
 
 
-def finished(flow_pool, recipe: str):
-    result = flow_pool.result(recipe)
-    running = result["running"]
-    assert running.status == "successful", running.stdout + running.stderr
-    return running.run, result["workspace"]
-
-
 @pytest.fixture(scope="module")
 def dpo_run(flow_pool):
-    return finished(flow_pool, "dpo")
+    run, result = flow_pool.successful_run("dpo")
+    return run, result["workspace"]
 
 
 @pytest.fixture(scope="module")
 def rm_run(flow_pool):
-    return finished(flow_pool, "rm")
+    run, result = flow_pool.successful_run("rm")
+    return run, result["workspace"]
 
 
 def check_bad_pairs_kept_aside(run, bad: Path) -> None:

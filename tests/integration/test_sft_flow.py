@@ -95,10 +95,8 @@ def sft_scenario(tmp: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny_run(flow_pool):
-    result = flow_pool.result("sft")
-    running = result["running"]
-    assert running.status == "successful", running.stdout + running.stderr
-    return running.run, result["tmp"], running.stdout
+    run, result = flow_pool.successful_run("sft")
+    return run, result["tmp"], result["running"].stdout
 
 
 @pytest.mark.slow

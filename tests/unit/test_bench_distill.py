@@ -30,18 +30,9 @@ def test_kd_loss_quick_bench_prints_the_json_summary_last():
 
 @pytest.mark.slow
 def test_distill_demo_bench_exits_nonzero_when_kd_does_not_beat_sft(tmp_path):
-    from posttrain.data.demo import build_demo_tokenizer, write_arithmetic_dataset
-    from posttrain.data.tokenizer import load_tokenizer
-    from posttrain.models.registry import build_model, save_hf_checkpoint, tiny_config
+    from tiny_models import save_tiny_demo_qwen3
 
-    paths = write_arithmetic_dataset(tmp_path / "corpus", num_train=100, num_heldout=0, seed=0, max_digits=2)
-    tokenizer = load_tokenizer(str(build_demo_tokenizer(tmp_path / "tok", corpus_paths=[paths["train"]],
-                                                        vocab_size=256)))
-    teacher = build_model(tiny_config("qwen3", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                      bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-                                      pad_token_id=tokenizer.pad_token_id), seed=0)
-    teacher_dir = save_hf_checkpoint(teacher, tmp_path / "teacher", tokenizer=tokenizer)
+    teacher_dir = save_tiny_demo_qwen3(tmp_path, num_hidden_layers=1, corpus_problems=100)
     overrides = {"distill.teacher": str(teacher_dir), "tokenizer.name_or_path": str(teacher_dir),
                  "data.generate.num_train": 60, "data.generate.num_heldout": 8, "eval.max_examples": 8,
                  "train.max_steps": 3, "train.warmup_steps": 1, "train.tensorboard": False,

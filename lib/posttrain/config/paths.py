@@ -39,6 +39,12 @@ def is_hub_id(value: str) -> bool:
     return bool(_HUB_ID.match(value))
 
 
+def names_hub_model(value: str) -> bool:
+    """Whether a model reference is a hub id (to download) rather than a registry entry
+    (`registry:NAME[:VERSION]`) or a local directory."""
+    return not value.startswith(REGISTRY_PREFIX) and not looks_local(value) and is_hub_id(value)
+
+
 def _exists(value: str) -> bool:
     """A local data path exists: a file, a directory, or a glob matching something."""
     path = Path(value).expanduser()

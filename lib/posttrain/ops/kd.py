@@ -62,7 +62,7 @@ from typing import NamedTuple
 
 import torch
 
-from posttrain.ops.losses import IGNORE_INDEX, check_projection_args
+from posttrain.ops.losses import IGNORE_INDEX, backprop_chunk, check_projection_args
 from posttrain.ops.precision import head_matmul_dtype
 
 KD_LOSSES = ("forward_kl", "reverse_kl", "jsd")
@@ -238,14 +238,8 @@ def _kd_pass(student_hidden_ND, student_weight_VD, teacher, vocab_size, loss, be
             g_cV.add_(ce_grad_cV, alpha=alpha)
         if dcap_cV is not None:
             g_cV.mul_(dcap_cV)
-        g_mm_cV = g_cV.to(mm)
-        if need_hidden:
-            grad_h_ND[sl] = (g_mm_cV @ w_s_VD).to(grad_h_ND.dtype)
-        if need_weight:
-            if mm == acc:
-                grad_w_PD[:V].addmm_(g_mm_cV.T, h_cD)
-            else:
-                grad_w_PD[:V] += (g_mm_cV.T @ h_cD.to(mm)).to(acc)
+        backprop_chunk(g_cV, h_cD, w_s_VD, mm, grad_h_ND[sl] if need_hidden else None,
+                       grad_w_PD[:V] if need_weight else None)
     if grad_w_PD is not None:
         grad_w_PD = grad_w_PD.to(student_weight_VD.dtype)
     loss_sum = (1 - alpha) * kd_sum + alpha * ce_sum

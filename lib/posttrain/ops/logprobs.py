@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.ops.losses import check_projection_args
+from posttrain.ops.losses import backprop_chunk, check_projection_args
 from posttrain.ops.precision import head_matmul_dtype
 
 DEFAULT_CHUNK_SIZE = 256  # rows per chunk: a [256, 151936] float32 block is 156 MB
@@ -118,14 +118,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     g_cV.add_(d_ent_cV)
                 if dcap_cV is not None:
                     g_cV.mul_(dcap_cV)
-                g_mm_cV = g_cV.to(mm)
-                if need_hidden:
-                    grad_hidden_ND[rows] = (g_mm_cV @ w_mm_VD).to(hidden_ND.dtype)
-                if need_weight:
-                    if mm == acc:  # accumulate in place: no [V, D] temporary per chunk
-                        grad_weight_PD[:V].addmm_(g_mm_cV.T, h_cD)
-                    else:  # bf16 products, widened into the float32 accumulator
-                        grad_weight_PD[:V] += (g_mm_cV.T @ h_cD.to(mm)).to(acc)
+                backprop_chunk(g_cV, h_cD, w_mm_VD, mm, grad_hidden_ND[rows] if need_hidden else None,
+                               grad_weight_PD[:V] if need_weight else None)
         if grad_weight_PD is not None:
             grad_weight_PD = grad_weight_PD.to(weight_VD.dtype)
         return grad_hidden_ND, grad_weight_PD, None, None, None, None, None, None

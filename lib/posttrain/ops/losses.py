@@ -225,6 +225,23 @@ def check_projection_args(hidden_ND: torch.Tensor, weight_VD: torch.Tensor, rows
     return None if logit_softcap is None else float(logit_softcap)
 
 
+def backprop_chunk(g_cV: torch.Tensor, h_cD: torch.Tensor, w_mm_VD: torch.Tensor, mm: torch.dtype,
+                   grad_hidden_cD: torch.Tensor | None, grad_weight_VD: torch.Tensor | None) -> None:
+    """One chunk's gradients through `logits = h_cD @ w_mm_VD.T`, given `g_cV` (d loss / d logits,
+    in the accumulation dtype): `grad_hidden_cD` (the chunk's rows of the hidden gradient, or
+    None) receives `g @ w`; `grad_weight_VD` (the float32/64 accumulator's real rows, or None)
+    gets `g.T @ h` added, in place. The matmuls run in `mm`; what the chunked ops whose backward
+    is not precomputed in forward share (log-probabilities, KD)."""
+    g_mm_cV = g_cV.to(mm)
+    if grad_hidden_cD is not None:
+        grad_hidden_cD.copy_(g_mm_cV @ w_mm_VD)
+    if grad_weight_VD is not None:
+        if mm == grad_weight_VD.dtype:  # accumulate in place: no [V, D] temporary per chunk
+            grad_weight_VD.addmm_(g_mm_cV.T, h_cD.to(mm))
+        else:  # bf16 products, widened into the float32 accumulator
+            grad_weight_VD += (g_mm_cV.T @ h_cD.to(mm)).to(grad_weight_VD.dtype)
+
+
 def chunked_cross_entropy(
     hidden_ND: torch.Tensor,
     weight_VD: torch.Tensor,
