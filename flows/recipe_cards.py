@@ -76,6 +76,10 @@ def verify_section(card, verdict: dict | None) -> None:
     card.append(Table([[c.get("name", ""), f"{c.get('max_abs_diff', float('nan')):.2e}",
                         f"{c.get('mean_abs_diff', float('nan')):.2e}"] for c in verdict.get("cases", [])],
                       headers=["case", "max |diff|", "mean |diff|"]))
+    if "generation" in verdict:
+        g = verdict["generation"]
+        card.append(Markdown(f"Greedy generation (rollout engine vs transformers `generate`): {g['prompts']} prompts "
+                             f"x {g['new_tokens']} tokens, {g['mismatched']} differ ({g['near_ties']} at near-ties)."))
 
 
 def teacher_section(card, spec) -> None:

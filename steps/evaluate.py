@@ -1,7 +1,7 @@
 """Evaluate: the untrained base and the tuned model side by side on held-out data.
 
 For each model: held-out loss (per token, assistant tokens only) and the task metric from
-greedy generation (exact match of the final assistant answer). An evidently report
+greedy generation through the native rollout engine (exact match of the final assistant answer). An evidently report
 compares the two models' outputs (lengths, correctness). Preference recipes add the held-out
 pairs: DPO their log-prob and implicit-reward accuracies (`run_pairs`); a reward model
 (`run_reward`) is judged on the pairs alone: pair accuracy (chosen scored higher) with its
@@ -18,10 +18,11 @@ from posttrain.config.schema import RecipeConfig
 from posttrain.data.chat import end_of_turn_token_ids, render_prompt
 from posttrain.data.packer import iter_batches, pack_samples
 from posttrain.data.records import ChatRecord
-from posttrain.eval.generate import greedy_generate
 from posttrain.eval.heldout import evaluate_loss
 from posttrain.eval.metrics import exact_match
 from posttrain.eval.report import build_comparison_frame, evidently_report_html
+from posttrain.rl.engine import SamplingConfig
+from posttrain.rl.native import NativeEngine
 from posttrain.steps import tokenize as tokenize_step
 from posttrain.steps.train import pick_device
 from posttrain.steps.train_model import load_for_eval
@@ -55,6 +56,7 @@ def run(base_dir: str, tuned_dir: str, tokenizer, heldout: list[ChatRecord], con
     prompts, references = zip(*(prompt_and_reference(r) for r in records))
     prompt_ids = [render_prompt(tokenizer, messages, **template_kwargs) for messages in prompts]
     stop_ids = set(end_of_turn_token_ids(tokenizer, **template_kwargs)) | {tokenizer.eos_token_id}
+    greedy = SamplingConfig(temperature=0, max_new_tokens=config.eval.max_new_tokens, stop_token_ids=tuple(stop_ids))
     device = pick_device(config.train.device)
 
     metrics: dict[str, dict[str, float]] = {}
@@ -65,8 +67,9 @@ def run(base_dir: str, tuned_dir: str, tokenizer, heldout: list[ChatRecord], con
         model = load_for_eval(model_dir, config, device, backend=backend).eval()
         with torch.no_grad():
             loss = evaluate_loss(model, iter_batches(rows, config.eval.batch_size))
-            outputs = greedy_generate(model, prompt_ids, config.eval.max_new_tokens, stop_ids, config.eval.batch_size)
-        del model
+            engine = NativeEngine(model, max_batch_rows=config.eval.batch_size)
+            outputs = [group[0].content_ids for group in engine.generate(prompt_ids, greedy)]
+        del model, engine
         predictions = [tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
         correct = [exact_match(p, r) for p, r in zip(predictions, references)]
         metrics[label] = {"heldout_loss": loss, "exact_match": sum(correct) / len(correct)}

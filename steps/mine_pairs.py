@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 
 from posttrain.data.chat import end_of_turn_token_ids, render_prompt
-from posttrain.eval.generate import greedy_generate, sample_generate
 from posttrain.eval.metrics import exact_match
+from posttrain.rl.engine import SamplingConfig
+from posttrain.rl.native import NativeEngine
 
 
 @dataclass
@@ -44,18 +45,23 @@ def run(model, tokenizer, questions: list[tuple[list[dict], str]], out_path: str
     prompt_ids = [render_prompt(tokenizer, messages, **kw) for messages, _ in questions]
     stop_ids = set(end_of_turn_token_ids(tokenizer, **kw)) | {tokenizer.eos_token_id}
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True).strip()  # noqa: E731
+    engine = NativeEngine(model, max_batch_rows=batch_size)
+
+    def answers(prompts: list[list[int]], temperature: float, seed: int) -> list[str]:
+        sampling = SamplingConfig(temperature=temperature, max_new_tokens=max_new_tokens,
+                                  stop_token_ids=tuple(stop_ids), seed=seed)
+        return [decode(group[0].content_ids) for group in engine.generate(prompts, sampling)]
+
     with torch.no_grad():
-        greedy = [decode(o) for o in greedy_generate(model, prompt_ids, max_new_tokens, stop_ids, batch_size)]
+        greedy = answers(prompt_ids, 0.0, seed)
         rejected: list[str | None] = [g if not exact_match(g, ref) else None for g, (_, ref) in zip(greedy, questions)]
         from_greedy = sum(r is not None for r in rejected)
         for k in range(samples):
             todo = [i for i, r in enumerate(rejected) if r is None]
             if not todo:
                 break
-            drawn = sample_generate(model, [prompt_ids[i] for i in todo], max_new_tokens, stop_ids, batch_size,
-                                    temperature=temperature, seed=seed + k)
-            for i, ids in zip(todo, drawn):
-                answer = decode(ids)
+            drawn = answers([prompt_ids[i] for i in todo], temperature, seed + k)
+            for i, answer in zip(todo, drawn):
                 if answer and not exact_match(answer, questions[i][1]):
                     rejected[i] = answer
     out_path = Path(out_path)

@@ -14,7 +14,8 @@ import torch
 
 from posttrain.data.packer import StreamPacker
 from posttrain.data.prefetch import PackedBatchPrefetcher
-from posttrain.eval.generate import PAD_ID, greedy_generate, left_pad
+from posttrain.rl.engine import SamplingConfig
+from posttrain.rl.native import PAD_ID, NativeEngine, left_pad
 from posttrain.models.registry import build_model, tiny_config
 from posttrain.ops.attention import build_attention_mask, document_attention, document_causal_mask
 
@@ -135,10 +136,11 @@ def test_generation_left_padded_batches_never_mix_prompts(model):
     assert (model.compute_logits(model(noisy, pos, docs)) - base)[real].abs().max() <= ATOL
 
     # end to end: changing one prompt changes nothing generated for the others in its batch
-    outputs = greedy_generate(model, prompts, 6, set(), batch_size=len(prompts))
+    engine, greedy = NativeEngine(model), SamplingConfig(temperature=0, max_new_tokens=6)
+    outputs = [g[0].token_ids for g in engine.generate(prompts, greedy)]
     changed = [list(p) for p in prompts]
     changed[2] = torch.randint(2, 250, (9,), generator=gen).tolist()
-    again = greedy_generate(model, changed, 6, set(), batch_size=len(prompts))
+    again = [g[0].token_ids for g in engine.generate(changed, greedy)]
     assert [o for i, o in enumerate(again) if i != 2] == [o for i, o in enumerate(outputs) if i != 2]
 
 

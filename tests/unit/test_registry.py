@@ -14,7 +14,8 @@ import torch
 
 import posttrain
 from posttrain.config.schema import TrainConfig
-from posttrain.eval.generate import greedy_generate
+from posttrain.rl.engine import SamplingConfig
+from posttrain.rl.native import NativeEngine
 from posttrain.models.registry import build_model, save_hf_checkpoint, tiny_config
 from posttrain.registry.local import list_versions, load_lineage, register_model
 
@@ -98,7 +99,7 @@ def test_registered_model_loads_in_transformers_and_generates(tmp_path, model, h
                           max_new_tokens=6, eos_token_id=None, pad_token_id=0)
     generated = out[0, len(prompt):].tolist()
     assert len(generated) == 6
-    assert generated == greedy_generate(model, [prompt], 6, set(), batch_size=1)[0]
+    assert generated == NativeEngine(model).generate([prompt], SamplingConfig(temperature=0, max_new_tokens=6))[0][0].token_ids
 
 
 def test_lora_adapter_is_registered_beside_the_merged_model(tmp_path, hf_dir):

@@ -26,6 +26,7 @@ def test_passes_on_good_checkpoint(tiny_dir):
     assert verdict["arch"] == "qwen3" and verdict["tolerance"] == 1e-4
     assert [c["name"] for c in verdict["cases"]] == ["padded", "packed"]
     assert all(c["numel"] > 0 for c in verdict["cases"])
+    assert verdict["generation"]["mismatched"] == 0 and verdict["generation"]["prompts"] == 4
     assert 0 <= verdict["mean_abs_diff"] <= verdict["max_abs_diff"] <= 1e-4
 
 
@@ -40,6 +41,34 @@ def test_fails_when_our_weights_differ(tiny_dir, tensor):
         ours.get_parameter(tensor).mul_(1.01)  # a 1% error in one tensor
     verdict = verify_models(ours, hf_model(tiny_dir), tolerance=1e-4)
     assert verdict["passed"] is False and verdict["max_abs_diff"] > 1e-3
+
+
+def test_fails_when_cached_generation_breaks(tiny_dir, monkeypatch):
+    """A KV cache that drops the newest key passes both logit cases (no cache there) but not
+    the greedy generation check."""
+    from posttrain.models import kv_cache
+
+    append = kv_cache.LayerKV.append
+
+    def forgetful(self, k, v):
+        k_all, v_all = append(self, k, v)
+        return (k_all[:, :, :-1], v_all[:, :, :-1]) if self.cache.start > 0 else (k_all, v_all)
+
+    monkeypatch.setattr(kv_cache.LayerKV, "append", forgetful)
+    from posttrain.ops import attention
+
+    real_mask = attention.build_cached_attention_mask
+    monkeypatch.setattr("posttrain.models.decoder.build_cached_attention_mask",
+                        lambda *a, **kw: _drop_last_key(real_mask(*a, **kw)))
+    verdict = verify_models(load_hf_checkpoint(tiny_dir), hf_model(tiny_dir), tolerance=1e-4)
+    assert all(c["max_abs_diff"] <= 1e-4 for c in verdict["cases"])
+    assert verdict["generation"]["mismatched"] > verdict["generation"]["near_ties"] and verdict["passed"] is False
+
+
+def _drop_last_key(mask):
+    if mask.dense_B1TT.shape[-1] > mask.dense_B1TT.shape[-2]:  # a decode step: keys = cached slots
+        mask.dense_B1TT = mask.dense_B1TT[..., :-1]
+    return mask
 
 
 def test_fails_when_document_masking_breaks(tiny_dir, monkeypatch):

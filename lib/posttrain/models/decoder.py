@@ -27,9 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from posttrain.models.hf_config import FULL, SLIDING
+from posttrain.models.kv_cache import KVCache, LayerKV
 from posttrain.models.layers import GroupedQueryAttention, RMSNorm, RotaryEmbedding, ScaledEmbedding, SwiGLU
 from posttrain.models.moe import load_balancing_loss
-from posttrain.ops.attention import AttentionMask, build_attention_mask
+from posttrain.ops.attention import AttentionMask, build_attention_mask, build_cached_attention_mask
 
 __all__ = ["FULL", "SLIDING", "DecoderBlock", "DecoderLM", "MoeDecoderLM"]
 
@@ -55,9 +56,10 @@ class DecoderBlock(nn.Module):
         self.feed_forward = feed_forward if feed_forward is not None else SwiGLU(D, config.intermediate_size)
 
     def forward(
-        self, x_BTD: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor, mask: AttentionMask
+        self, x_BTD: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor, mask: AttentionMask,
+        kv: LayerKV | None = None,
     ) -> torch.Tensor:
-        x_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_BTE, sin_BTE, mask)
+        x_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_BTE, sin_BTE, mask, kv)
         return x_BTD + self.feed_forward(self.ffn_norm(x_BTD))
 
 
@@ -107,18 +109,44 @@ class DecoderLM(nn.Module):
 
     def forward(
         self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor,
-        branch_ids_BT: torch.Tensor | None = None,
+        branch_ids_BT: torch.Tensor | None = None, cache: KVCache | None = None,
     ) -> torch.Tensor:
+        """With `cache` (generation, `posttrain.models.kv_cache`), the tokens take the cache's
+        next slots and attend over every slot written so far; no tree documents then."""
+        if cache is not None:
+            return self._cached_forward(input_ids_BT, position_ids_BT, doc_ids_BT, cache, branch_ids_BT)
         x_BTD = self.tok_embeddings(input_ids_BT)
-        types = set(self.layer_types)
-        if isinstance(self.rotary, nn.ModuleDict):
-            rope = {t: self.rotary[t](position_ids_BT, x_BTD.dtype) for t in types}
-        else:
-            rope = dict.fromkeys(types, self.rotary(position_ids_BT, x_BTD.dtype))
+        rope = self._rotary_tables(position_ids_BT, x_BTD.dtype)
         masks = {w: build_attention_mask(doc_ids_BT, window=w, branch_ids_BT=branch_ids_BT,
                                          position_ids_BT=position_ids_BT) for w in set(self.layer_windows)}
         for layer, layer_type, window in zip(self.layers, self.layer_types, self.layer_windows):
             x_BTD = layer(x_BTD, *rope[layer_type], masks[window])
+        return self.norm(x_BTD)
+
+    def _rotary_tables(self, position_ids_BT: torch.Tensor, dtype: torch.dtype) -> dict:
+        """`{layer type: (cos_BTE, sin_BTE)}` for these positions."""
+        types = set(self.layer_types)
+        if isinstance(self.rotary, nn.ModuleDict):
+            return {t: self.rotary[t](position_ids_BT, dtype) for t in types}
+        return dict.fromkeys(types, self.rotary(position_ids_BT, dtype))
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty KV cache for `batch` rows of up to `capacity` tokens each."""
+        return KVCache(len(self.layers), batch, capacity, self.tok_embeddings.weight.device)
+
+    def _cached_forward(self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor,
+                        cache: KVCache, branch_ids_BT: torch.Tensor | None) -> torch.Tensor:
+        if branch_ids_BT is not None:
+            raise ValueError("a cached forward takes no branch_ids (tree documents are for training)")
+        cache.extend(position_ids_BT, doc_ids_BT)
+        x_BTD = self.tok_embeddings(input_ids_BT)
+        rope = self._rotary_tables(position_ids_BT, x_BTD.dtype)
+        end = cache.length
+        masks = {w: build_cached_attention_mask(doc_ids_BT, position_ids_BT, cache.doc_ids_BS[:, :end],
+                                                cache.position_ids_BS[:, :end], cache.start, window=w)
+                 for w in set(self.layer_windows)}
+        for layer, layer_type, window, kv in zip(self.layers, self.layer_types, self.layer_windows, cache.layers):
+            x_BTD = layer(x_BTD, *rope[layer_type], masks[window], kv)
         return self.norm(x_BTD)
 
     def compute_logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from posttrain.models.kv_cache import LayerKV
 from posttrain.ops.attention import AttentionMask, document_attention
 
 
@@ -128,8 +129,11 @@ class GroupedQueryAttention(nn.Module):
         self.k_norm = norm_cls(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 
     def forward(
-        self, x_BTD: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor, mask: AttentionMask
+        self, x_BTD: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor, mask: AttentionMask,
+        kv: LayerKV | None = None,
     ) -> torch.Tensor:
+        """With `kv` (generation), this forward's keys and values are written to the cache and
+        the queries attend over every cached slot (`mask` is then the cached mask)."""
         B, T, _ = x_BTD.shape
         H, K, E = self.n_heads, self.n_kv_heads, self.head_dim
         q_BTHE = self.wq(x_BTD).view(B, T, H, E)
@@ -139,5 +143,8 @@ class GroupedQueryAttention(nn.Module):
             q_BTHE, k_BTKE = self.q_norm(q_BTHE), self.k_norm(k_BTKE)
         q_BHTE = apply_rotary(q_BTHE.transpose(1, 2), cos_BTE, sin_BTE)
         k_BKTE = apply_rotary(k_BTKE.transpose(1, 2), cos_BTE, sin_BTE)
-        o_BHTE = document_attention(q_BHTE, k_BKTE, v_BTKE.transpose(1, 2), mask, scale=self.scale)
+        v_BKTE = v_BTKE.transpose(1, 2)
+        if kv is not None:
+            k_BKTE, v_BKTE = kv.append(k_BKTE, v_BKTE)  # now over the cache's slots
+        o_BHTE = document_attention(q_BHTE, k_BKTE, v_BKTE, mask, scale=self.scale)
         return self.wo(o_BHTE.transpose(1, 2).reshape(B, T, H * E))

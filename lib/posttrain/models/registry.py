@@ -27,6 +27,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -182,12 +183,7 @@ def load_hf_checkpoint(
     with torch.device("meta"):
         model = arch.model_cls(config)
 
-    expected = arch.adapter.hf_shapes(config)
-    redundant = arch.adapter.redundant_tensors(config)  # {name: twin that it must equal}
-    state: dict[str, torch.Tensor] = {}
-    fused = _FusedParameters(getattr(arch.adapter, "fused_shapes", lambda _: {})(config), device)
-    seen: set[str] = set()
-    extra: dict[str, torch.Tensor] = {}  # redundant tensors and the twins they are checked against
+    importer = HFTensorImporter(arch, config, device, dtype)
     for file, indexed in _shard_files(path).items():
         with open_safetensors(path / file, device) as f:
             names = list(f.keys())
@@ -195,38 +191,70 @@ def load_hf_checkpoint(
                 stray = sorted(set(names) ^ set(indexed))
                 raise CheckpointError(f"{file} does not hold what {SAFETENSORS_INDEX} says: tensors {stray[:5]}")
             for name in names:
-                if name in seen:
-                    raise CheckpointError(f"tensor {name!r} appears twice in {path}")
-                seen.add(name)
-                if name not in expected and name not in redundant:
-                    raise CheckpointError(_unexpected_message(arch, name, file, config))
-                tensor = read_tensor(f, name, path / file)
-                want = expected.get(name, expected.get(redundant.get(name)))
-                if tuple(tensor.shape) != tuple(want):
-                    raise CheckpointError(
-                        f"tensor {name!r} in {file} has shape {tuple(tensor.shape)}, expected {tuple(want)}"
-                    )
-                if dtype is not None:
-                    tensor = tensor.to(dtype)
-                if name in redundant or name in redundant.values():
-                    extra[name] = tensor
-                if name in expected:
-                    imported = arch.adapter.import_tensor(name, tensor, config)
-                    if len(imported) == 3:
-                        fused.copy_row(name, *imported)
-                    else:
-                        our_name, ours = imported
-                        state[our_name] = ours
-    missing = sorted(set(expected) - seen)
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise CheckpointError(f"checkpoint {path} is missing tensors {missing[:5]}{more}")
-    for name, twin in redundant.items():
-        if name in extra and not torch.equal(extra[name], extra[twin]):
-            raise CheckpointError(f"tensor {name!r} must equal {twin!r} for this config but differs")
-    state.update(fused.complete())
+                importer.check_name(name, where=file)
+                importer.add(name, read_tensor(f, name, path / file), where=file)
+    state = importer.finish(where=f"checkpoint {path}")
     model.load_state_dict(state, strict=True, assign=True)
     return model
+
+
+class HFTensorImporter:
+    """Hugging Face tensors in, our state dict out: the name and layout mapping of an
+    architecture's adapter, with every check a checkpoint load makes (`load_hf_checkpoint`, and
+    a rollout engine's `update_weights`).
+
+    `add(hf_name, tensor, where)` per tensor (`where` names its source in errors), then
+    `finish(where) -> {our name: tensor}`. Raises `CheckpointError` naming the tensor for an
+    unknown or repeated name, a wrong shape, a missing tensor, or a redundant tensor (a tied
+    `lm_head.weight`) that differs from its twin. Tensors are cast to `dtype` (None keeps
+    theirs) and placed on `device`.
+    """
+
+    def __init__(self, arch: "Architecture", config: Any, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | None = torch.float32):
+        self.arch, self.config, self.dtype, self.device = arch, config, dtype, device
+        self.expected = arch.adapter.hf_shapes(config)
+        self.redundant = arch.adapter.redundant_tensors(config)  # {name: twin that it must equal}
+        self.state: dict[str, torch.Tensor] = {}
+        self.fused = _FusedParameters(getattr(arch.adapter, "fused_shapes", lambda _: {})(config), device)
+        self.seen: set[str] = set()
+        self.extra: dict[str, torch.Tensor] = {}  # redundant tensors and the twins they are checked against
+
+    def check_name(self, name: str, where: str) -> None:
+        """Raise for a name seen before or one the model has no place for (before reading it)."""
+        if name in self.seen:
+            raise CheckpointError(f"tensor {name!r} appears twice in {where}")
+        if name not in self.expected and name not in self.redundant:
+            raise CheckpointError(_unexpected_message(self.arch, name, where, self.config))
+
+    def add(self, name: str, tensor: torch.Tensor, where: str) -> None:
+        self.check_name(name, where)
+        self.seen.add(name)
+        want = self.expected.get(name, self.expected.get(self.redundant.get(name)))
+        if tuple(tensor.shape) != tuple(want):
+            raise CheckpointError(f"tensor {name!r} in {where} has shape {tuple(tensor.shape)}, expected {tuple(want)}")
+        if self.dtype is not None:
+            tensor = tensor.to(self.dtype)
+        if name in self.redundant or name in self.redundant.values():
+            self.extra[name] = tensor
+        if name in self.expected:
+            imported = self.arch.adapter.import_tensor(name, tensor, self.config)
+            if len(imported) == 3:
+                self.fused.copy_row(name, *imported)
+            else:
+                our_name, ours = imported
+                self.state[our_name] = ours
+
+    def finish(self, where: str) -> dict[str, torch.Tensor]:
+        missing = sorted(set(self.expected) - self.seen)
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise CheckpointError(f"{where} is missing tensors {missing[:5]}{more}")
+        for name, twin in self.redundant.items():
+            if name in self.extra and not torch.equal(self.extra[name], self.extra[twin]):
+                raise CheckpointError(f"tensor {name!r} must equal {twin!r} for this config but differs")
+        self.state.update(self.fused.complete())
+        return self.state
 
 
 def _unexpected_message(arch: Architecture, name: str, file: str, config: Any) -> str:
@@ -325,6 +353,18 @@ def _mergeable(model: Any) -> Any:
             "them; call posttrain.models.lora.merge_lora(model) first, or pass the model itself"
         )
     return model
+
+
+def hf_named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(hf_name, tensor)` for the full state dict under Hugging Face names, what a rollout
+    engine's `update_weights` takes: the checkpoint's tensors (LoRA merged, vocabulary padding
+    removed) plus, for a tied model, `lm_head.weight` (the embedding again), since some engines
+    (vLLM) keep a separate head. Detached views: copy before mutating."""
+    arch = get_architecture(model.config.model_type)
+    tensors = dict(arch.adapter.export_tensors(_mergeable(model)))
+    for name, twin in arch.adapter.redundant_tensors(model.config).items():
+        tensors.setdefault(name, tensors[twin])
+    return iter(tensors.items())
 
 
 def save_hf_checkpoint(

@@ -10,6 +10,10 @@ and themselves, not each other.
 Backends (chosen once per forward by `select_backend`, then shared by every layer):
 - "sdpa": `F.scaled_dot_product_attention` with a dense boolean `[B, 1, T, T]` mask. Works
   everywhere, including backward on CPU; memory is O(B*T^2) booleans.
+- "decode": a KV cache's single-query steps (`build_cached_attention_mask` with one new token
+  per row): the same dense mask, attention as two batched matmuls and a float32 softmax.
+  SDPA's CPU kernel is built for blocks of queries and took 1.6 ms per call on one query per
+  row where this takes a fraction (bench/rollout.py); inference only.
 - "flex" (future, GPU): FlexAttention with a BlockMask built from the same predicate. It
   slots in by adding a branch to `build_attention_mask` and `document_attention`; CPU has no
   flex backward (DESIGN.md §6), so CPU always uses "sdpa".
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("sdpa",)
+BACKENDS = ("sdpa", "decode")
 
 
 def document_causal_mask(doc_ids_BT: torch.Tensor, window: int | None = None,
@@ -71,7 +75,9 @@ class AttentionMask:
     """A document-causal mask prepared once per forward for a given backend."""
 
     backend: str
-    dense_B1TT: torch.Tensor | None = None  # "sdpa": boolean, True where attention is allowed
+    # "sdpa": boolean, True where attention is allowed; `[B, 1, T, T]`, or `[B, 1, T, S]` over a
+    # KV cache's S slots (`build_cached_attention_mask`)
+    dense_B1TT: torch.Tensor | None = None
     window: int | None = None  # sliding window it was built with (None: full causal)
 
 
@@ -86,6 +92,30 @@ def build_attention_mask(doc_ids_BT: torch.Tensor, backend: str | None = None,
         dense_B1TT = document_causal_mask(doc_ids_BT, window, branch_ids_BT, position_ids_BT)
         return AttentionMask(backend, dense_B1TT=dense_B1TT, window=window)
     raise ValueError(f"unknown attention backend {backend!r}; available: {BACKENDS}")
+
+
+def build_cached_attention_mask(query_doc_ids_BT: torch.Tensor, query_position_ids_BT: torch.Tensor,
+                                key_doc_ids_BS: torch.Tensor, key_position_ids_BS: torch.Tensor, query_start: int,
+                                window: int | None = None, backend: str | None = None) -> AttentionMask:
+    """The mask of `T` new tokens at slots `query_start..query_start+T-1` over the `S` slots of
+    a KV cache (`posttrain.models.kv_cache`), the new ones included: query `t` may see slot `s`
+    iff `s <= query_start + t`, both hold the same document, and with `window` their positions
+    differ by less than `window`. For a contiguous document this is `document_causal_mask`'s
+    rule, so a cached forward attends exactly as the uncached one does."""
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window must be >= 1, got {window}")
+    T = query_doc_ids_BT.shape[1]
+    backend = backend or ("decode" if T == 1 else select_backend(query_doc_ids_BT.device))
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; available: {BACKENDS}")
+    S = key_doc_ids_BS.shape[1]
+    device = query_doc_ids_BT.device
+    query_slot_T1 = torch.arange(query_start, query_start + T, device=device)[:, None]
+    causal_TS = torch.arange(S, device=device)[None, :] <= query_slot_T1
+    allowed_BTS = (query_doc_ids_BT[:, :, None] == key_doc_ids_BS[:, None, :]) & causal_TS
+    if window is not None:
+        allowed_BTS &= (query_position_ids_BT[:, :, None] - key_position_ids_BS[:, None, :]) < window
+    return AttentionMask(backend, dense_B1TT=allowed_BTS[:, None], window=window)
 
 
 def document_attention(
@@ -107,4 +137,23 @@ def document_attention(
         return F.scaled_dot_product_attention(
             q_BHTE, k_BKTE, v_BKTE, attn_mask=mask.dense_B1TT, scale=scale, enable_gqa=H != K
         )
+    if mask.backend == "decode":
+        return _matmul_attention(q_BHTE, k_BKTE, v_BKTE, mask.dense_B1TT, scale)
     raise ValueError(f"unknown attention backend {mask.backend!r}; available: {BACKENDS}")
+
+
+def _matmul_attention(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor,
+                      allowed_B1TS: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Grouped-query attention as `softmax(q k^T * scale) v` with explicit matmuls, the softmax in
+    float32. The `G` query heads of a key/value head are folded into its query rows (`M = G*T`),
+    so each matmul is one batch over `B*K` without expanding (copying) k and v."""
+    B, H, T, E = q_BHTE.shape
+    K, S = k_BKSE.shape[1], k_BKSE.shape[2]
+    G = H // K
+    scale = E**-0.5 if scale is None else scale
+    q_BKME = q_BHTE.reshape(B, K, G * T, E)
+    scores_BKMS = (q_BKME @ k_BKSE.transpose(-1, -2)) * scale
+    allowed_B1MS = allowed_B1TS.repeat(1, 1, G, 1) if G > 1 else allowed_B1TS
+    scores_BKMS = scores_BKMS.float().masked_fill(~allowed_B1MS, float("-inf"))
+    probs_BKMS = scores_BKMS.softmax(dim=-1).to(v_BKSE.dtype)
+    return (probs_BKMS @ v_BKSE).reshape(B, H, T, E)

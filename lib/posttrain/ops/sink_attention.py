@@ -30,12 +30,14 @@ def sink_attention(
 ) -> torch.Tensor:
     """Grouped-query attention with per-head sinks under `mask`; returns `o_BHTE`.
 
-    Query head `h` reads key/value head `h // (H // K)`. `scale` defaults to `E ** -0.5`.
+    Query head `h` reads key/value head `h // (H // K)`. `scale` defaults to `E ** -0.5`. Keys
+    and values may be longer than the queries (`[B, K, S, E]` from a KV cache) under a
+    `[B, 1, T, S]` mask.
     Scores and weighted values are computed in the inputs' dtype, the softmax in float32 (or
     float64 for float64 inputs); the probabilities are cast back before `p @ v`.
     """
     B, H, T, E = q_BHTE.shape
-    K = k_BKTE.shape[1]
+    K, S = k_BKTE.shape[1], k_BKTE.shape[2]  # S = T, or a KV cache's slots
     if H % K:
         raise ValueError(f"query heads {H} not a multiple of key/value heads {K}")
     if sinks_H.shape != (H,):
@@ -46,10 +48,10 @@ def sink_attention(
     scale = E**-0.5 if scale is None else scale
     # query heads grouped under their key/value head: no copies of k and v
     q_BKGTE = q_BHTE.view(B, K, G, T, E)
-    scores_BKGTT = (q_BKGTE @ k_BKTE[:, :, None].transpose(-1, -2)) * scale
-    acc = torch.promote_types(scores_BKGTT.dtype, torch.float32)
-    scores_BHTT = scores_BKGTT.reshape(B, H, T, T).to(acc).masked_fill(~mask.dense_B1TT, float("-inf"))
+    scores_BKGTS = (q_BKGTE @ k_BKTE[:, :, None].transpose(-1, -2)) * scale
+    acc = torch.promote_types(scores_BKGTS.dtype, torch.float32)
+    scores_BHTS = scores_BKGTS.reshape(B, H, T, S).to(acc).masked_fill(~mask.dense_B1TT, float("-inf"))
     sinks_BHT1 = sinks_H.to(acc).view(1, H, 1, 1).expand(B, H, T, 1)
-    probs_BHTT = torch.cat([scores_BHTT, sinks_BHT1], dim=-1).softmax(dim=-1)[..., :T]
-    probs_BKGTT = probs_BHTT.to(v_BKTE.dtype).view(B, K, G, T, T)
-    return (probs_BKGTT @ v_BKTE[:, :, None]).view(B, H, T, E)
+    probs_BHTS = torch.cat([scores_BHTS, sinks_BHT1], dim=-1).softmax(dim=-1)[..., :S]
+    probs_BKGTS = probs_BHTS.to(v_BKTE.dtype).view(B, K, G, T, S)
+    return (probs_BKGTS @ v_BKTE[:, :, None]).view(B, H, T, E)

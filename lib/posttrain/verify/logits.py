@@ -10,7 +10,12 @@ same random token ids:
   against every document run alone through HF; this checks position restarts and document
   masking.
 
-The verdict fails if either loader errors, if transformers reports missing, unexpected or
+- "generation" (the verdict's own key, beside the logit cases): greedy continuations of
+  random prompts through our rollout engine (`posttrain.rl.native`, KV cache) against
+  transformers' `generate`, token for token.
+
+The verdict fails if either loader errors, if a greedy continuation differs (other than at a
+near-tie of our logits), if transformers reports missing, unexpected or
 mismatched tensors (it would silently random-initialise them), or if the largest absolute
 logit difference exceeds `tolerance` (or is not finite).
 
@@ -93,6 +98,38 @@ def compare_packed(
     return _diff_stats("packed", diffs)
 
 
+@torch.no_grad()
+def compare_greedy_generation(ours, hf_model, vocab_size: int, gen: torch.Generator, num_prompts: int = 4,
+                              max_new_tokens: int = 8, tolerance: float = 1e-4) -> dict:
+    """Case (c): greedy continuations of random prompts through our rollout engine (batched,
+    KV cache) against transformers' `generate` on each prompt alone. A continuation that
+    differs counts as a near-tie (not a failure) when, at the first differing token, our
+    logits for the two candidates are within `tolerance`: float noise may pick either."""
+    from posttrain.rl.engine import SamplingConfig
+    from posttrain.rl.native import NativeEngine
+
+    device = ours.output_weight.device
+    lengths = torch.randint(1, 17, (num_prompts,), generator=gen).tolist()
+    prompts = [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    mine = NativeEngine(ours).generate(prompts, SamplingConfig(temperature=0, max_new_tokens=max_new_tokens))
+    mismatched = near_ties = 0
+    for prompt, (completion,) in zip(prompts, mine):
+        ids = torch.tensor([prompt], device=device)
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                                min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+        theirs = out[0, len(prompt):].tolist()
+        if theirs == completion.token_ids:
+            continue
+        mismatched += 1
+        t = next(i for i, (a, b) in enumerate(zip(completion.token_ids, theirs)) if a != b)
+        prefix = torch.tensor([prompt + theirs[:t]], device=device)
+        positions = torch.arange(prefix.shape[1], device=device)[None]
+        logits_V = ours.compute_logits(ours(prefix, positions, torch.zeros_like(prefix)))[0, -1]
+        near_ties += bool(abs(float(logits_V[completion.token_ids[t]] - logits_V[theirs[t]])) <= tolerance)
+    return {"name": "greedy", "prompts": num_prompts, "new_tokens": max_new_tokens, "mismatched": mismatched,
+            "near_ties": near_ties}
+
+
 def verify_models(ours, hf_model, tolerance: float = 1e-4, seed: int = 0, batch_size: int = 3,
                   seq_len: int = 48, num_docs: int = 3) -> dict:
     """Compare two loaded models (ours, transformers) on the padded and packed cases."""
@@ -107,13 +144,15 @@ def verify_models(ours, hf_model, tolerance: float = 1e-4, seed: int = 0, batch_
     ]
     max_diff = max(c["max_abs_diff"] for c in cases)
     mean_diff = sum(c["mean_abs_diff"] * c["numel"] for c in cases) / sum(c["numel"] for c in cases)
+    greedy = compare_greedy_generation(ours, hf_model, config.vocab_size, gen, tolerance=tolerance)
     return {
         "arch": config.model_type,
         "max_abs_diff": max_diff,
         "mean_abs_diff": mean_diff,
         "tolerance": tolerance,
-        "passed": math.isfinite(max_diff) and max_diff <= tolerance,
+        "passed": math.isfinite(max_diff) and max_diff <= tolerance and greedy["mismatched"] == greedy["near_ties"],
         "cases": cases,
+        "generation": greedy,
     }
 
 

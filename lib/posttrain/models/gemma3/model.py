@@ -60,6 +60,7 @@ from posttrain.models.hf_config import (
     require,
 )
 from posttrain.models.decoder import DecoderLM
+from posttrain.models.kv_cache import LayerKV
 from posttrain.models.layers import GroupedQueryAttention, RMSNorm, RotaryEmbedding, ScaledEmbedding, SwiGLU
 from posttrain.ops.attention import AttentionMask
 from posttrain.models.flops import LayerFlopSpec, dense_layer_spec
@@ -308,9 +309,11 @@ class Gemma3Block(nn.Module):
         self.post_ffn_norm = GemmaRMSNorm(D, eps)
 
     def forward(
-        self, x_BTD: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor, mask: AttentionMask
+        self, x_BTD: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor, mask: AttentionMask,
+        kv: LayerKV | None = None,
     ) -> torch.Tensor:
-        x_BTD = x_BTD + self.post_attention_norm(self.attention(self.attention_norm(x_BTD), cos_BTE, sin_BTE, mask))
+        attended_BTD = self.attention(self.attention_norm(x_BTD), cos_BTE, sin_BTE, mask, kv)
+        x_BTD = x_BTD + self.post_attention_norm(attended_BTD)
         return x_BTD + self.post_ffn_norm(self.feed_forward(self.ffn_norm(x_BTD)))
 
 

@@ -65,6 +65,7 @@ from posttrain.models.hf_config import (
     check_positive_ints,
     hf_dict,
 )
+from posttrain.models.kv_cache import LayerKV
 from posttrain.models.layers import RMSNorm, apply_rotary
 from posttrain.models.moe import routed_experts
 from posttrain.models.rope import YarnScaling, build_rotary, rope_from_hf
@@ -239,13 +240,16 @@ class SinkAttention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(n_heads))
 
     def forward(
-        self, x_BTD: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor, mask: AttentionMask
+        self, x_BTD: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor, mask: AttentionMask,
+        kv: LayerKV | None = None,
     ) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         H, K, E = self.n_heads, self.n_kv_heads, self.head_dim
         q_BHTE = apply_rotary(self.wq(x_BTD).view(B, T, H, E).transpose(1, 2), cos_BTE, sin_BTE)
         k_BKTE = apply_rotary(self.wk(x_BTD).view(B, T, K, E).transpose(1, 2), cos_BTE, sin_BTE)
         v_BKTE = self.wv(x_BTD).view(B, T, K, E).transpose(1, 2)
+        if kv is not None:
+            k_BKTE, v_BKTE = kv.append(k_BKTE, v_BKTE)  # now over the cache's slots
         o_BHTE = sink_attention(q_BHTE, k_BKTE, v_BKTE, self.sinks, mask, scale=E**-0.5)
         return self.wo(o_BHTE.transpose(1, 2).reshape(B, T, H * E))
 
