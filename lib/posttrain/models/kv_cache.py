@@ -13,14 +13,18 @@ document id -1, which no real token attends to. The mask of a cached forward is
 query slot, and on sliding layers a position distance below the window): the same rule as
 the training forward's `document_causal_mask` for contiguous documents.
 
-`repeat_interleave(n)` forks every row into `n` consecutive copies (the `n` samples of one
-prompt share its prefill); `select(rows)` keeps the given rows (finished sequences leave the
-batch). Both copy the filled slots only.
+`fork(n)` turns every row into `n` consecutive rows (the `n` samples of one prompt) that
+share its slots as a prefix stored once (`posttrain.ops.attention.shared_prefix_attention`);
+`select(rows)` keeps the given rows (finished sequences leave the batch), copying their
+filled slots, a shared prefix included.
 """
 
 from __future__ import annotations
 
 import torch
+
+from posttrain.ops.attention import AttentionMask, document_attention, shared_prefix_attention
+from posttrain.ops.sink_attention import sink_attention
 
 
 class CacheFull(ValueError):
@@ -28,36 +32,60 @@ class CacheFull(ValueError):
 
 
 class LayerKV:
-    """One layer's keys and values in a `KVCache` (what an attention module receives)."""
+    """One layer's keys and values in a `KVCache` (what an attention module receives).
+
+    Slots `0..offset-1` may be a shared prefix (`prefix_k_PKSE`, `prefix_v_PKSE`: one copy per
+    group of `group` consecutive rows, after `KVCache.fork`); the layer's own buffers hold the
+    slots from `offset` on."""
 
     def __init__(self, cache: "KVCache"):
         self.cache = cache
         self.k_BKSE: torch.Tensor | None = None
         self.v_BKSE: torch.Tensor | None = None
+        self.prefix_k_PKSE: torch.Tensor | None = None
+        self.prefix_v_PKSE: torch.Tensor | None = None
 
     def append(self, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this forward's keys and values at the cache's current slots; returns the keys and
-        values of every slot written so far (`[B, K, end, E]` views)."""
+        """Write this forward's keys and values at the cache's current slots; returns the layer's
+        own keys and values of every slot written so far (`[B, K, end - offset, E]` views)."""
         cache = self.cache
-        start, end = cache.start, cache.length
+        start, end, offset = cache.start - cache.offset, cache.length - cache.offset, cache.offset
         if end - start != k_BKTE.shape[2]:
             raise ValueError(f"layer cache got {k_BKTE.shape[2]} keys for {end - start} new slots")
         if self.k_BKSE is None:
             B, K, _, E = k_BKTE.shape
-            shape = (B, K, cache.capacity, E)
+            shape = (B, K, cache.capacity - offset, E)
             self.k_BKSE = k_BKTE.new_empty(shape)
             self.v_BKSE = v_BKTE.new_empty(shape)
         self.k_BKSE[:, :, start:end] = k_BKTE
         self.v_BKSE[:, :, start:end] = v_BKTE
         return self.k_BKSE[:, :, :end], self.v_BKSE[:, :, :end]
 
-    def _rows(self, index_R: torch.Tensor, into: "LayerKV") -> None:
-        if self.k_BKSE is not None:
-            end = self.cache.length
-            into.k_BKSE = self.k_BKSE.new_empty((len(index_R), *self.k_BKSE.shape[1:]))
-            into.v_BKSE = self.v_BKSE.new_empty(into.k_BKSE.shape)
-            into.k_BKSE[:, :, :end] = self.k_BKSE[index_R, :, :end]
-            into.v_BKSE[:, :, :end] = self.v_BKSE[index_R, :, :end]
+    def attend(self, q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, mask: AttentionMask,
+               scale: float | None, sinks_H: torch.Tensor | None = None) -> torch.Tensor:
+        """Append this forward's keys and values, then attend the queries over every slot
+        (document attention, or GPT-OSS sink attention with `sinks_H`); returns `o_BHTE`."""
+        k_BKUE, v_BKUE = self.append(k_BKTE, v_BKTE)
+        if self.prefix_k_PKSE is not None:
+            return shared_prefix_attention(q_BHTE, self.prefix_k_PKSE, self.prefix_v_PKSE, k_BKUE, v_BKUE,
+                                           mask.dense_B1TT, scale, sinks_H)
+        if sinks_H is not None:
+            return sink_attention(q_BHTE, k_BKUE, v_BKUE, sinks_H, mask, scale=scale)
+        return document_attention(q_BHTE, k_BKUE, v_BKUE, mask, scale=scale)
+
+    def _rows(self, index_R: torch.Tensor, group_R: torch.Tensor, into: "LayerKV") -> None:
+        """Fill `into` (a cache without prefix) with rows `index_R`; `group_R` their prefixes."""
+        if self.k_BKSE is None:
+            return
+        cache, end = self.cache, self.cache.length
+        offset = cache.offset
+        into.k_BKSE = self.k_BKSE.new_empty((len(index_R), self.k_BKSE.shape[1], cache.capacity, self.k_BKSE.shape[3]))
+        into.v_BKSE = self.v_BKSE.new_empty(into.k_BKSE.shape)
+        if offset:
+            into.k_BKSE[:, :, :offset] = self.prefix_k_PKSE[group_R]
+            into.v_BKSE[:, :, :offset] = self.prefix_v_PKSE[group_R]
+        into.k_BKSE[:, :, offset:end] = self.k_BKSE[index_R, :, :end - offset]
+        into.v_BKSE[:, :, offset:end] = self.v_BKSE[index_R, :, :end - offset]
 
 
 class KVCache:
@@ -73,6 +101,8 @@ class KVCache:
         self.position_ids_BS = torch.zeros((batch, capacity), dtype=torch.long, device=device)
         self.start = 0  # first slot of the forward in progress
         self.length = 0  # slots written (including the forward in progress)
+        self.offset = 0  # slots held by a shared prefix (after `fork`)
+        self.group = 1  # consecutive rows sharing one prefix
 
     def extend(self, position_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor) -> None:
         """Claim the next `T` slots of every row for a forward of these tokens (called by the
@@ -86,26 +116,41 @@ class KVCache:
         self.doc_ids_BS[:, self.start:self.length] = doc_ids_BT
         self.position_ids_BS[:, self.start:self.length] = position_ids_BT
 
-    def _copy_rows(self, index_R: torch.Tensor) -> "KVCache":
-        out = KVCache(len(self.layers), len(index_R), self.capacity, self.doc_ids_BS.device)
-        end = self.length
-        out.doc_ids_BS[:, :end] = self.doc_ids_BS[index_R, :end]
-        out.position_ids_BS[:, :end] = self.position_ids_BS[index_R, :end]
-        out.start, out.length = self.start, end
-        for mine, theirs in zip(self.layers, out.layers):
-            mine._rows(index_R, theirs)
+    def _empty_like(self, batch: int) -> "KVCache":
+        out = KVCache(len(self.layers), batch, self.capacity, self.doc_ids_BS.device)
+        out.start, out.length = self.start, self.length
         return out
 
-    def repeat_interleave(self, n: int) -> "KVCache":
-        """A cache whose rows are each of these rows `n` times in a row (`[r0, r0, ..., r1, ...]`)."""
+    def fork(self, n: int) -> "KVCache":
+        """A cache of `n` consecutive rows per row of this one (`[r0, r0, ..., r1, ...]`), for
+        single-token decode steps. This cache's slots become their shared prefix, read by
+        `posttrain.ops.attention.shared_prefix_attention` without a copy per row; only their
+        document ids and positions are repeated."""
         if n < 1:
             raise ValueError(f"need n >= 1, got {n}")
-        index_R = torch.arange(self.batch, device=self.doc_ids_BS.device).repeat_interleave(n)
-        return self._copy_rows(index_R)
+        if self.offset:
+            raise ValueError("a forked cache cannot be forked again")
+        out = self._empty_like(self.batch * n)
+        end = self.length
+        out.doc_ids_BS[:, :end] = self.doc_ids_BS[:, :end].repeat_interleave(n, dim=0)
+        out.position_ids_BS[:, :end] = self.position_ids_BS[:, :end].repeat_interleave(n, dim=0)
+        out.offset, out.group = end, n
+        for mine, theirs in zip(self.layers, out.layers):
+            if mine.k_BKSE is not None:
+                theirs.prefix_k_PKSE, theirs.prefix_v_PKSE = mine.k_BKSE[:, :, :end], mine.v_BKSE[:, :, :end]
+        return out
 
     def select(self, rows: torch.Tensor | list[int]) -> "KVCache":
-        """A cache of the given rows only, in that order."""
+        """A cache of the given rows only, in that order (a shared prefix is copied into each
+        row: the result has none)."""
         index_R = torch.as_tensor(rows, dtype=torch.long, device=self.doc_ids_BS.device)
         if index_R.numel() == 0:
             raise ValueError("select needs at least one row")
-        return self._copy_rows(index_R)
+        out = self._empty_like(len(index_R))
+        end = self.length
+        out.doc_ids_BS[:, :end] = self.doc_ids_BS[index_R, :end]
+        out.position_ids_BS[:, :end] = self.position_ids_BS[index_R, :end]
+        group_R = torch.div(index_R, self.group, rounding_mode="floor")
+        for mine, theirs in zip(self.layers, out.layers):
+            mine._rows(index_R, group_R, theirs)
+        return out

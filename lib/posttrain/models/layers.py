@@ -144,7 +144,8 @@ class GroupedQueryAttention(nn.Module):
         q_BHTE = apply_rotary(q_BTHE.transpose(1, 2), cos_BTE, sin_BTE)
         k_BKTE = apply_rotary(k_BTKE.transpose(1, 2), cos_BTE, sin_BTE)
         v_BKTE = v_BTKE.transpose(1, 2)
-        if kv is not None:
-            k_BKTE, v_BKTE = kv.append(k_BKTE, v_BKTE)  # now over the cache's slots
-        o_BHTE = document_attention(q_BHTE, k_BKTE, v_BKTE, mask, scale=self.scale)
+        if kv is not None:  # generation: attend over the cache's slots
+            o_BHTE = kv.attend(q_BHTE, k_BKTE, v_BKTE, mask, self.scale)
+        else:
+            o_BHTE = document_attention(q_BHTE, k_BKTE, v_BKTE, mask, scale=self.scale)
         return self.wo(o_BHTE.transpose(1, 2).reshape(B, T, H * E))

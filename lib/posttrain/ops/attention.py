@@ -157,3 +157,37 @@ def _matmul_attention(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.
     scores_BKMS = scores_BKMS.float().masked_fill(~allowed_B1MS, float("-inf"))
     probs_BKMS = scores_BKMS.softmax(dim=-1).to(v_BKSE.dtype)
     return (probs_BKMS @ v_BKSE).reshape(B, H, T, E)
+
+
+def shared_prefix_attention(q_BHTE: torch.Tensor, prefix_k_PKSE: torch.Tensor, prefix_v_PKSE: torch.Tensor,
+                            k_BKUE: torch.Tensor, v_BKUE: torch.Tensor, allowed_B1TS: torch.Tensor,
+                            scale: float | None = None, sinks_H: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode step (`T == 1`) of rows that share a prefix: rows `p*n .. p*n+n-1` all continue
+    prefix `p` (`[P, K, S_p, E]` keys and values, stored once), each with its own later keys
+    `[B, K, U, E]`; `allowed_B1TS` covers the `S_p + U` slots. One softmax over both parts
+    (with a GPT-OSS sink logit per query head when `sinks_H` is given), in float32.
+
+    The prefix is read once per prefix, not once per row: the `n` rows' query heads of a
+    key/value head form one `[n*G, E] @ [E, S_p]` matmul, so the `n` samples of a prompt pay
+    for its keys once (the KV cache read is what a CPU decode step waits on)."""
+    B, H, T, E = q_BHTE.shape
+    P, K, Sp, _ = prefix_k_PKSE.shape
+    if T != 1 or B % P:
+        raise ValueError(f"shared-prefix attention takes one query per row and whole groups; got T={T}, B={B}, P={P}")
+    n, G = B // P, H // K
+    scale = E**-0.5 if scale is None else scale
+    q_PKME = q_BHTE.reshape(P, n, K, G, E).transpose(1, 2).reshape(P, K, n * G, E)
+    prefix_PKMS = q_PKME @ prefix_k_PKSE.transpose(-1, -2)
+    prefix_BKGS = prefix_PKMS.view(P, K, n, G, Sp).transpose(1, 2).reshape(B, K, G, Sp)
+    own_BKGU = q_BHTE.reshape(B, K, G, E) @ k_BKUE.transpose(-1, -2)
+    scores_BKGS = (torch.cat([prefix_BKGS, own_BKGU], dim=-1) * scale).float()
+    scores_BKGS = scores_BKGS.masked_fill(~allowed_B1TS.view(B, 1, 1, -1), float("-inf"))
+    S = scores_BKGS.shape[-1]
+    if sinks_H is not None:
+        sink_BKG1 = sinks_H.float().view(1, K, G, 1).expand(B, K, G, 1)
+        scores_BKGS = torch.cat([scores_BKGS, sink_BKG1], dim=-1)
+    probs_BKGS = scores_BKGS.softmax(dim=-1)[..., :S].to(v_BKUE.dtype)
+    probs_PKMS = probs_BKGS[..., :Sp].reshape(P, n, K, G, Sp).transpose(1, 2).reshape(P, K, n * G, Sp)
+    from_prefix_BKGE = (probs_PKMS @ prefix_v_PKSE).view(P, K, n, G, E).transpose(1, 2).reshape(B, K, G, E)
+    o_BKGE = from_prefix_BKGE + probs_BKGS[..., Sp:] @ v_BKUE
+    return o_BKGE.reshape(B, H, T, E)

