@@ -250,9 +250,15 @@ def random_kills(work: Path, kills: int, seed: int, steps: int, every: int) -> d
                 proc.kill()
                 raise RuntimeError(f"attempt {k} trained no step:\n{(run_dir / f'attempt-{k}.log').read_text()[-3000:]}")
             time.sleep(0.005)
-        delay = point - timeline[first["step"]] - (time.time() - first["time"])
-        if delay > 0:
-            time.sleep(delay)
+        # sleep to the kill point, but kill at once if this attempt gets to the next-to-last step
+        # first: it ran faster than the reference (other load on the machine while the
+        # reference ran), and letting it finish would leave the later attempts nothing to resume
+        kill_at = time.monotonic() + point - timeline[first["step"]] - (time.time() - first["time"])
+        while time.monotonic() < kill_at and proc.poll() is None:
+            reached = [r["step"] for r in read_step_log(step_log)[seen:] if r["pid"] == proc.pid and r["new"]]
+            if reached and reached[-1] >= steps - 1:
+                break
+            time.sleep(0.005)
         finished_first = proc.poll() is not None
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
