@@ -16,9 +16,9 @@ from posttrain.models.registry import (
     save_hf_checkpoint,
     tiny_config,
 )
-from posttrain.ops.logprobs import chunked_logprobs
 from posttrain.rl.engine import Completion, PromptTooLong, RolloutEngine, SamplingConfig, WeightUpdateError
 from posttrain.rl.native import NativeEngine, left_pad
+from posttrain.rl.sync import recompute_logprobs
 
 EOS = 1  # tiny_config's eos_token_id
 MAX_NEW = 10
@@ -151,32 +151,16 @@ def test_top_k_one_is_greedy_and_filters_hold(prompts):
     assert all(abs(lp) < 1e-6 for g in top1 for lp in g[0].logprobs)  # one candidate: probability 1
 
 
-def trainer_logprobs(model, prompt: list[int], completion: list[int], temperature: float = 1.0) -> torch.Tensor:
-    """Each completion token's log-prob as training computes it: the sequence packed into one row
-    behind another document, one forward, the chunked log-prob op at the completion positions."""
-    filler = list(range(3, 10))
-    seq = prompt + completion
-    ids = torch.tensor([filler + seq])
-    pos = torch.tensor([list(range(len(filler))) + list(range(len(seq)))])
-    docs = torch.tensor([[0] * len(filler) + [1] * len(seq)])
-    start = len(filler) + len(prompt)
-    positions = torch.arange(start - 1, start - 1 + len(completion))
-    with torch.no_grad():
-        hidden = model(ids, pos, docs)[0]
-        return chunked_logprobs(hidden[positions] / temperature, model.output_weight, torch.tensor(completion),
-                                model.config.vocab_size,
-                                logit_softcap=None if temperature != 1 else model.logit_softcap)
-
-
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "gpt_oss"])
 def test_reported_logprobs_equal_the_trainers_recomputation(arch, prompts):
     model = tiny(arch)
     groups = NativeEngine(model).generate(prompts, SamplingConfig(n=2, temperature=1.0, max_new_tokens=MAX_NEW, seed=3))
     worst = 0.0
     for prompt, group in zip(prompts, groups):
-        for c in group:
-            recomputed = trainer_logprobs(model, prompt, c.token_ids)
-            worst = max(worst, float((recomputed - torch.tensor(c.raw_logprobs)).abs().max()))
+        # the trainer's view: packed documents, one forward, the chunked log-prob op
+        recomputed = recompute_logprobs(model, [prompt] * len(group), [c.token_ids for c in group])
+        for c, theirs in zip(group, recomputed):
+            worst = max(worst, float((theirs - torch.tensor(c.raw_logprobs)).abs().max()))
             # no filters at temperature 1: the sampling distribution is the model's
             assert c.logprobs == pytest.approx(c.raw_logprobs, abs=1e-5)
     assert worst <= 1e-5, worst
@@ -186,7 +170,11 @@ def test_sampling_logprobs_follow_the_temperature(prompts):
     model = tiny("qwen3")  # no soft-capping: log_softmax(logits / T) is the sampling distribution
     groups = NativeEngine(model).generate(prompts[:4], SamplingConfig(temperature=0.7, max_new_tokens=MAX_NEW, seed=2))
     for prompt, (c,) in zip(prompts, groups):
-        expected = trainer_logprobs(model, prompt, c.token_ids, temperature=0.7)
+        seq = torch.tensor([prompt + c.token_ids])
+        with torch.no_grad():
+            logits = model.compute_logits(model(seq, torch.arange(seq.shape[1])[None], torch.zeros_like(seq)))[0]
+        steps = logits[len(prompt) - 1: len(prompt) - 1 + len(c.token_ids)]
+        expected = torch.log_softmax(steps / 0.7, dim=-1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
         assert float((expected - torch.tensor(c.logprobs)).abs().max()) <= 1e-5
         assert c.logprobs != pytest.approx(c.raw_logprobs, abs=1e-3)
 

@@ -143,7 +143,8 @@ def _is_transformers_backend(model: nn.Module) -> bool:
 # ------------------------------------------------------------------------ the engine
 
 
-FINISH_CODES = {0: None, 1: "stop_token", 2: "stop_string", 3: "length"}
+GOING, STOP_TOKEN, STOP_STRING, LENGTH = range(4)  # a row's finish code, in `_Batch.finish_R`
+FINISH_CODES = {GOING: None, STOP_TOKEN: "stop_token", STOP_STRING: "stop_string", LENGTH: "length"}
 
 
 @dataclass
@@ -236,7 +237,7 @@ class NativeEngine:
                        torch.zeros(R, steps, dtype=torch.long, device=device),
                        torch.zeros(R, steps, device=device), torch.zeros(R, steps, device=device),
                        torch.zeros(R, dtype=torch.long, device=device), torch.zeros(R, dtype=torch.long, device=device))
-        batch.finish_R[batch.limit_R == 0] = 3
+        batch.finish_R[batch.limit_R == 0] = LENGTH
         if steps > 0:
             self._decode_batch(batch, batch_prompts, seeds, sampling, steps)
         return self._completions(batch)
@@ -262,13 +263,14 @@ class NativeEngine:
             batch.tokens_RS[rows_L, step] = token_ids_L
             batch.logprobs_RS[rows_L, step] = logprobs_L
             batch.raw_RS[rows_L, step] = raw_L
-            finish_L = torch.zeros_like(rows_L)
-            finish_L[step + 1 >= batch.limit_R[rows_L]] = 3
+            # later assignments win: a stop token over a stop string over the length limit
+            finish_L = torch.full_like(rows_L, GOING)
+            finish_L[step + 1 >= batch.limit_R[rows_L]] = LENGTH
             if sampling.stop_strings:
                 self._match_stop_strings(batch, rows_L, going_L, step, sampling.stop_strings, finish_L)
-            finish_L[torch.isin(token_ids_L, stop_ids)] = 1
-            finish_L[~going_L] = 0
-            ended_L = finish_L > 0
+            finish_L[torch.isin(token_ids_L, stop_ids)] = STOP_TOKEN
+            finish_L[~going_L] = GOING  # rows already finished ride along until compaction
+            ended_L = finish_L != GOING
             batch.finish_R[rows_L[ended_L]] = finish_L[ended_L]
             batch.length_R[rows_L[ended_L]] = step + 1
             going_L &= ~ended_L
@@ -289,7 +291,7 @@ class NativeEngine:
             r = int(rows_L[k])
             hit = first_stop_string(self._decode(batch.tokens_RS[r, :step + 1].tolist()), stop_strings)
             if hit is not None:
-                finish_L[k] = 2
+                finish_L[k] = STOP_STRING
                 batch.stop_strings[r] = hit
 
     def _decode(self, token_ids: list[int]) -> str:

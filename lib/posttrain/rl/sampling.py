@@ -56,7 +56,10 @@ def pick_tokens(logits_RV: torch.Tensor, sampling: SamplingConfig,
         return token_ids_R, torch.zeros_like(raw_R), raw_R
     if uniforms_R is None or uniforms_R.shape != logits_RV.shape[:1]:
         raise ValueError(f"sampling {logits_RV.shape[0]} rows needs one uniform per row")
-    logp_RV = torch.log_softmax(filtered_logits(logits_RV, sampling), dim=-1)
+    if sampling.temperature == 1 and sampling.top_k == 0 and sampling.top_p == 1:
+        logp_RV = raw_logp_RV  # the sampling distribution is the model's own
+    else:
+        logp_RV = torch.log_softmax(filtered_logits(logits_RV, sampling), dim=-1)
     cdf_RV = logp_RV.exp().cumsum(dim=-1)
     u_R = uniforms_R.to(cdf_RV.dtype)
     total_R1 = cdf_RV[:, -1:]

@@ -42,7 +42,6 @@ from posttrain.rl.engine import Completion, SamplingConfig, check_prompts
 from posttrain.rl.sync import SyncError, SyncReport, check_sync
 
 DEFAULT_PROBES = ([1, 2, 3, 4], [5, 9, 17], [42], [7, 7, 7, 7, 7, 7, 8])
-_FINISH = {"length": "length"}
 
 
 class NamedTensorReload:
