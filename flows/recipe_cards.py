@@ -182,3 +182,56 @@ class LiveTrainingCard:
             image.update(fig)
             plt.close(fig)
         self._card.refresh()
+
+
+ROUND_CURVES = ("reward_mean", "pass@1", "kl", "entropy", "length_mean", "zero_advantage_groups")
+TIME_KEYS = ("generate", "score", "reference", "update", "sync")
+
+
+def _round_curves(history: list[dict], n: int) -> list[str]:
+    names = [k for k in (*ROUND_CURVES[:2], f"pass@{n}", *ROUND_CURVES[2:]) if history and k in history[-1]]
+    return names
+
+
+def rounds_section(card, history: list[dict], n: int) -> None:
+    """An RL run's rounds: reward, pass@k, KL, entropy, lengths per round, and the time split."""
+    card.append(Markdown("## RL rounds"))
+    if not history:
+        card.append(Markdown("No round has finished yet."))
+        return
+    card.append(figure_image(plots.metric_curves(history, _round_curves(history, n), "per round", x="round"),
+                             label="rounds"))
+    totals = {k: sum(h.get(f"time_{k}_s", 0.0) for h in history) for k in TIME_KEYS}
+    whole = sum(totals.values()) or 1.0
+    card.append(Table([[k, f"{v:.1f}", f"{v / whole:.0%}"] for k, v in totals.items()],
+                      headers=["time in", "seconds", "share"]))
+    failed = sum(h.get("reward_failed", 0) for h in history)
+    card.append(Markdown(f"{len(history)} rounds; {failed} reward calls failed (excluded from the update)."))
+
+
+class LiveRoundsCard:
+    """The rounds of one `rl_round` task, redrawn after each round."""
+
+    def __init__(self, card, n: int):
+        self._card, self._n = card, n
+        self._history: list[dict] = []
+        self._summary = Markdown("Round starting...")
+        self._curves = Image.from_matplotlib(plots.metric_curves([{"round": 0, "reward_mean": 0.0}], ["reward_mean"],
+                                                                 x="round"))
+        plt.close("all")
+        for component in (Markdown("## RL rounds (live)"), self._summary, self._curves):
+            card.append(component)
+        card.refresh()
+
+    def __call__(self, result) -> None:
+        m = result.metrics
+        self._history.append(m)
+        times = ", ".join(f"{k} {m.get(f'time_{k}_s', 0.0):.2f}s" for k in TIME_KEYS)
+        self._summary.update(
+            f"round {m['round']}: reward **{m['reward_mean']:.3f}**, pass@1 {m['pass@1']:.3f}, "
+            f"pass@{self._n} {m.get(f'pass@{self._n}', float('nan')):.3f}, KL {m.get('kl', 0.0):.4f}, "
+            f"{m['samples_trained']} samples trained, {m['reward_failed']} rewards failed; {times}")
+        fig = plots.metric_curves(self._history, _round_curves(self._history, self._n), x="round")
+        self._curves.update(fig)
+        plt.close(fig)
+        self._card.refresh()

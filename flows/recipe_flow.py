@@ -5,7 +5,8 @@ A recipe flow (`SFTFlow`, `DPOFlow`) subclasses `RecipeFlow`, names its recipe k
 Metaflow `Config`s with that recipe's parsers and its `@ValidateRecipe(kind)` launch check,
 and defines the steps that differ: `ingest`, `tokenize`, `pack` (and e.g. `reference`),
 `evaluate`. `start`, `train`, `verify`, `register` and `end` are written once, here; each calls
-one plain function of `posttrain.steps`. `start` goes on to `ingest`; `pack` (or the last
+one plain function of `posttrain.steps`. `RecipeSteps` holds all of them but `train`: the RL
+recipe (`GRPOFlow`) builds on it with its own recursive round step. `start` goes on to `ingest`; `pack` (or the last
 recipe step before training) goes on to `train`; `evaluate` to `register`.
 """
 
@@ -17,7 +18,10 @@ import recipe_cards as cards
 from recipe_configs import RecipeConfigError
 
 
-class RecipeFlow(FlowSpec):
+class RecipeSteps(FlowSpec):
+    """`start`, `verify`, `register` and `end`: what every recipe flow has, the RL recipe
+    included (it trains in its own recursive `rl_round` step instead of `train`)."""
+
     RECIPE = "sft"
 
     def _tokenizer(self):
@@ -42,37 +46,6 @@ class RecipeFlow(FlowSpec):
         self.run_dir = str(run_directory(self.recipe.output_dir, current.flow_name, current.run_id))
         print(f"[start] recipe '{self.recipe.name}', outputs in {self.run_dir}")
         self.next(self.ingest)
-
-    @retry(times=1, minutes_between_retries=0)
-    @card(type="blank", id="training", refresh_interval=5)
-    @step
-    def train(self):
-        """Train on rows packed on the fly; the card shows loss and throughput live.
-        `parallel.num_workers > 1` trains on that many Ray actors (the card follows rank 0's
-        metrics file). Checkpoints under the run directory; a retried or resumed task
-        continues from the newest complete checkpoint. A LoRA recipe also stores the PEFT
-        adapter's directory (`adapter_dir`). A preference recipe trains on its pairs with the
-        `reference` step's log-probabilities (`ref_logps`); a distillation recipe against its
-        `teacher` step's teacher (`teacher_spec`)."""
-        from posttrain.steps import train
-
-        rows_per_epoch = self.pack_stats.num_rows
-        total = train.total_steps_for(rows_per_epoch, self.recipe)
-        live = cards.LiveTrainingCard(current.card["training"], total, self.recipe.train.card_refresh_s)
-        result = train.run(self.recipe, self._tokenizer(), self.samples, rows_per_epoch, self.run_dir, on_step=live,
-                           ref_logps=getattr(self, "ref_logps", None), teacher=getattr(self, "teacher_spec", None))
-        self._store_train_result(result)
-        self.next(self.verify)
-
-    def _store_train_result(self, result):
-        """The train step's artifacts from its `TrainResult` (any train step: this one, or the
-        control task of a multi-node one)."""
-        self.history, self.train_summary = result.history, result.summary
-        self.checkpoint_dir, self.base_dir = result.checkpoint_dir, result.base_dir
-        self.resumed_from, self.train_state_dir = result.resumed_from, result.checkpoints_dir
-        self.adapter_dir = result.adapter_dir  # the PEFT adapter of a LoRA recipe, else None
-        self.parent_dir = result.parent_dir  # the trained model the recipe started from, else None
-        self.sequence_classifier_dir = result.sequence_classifier_dir  # a reward model's transformers export
 
     @card(type="blank", id="verify")
     @step
@@ -129,3 +102,38 @@ class RecipeFlow(FlowSpec):
         cards.pack_section(card, self.pack_stats, self.samples_per_source)
         cards.ingest_section(card, self.data_counts, self.rejected, self.data_warnings)
         print(f"[end] model_uri = {self.model_uri}")
+
+
+class RecipeFlow(RecipeSteps):
+    """A recipe trained by the one training loop (`posttrain.steps.train`): its `train` step."""
+
+    @retry(times=1, minutes_between_retries=0)
+    @card(type="blank", id="training", refresh_interval=5)
+    @step
+    def train(self):
+        """Train on rows packed on the fly; the card shows loss and throughput live.
+        `parallel.num_workers > 1` trains on that many Ray actors (the card follows rank 0's
+        metrics file). Checkpoints under the run directory; a retried or resumed task
+        continues from the newest complete checkpoint. A LoRA recipe also stores the PEFT
+        adapter's directory (`adapter_dir`). A preference recipe trains on its pairs with the
+        `reference` step's log-probabilities (`ref_logps`); a distillation recipe against its
+        `teacher` step's teacher (`teacher_spec`)."""
+        from posttrain.steps import train
+
+        rows_per_epoch = self.pack_stats.num_rows
+        total = train.total_steps_for(rows_per_epoch, self.recipe)
+        live = cards.LiveTrainingCard(current.card["training"], total, self.recipe.train.card_refresh_s)
+        result = train.run(self.recipe, self._tokenizer(), self.samples, rows_per_epoch, self.run_dir, on_step=live,
+                           ref_logps=getattr(self, "ref_logps", None), teacher=getattr(self, "teacher_spec", None))
+        self._store_train_result(result)
+        self.next(self.verify)
+
+    def _store_train_result(self, result):
+        """The train step's artifacts from its `TrainResult` (any train step: this one, or the
+        control task of a multi-node one)."""
+        self.history, self.train_summary = result.history, result.summary
+        self.checkpoint_dir, self.base_dir = result.checkpoint_dir, result.base_dir
+        self.resumed_from, self.train_state_dir = result.resumed_from, result.checkpoints_dir
+        self.adapter_dir = result.adapter_dir  # the PEFT adapter of a LoRA recipe, else None
+        self.parent_dir = result.parent_dir  # the trained model the recipe started from, else None
+        self.sequence_classifier_dir = result.sequence_classifier_dir  # a reward model's transformers export

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from posttrain.config.schema import GenerateConfig, RecipeConfig, SourceConfig
-from posttrain.data.records import ChatRecord, PreferenceRecord, RejectedRow
+from posttrain.data.records import ChatRecord, PreferenceRecord, PromptRecord, RejectedRow
 from posttrain.data.sources import SourceSpec, read_records, write_rejected
 from posttrain.steps.paths import generated_directory, resolve
 
@@ -109,7 +109,23 @@ def as_pair(record, source: SourceConfig) -> PreferenceRecord:
     )
 
 
-RECORD_KINDS = {"conversations": as_conversation, "pairs": as_pair}
+def as_prompt(record, source: SourceConfig) -> PromptRecord:
+    """What RL recipes sample from: a prompt record itself, or a conversation's turns before its
+    last assistant turn as the prompt with that turn's content as the reference."""
+    if isinstance(record, PromptRecord):
+        return record
+    if isinstance(record, ChatRecord):
+        last = max((i for i, m in enumerate(record.messages) if m["role"] == "assistant"), default=None)
+        if last is not None:
+            return PromptRecord(record.messages[:last], record.messages[last]["content"], {}, record.source,
+                                record.line)
+    raise ValueError(
+        f"source '{source.name}' (format '{source.format}') gives {type(record).__name__}s; an RL recipe samples "
+        "prompts: use a prompt format (prompt, gsm8k_prompt) or chats (the last assistant turn is the reference)"
+    )
+
+
+RECORD_KINDS = {"conversations": as_conversation, "pairs": as_pair, "prompts": as_prompt}
 
 
 def read_conversations(source: SourceConfig, run_dir: Path, kind: str = "conversations"

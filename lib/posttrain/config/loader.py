@@ -25,6 +25,7 @@ DEFAULT_SFT_CONFIG = str(REPO_CONFIG_DIR / "sft" / "demo.yaml")
 DEFAULT_DPO_CONFIG = str(REPO_CONFIG_DIR / "dpo" / "demo.yaml")
 DEFAULT_RM_CONFIG = str(REPO_CONFIG_DIR / "rm" / "demo.yaml")
 DEFAULT_DISTILL_CONFIG = str(REPO_CONFIG_DIR / "distill" / "demo.yaml")
+DEFAULT_GRPO_CONFIG = str(REPO_CONFIG_DIR / "grpo" / "demo.yaml")
 
 
 def parse_yaml(text: str, source: str) -> dict:

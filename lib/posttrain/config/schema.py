@@ -551,11 +551,88 @@ class DistillConfig(RecipeConfig):
         return super().model_references() + [("distill.teacher", self.distill.teacher, True)]
 
 
+@dataclass
+class RewardTermConfig:
+    """One weighted reward function (`posttrain.rl.rewards`): a built-in's name (exact_answer,
+    numeric_answer, format, length) or `package.module:function`, with keyword arguments and a
+    per-call timeout; `name` labels it in metrics (default: the function's name)."""
+
+    function: str
+    weight: float = 1.0
+    kwargs: dict = field(default_factory=dict)
+    timeout_s: float = bounded(10.0, gt=0)
+    name: Optional[str] = None
+
+
+@dataclass
+class GRPOSection:
+    """On-policy RL with group-relative advantages (`posttrain.rl.controller`,
+    `posttrain.objectives.grpo`). Per round: `prompts_per_round` prompts, `n` samples each
+    (`temperature`, `top_k`, `top_p`, `max_new_tokens`; the chat template's end-of-turn token
+    stops a completion), scored by `rewards` (summed, weighted), advantages `r - mean(group)`
+    (`advantage_scale: std` divides by the group's std), `passes` over the batch of
+    `steps_per_pass` optimizer steps each. Loss: clipped surrogate (`clip_low`, `clip_high`),
+    `aggregation` token_mean | sequence_mean | sequence_sum (over `max_new_tokens`), KL to the
+    starting model (`kl_coef`, `kl_estimator` k1 | k3; 0: no reference loaded),
+    `is_correction` none | token | sequence_mask with `is_cap` for engine/trainer log-prob
+    mismatch. `dynamic_sampling` drops groups whose rewards are all equal and draws more
+    prompts (at most `max_draws` draws per round); `overlong_mask` leaves completions cut at
+    `max_new_tokens` out of the loss. `rounds` rounds in all, `rounds_per_task` of them per
+    task of the flow's recursive `rl_round` step. `engine`: native (in process) or
+    `native_actor` (a Ray actor); `sync_check` verifies each weight sync on greedy probes."""
+
+    rewards: list[RewardTermConfig] = field(default_factory=lambda: [RewardTermConfig("exact_answer")])
+    rounds: int = bounded(100, ge=1)
+    rounds_per_task: int = bounded(10, ge=1)
+    prompts_per_round: int = bounded(16, ge=1)
+    n: int = bounded(8, ge=2)
+    temperature: float = bounded(1.0, gt=0)
+    top_k: int = bounded(0, ge=0)
+    top_p: float = bounded(1.0, gt=0, le=1)
+    max_new_tokens: int = bounded(16, ge=1)
+    passes: int = bounded(1, ge=1)
+    steps_per_pass: int = bounded(1, ge=1)
+    advantage_scale: Literal["none", "std"] = "none"
+    clip_low: float = bounded(0.2, gt=0, lt=1)
+    clip_high: float = bounded(0.28, gt=0)
+    aggregation: Literal["token_mean", "sequence_mean", "sequence_sum"] = "token_mean"
+    kl_coef: float = bounded(0.0, ge=0)
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    is_correction: Literal["none", "token", "sequence_mask"] = "token"
+    is_cap: float = bounded(2.0, gt=1)
+    dynamic_sampling: bool = True
+    max_draws: int = bounded(4, ge=1)
+    overlong_mask: bool = False
+    success_threshold: float = 1.0
+    entropy: bool = True
+    engine: Literal["native", "native_actor"] = "native"
+    sync_check: bool = True
+    eval_samples: int = bounded(8, ge=1)  # samples per held-out prompt for pass@k in evaluate
+
+
+@dataclass
+class GRPOConfig(RecipeConfig):
+    """The GRPO recipe: ingest prompts -> tokenize -> rl_round (recursive: one task per
+    `grpo.rounds_per_task` rounds) -> evaluate -> register, from a trained model."""
+
+    grpo: GRPOSection = field(default_factory=GRPOSection)
+
+    def validate(self) -> None:
+        super().validate()
+        check_starts_from_trained(self, "GRPO")
+        if self.model.backend != "native":
+            raise ConfigError("a GRPO recipe trains our own model definitions: model.backend must be 'native'")
+        if not self.grpo.rewards:
+            raise ConfigError("grpo.rewards needs at least one reward function")
+        if self.grpo.rounds_per_task > self.grpo.rounds:
+            raise ConfigError(f"grpo.rounds_per_task ({self.grpo.rounds_per_task}) > grpo.rounds ({self.grpo.rounds})")
+
+
 def check_starts_from_trained(config: RecipeConfig, what: str) -> None:
     if config.model.init != "pretrained" and not config.model.init_from:
         raise ConfigError(f"a {what} recipe starts from a trained model: set model.init_from (a registry entry, "
                           "e.g. registry:sft-demo-arithmetic, or a model directory) or model.init: pretrained")
 
 
-RECIPES = {"sft": SFTConfig, "dpo": DPOConfig, "rm": RMConfig, "distill": DistillConfig}
+RECIPES = {"sft": SFTConfig, "dpo": DPOConfig, "rm": RMConfig, "distill": DistillConfig, "grpo": GRPOConfig}
 PAIR_RECIPES = (DPOConfig, RMConfig)  # recipes trained on preference pairs

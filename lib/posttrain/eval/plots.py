@@ -41,14 +41,14 @@ def throughput_curve(history: list[dict]):
     return fig
 
 
-def metric_curves(history: list[dict], names: list[str], title: str = ""):
-    """Each of `names` (per-step metrics, e.g. DPO's `margin` and `accuracy`) against the step,
-    one panel each."""
+def metric_curves(history: list[dict], names: list[str], title: str = "", x: str = "step"):
+    """Each of `names` (per-step metrics, e.g. DPO's `margin` and `accuracy`) against the step
+    (or another key `x`, e.g. an RL run's `round`), one panel each."""
     fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 2.8), squeeze=False)
-    steps = [h["step"] for h in history]
+    steps = [h[x] for h in history]
     for ax, name in zip(axes[0], names):
         ax.plot(steps, [h.get(name, float("nan")) for h in history], lw=1.0)
-        ax.set_xlabel("step")
+        ax.set_xlabel(x)
         ax.set_title(name)
     if title:
         fig.suptitle(title)

@@ -1,0 +1,161 @@
+"""The policy-gradient objective of GRPO-style RL on packed trajectory batches (`posttrain.rl.trajectories`).
+
+Per trained completion token t (labels mark them; every other position is ignored), with
+`logp` the policy's log-probability now, `old` the trainer's before this batch's update
+(the batch's `old_logps`, or `logp` detached on the first pass over fresh rollouts, when the
+two are equal), `A` the completion's advantage and `r = exp(logp - old)`:
+
+    pg_t  = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)        (DAPO's clip-higher: clip_high > clip_low)
+    kl_t  = k1: logp - ref   |   k3: exp(ref - logp) - (ref - logp) - 1       (only with kl_coef > 0)
+    loss_t = w_t (is_t pg_t + kl_coef kl_t)
+
+`is_t` corrects for the rollout engine's log-probs `eng` differing from the trainer's (a bf16
+or vLLM engine): `is_correction: none` (1), `token` (truncated importance sampling,
+`min(exp(old - eng), is_cap)`, detached), or `sequence_mask` (1, but a completion whose
+geometric-mean ratio `exp(mean_t(old - eng))` lies outside `[1 / is_cap, is_cap]` is dropped:
+its tokens get weight 0, and still count).
+
+`w_t`, the aggregation (stated, never implicit; `unit` and `count` follow it):
+- `token_mean`: w = 1, normalised by the step's trained tokens (unit tokens; DAPO);
+- `sequence_mean`: w = 1 / |completion|, normalised by the step's completions (the mean of
+  per-completion token means; original GRPO);
+- `sequence_sum`: w = 1 / `norm_tokens`, normalised by completions (each completion's token
+  sum over a constant, Dr. GRPO: no length bias).
+
+Metrics (each the same weighted mean as the loss): `pg_loss`, `kl` (0 without a reference),
+`entropy` (of the policy at trained tokens, when `entropy` is on; else 0), `clip_fraction`
+(tokens whose gradient the clip removed), `ratio`, `is_weight`, `advantage`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain.ops.logprobs import chunked_logprobs
+from posttrain.ops.losses import IGNORE_INDEX
+from posttrain.train.objective import Objective, ObjectiveOutput
+
+AGGREGATIONS = ("token_mean", "sequence_mean", "sequence_sum")
+KL_ESTIMATORS = ("k1", "k3")
+IS_CORRECTIONS = ("none", "token", "sequence_mask")
+
+
+def token_logps(model: torch.nn.Module, batch: dict, with_entropy: bool = False):
+    """The policy's log-probability of every trained token of a trajectory batch, `[M]` float32
+    in the order of `labels != -100` (row-major), differentiable; with `with_entropy` also each
+    position's entropy."""
+    hidden_BTD = model(batch["input_ids"], batch["position_ids"], batch["doc_ids"])
+    keep_BT = batch["labels"] != IGNORE_INDEX
+    return chunked_logprobs(hidden_BTD[keep_BT], model.output_weight, batch["labels"][keep_BT],
+                            model.config.vocab_size, with_entropy=with_entropy,
+                            logit_softcap=getattr(model, "logit_softcap", None))
+
+
+def kl_estimate(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled tokens (Schulman's k1 / k3)."""
+    if estimator == "k1":
+        return logp - ref
+    if estimator == "k3":
+        delta = ref - logp
+        return torch.exp(delta) - delta - 1
+    raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+class GRPOObjective(Objective):
+    """See the module docstring. Batches come from `posttrain.rl.trajectories.pack_trajectories`:
+    `input_ids`, `position_ids`, `doc_ids`, `labels` (`[B, T]` long), `advantages`,
+    `engine_logps` (and `old_logps`, `ref_logps` when present) `[B, T]` float aligned with
+    `labels`, `seq_ids` (`[B, T]` long: the completion a label belongs to, unique in the
+    batch, -1 elsewhere)."""
+
+    name = "grpo"
+    metric_names = ("pg_loss", "kl", "entropy", "clip_fraction", "ratio", "is_weight", "advantage")
+
+    def __init__(self, clip_low: float = 0.2, clip_high: float = 0.28, aggregation: str = "token_mean",
+                 norm_tokens: int | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
+                 is_correction: str = "token", is_cap: float = 2.0, entropy: bool = True):
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+        if kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+        if is_correction not in IS_CORRECTIONS:
+            raise ValueError(f"is_correction must be one of {IS_CORRECTIONS}, got {is_correction!r}")
+        if not (clip_low > 0 and clip_high > 0):
+            raise ValueError(f"clip_low and clip_high must be positive, got {clip_low}, {clip_high}")
+        if not is_cap > 1:
+            raise ValueError(f"is_cap must be > 1, got {is_cap}")
+        if aggregation == "sequence_sum" and not (norm_tokens and norm_tokens > 0):
+            raise ValueError("aggregation 'sequence_sum' needs norm_tokens > 0 (e.g. the max completion length)")
+        if kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+        self.clip_low, self.clip_high = float(clip_low), float(clip_high)
+        self.aggregation, self.norm_tokens = aggregation, norm_tokens
+        self.kl_coef, self.kl_estimator = float(kl_coef), kl_estimator
+        self.is_correction, self.is_cap = is_correction, float(is_cap)
+        self.entropy = entropy
+        self.unit = "tokens" if aggregation == "token_mean" else "sequences"
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_coef > 0
+
+    def count(self, batch: dict) -> torch.Tensor:
+        keep_BT = batch["labels"] != IGNORE_INDEX
+        if self.aggregation == "token_mean":
+            return keep_BT.sum()
+        return torch.unique(batch["seq_ids"][keep_BT]).numel() * torch.ones((), dtype=torch.long,
+                                                                            device=keep_BT.device)
+
+    def token_weights(self, batch: dict) -> torch.Tensor:
+        """`w_t` of every trained token (module docstring), `[M]` float32."""
+        keep_BT = batch["labels"] != IGNORE_INDEX
+        seq_M = batch["seq_ids"][keep_BT]
+        if self.aggregation == "token_mean":
+            return torch.ones(seq_M.shape, dtype=torch.float32, device=seq_M.device)
+        if self.aggregation == "sequence_sum":
+            return torch.full(seq_M.shape, 1.0 / self.norm_tokens, dtype=torch.float32, device=seq_M.device)
+        _, inverse_M, counts_S = torch.unique(seq_M, return_inverse=True, return_counts=True)
+        return 1.0 / counts_S[inverse_M].float()
+
+    def __call__(self, model: torch.nn.Module, batch: dict) -> ObjectiveOutput:
+        keep_BT = batch["labels"] != IGNORE_INDEX
+        if self.entropy:
+            logp_M, entropy_M = token_logps(model, batch, with_entropy=True)
+        else:
+            logp_M, entropy_M = token_logps(model, batch), None
+        adv_M = batch["advantages"][keep_BT].float()
+        old_M = batch["old_logps"][keep_BT].float() if "old_logps" in batch else logp_M.detach()
+        w_M = self.token_weights(batch)
+
+        ratio_M = torch.exp(logp_M - old_M)
+        unclipped_M = ratio_M * adv_M
+        clipped_M = torch.clamp(ratio_M, 1 - self.clip_low, 1 + self.clip_high) * adv_M
+        pg_M = -torch.minimum(unclipped_M, clipped_M)
+        clip_M = (clipped_M < unclipped_M).float()  # the clipped branch won: no gradient from this token
+
+        is_M = torch.ones_like(logp_M)
+        if self.is_correction != "none":
+            log_ratio_M = old_M - batch["engine_logps"][keep_BT].float()
+            if self.is_correction == "token":
+                is_M = torch.exp(log_ratio_M).clamp(max=self.is_cap)
+            else:
+                seq_M = batch["seq_ids"][keep_BT]
+                _, inverse_M, counts_S = torch.unique(seq_M, return_inverse=True, return_counts=True)
+                mean_S = torch.zeros(counts_S.shape, dtype=torch.float32, device=seq_M.device).index_add(
+                    0, inverse_M, log_ratio_M) / counts_S
+                bound = float(torch.log(torch.tensor(self.is_cap)))
+                is_M = (mean_S.abs() <= bound).float()[inverse_M]
+        loss_M = is_M * pg_M
+        kl_M = torch.zeros_like(logp_M)
+        if self.needs_reference:
+            if "ref_logps" not in batch:
+                raise ValueError("kl_coef > 0 needs the batch's ref_logps (reference log-probabilities)")
+            kl_M = kl_estimate(logp_M, batch["ref_logps"][keep_BT].float(), self.kl_estimator)
+            loss_M = loss_M + self.kl_coef * kl_M
+        metrics = {
+            "pg_loss": pg_M.detach(), "kl": kl_M.detach(),
+            "entropy": entropy_M.detach() if entropy_M is not None else torch.zeros_like(logp_M),
+            "clip_fraction": clip_M, "ratio": ratio_M.detach(), "is_weight": is_M, "advantage": adv_M,
+        }
+        return ObjectiveOutput((w_M * loss_M).sum(), self.count(batch),
+                               {k: (w_M * v).sum() for k, v in metrics.items()})

@@ -1,0 +1,307 @@
+"""The single RL controller: one round = sample prompts, generate, score, advantages, update, sync.
+
+    controller = RLController(policy=trainer, engine=engine, scorer=scorer, prompts=prompt_ids,
+                              records=records, settings=RoundSettings(...), pad_id=tok.pad_token_id)
+    result = controller.run_round()          # a RoundResult: rollouts, rewards, metrics
+    state = controller.state_dict()          # round, prompt position (JSON-safe; the trainer saves its own)
+
+The controller owns the plan; the roles do the work behind their contracts: the policy is a
+`posttrain.train.trainer.Trainer` (`train_step`, `export_weights`), the rollout engine any
+`RolloutEngine` (in process, or Ray actors through `posttrain.rl.actor.RemoteEngine`), the
+reward a `posttrain.rl.rewards.RewardScorer`, the reference (only when `kl_coef > 0`) a frozen
+model scoring the same batches.
+
+One round (`run_round`):
+1. draw `prompts_per_round` prompts (a seeded permutation per epoch over the prompt set;
+   position and epoch are the controller's state);
+2. generate `n` completions per prompt (`SamplingConfig`; seeds derived from the run's seed, the
+   round and the draw, so a round is reproducible from the state it starts in);
+3. score every completion (failed samples are counted and left out), group-relative advantages
+   (`posttrain.rl.advantages`); with `dynamic_sampling`, groups whose rewards are all equal are
+   dropped and further prompts drawn (up to `max_draws` draws) until `prompts_per_round` groups
+   carry a signal;
+4. training samples from token ids: prompt + completion as sampled (stop token kept);
+   `overlong_mask` leaves completions cut at `max_new_tokens` out of the loss;
+5. reference log-probs (with a KL term), old log-probs (the sampling policy's, recomputed by the
+   trainer when a round makes more than one optimizer step), then `passes` passes over the
+   batch, each `steps_per_pass` optimizer steps;
+6. sync the engine's weights (`update_weights` with the full state dict) and verify it
+   (`posttrain.rl.sync.check_sync`: greedy probes equal to a native engine over the policy,
+   and the log-prob gap as a metric); a mismatch raises `SyncError`.
+Metrics: reward mean / std, pass@1 and pass@n (a sample succeeds when its reward reaches
+`success_threshold`), the objective's KL / entropy / clip fraction / IS weight, completion
+lengths, the share of zero-advantage groups, failed rewards, and the time split
+(generate / score / reference / update / sync).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from posttrain.rl.advantages import degenerate_groups, group_advantages
+from posttrain.rl.engine import Completion, SamplingConfig, request_seed
+from posttrain.rl.rewards import RewardScorer
+from posttrain.rl.sync import SyncError, check_sync
+from posttrain.rl.trajectories import Trajectory, attach_logps, pack_trajectories
+
+
+@dataclass(frozen=True)
+class RoundSettings:
+    """What one round does (module docstring). `row_length` and `rows_per_batch` shape the
+    packed micro-batches; `steps_per_pass` splits them into that many optimizer steps."""
+
+    prompts_per_round: int = 16
+    n: int = 8
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    passes: int = 1
+    steps_per_pass: int = 1
+    row_length: int = 256
+    rows_per_batch: int = 8
+    advantage_scale: str = "none"
+    dynamic_sampling: bool = True
+    max_draws: int = 4
+    overlong_mask: bool = False
+    success_threshold: float = 1.0
+    sync_check: bool = True
+    seed: int = 0
+
+    def sampling(self, seed: int) -> SamplingConfig:
+        return SamplingConfig(n=self.n, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              max_new_tokens=self.max_new_tokens, stop_token_ids=self.stop_token_ids, seed=seed)
+
+
+class PromptSampler:
+    """Prompt indices in a seeded permutation per epoch; `state_dict` is (epoch, position)."""
+
+    def __init__(self, num_prompts: int, seed: int):
+        if num_prompts < 1:
+            raise ValueError("RL needs at least one prompt")
+        self.num_prompts, self.seed = num_prompts, seed
+        self.epoch, self.position = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_prompts).tolist()
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.position == self.num_prompts:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            step = min(k - len(out), self.num_prompts - self.position)
+            out += self._order[self.position:self.position + step]
+            self.position += step
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._permutation(self.epoch)
+
+
+@dataclass
+class Rollout:
+    """One sampled completion with its score (what a notebook reads round by round)."""
+
+    prompt_index: int
+    sample: int
+    completion_ids: list[int]
+    text: str
+    finish_reason: str
+    reward: float  # NaN when the reward failed
+    advantage: float  # NaN when failed; 0 in a group without signal
+    trained: bool
+
+
+@dataclass
+class RoundResult:
+    round: int
+    metrics: dict
+    rollouts: list[Rollout] = field(default_factory=list)
+    train_metrics: list[dict] = field(default_factory=list)
+    reward_errors: list[tuple[int, str, str]] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _decode(tokenizer, completion: Completion) -> str:
+    if completion.text is not None and completion.finish_reason != "stop_token":
+        return completion.text
+    return tokenizer.decode(completion.content_ids, skip_special_tokens=True)
+
+
+class RLController:
+    """Drives one round at a time (module docstring). `prompts[i]` are the token ids of
+    `records[i]` (a `PromptRecord`: what the reward reads). `reference`: a frozen model, needed
+    when the policy's objective has a KL term. `probes`: prompt ids for the sync check (default
+    the first four prompts)."""
+
+    def __init__(self, policy, engine, scorer: RewardScorer, prompts: Sequence[Sequence[int]], records: Sequence,
+                 settings: RoundSettings, tokenizer, pad_id: int, reference: torch.nn.Module | None = None,
+                 probes: Sequence[Sequence[int]] | None = None):
+        if len(prompts) != len(records):
+            raise ValueError(f"{len(prompts)} prompts for {len(records)} records")
+        objective = policy.objective
+        if getattr(objective, "needs_reference", False) and reference is None:
+            raise ValueError("the objective has a KL term (kl_coef > 0) but no reference model was given")
+        self.policy, self.engine, self.scorer = policy, engine, scorer
+        self.prompts, self.records = [list(p) for p in prompts], list(records)
+        self.settings, self.tokenizer, self.pad_id = settings, tokenizer, pad_id
+        self.reference = reference
+        longest = max(range(len(self.prompts)), key=lambda i: len(self.prompts[i]), default=None)
+        if longest is not None and len(self.prompts[longest]) + settings.max_new_tokens > settings.row_length:
+            raise ValueError(f"prompt {longest} has {len(self.prompts[longest])} tokens: with {settings.max_new_tokens} "
+                             f"new tokens it does not fit the row length {settings.row_length}")
+        self.probes = [list(p) for p in (probes if probes is not None else self.prompts[:4])]
+        self.sampler = PromptSampler(len(self.prompts), settings.seed)
+        self.round = 0
+        self._sync_reference = None
+
+    # ---------------------------------------------------------------- state
+
+    def state_dict(self) -> dict:
+        return {"round": self.round, "sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.round = int(state["round"])
+        self.sampler.load_state_dict(state["sampler"])
+
+    # ---------------------------------------------------------------- one round
+
+    def _draw(self, draw: int) -> tuple[list[int], list[list[Completion]]]:
+        s = self.settings
+        indices = self.sampler.take(s.prompts_per_round)
+        seed = request_seed(request_seed(s.seed, self.round), draw)
+        groups = self.engine.generate([self.prompts[i] for i in indices], s.sampling(seed))
+        return indices, groups
+
+    def run_round(self) -> RoundResult:
+        s = self.settings
+        times = {"generate": 0.0, "score": 0.0, "reference": 0.0, "update": 0.0, "sync": 0.0}
+        kept: list[tuple[int, list[Completion], list[float], list[float]]] = []  # (prompt, group, rewards, adv)
+        rollouts: list[Rollout] = []
+        errors: list[tuple[int, str, str]] = []
+        all_rewards: list[list[float]] = []
+        zero_groups = drawn_groups = failed = 0
+        draws = 0
+        while len(kept) < s.prompts_per_round and draws < (s.max_draws if s.dynamic_sampling else 1):
+            t = time.perf_counter()
+            indices, groups = self._draw(draws)
+            times["generate"] += time.perf_counter() - t
+            draws += 1
+            t = time.perf_counter()
+            flat = [c for g in groups for c in g]
+            texts = [_decode(self.tokenizer, c) for c in flat]
+            scores = self.scorer.score(texts, [self.records[i] for i in indices for _ in range(s.n)])
+            times["score"] += time.perf_counter() - t
+            offset = len(rollouts)
+            errors += [(offset + i, label, msg) for i, label, msg in scores.errors]
+            failed += scores.num_failed
+            rewards_GN = torch.tensor(scores.rewards, dtype=torch.float64).view(len(indices), s.n)
+            adv_GN = group_advantages(rewards_GN, s.advantage_scale)
+            flat_groups = degenerate_groups(rewards_GN).tolist()
+            for g, (prompt_index, group) in enumerate(zip(indices, groups)):
+                drawn_groups += 1
+                zero_groups += flat_groups[g]
+                all_rewards.append(rewards_GN[g].tolist())
+                use = not (s.dynamic_sampling and flat_groups[g]) and len(kept) < s.prompts_per_round
+                if use:
+                    kept.append((prompt_index, group, rewards_GN[g].tolist(), adv_GN[g].tolist()))
+                for j, c in enumerate(group):
+                    reward, advantage = float(rewards_GN[g, j]), float(adv_GN[g, j])
+                    trained = use and math.isfinite(reward) and not (s.overlong_mask and c.finish_reason == "length")
+                    rollouts.append(Rollout(prompt_index, j, list(c.token_ids), texts[g * s.n + j], c.finish_reason,
+                                            reward, advantage, trained))
+        trajectories = [Trajectory(self.prompts[p], list(c.token_ids), adv[j], list(c.logprobs))
+                        for p, group, _, adv in kept for j, c in enumerate(group)
+                        if math.isfinite(adv[j]) and c.token_ids
+                        and not (s.overlong_mask and c.finish_reason == "length")]
+
+        train_metrics: list[dict] = []
+        if trajectories:
+            batches = pack_trajectories(trajectories, s.row_length, s.rows_per_batch, self.pad_id)
+            if self.reference is not None:
+                t = time.perf_counter()
+                attach_logps(self.reference, batches, "ref_logps")
+                times["reference"] += time.perf_counter() - t
+            t = time.perf_counter()
+            steps = min(s.steps_per_pass, len(batches))
+            if s.passes * steps > 1:  # later steps need the log-probs of the policy that sampled
+                attach_logps(self.policy.model, batches, "old_logps")
+            for _ in range(s.passes):
+                for chunk in np.array_split(np.arange(len(batches)), steps):
+                    train_metrics.append(self.policy.train_step([batches[i] for i in chunk]))
+            times["update"] += time.perf_counter() - t
+            t = time.perf_counter()
+            sync = self.sync_weights()
+            times["sync"] += time.perf_counter() - t
+        else:
+            sync = None
+        self.round += 1
+        metrics = self._metrics(all_rewards, rollouts, kept, trajectories, train_metrics, times,
+                                zero_groups, drawn_groups, failed, draws, sync)
+        return RoundResult(round=self.round, metrics=metrics, rollouts=rollouts, train_metrics=train_metrics,
+                           reward_errors=errors)
+
+    def sync_weights(self) -> dict | None:
+        """Push the policy's weights to the engine and (with `sync_check`) verify them."""
+        self.engine.update_weights(self.policy.export_weights())
+        if not self.settings.sync_check:
+            return None
+        if self._sync_reference is None:
+            from posttrain.rl.native import NativeEngine
+
+            self._sync_reference = NativeEngine(self.policy.model)
+        report = check_sync(self.engine, self._sync_reference, self.policy.model, self.probes,
+                            max_new_tokens=self.settings.max_new_tokens)
+        if not report.ok:
+            raise SyncError(f"after the weight update of round {self.round + 1}, {report.mismatched} of "
+                            f"{report.probes} probe prompts decode differently in the engine than in the policy")
+        return report.as_dict()
+
+    def _metrics(self, all_rewards, rollouts, kept, trajectories, train_metrics, times, zero_groups,
+                 drawn_groups, failed, draws, sync) -> dict:
+        s = self.settings
+        values = np.array([r for g in all_rewards for r in g], dtype=np.float64)
+        finite = values[np.isfinite(values)]
+        success = [[math.isfinite(r) and r >= s.success_threshold for r in g] for g in all_rewards]
+        lengths = np.array([len(r.completion_ids) for r in rollouts], dtype=np.float64)
+        metrics = {
+            "round": self.round,
+            "reward_mean": float(finite.mean()) if finite.size else math.nan,
+            "reward_std": float(finite.std()) if finite.size else math.nan,
+            "pass@1": float(np.mean([x for g in success for x in g])) if success else math.nan,
+            f"pass@{s.n}": float(np.mean([any(g) for g in success])) if success else math.nan,
+            "zero_advantage_groups": zero_groups / max(drawn_groups, 1),
+            "groups_drawn": drawn_groups,
+            "groups_trained": len(kept),
+            "draws": draws,
+            "samples_trained": len(trajectories),
+            "reward_failed": failed,
+            "length_mean": float(lengths.mean()) if lengths.size else 0.0,
+            "length_max": float(lengths.max()) if lengths.size else 0.0,
+            "truncated": float(np.mean([r.finish_reason == "length" for r in rollouts])) if rollouts else 0.0,
+            "optimizer_steps": len(train_metrics),
+            **{f"time_{k}_s": v for k, v in times.items()},
+        }
+        if train_metrics:
+            for key in ("loss", *self.policy.objective.metric_names, "grad_norm"):
+                metrics[key] = float(np.mean([m[key] for m in train_metrics]))
+        if sync is not None:
+            metrics["sync_ok"] = sync["ok"]
+            metrics["sync_logprob_gap"] = sync["logprob_gap"]
+        return metrics

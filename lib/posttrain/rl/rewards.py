@@ -1,0 +1,250 @@
+"""Reward functions for RL: named by import path, called on a batch, isolated per sample.
+
+A reward function scores a batch of completions against the prompt records they answer:
+
+    fn(completions: list[str], records: list[PromptRecord], **kwargs) -> Sequence[float]
+
+(`records[i].reference` is e.g. GSM8K's final answer; `records[i].meta` anything else the
+source row held). It returns one number per completion; a wrong count is a `RewardError`
+(a broken function, not a bad sample). Recipes name functions in their config as
+`module.path:function` (or a built-in's short name) with a weight, keyword arguments and a
+timeout; `RewardScorer` sums the weighted terms.
+
+Failure isolation: a batch call that raises or runs past its timeout is retried sample by
+sample (each with the same timeout); a sample whose call raises, times out, or returns a
+non-finite number is marked failed. Failed samples are counted, excluded from the update by
+the controller, and their errors reported; the run goes on. A call past its timeout cannot be
+interrupted in Python: it is abandoned on a daemon thread (it keeps its CPU until it returns),
+so a function that can hang should bound its own work.
+
+Built-ins (`BUILTINS`): `exact_answer` (the completion, stripped, equals the reference's final
+answer: the text after GSM8K's `####` when present), `numeric_answer` (the last number in the
+completion equals the reference's numerically; `partial_credit` gives 1 - relative error,
+floored at 0, for a wrong number), `format` (1 when the completion matches a regular
+expression), `length` (0 up to `target` characters, falling linearly to -1 at `limit`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+class RewardError(ValueError):
+    """A reward function cannot be used: not importable, or it returned the wrong number of values."""
+
+
+# ---------------------------------------------------------------- built-in rewards
+
+
+def final_answer(reference: str | None) -> str | None:
+    """The final answer in a reference: the text after the last `####` (GSM8K), else the whole, stripped."""
+    if reference is None:
+        return None
+    return reference.rsplit("####", 1)[-1].strip()
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def exact_answer(completions: list[str], records: list, **_: Any) -> list[float]:
+    """1.0 where the stripped completion equals the reference's final answer, else 0.0."""
+    return [float(c.strip() == final_answer(r.reference)) for c, r in zip(completions, records)]
+
+
+def numeric_answer(completions: list[str], records: list, partial_credit: bool = False, **_: Any) -> list[float]:
+    """1.0 where the last number in the completion equals the reference's final answer as a
+    number; with `partial_credit`, `max(0, 1 - |x - y| / max(|y|, 1))` for a wrong number; 0.0
+    without a number."""
+    scores = []
+    for completion, record in zip(completions, records):
+        target = _number(final_answer(record.reference) or "")
+        found = NUMBER.findall(completion)
+        value = _number(found[-1]) if found else None
+        if value is None or target is None:
+            scores.append(0.0)
+        elif value == target:
+            scores.append(1.0)
+        else:
+            scores.append(max(0.0, 1.0 - abs(value - target) / max(abs(target), 1.0)) if partial_credit else 0.0)
+    return scores
+
+
+def format_match(completions: list[str], records: list, pattern: str = r"-?\d+", **_: Any) -> list[float]:
+    """1.0 where the whole stripped completion matches `pattern` (`re.fullmatch`), else 0.0."""
+    compiled = re.compile(pattern, re.DOTALL)
+    return [float(compiled.fullmatch(c.strip()) is not None) for c in completions]
+
+
+def length_penalty(completions: list[str], records: list, target: int = 256, limit: int = 512,
+                   **_: Any) -> list[float]:
+    """0 up to `target` characters, falling linearly to -1 at `limit` and beyond."""
+    if not 0 <= target < limit:
+        raise RewardError(f"length_penalty needs 0 <= target < limit, got {target}, {limit}")
+    return [-min(1.0, max(0.0, (len(c) - target) / (limit - target))) for c in completions]
+
+
+BUILTINS: dict[str, Callable] = {
+    "exact_answer": exact_answer,
+    "numeric_answer": numeric_answer,
+    "format": format_match,
+    "length": length_penalty,
+}
+
+
+def resolve_reward(name: str) -> Callable:
+    """A built-in's short name (`BUILTINS`) or `package.module:function` (also `package.module.function`)."""
+    if name in BUILTINS:
+        return BUILTINS[name]
+    module_name, sep, attr = name.partition(":")
+    if not sep:
+        module_name, _, attr = name.rpartition(".")
+    if not module_name or not attr:
+        raise RewardError(f"reward function {name!r}: expected a built-in ({', '.join(BUILTINS)}) or "
+                          "'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise RewardError(f"reward function {name!r}: cannot import {module_name!r} ({err})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise RewardError(f"reward function {name!r}: {module_name!r} has no callable {attr!r}")
+    return fn
+
+
+# ---------------------------------------------------------------- scoring
+
+
+@dataclass(frozen=True)
+class RewardTerm:
+    """One weighted reward function: `function` (a name for `resolve_reward`), `weight`,
+    keyword arguments, and a per-call `timeout_s`."""
+
+    function: str
+    weight: float = 1.0
+    kwargs: dict = field(default_factory=dict)
+    timeout_s: float = 10.0
+    name: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.name or self.function.rpartition(":")[-1].rpartition(".")[-1]
+
+
+@dataclass
+class Scores:
+    """The scores of one batch: `rewards` (the weighted sum per sample; NaN where failed),
+    `terms` (label -> each term's raw values, NaN where that term failed), `failed` (per sample),
+    `errors` (`(sample index, term label, message)`, one per failed call)."""
+
+    rewards: list[float]
+    terms: dict[str, list[float]]
+    failed: list[bool]
+    errors: list[tuple[int, str, str]]
+
+    @property
+    def num_failed(self) -> int:
+        return sum(self.failed)
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _call_with_timeout(fn: Callable, args: tuple, kwargs: dict, timeout_s: float):
+    """`fn(*args, **kwargs)`, raising `_Timeout` past `timeout_s` (the call is left on a daemon thread)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as err:  # noqa: BLE001 (reported as this sample's failure)
+            box["error"] = err
+
+    thread = threading.Thread(target=target, daemon=True, name="reward-call")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise _Timeout(f"timed out after {timeout_s:g}s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _values(result: Any, expected: int, label: str) -> list[float]:
+    try:
+        values = [float(v) for v in result]
+    except TypeError:
+        raise RewardError(f"reward {label!r} returned {type(result).__name__}, not a sequence of numbers") from None
+    if len(values) != expected:
+        raise RewardError(f"reward {label!r} returned {len(values)} values for {expected} completions")
+    return values
+
+
+class RewardScorer:
+    """Scores completions with weighted `RewardTerm`s (module docstring for failure isolation)."""
+
+    def __init__(self, terms: Sequence[RewardTerm]):
+        if not terms:
+            raise RewardError("at least one reward function is needed")
+        self.terms = list(terms)
+        self.functions = [resolve_reward(t.function) for t in self.terms]
+        labels = [t.label for t in self.terms]
+        if len(set(labels)) != len(labels):
+            raise RewardError(f"reward terms need distinct names, got {labels} (set `name`)")
+
+    def _term_values(self, fn: Callable, term: RewardTerm, completions: list[str], records: list,
+                     errors: list) -> list[float]:
+        n = len(completions)
+        try:
+            return _values(_call_with_timeout(fn, (completions, records), term.kwargs, term.timeout_s), n, term.label)
+        except RewardError:
+            raise
+        except BaseException as err:  # noqa: BLE001 - one bad sample must not fail the batch
+            batch_error = err
+        values = []
+        for i in range(n):  # isolate the samples that fail
+            try:
+                value = _values(_call_with_timeout(fn, ([completions[i]], [records[i]]), term.kwargs, term.timeout_s),
+                                1, term.label)[0]
+            except RewardError:
+                raise
+            except BaseException as err:  # noqa: BLE001
+                errors.append((i, term.label, f"{type(err).__name__}: {err}"))
+                value = math.nan
+            values.append(value)
+        if not errors:  # the batch failed but every sample alone passed: say so rather than hide it
+            errors.append((-1, term.label, f"batch call failed ({type(batch_error).__name__}: {batch_error}); "
+                                           "every sample alone succeeded"))
+        return values
+
+    def score(self, completions: list[str], records: list) -> Scores:
+        """Score `completions[i]` against `records[i]`."""
+        if len(completions) != len(records):
+            raise ValueError(f"{len(completions)} completions for {len(records)} records")
+        n = len(completions)
+        terms: dict[str, list[float]] = {}
+        errors: list[tuple[int, str, str]] = []
+        for fn, term in zip(self.functions, self.terms):
+            term_errors: list = []
+            values = self._term_values(fn, term, completions, records, term_errors) if n else []
+            for i, v in enumerate(values):
+                if not math.isfinite(v) and not any(e[0] == i for e in term_errors):
+                    term_errors.append((i, term.label, f"non-finite reward {v}"))
+            errors.extend(term_errors)
+            terms[term.label] = values
+        failed = [any(not math.isfinite(terms[t.label][i]) for t in self.terms) for i in range(n)]
+        rewards = [math.nan if failed[i] else sum(t.weight * terms[t.label][i] for t in self.terms)
+                   for i in range(n)]
+        return Scores(rewards=rewards, terms=terms, failed=failed, errors=errors)

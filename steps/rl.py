@@ -1,0 +1,225 @@
+"""RL rounds as flow tasks: the GRPO recipe's prompts, roles, rounds and round checkpoints.
+
+Ingest gives `PromptRecord`s (`posttrain.steps.ingest.as_prompt`: a chat's last assistant
+turn becomes the reference); `tokenize_prompts` renders each prompt with the chat template's
+generation prompt (token ids: what the engine continues and training packs, never text
+again). `run_task` is one task of the flow's recursive `rl_round` step:
+
+1. build the roles: the policy (`Trainer` over the starting model, `GRPOObjective` from the
+   recipe's `grpo` section), the rollout engine (`native`: a `NativeEngine` over its own copy
+   of the weights in this process; `native_actor`: the same in a Ray actor,
+   `posttrain.rl.actor.RemoteEngine`), the reward scorer and, with `kl_coef > 0`, the frozen
+   reference (the starting model);
+2. restore the previous task's round checkpoint (trainer state, controller state: round and
+   prompt position), when there is one, and sync the engine to the policy;
+3. run `grpo.rounds_per_task` rounds (fewer at the end); a rollout engine that dies mid-round
+   is rebuilt and the round redone from its start (the controller state is restored first);
+4. save one checkpoint at the end of the task (`<run dir>/rl_state`, written to a temporary
+   directory and renamed); after the last round, export the trained model (`<run dir>/checkpoint`).
+
+Because every round's sampling seeds derive from the run's seed and the round number, and
+the checkpoint holds everything else the trajectory depends on (weights, AdamW state,
+schedule, RNG, prompt position), a task re-run after a crash (`@retry`, `resume`) repeats the
+uninterrupted trajectory bit for bit in fp32 on CPU. Fault injection for tests:
+`POSTTRAIN_FAULT_AT_STEP=K` raises after round K (`posttrain.steps.train.maybe_inject_fault`).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from posttrain.config.schema import GRPOConfig
+from posttrain.data.chat import end_of_turn_token_ids, render_prompt
+from posttrain.data.records import ChatRecord, PromptRecord
+from posttrain.objectives.grpo import GRPOObjective
+from posttrain.rl.controller import RLController, RoundResult, RoundSettings
+from posttrain.rl.rewards import RewardScorer, RewardTerm
+from posttrain.steps.train import maybe_inject_fault, pick_device, training_fingerprint
+from posttrain.steps.train_model import Start, export_trained, load_start, trained_start_dir
+from posttrain.train.checkpoint import CheckpointManager
+from posttrain.train.trainer import Trainer
+
+RL_STATE_DIR = "rl_state"
+
+
+def as_chat(record: PromptRecord) -> ChatRecord:
+    """The prompt with its reference as the assistant's answer (for held-out loss and exact match)."""
+    return ChatRecord(record.prompt + [{"role": "assistant", "content": record.reference or ""}],
+                      record.source, record.line)
+
+
+@dataclass
+class Prompts:
+    records: list[PromptRecord]
+    ids: list[list[int]]
+    dropped: int  # prompts too long for the context left for a completion
+
+
+def tokenize_prompts(records: list[PromptRecord], tokenizer, config: GRPOConfig, context_length: int | None = None) -> Prompts:
+    """Render every record's prompt (generation prompt included) to token ids; prompts that
+    leave no room for `grpo.max_new_tokens` within `pack.row_length` are dropped and counted."""
+    kwargs = config.tokenizer.chat_template_kwargs
+    limit = config.pack.row_length - config.grpo.max_new_tokens
+    if context_length is not None:
+        limit = min(limit, context_length - config.grpo.max_new_tokens)
+    kept, ids, dropped = [], [], 0
+    for record in records:
+        prompt = render_prompt(tokenizer, record.prompt, **kwargs)
+        if len(prompt) > limit:
+            dropped += 1
+            continue
+        kept.append(record)
+        ids.append(prompt)
+    if not kept:
+        raise ValueError(f"no prompt fits pack.row_length {config.pack.row_length} minus grpo.max_new_tokens "
+                         f"{config.grpo.max_new_tokens}")
+    return Prompts(kept, ids, dropped)
+
+
+def stop_token_ids(tokenizer, config: GRPOConfig) -> tuple[int, ...]:
+    ids = set(end_of_turn_token_ids(tokenizer, **config.tokenizer.chat_template_kwargs))
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+def round_settings(config: GRPOConfig, tokenizer) -> RoundSettings:
+    g = config.grpo
+    return RoundSettings(prompts_per_round=g.prompts_per_round, n=g.n, temperature=g.temperature, top_k=g.top_k,
+                         top_p=g.top_p, max_new_tokens=g.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer, config),
+                         passes=g.passes, steps_per_pass=g.steps_per_pass, row_length=config.pack.row_length,
+                         rows_per_batch=config.train.micro_batch_size, advantage_scale=g.advantage_scale,
+                         dynamic_sampling=g.dynamic_sampling, max_draws=g.max_draws, overlong_mask=g.overlong_mask,
+                         success_threshold=g.success_threshold, sync_check=g.sync_check, seed=config.seed)
+
+
+def grpo_objective(config: GRPOConfig) -> GRPOObjective:
+    g = config.grpo
+    return GRPOObjective(clip_low=g.clip_low, clip_high=g.clip_high, aggregation=g.aggregation,
+                         norm_tokens=g.max_new_tokens, kl_coef=g.kl_coef, kl_estimator=g.kl_estimator,
+                         is_correction=g.is_correction, is_cap=g.is_cap, entropy=g.entropy)
+
+
+def reward_scorer(config: GRPOConfig) -> RewardScorer:
+    return RewardScorer([RewardTerm(t.function, t.weight, dict(t.kwargs), t.timeout_s, t.name)
+                         for t in config.grpo.rewards])
+
+
+def total_optimizer_steps(config: GRPOConfig) -> int:
+    return config.grpo.rounds * config.grpo.passes * config.grpo.steps_per_pass
+
+
+def build_engine(config: GRPOConfig, model: torch.nn.Module, tokenizer):
+    """The rollout engine role, holding its own copy of the weights (synced by `update_weights`)."""
+    if config.grpo.engine == "native_actor":
+        from posttrain.rl.actor import EngineSpec, RemoteEngine
+
+        return RemoteEngine(EngineSpec(kind="native", model_dir=str(trained_start_dir(config))), num_actors=1)
+    from posttrain.rl.native import NativeEngine
+
+    return NativeEngine(copy.deepcopy(model).eval().requires_grad_(False), tokenizer=tokenizer)
+
+
+@dataclass
+class TaskResult:
+    rounds: list[dict]  # one RoundResult.as_dict() per round of this task
+    checkpoint: str  # this task's round checkpoint (the next task resumes from it)
+    rounds_done: int
+    done: bool
+    checkpoint_dir: str | None = None  # the exported model, after the last round
+    base_dir: str | None = None
+    seconds: float = 0.0
+    engine_restarts: int = 0
+    metrics_history: list[dict] = field(default_factory=list)
+
+
+def _is_engine_failure(err: BaseException) -> bool:
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return False
+    return isinstance(err, RayActorError)
+
+
+def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Path, previous: str | None,
+             on_round: Callable[[RoundResult], None] | None = None) -> TaskResult:
+    """One task of the recursive round step (module docstring). `previous`: the round
+    checkpoint of the task before (None for the first)."""
+    started = time.perf_counter()
+    run_dir = Path(run_dir)
+    device = pick_device(config.train.device)
+    parent = trained_start_dir(config)
+    model = load_start(config, tokenizer, Start(parent, parent=parent), device)
+    trainer = Trainer(model, config.train, total_optimizer_steps(config), objective=grpo_objective(config))
+    manager = CheckpointManager(run_dir / RL_STATE_DIR, every_steps=1, keep_last=2,
+                                fingerprint=training_fingerprint(config))
+    reference = None
+    if config.grpo.kl_coef > 0:
+        from posttrain.models.registry import load_hf_checkpoint
+
+        reference = load_hf_checkpoint(parent, device=device).eval().requires_grad_(False)
+    engine = build_engine(config, model, tokenizer)
+    controller = RLController(trainer, engine, reward_scorer(config), prompts.ids, prompts.records,
+                              round_settings(config, tokenizer), tokenizer, tokenizer.pad_token_id, reference=reference)
+    if previous is not None:
+        controller.load_state_dict(manager.load(previous, trainer))
+        engine.update_weights(trainer.export_weights())
+        print(f"[rl_round] resumed at round {controller.round} from {previous}")
+    results, restarts = [], 0
+    last = min(config.grpo.rounds, controller.round + config.grpo.rounds_per_task)
+    try:
+        while controller.round < last:
+            state = controller.state_dict()
+            try:
+                result = controller.run_round()
+            except Exception as err:
+                if not _is_engine_failure(err) or restarts >= 3:
+                    raise
+                restarts += 1
+                print(f"[rl_round] rollout engine failed in round {controller.round + 1} ({err}); "
+                      f"restarting it and redoing the round")
+                controller.load_state_dict(state)
+                controller.engine = engine = build_engine(config, model, tokenizer)
+                engine.update_weights(trainer.export_weights())
+                continue
+            results.append(result.as_dict())
+            m = result.metrics
+            print(f"[rl_round] round {result.round}/{config.grpo.rounds}: reward {m['reward_mean']:.3f}, "
+                  f"pass@1 {m['pass@1']:.3f}, zero-advantage groups {m['zero_advantage_groups']:.2f}, "
+                  f"{m['samples_trained']} samples trained, {m['reward_failed']} rewards failed")
+            if on_round is not None:
+                on_round(result)
+            maybe_inject_fault(controller.round, run_dir / RL_STATE_DIR)
+    finally:
+        engine.close()
+    checkpoint = manager.save(controller.round, trainer, controller.state_dict(),
+                              extra={"rounds_in_task": len(results)})
+    done = controller.round >= config.grpo.rounds
+    exported = export_trained(trainer, config, tokenizer, Start(parent, parent=parent), run_dir) if done else {}
+    return TaskResult(rounds=results, checkpoint=str(checkpoint), rounds_done=controller.round, done=done,
+                      checkpoint_dir=exported.get("checkpoint_dir"), base_dir=str(parent),
+                      seconds=time.perf_counter() - started, engine_restarts=restarts)
+
+
+def summary(history: list[dict]) -> dict:
+    """What the registry records of an RL run's training: rounds, first and last rewards
+    (means of the first and last 10 rounds), and the time spent per phase."""
+    if not history:
+        return {"rounds": 0}
+    head, tail = history[:10], history[-10:]
+
+    def mean(rows, key):
+        values = [r[key] for r in rows if key in r]
+        return sum(values) / len(values) if values else float("nan")
+
+    return {"rounds": len(history), "first_reward": mean(head, "reward_mean"), "final_reward": mean(tail, "reward_mean"),
+            "first_pass@1": mean(head, "pass@1"), "final_pass@1": mean(tail, "pass@1"),
+            "optimizer_steps": sum(r.get("optimizer_steps", 0) for r in history),
+            **{f"seconds_{k}": sum(r.get(f"time_{k}_s", 0.0) for r in history)
+               for k in ("generate", "score", "reference", "update", "sync")}}

@@ -1,0 +1,202 @@
+"""GRPO's pieces: group advantages, trajectory packing, and the clipped-surrogate objective
+against a direct computation from full logits (aggregations, clipping, KL estimators,
+importance-sampling corrections), and through the trainer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from posttrain.config.schema import TrainConfig
+from posttrain.models.registry import build_model, tiny_config
+from posttrain.objectives.grpo import GRPOObjective, kl_estimate, token_logps
+from posttrain.ops.losses import IGNORE_INDEX
+from posttrain.rl.advantages import degenerate_groups, group_advantages
+from posttrain.rl.trajectories import Trajectory, attach_logps, pack_trajectories
+from posttrain.train.trainer import Trainer
+
+PAD = 0
+
+
+def test_group_advantages_mean_centred_and_std_scaled():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [1.0, math.nan, 0.0, 0.0]])
+    adv = group_advantages(rewards)
+    assert adv[0].tolist() == [0.5, -0.5, -0.5, 0.5]
+    assert adv[1].tolist() == [0.0] * 4
+    assert adv[2, 0] == pytest.approx(2 / 3) and math.isnan(adv[2, 1])  # the failed sample is left out
+    std = group_advantages(rewards, scale="std")
+    assert std[0].tolist() == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)
+    assert degenerate_groups(rewards).tolist() == [False, True, False]
+    assert degenerate_groups(torch.tensor([[1.0, math.nan]])).tolist() == [True]  # one valid sample
+    with pytest.raises(ValueError, match="scale"):
+        group_advantages(rewards, scale="rank")
+
+
+def trajectories(seed: int = 0, count: int = 6) -> list[Trajectory]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        P, C = 3 + i % 4, 2 + (i * 3) % 5
+        ids = torch.randint(2, 100, (P + C,), generator=gen).tolist()
+        out.append(Trajectory(ids[:P], ids[P:], advantage=float(i % 3) - 1.0,
+                              engine_logps=(-torch.rand(C, generator=gen)).tolist()))
+    return out
+
+
+def test_pack_trajectories_layout():
+    trajs = trajectories()
+    batches = pack_trajectories(trajs, row_length=16, rows_per_batch=2, pad_id=PAD)
+    seen = {}
+    for b in batches:
+        for r in range(b["input_ids"].shape[0]):
+            for pos in range(16):
+                s = int(b["seq_ids"][r, pos])
+                if s >= 0:
+                    seen.setdefault(s, []).append((int(b["labels"][r, pos]), float(b["advantages"][r, pos]),
+                                                   float(b["engine_logps"][r, pos])))
+                    # the position predicts the next token of the same document
+                    assert b["doc_ids"][r, pos] == b["doc_ids"][r, pos + 1]
+                    assert b["input_ids"][r, pos + 1] == b["labels"][r, pos]
+                else:
+                    assert b["labels"][r, pos] == IGNORE_INDEX
+    assert sorted(seen) == list(range(len(trajs)))
+    for i, t in enumerate(trajs):
+        assert [x[0] for x in seen[i]] == t.completion_ids
+        assert all(x[1] == t.advantage for x in seen[i])
+        assert [x[2] for x in seen[i]] == pytest.approx(t.engine_logps)
+    with pytest.raises(ValueError, match="more than the row length"):
+        pack_trajectories(trajs, row_length=8, rows_per_batch=2, pad_id=PAD)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(tiny_config("qwen3"), seed=0)
+
+
+def direct_logps(model, batch):
+    """log p of each trained token from the full logits (the naive reference)."""
+    hidden = model(batch["input_ids"], batch["position_ids"], batch["doc_ids"])
+    logits = hidden @ model.output_weight[: model.config.vocab_size].T
+    keep = batch["labels"] != IGNORE_INDEX
+    return torch.log_softmax(logits.float(), -1)[keep].gather(-1, batch["labels"][keep][:, None])[:, 0]
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "sequence_sum"])
+def test_loss_and_gradient_match_a_direct_computation(model, aggregation):
+    batch = pack_trajectories(trajectories(), 64, 8, PAD)[0]
+    keep = batch["labels"] != IGNORE_INDEX
+    seq = batch["seq_ids"][keep]
+    attach_logps(model, [batch], "old_logps")
+    batch["old_logps"] = batch["old_logps"] + 0.3 * torch.randn(batch["old_logps"].shape,
+                                                                generator=torch.Generator().manual_seed(1))
+    objective = GRPOObjective(aggregation=aggregation, norm_tokens=5, is_correction="none", clip_low=0.2,
+                              clip_high=0.3)
+    model.zero_grad()
+    out = objective(model, batch)
+    out.loss_sum.backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.zero_grad()
+    logp = direct_logps(model, batch)
+    ratio = torch.exp(logp - batch["old_logps"][keep])
+    adv = batch["advantages"][keep]
+    pg = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.3) * adv)
+    if aggregation == "token_mean":
+        w = torch.ones_like(pg)
+        count = int(keep.sum())
+    elif aggregation == "sequence_sum":
+        w = torch.full_like(pg, 1 / 5)
+        count = seq.unique().numel()
+    else:
+        w = 1.0 / torch.bincount(seq)[seq].float()
+        count = seq.unique().numel()
+    expected = (w * pg).sum()
+    expected.backward()
+    assert int(out.count) == count == int(objective.count(batch))
+    assert float(out.loss_sum.detach()) == pytest.approx(float(expected.detach()), abs=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(ours[n], p.grad, rtol=1e-4, atol=1e-6)
+    clipped = ((ratio.clamp(0.8, 1.3) * adv) < (ratio * adv)).float()
+    assert float(out.metric_sums["clip_fraction"]) == pytest.approx(float((w * clipped).sum()), rel=1e-5)
+
+
+def test_first_pass_ratio_is_one_and_the_gradient_is_the_policy_gradient(model):
+    batch = pack_trajectories(trajectories(), 64, 8, PAD)[0]
+    out = GRPOObjective(is_correction="none")(model, batch)
+    keep = batch["labels"] != IGNORE_INDEX
+    assert float(out.metric_sums["ratio"]) == pytest.approx(float(keep.sum()))
+    assert float(out.metric_sums["clip_fraction"]) == 0.0
+    assert float(out.loss_sum.detach()) == pytest.approx(-float(batch["advantages"][keep].sum()), abs=1e-5)
+
+
+def test_kl_estimators():
+    logp = torch.tensor([-1.0, -2.0, -0.5])
+    ref = torch.tensor([-1.0, -1.5, -1.0])
+    assert kl_estimate(logp, ref, "k1").tolist() == pytest.approx([0.0, -0.5, 0.5])
+    k3 = kl_estimate(logp, ref, "k3")
+    assert k3[0] == 0 and bool((k3 >= 0).all())
+    assert float(k3[1]) == pytest.approx(math.exp(0.5) - 0.5 - 1)
+
+
+def test_kl_term_needs_and_uses_the_reference(model):
+    batch = pack_trajectories(trajectories(), 64, 8, PAD)[0]
+    objective = GRPOObjective(kl_coef=0.1, kl_estimator="k1", is_correction="none")
+    assert objective.needs_reference
+    with pytest.raises(ValueError, match="ref_logps"):
+        objective(model, batch)
+    attach_logps(model, [batch], "ref_logps")
+    out = objective(model, batch)
+    assert abs(float(out.metric_sums["kl"])) < 1e-5  # the policy is its own reference here
+    batch["ref_logps"] = batch["ref_logps"] - 1.0
+    keep = batch["labels"] != IGNORE_INDEX
+    assert float(objective(model, batch).metric_sums["kl"]) == pytest.approx(float(keep.sum()), rel=1e-4)
+
+
+def test_importance_sampling_corrections(model):
+    batch = pack_trajectories(trajectories(), 64, 8, PAD)[0]
+    keep = batch["labels"] != IGNORE_INDEX
+    attach_logps(model, [batch], "old_logps")
+    eng = batch["old_logps"].clone()
+    seq = batch["seq_ids"]
+    eng[seq == 0] -= 2.0  # the engine found sequence 0 far less likely: IS weight exp(2), capped
+    eng[seq == 1] += 0.1
+    batch["engine_logps"] = eng
+    tis = GRPOObjective(is_correction="token", is_cap=3.0)(model, batch)
+    weights = torch.where(seq[keep] == 0, 3.0, torch.where(seq[keep] == 1, math.exp(-0.1), 1.0))
+    assert float(tis.metric_sums["is_weight"]) == pytest.approx(float(weights.sum()), rel=1e-5)
+    masked = GRPOObjective(is_correction="sequence_mask", is_cap=3.0)(model, batch)
+    kept = torch.where(seq[keep] == 0, 0.0, 1.0)  # |mean log ratio| 2 > log 3 drops it; 0.1 does not
+    assert float(masked.metric_sums["is_weight"]) == pytest.approx(float(kept.sum()))
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="aggregation"):
+        GRPOObjective(aggregation="mean")
+    with pytest.raises(ValueError, match="norm_tokens"):
+        GRPOObjective(aggregation="sequence_sum")
+    with pytest.raises(ValueError, match="is_cap"):
+        GRPOObjective(is_cap=1.0)
+
+
+def test_sequence_mean_normalises_over_every_micro_batch_of_the_step():
+    """Two micro-batches in one step give the gradient of the one batch holding both."""
+    trajs = trajectories(count=8)
+    cfg = TrainConfig(learning_rate=1e-3, warmup_steps=0, weight_decay=0.0, max_grad_norm=1e9)
+    objective = GRPOObjective(aggregation="sequence_mean", is_correction="none", entropy=False)
+    grads = []
+    for rows_per_batch in (1, 8):
+        model = build_model(tiny_config("qwen3"), seed=0)
+        trainer = Trainer(model, cfg, 10, objective=objective)
+        batches = pack_trajectories(trajs, 24, rows_per_batch, PAD)
+        metrics = trainer.train_step(batches)
+        assert metrics["count"] == 8 and metrics["count_unit"] == "sequences"
+        grads.append(metrics["grad_norm"])
+    assert grads[0] == pytest.approx(grads[1], rel=1e-5)
+
+
+def test_token_logps_equal_direct(model):
+    batch = pack_trajectories(trajectories(), 64, 8, PAD)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(token_logps(model, batch), direct_logps(model, batch), rtol=1e-5, atol=1e-5)
