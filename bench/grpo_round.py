@@ -1,0 +1,194 @@
+"""One GRPO round, ours against TRL's `GRPOTrainer`, side by side in one run (no vLLM on either side).
+
+    python bench/grpo_round.py [--quick] [--rounds 5] [--prompts 16] [--n 8] [--new-tokens 16]
+                               [--model DIR]
+
+Progress goes to stderr; the LAST stdout line is one JSON object:
+
+    {"benchmark": "grpo_round", "baseline": "trl GRPOTrainer ...", "seconds_per_round_ours",
+     "seconds_per_round_trl", "ratio_vs_trl" (median), "ratio" {min, median, max, n},
+     "goal": {"ratio_vs_trl": ">= 2"}, "met", "seconds_per_round" {side: spread},
+     "time_split_ours" {generate, score, reference, update, sync: median seconds}, "model",
+     "workload", "settings", "seconds"}
+
+The same on both sides: the model (`--model`, an HF directory; default a random Qwen3 of the
+SFT demo's shape, 4 layers, hidden 128, with the demo tokenizer, seed 0: it rarely emits the
+end-of-turn token, so both sides generate all `--new-tokens` tokens), the prompts (arithmetic
+problems rendered with the chat template, `--prompts` per round, in the same order), `--n`
+samples per prompt at temperature 1, `--new-tokens` new tokens at most, one optimizer step
+per round (one pass), no KL term (no reference model), token-mean loss, AdamW at lr 2e-5,
+the same exact-answer reward. Ours: `posttrain.rl.controller.RLController` (native KV-cache
+engine on its own copy of the weights, sync verified each round; no dynamic sampling, so both
+sides train on every group). TRL 1.16: `GRPOTrainer` with `per_device_train_batch_size` =
+`generation_batch_size` = prompts x n (one generation per step, one step per round),
+`loss_type="dapo"` (token mean), `beta=0`, transformers `generate` with its dynamic cache.
+A round's time: ours, `run_round`; TRL, from `on_step_begin` to `on_step_end` of its trainer
+(generation, reward, loss and the optimizer step). The first round of each side is a warm-up
+and not counted; ratios pair round i of both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, spread  # noqa: E402
+
+LR = 2e-5
+SHAPES = {
+    "demo": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32),
+    "quick": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=32),
+}
+
+
+def log(message: str) -> None:
+    print(f"[grpo_round] {message}", file=sys.stderr, flush=True)
+
+
+def build_workspace(tmp: Path, shape: str, model_dir: str | None, count: int):
+    """(model directory, tokenizer, prompt records) for the run."""
+    from posttrain.data.demo import build_demo_tokenizer, write_arithmetic_dataset
+    from posttrain.data.records import PromptRecord
+    from posttrain.data.tokenizer import load_tokenizer
+    from posttrain.models.registry import build_model, save_hf_checkpoint, tiny_config
+
+    paths = write_arithmetic_dataset(tmp / "data", num_train=max(count, 64), num_heldout=1, seed=0,
+                                     min_digits=3, max_digits=3)
+    if model_dir is None:
+        tokenizer = load_tokenizer(str(build_demo_tokenizer(tmp / "tokenizer", corpus_paths=[paths["train"]])))
+        config = tiny_config("qwen3", vocab_size=len(tokenizer), tie_word_embeddings=True, rope_theta=10000.0,
+                             max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+                             pad_token_id=tokenizer.pad_token_id, **SHAPES[shape])
+        model_dir = save_hf_checkpoint(build_model(config, seed=0), tmp / "model", tokenizer=tokenizer)
+    tokenizer = load_tokenizer(str(model_dir))
+    records = []
+    for i, line in enumerate(paths["train"].read_text().splitlines()[:count]):
+        row = json.loads(line)
+        records.append(PromptRecord(row["messages"][:-1], row["answer"], {}, "train.jsonl", i + 1))
+    return Path(model_dir), tokenizer, records
+
+
+def run_ours(model_dir: Path, tokenizer, records, args) -> tuple[list[float], list[dict]]:
+    from posttrain.config.schema import TrainConfig
+    from posttrain.data.chat import end_of_turn_token_ids, render_prompt
+    from posttrain.models.registry import load_hf_checkpoint
+    from posttrain.objectives.grpo import GRPOObjective
+    from posttrain.rl.controller import RLController, RoundSettings
+    from posttrain.rl.native import NativeEngine
+    from posttrain.rl.rewards import RewardScorer, RewardTerm
+    from posttrain.train.trainer import Trainer
+
+    model = load_hf_checkpoint(model_dir)
+    cfg = TrainConfig(learning_rate=LR, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0, lr_schedule="linear")
+    trainer = Trainer(model, cfg, args.rounds + 1, objective=GRPOObjective(aggregation="token_mean"))
+    engine = NativeEngine(copy.deepcopy(model), tokenizer=tokenizer)
+    prompts = [render_prompt(tokenizer, r.prompt) for r in records]
+    settings = RoundSettings(prompts_per_round=args.prompts, n=args.n, max_new_tokens=args.new_tokens,
+                             stop_token_ids=tuple(end_of_turn_token_ids(tokenizer)), row_length=256,
+                             rows_per_batch=1024, dynamic_sampling=False, seed=0)
+    controller = RLController(trainer, engine, RewardScorer([RewardTerm("exact_answer")]), prompts, records,
+                              settings, tokenizer, tokenizer.pad_token_id)
+    times, metrics = [], []
+    for r in range(args.rounds + 1):
+        start = time.perf_counter()
+        result = controller.run_round()
+        times.append(time.perf_counter() - start)
+        metrics.append(result.metrics)
+        log(f"ours round {r}: {times[-1]:.2f}s (generate {result.metrics['time_generate_s']:.2f}s, "
+            f"update {result.metrics['time_update_s']:.2f}s)")
+    return times[1:], metrics[1:]
+
+
+def run_trl(model_dir: Path, tokenizer, records, args, tmp: Path) -> list[float]:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from posttrain.rl.rewards import final_answer
+
+    def exact_answer(prompts, completions, answer, **_):
+        return [float(c[0]["content"].strip() == final_answer(a)) for c, a in zip(completions, answer)]
+
+    class RoundTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self._start = [], None
+
+        def on_step_begin(self, *_, **__):
+            self._start = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            self.times.append(time.perf_counter() - self._start)
+            log(f"trl round {len(self.times) - 1}: {self.times[-1]:.2f}s")
+
+    rows = [{"prompt": r.prompt, "answer": r.reference} for r in records]
+    batch = args.prompts * args.n
+    config = GRPOConfig(output_dir=str(tmp / "trl"), per_device_train_batch_size=batch, generation_batch_size=batch,
+                        num_generations=args.n, max_completion_length=args.new_tokens, beta=0.0, num_iterations=1,
+                        loss_type="dapo", learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0,
+                        max_steps=args.rounds + 1, logging_steps=1, report_to="none", save_strategy="no",
+                        use_cpu=True, shuffle_dataset=False, temperature=1.0, top_k=0, top_p=1.0,
+                        disable_dropout=True, seed=0, dataloader_num_workers=0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    timer = RoundTimer()
+    trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=config, train_dataset=Dataset.from_list(rows),
+                          processing_class=tokenizer, callbacks=[timer])
+    trainer.train()
+    return timer.times[1:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a 1-layer model, 2 rounds of 4 prompts x 2 samples")
+    parser.add_argument("--rounds", type=int, default=5, help="measured rounds per side (after one warm-up)")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--model", default=None, help="an HF model directory with its tokenizer (default: random)")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.prompts, args.n, args.new_tokens = 2, 4, 2, 4
+    began = time.perf_counter()
+    torch.set_num_threads(torch.get_num_threads())
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        count = args.prompts * (args.rounds + 1)
+        model_dir, tokenizer, records = build_workspace(tmp, "quick" if args.quick else "demo", args.model, count)
+        ours, metrics = run_ours(model_dir, tokenizer, records, args)
+        trl = run_trl(model_dir, tokenizer, records, args, tmp)
+    ratios = [t / o for o, t in zip(ours, trl)]
+    split = {k: round(statistics.median(m[f"time_{k}_s"] for m in metrics), 4)
+             for k in ("generate", "score", "reference", "update", "sync")}
+    out = {
+        "benchmark": "grpo_round",
+        "baseline": "trl GRPOTrainer 1.16 (transformers generate, dynamic cache, no vLLM)",
+        "seconds_per_round_ours": round(statistics.median(ours), 4),
+        "seconds_per_round_trl": round(statistics.median(trl), 4),
+        "ratio_vs_trl": round(statistics.median(ratios), 3), "ratio": spread(ratios, 3),
+        "goal": {"ratio_vs_trl": ">= 2"}, "met": {"ratio_vs_trl": statistics.median(ratios) >= 2},
+        "seconds_per_round": {"ours": spread(ours), "trl": spread(trl)},
+        "time_split_ours": split,
+        "model": {"source": args.model or "random qwen3", "shape": "quick" if args.quick else "demo",
+                  "dtype": "float32"},
+        "workload": {"prompts_per_round": args.prompts, "n": args.n, "max_new_tokens": args.new_tokens,
+                     "rounds": args.rounds, "passes": 1, "kl": 0, "loss": "token mean", "lr": LR},
+        "settings": machine(), "seconds": round(time.perf_counter() - began, 1),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
