@@ -16,7 +16,7 @@ export MALLOC_MMAP_MAX_ := 0
 export MALLOC_TRIM_THRESHOLD_ := 68719476736
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup browser run sft-3digit dpo-demo rm-demo distill-demo test bench clean setup-vllm test-vllm
+.PHONY: setup browser run sft-3digit dpo-demo rm-demo grpo-demo distill-demo test bench clean setup-vllm test-vllm
 
 setup: $(STAMP)
 
@@ -43,6 +43,11 @@ dpo-demo: setup
 rm-demo: setup
 	test -d outputs/registry/sft-demo-arithmetic-3digit || $(MAKE) sft-3digit
 	$(BIN)/python flows/rm_flow.py --config config configs/rm/demo.yaml run
+
+# the GRPO demo: on-policy RL from the same SFT model, rewarded for exactly right answers
+grpo-demo: setup
+	test -d outputs/registry/sft-demo-arithmetic-3digit || $(MAKE) sft-3digit
+	$(BIN)/python flows/grpo_flow.py --config config configs/grpo/demo.yaml run
 
 # the distillation demo: the SFT demo's model (make run, once) is the teacher of a student
 # trained on a small slice of its data

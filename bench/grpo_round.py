@@ -171,7 +171,7 @@ def main() -> None:
         trl = run_trl(model_dir, tokenizer, records, args, tmp)
     ratios = [t / o for o, t in zip(ours, trl)]
     split = {k: round(statistics.median(m[f"time_{k}_s"] for m in metrics), 4)
-             for k in ("generate", "score", "reference", "update", "sync")}
+             for k in ("generate", "score", "reference", "teacher", "update", "sync")}
     out = {
         "benchmark": "grpo_round",
         "baseline": "trl GRPOTrainer 1.16 (transformers generate, dynamic cache, no vLLM)",

@@ -8,8 +8,9 @@ evaluate -> register.
 
 One controller (`posttrain.rl.controller`) drives the roles: the policy (our trainer), the
 rollout engine (the native KV-cache engine in this process, or in a Ray actor:
-`grpo.engine: native_actor`), the reward functions named in the config (`grpo.rewards`) and,
-with `grpo.kl_coef > 0`, a frozen reference. `rl_round` is a step that transitions to itself:
+`grpo.engine: native_actor`), the reward functions named in the config (`grpo.rewards`),
+with `grpo.kl_coef > 0` a frozen reference, and with `grpo.teacher` a teacher whose per-token
+log-probs of the sampled tokens are a dense reward (on-policy distillation). `rl_round` is a step that transitions to itself:
 each task runs `grpo.rounds_per_task` rounds, stores their rollouts, rewards, advantages and
 metrics as the artifact `rounds` (one entry per round: read them round by round from a
 notebook, `Flow('GRPOFlow').latest_run['rl_round']`), saves a round checkpoint, and goes on
@@ -58,6 +59,11 @@ class GRPOFlow(RecipeSteps):
         records = [r for source in self.recipe.data.sources for r in self.train_records[source.name]]
         self.prompts = rl.tokenize_prompts(records, self._tokenizer(), self.recipe)
         self.rl_checkpoint, self.history = None, []
+        self.teacher_spec = None
+        if self.recipe.grpo.teacher is not None:  # on-policy distillation: check the teacher once
+            from posttrain.steps import teacher
+
+            self.teacher_spec = teacher.run(self.recipe, self._tokenizer(), None, self.run_dir)
         lengths = [len(p) for p in self.prompts.ids]
         current.card["tokenize"].append(cards.Markdown(
             f"## Prompts\n{len(self.prompts.ids)} prompts kept, {self.prompts.dropped} dropped (longer than "
@@ -72,9 +78,10 @@ class GRPOFlow(RecipeSteps):
         from the previous task's round checkpoint; then again, or on to verify."""
         from posttrain.steps import rl
 
-        live = cards.LiveRoundsCard(current.card["rounds"], self.recipe.grpo.n)
+        live = cards.LiveRoundsCard(current.card["rounds"], self.recipe.grpo.n, self.recipe.train.card_refresh_s)
         result = rl.run_task(self.recipe, self._tokenizer(), self.prompts, self.run_dir, self.rl_checkpoint,
-                             on_round=live)
+                             on_round=live, teacher_spec=self.teacher_spec)
+        live.draw()
         self.rounds = result.rounds  # this task's rounds: rollouts, rewards, advantages, metrics
         self.history = self.history + [r["metrics"] for r in result.rounds]
         self.rl_checkpoint, self.rounds_done, self.engine_restarts = result.checkpoint, result.rounds_done, \

@@ -185,7 +185,7 @@ class LiveTrainingCard:
 
 
 ROUND_CURVES = ("reward_mean", "pass@1", "kl", "entropy", "length_mean", "zero_advantage_groups")
-TIME_KEYS = ("generate", "score", "reference", "update", "sync")
+TIME_KEYS = ("generate", "score", "reference", "teacher", "update", "sync")
 
 
 def _round_curves(history: list[dict], n: int) -> list[str]:
@@ -210,10 +210,11 @@ def rounds_section(card, history: list[dict], n: int) -> None:
 
 
 class LiveRoundsCard:
-    """The rounds of one `rl_round` task, redrawn after each round."""
+    """The rounds of one `rl_round` task, redrawn after a round at most every `refresh_s` seconds."""
 
-    def __init__(self, card, n: int):
-        self._card, self._n = card, n
+    def __init__(self, card, n: int, refresh_s: float = 10.0):
+        self._card, self._n, self._refresh_s = card, n, refresh_s
+        self._last = 0.0
         self._history: list[dict] = []
         self._summary = Markdown("Round starting...")
         self._curves = Image.from_matplotlib(plots.metric_curves([{"round": 0, "reward_mean": 0.0}], ["reward_mean"],
@@ -224,8 +225,16 @@ class LiveRoundsCard:
         card.refresh()
 
     def __call__(self, result) -> None:
-        m = result.metrics
-        self._history.append(m)
+        self._history.append(result.metrics)
+        if time.monotonic() - self._last >= self._refresh_s:
+            self.draw()
+
+    def draw(self) -> None:
+        """Redraw from every round so far (also when the task ends)."""
+        if not self._history:
+            return
+        self._last = time.monotonic()
+        m = self._history[-1]
         times = ", ".join(f"{k} {m.get(f'time_{k}_s', 0.0):.2f}s" for k in TIME_KEYS)
         self._summary.update(
             f"round {m['round']}: reward **{m['reward_mean']:.3f}**, pass@1 {m['pass@1']:.3f}, "

@@ -21,12 +21,15 @@ Because every round's sampling seeds derive from the run's seed and the round nu
 the checkpoint holds everything else the trajectory depends on (weights, AdamW state,
 schedule, RNG, prompt position), a task re-run after a crash (`@retry`, `resume`) repeats the
 uninterrupted trajectory bit for bit in fp32 on CPU. Fault injection for tests:
-`POSTTRAIN_FAULT_AT_STEP=K` raises after round K (`posttrain.steps.train.maybe_inject_fault`).
+`POSTTRAIN_FAULT_AT_STEP=K` fails round K in its middle, after its rollouts are scored and
+before the update (`posttrain.steps.train.maybe_inject_fault`; `POSTTRAIN_FAULT_MODE=kill_flow`
+SIGKILLs the whole local run there).
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +41,7 @@ from posttrain.config.schema import GRPOConfig
 from posttrain.data.chat import end_of_turn_token_ids, render_prompt
 from posttrain.data.records import ChatRecord, PromptRecord
 from posttrain.objectives.grpo import GRPOObjective
-from posttrain.rl.controller import RLController, RoundResult, RoundSettings
+from posttrain.rl.controller import EngineLost, RLController, RoundResult, RoundSettings
 from posttrain.rl.rewards import RewardScorer, RewardTerm
 from posttrain.steps.train import maybe_inject_fault, pick_device, training_fingerprint
 from posttrain.steps.train_model import Start, export_trained, load_start, trained_start_dir
@@ -46,6 +49,8 @@ from posttrain.train.checkpoint import CheckpointManager
 from posttrain.train.trainer import Trainer
 
 RL_STATE_DIR = "rl_state"
+MAX_ENGINE_RESTARTS = 3  # per task
+KILL_ENGINE_ENV = "POSTTRAIN_KILL_ENGINE_AT_ROUND"  # tests: kill the rollout actor in the middle of round K
 
 
 def as_chat(record: PromptRecord) -> ChatRecord:
@@ -106,7 +111,9 @@ def grpo_objective(config: GRPOConfig) -> GRPOObjective:
                          is_correction=g.is_correction, is_cap=g.is_cap, entropy=g.entropy)
 
 
-def reward_scorer(config: GRPOConfig) -> RewardScorer:
+def reward_scorer(config: GRPOConfig) -> RewardScorer | None:
+    if not config.grpo.rewards:
+        return None  # on-policy distillation alone
     return RewardScorer([RewardTerm(t.function, t.weight, dict(t.kwargs), t.timeout_s, t.name)
                          for t in config.grpo.rewards])
 
@@ -147,18 +154,39 @@ def _is_engine_failure(err: BaseException) -> bool:
     return isinstance(err, RayActorError)
 
 
+def _maybe_kill_engine(engine, next_round: int, restarts: int) -> None:
+    """Tests: with `POSTTRAIN_KILL_ENGINE_AT_ROUND=K`, kill the first rollout actor just before
+    round K generates (once per task), as a lost node would."""
+    if os.environ.get(KILL_ENGINE_ENV) != str(next_round) or restarts or not getattr(engine, "actors", None):
+        return
+    import ray
+
+    print(f"[rl_round] {KILL_ENGINE_ENV}={next_round}: killing the rollout actor")
+    ray.kill(engine.actors[0], no_restart=True)
+
+
 def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Path, previous: str | None,
-             on_round: Callable[[RoundResult], None] | None = None) -> TaskResult:
+             on_round: Callable[[RoundResult], None] | None = None, teacher_spec=None) -> TaskResult:
     """One task of the recursive round step (module docstring). `previous`: the round
-    checkpoint of the task before (None for the first)."""
+    checkpoint of the task before (None for the first). `teacher_spec`: the checked teacher of
+    on-policy distillation (`posttrain.steps.teacher.run`), when `grpo.teacher` is set."""
     started = time.perf_counter()
     run_dir = Path(run_dir)
     device = pick_device(config.train.device)
     parent = trained_start_dir(config)
     model = load_start(config, tokenizer, Start(parent, parent=parent), device)
     trainer = Trainer(model, config.train, total_optimizer_steps(config), objective=grpo_objective(config))
-    manager = CheckpointManager(run_dir / RL_STATE_DIR, every_steps=1, keep_last=2,
-                                fingerprint=training_fingerprint(config))
+    fingerprint = training_fingerprint(config)
+    teacher = None
+    if config.grpo.teacher is not None:
+        from posttrain.steps.teacher import load_teacher
+
+        if teacher_spec is None:
+            raise ValueError("grpo.teacher is set: pass the teacher step's TeacherSpec (teacher_spec=)")
+        teacher = load_teacher(teacher_spec, device)
+        fingerprint["teacher"] = {"reference": teacher_spec.identity["reference"],
+                                  "sha256": teacher_spec.identity["sha256"]}
+    manager = CheckpointManager(run_dir / RL_STATE_DIR, every_steps=1, keep_last=2, fingerprint=fingerprint)
     reference = None
     if config.grpo.kl_coef > 0:
         from posttrain.models.registry import load_hf_checkpoint
@@ -166,7 +194,9 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
         reference = load_hf_checkpoint(parent, device=device).eval().requires_grad_(False)
     engine = build_engine(config, model, tokenizer)
     controller = RLController(trainer, engine, reward_scorer(config), prompts.ids, prompts.records,
-                              round_settings(config, tokenizer), tokenizer, tokenizer.pad_token_id, reference=reference)
+                              round_settings(config, tokenizer), tokenizer, tokenizer.pad_token_id, reference=reference,
+                              on_scored=lambda r: maybe_inject_fault(r, run_dir / RL_STATE_DIR), teacher=teacher,
+                              distill_coef=config.grpo.distill_coef)
     if previous is not None:
         controller.load_state_dict(manager.load(previous, trainer))
         engine.update_weights(trainer.export_weights())
@@ -178,24 +208,33 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
             state = controller.state_dict()
             try:
                 result = controller.run_round()
-            except Exception as err:
-                if not _is_engine_failure(err) or restarts >= 3:
-                    raise
+            except EngineLost as lost:
+                if not _is_engine_failure(lost.__cause__) or restarts >= MAX_ENGINE_RESTARTS:
+                    raise lost.__cause__ from None
                 restarts += 1
-                print(f"[rl_round] rollout engine failed in round {controller.round + 1} ({err}); "
-                      f"restarting it and redoing the round")
-                controller.load_state_dict(state)
+                redo = lost.result is None
+                print(f"[rl_round] rollout engine failed in round {controller.round + 1} ({lost.__cause__}); "
+                      f"restarting it{' and redoing the round' if redo else ' and syncing it'}")
+                engine.close()
                 controller.engine = engine = build_engine(config, model, tokenizer)
-                engine.update_weights(trainer.export_weights())
-                continue
+                if redo:
+                    controller.load_state_dict(state)
+                    engine.update_weights(trainer.export_weights())
+                    continue
+                result = lost.result
+                sync = controller.sync_weights()
+                if sync is not None:
+                    result.metrics["sync_ok"], result.metrics["sync_logprob_gap"] = sync["ok"], sync["logprob_gap"]
             results.append(result.as_dict())
             m = result.metrics
-            print(f"[rl_round] round {result.round}/{config.grpo.rounds}: reward {m['reward_mean']:.3f}, "
-                  f"pass@1 {m['pass@1']:.3f}, zero-advantage groups {m['zero_advantage_groups']:.2f}, "
-                  f"{m['samples_trained']} samples trained, {m['reward_failed']} rewards failed")
+            if controller.round % config.train.log_every == 0 or controller.round == last or len(results) == 1:
+                print(f"[rl_round] round {result.round}/{config.grpo.rounds}: reward {m['reward_mean']:.3f}, "
+                      f"pass@1 {m['pass@1']:.3f}, zero-advantage groups {m['zero_advantage_groups']:.2f}, "
+                      f"{m['samples_trained']} samples trained, {m['reward_failed']} rewards failed, "
+                      f"{m['time_round_s']:.2f}s")
             if on_round is not None:
                 on_round(result)
-            maybe_inject_fault(controller.round, run_dir / RL_STATE_DIR)
+            _maybe_kill_engine(engine, controller.round + 1, restarts)
     finally:
         engine.close()
     checkpoint = manager.save(controller.round, trainer, controller.state_dict(),
@@ -222,4 +261,4 @@ def summary(history: list[dict]) -> dict:
             "first_pass@1": mean(head, "pass@1"), "final_pass@1": mean(tail, "pass@1"),
             "optimizer_steps": sum(r.get("optimizer_steps", 0) for r in history),
             **{f"seconds_{k}": sum(r.get(f"time_{k}_s", 0.0) for r in history)
-               for k in ("generate", "score", "reference", "update", "sync")}}
+               for k in ("generate", "score", "reference", "teacher", "update", "sync")}}

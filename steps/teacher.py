@@ -49,23 +49,42 @@ class TeacherSpec:
     notes: list[str] = field(default_factory=list)
 
 
-def resolve_teacher(config: DistillConfig) -> Path:
+@dataclass(frozen=True)
+class TeacherSettings:
+    """Where a recipe names its teacher: `key` (for messages), `reference`, `backend`, `verify`."""
+
+    key: str
+    reference: str
+    backend: str
+    verify: bool
+
+
+def teacher_settings(config) -> TeacherSettings:
+    """The teacher of a distillation recipe (`distill.*`) or of on-policy distillation in an RL
+    recipe (`grpo.teacher`, `grpo.teacher_backend`, `grpo.verify_teacher`)."""
+    section = config.distill if isinstance(config, DistillConfig) else config.grpo
+    name = "distill" if isinstance(config, DistillConfig) else "grpo"
+    return TeacherSettings(f"{name}.teacher", section.teacher, section.teacher_backend, section.verify_teacher)
+
+
+def resolve_teacher(config) -> Path:
     """The teacher's local model directory (module docstring, 1)."""
     from posttrain.config.paths import names_hub_model
     from posttrain.registry import resolve_model_dir
 
-    ref = config.distill.teacher
+    settings = teacher_settings(config)
+    ref = settings.reference
     if not names_hub_model(ref):
         try:
             return Path(resolve_model_dir(ref, registry_dir=config.register.registry_dir))
         except ValueError as err:
-            raise TeacherError(f"distill.teacher: {err}") from None
+            raise TeacherError(f"{settings.key}: {err}") from None
     from posttrain.steps.train_model import resolve_pretrained
 
     try:
         return resolve_pretrained(ref)
     except Exception as err:  # the hub is unreachable, or no such repository
-        raise TeacherError(f"distill.teacher: cannot download {ref!r} from the Hugging Face Hub ({err}); "
+        raise TeacherError(f"{settings.key}: cannot download {ref!r} from the Hugging Face Hub ({err}); "
                            "give a local model directory or a registry entry") from None
 
 
@@ -107,23 +126,24 @@ def _model_vocab(model_dir: Path) -> int:
     return int(config.get("vocab_size") or text.get("vocab_size") or 0)
 
 
-def check_vocabulary(config: DistillConfig, tokenizer, teacher_dir: Path, student_vocab: int) -> int:
+def check_vocabulary(config, tokenizer, teacher_dir: Path, student_vocab: int) -> int:
     """The shared vocabulary size (module docstring, 2), or `TeacherError`."""
     from posttrain.data.tokenizer import load_tokenizer
     from posttrain.objectives.distill import VocabularyMismatch, check_shared_vocabulary
 
+    settings = teacher_settings(config)
     try:
         teacher_tokenizer = load_tokenizer(str(teacher_dir))
     except Exception as err:
-        raise TeacherError(f"distill.teacher {config.distill.teacher}: no usable tokenizer in {teacher_dir} ({err}); "
+        raise TeacherError(f"{settings.key} {settings.reference}: no usable tokenizer in {teacher_dir} ({err}); "
                            "the teacher's directory must hold its tokenizer files to check the token ids") from None
     try:
         return check_shared_vocabulary(tokenizer, teacher_tokenizer, student_vocab, _model_vocab(teacher_dir))
     except VocabularyMismatch as err:
-        raise TeacherError(f"distill.teacher {config.distill.teacher}: {err}") from None
+        raise TeacherError(f"{settings.key} {settings.reference}: {err}") from None
 
 
-def student_vocab_size(config: DistillConfig, tokenizer) -> int:
+def student_vocab_size(config, tokenizer) -> int:
     """The rows of the student's output: its starting model's vocabulary, or the tokenizer's
     size for a random init (`posttrain.steps.train_model.model_config_for`)."""
     from posttrain.steps.train_model import trained_start_dir
@@ -132,27 +152,28 @@ def student_vocab_size(config: DistillConfig, tokenizer) -> int:
     return _model_vocab(start) if start is not None else len(tokenizer)
 
 
-def run(config: DistillConfig, tokenizer, samples: dict[str, list], run_dir) -> TeacherSpec:
-    """Steps 1-5 of the module docstring; returns the `TeacherSpec` the train step reads."""
+def run(config, tokenizer, samples: dict[str, list] | None, run_dir) -> TeacherSpec:
+    """Steps 1-5 of the module docstring (a distillation recipe's teacher, or an RL recipe's
+    `grpo.teacher`: steps 1-4); returns the `TeacherSpec` its training reads."""
     from posttrain.steps import verify
 
     started = time.perf_counter()
-    distill = config.distill
+    settings = teacher_settings(config)
     teacher_dir = resolve_teacher(config)
     vocab = check_vocabulary(config, tokenizer, teacher_dir, student_vocab_size(config, tokenizer))
-    print(f"[teacher] {distill.teacher} -> {teacher_dir}: shares the student's {vocab} token ids")
+    print(f"[teacher] {settings.reference} -> {teacher_dir}: shares the student's {vocab} token ids")
     verdict = None
-    if distill.verify_teacher and distill.teacher_backend == "native":
+    if settings.verify and settings.backend == "native":
         try:
             verdict = verify.run(str(teacher_dir), config.verify)
         except verify.VerificationError as err:
-            raise TeacherError(f"distill.teacher {distill.teacher} fails the logit verifier: {err}. Fix or re-export "
-                               "the checkpoint, or run it through transformers' own code (distill.teacher_backend: "
+            raise TeacherError(f"{settings.key} {settings.reference} fails the logit verifier: {err}. Fix or re-export "
+                               f"the checkpoint, or run it through transformers' own code ({settings.key}_backend: "
                                "transformers)") from None
-    identity = teacher_identity(teacher_dir, distill.teacher)
+    identity = teacher_identity(teacher_dir, settings.reference)
     print(f"[teacher] identity sha256 {identity['sha256'][:16]}... ({identity['bytes'] / 1e6:.1f} MB of weights)")
-    spec = TeacherSpec(str(teacher_dir), distill.teacher_backend, vocab, identity, verdict=verdict)
-    if distill.cache is not None:
+    spec = TeacherSpec(str(teacher_dir), settings.backend, vocab, identity, verdict=verdict)
+    if isinstance(config, DistillConfig) and config.distill.cache is not None:
         spec.cache_dir, spec.cache_manifest = _cache(config, spec, samples, Path(run_dir), tokenizer.pad_token_id)
     spec.seconds = time.perf_counter() - started
     return spec

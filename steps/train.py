@@ -26,7 +26,9 @@ Fault injection (tests and benchmarks only): with the environment variable
 `POSTTRAIN_FAULT_AT_STEP=K`, training raises `InjectedFault` right after step K (and after
 step K's checkpoint, if one is due), once per checkpoint directory (a marker file there
 records it, so a retried or resumed task runs through); `POSTTRAIN_FAULT_TIMES=n` makes it
-raise on the first n attempts that reach step K.
+raise on the first n attempts that reach step K. `POSTTRAIN_FAULT_MODE=kill` SIGKILLs the
+process instead of raising; `kill_flow` SIGKILLs its parent first (the local Metaflow
+runtime that launched the task: the whole run dies, as a lost machine would) and then itself.
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ def total_steps_for(rows_per_epoch: int, config: RecipeConfig) -> int:
 
 FAULT_AT_STEP_ENV = "POSTTRAIN_FAULT_AT_STEP"
 FAULT_TIMES_ENV = "POSTTRAIN_FAULT_TIMES"
+FAULT_MODE_ENV = "POSTTRAIN_FAULT_MODE"
+FAULT_MODES = ("raise", "kill", "kill_flow")
 # Settings that do not change the loss trajectory, left out of the checkpoint fingerprint.
 # (activation checkpointing recomputes bit for bit; health thresholds only flag, and the
 # non-finite skip does not depend on them)
@@ -179,8 +183,18 @@ def maybe_inject_fault(step: int, marker_dir: Path) -> None:
     fired = int(marker.read_text()) if marker.exists() else 0
     if fired >= int(os.environ.get(FAULT_TIMES_ENV, "1")):
         return
+    mode = os.environ.get(FAULT_MODE_ENV, "raise")
+    if mode not in FAULT_MODES:
+        raise ValueError(f"{FAULT_MODE_ENV} must be one of {FAULT_MODES}, got {mode!r}")
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(str(fired + 1))
+    if mode != "raise":
+        import signal
+
+        print(f"[fault] {FAULT_MODE_ENV}={mode}: SIGKILL after step {step}", flush=True)
+        if mode == "kill_flow":
+            os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
     raise InjectedFault(f"{FAULT_AT_STEP_ENV}={at}: injected failure after step {step} "
                         f"(attempt {fired + 1}; marker {marker})")
 

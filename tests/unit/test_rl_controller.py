@@ -5,6 +5,7 @@ and a resumed controller that repeats the uninterrupted trajectory bit for bit."
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -141,3 +142,20 @@ def test_resumed_controller_repeats_the_trajectory(task, tmp_path):
     assert [m["loss"] for m in third.train_metrics] == [m["loss"] for m in results[2].train_metrics]
     for (name, a), b in zip(straight.policy.model.state_dict().items(), resumed.policy.model.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_on_policy_distillation_moves_the_student_toward_the_teacher(task):
+    """No reward at all: the teacher's per-token log-probs of the student's samples are the
+    only signal, and the student's reverse KL to it falls round by round."""
+    tokenizer, records, prompts = task
+    controller = make(task, dynamic=False)
+    teacher = build_model(tiny_config("qwen3", vocab_size=len(tokenizer), max_position_embeddings=256,
+                                      initializer_range=0.3), seed=5)  # peaked: a clear target
+    settings = dataclasses.replace(controller.settings, prompts_per_round=8, n=8, steps_per_pass=1)
+    controller = RLController(controller.policy, controller.engine, None, prompts, records, settings,
+                              tokenizer, tokenizer.pad_token_id, teacher=teacher.eval().requires_grad_(False))
+    kls = [controller.run_round().metrics["reverse_kl"] for _ in range(30)]
+    assert sum(kls[-5:]) < 0.9 * sum(kls[:5]), kls
+    with pytest.raises(ValueError, match="reward scorer, a teacher"):
+        RLController(controller.policy, controller.engine, None, prompts, records, controller.settings,
+                     tokenizer, tokenizer.pad_token_id)

@@ -579,9 +579,18 @@ class GRPOSection:
     prompts (at most `max_draws` draws per round); `overlong_mask` leaves completions cut at
     `max_new_tokens` out of the loss. `rounds` rounds in all, `rounds_per_task` of them per
     task of the flow's recursive `rl_round` step. `engine`: native (in process) or
-    `native_actor` (a Ray actor); `sync_check` verifies each weight sync on greedy probes."""
+    `native_actor` (a Ray actor); `sync_check` verifies each weight sync on greedy probes.
+    On-policy distillation: with `teacher` (a registry entry, a model directory or a hub id,
+    checked as the distillation recipe checks its teacher: same token ids, logit verifier), the
+    teacher scores every sampled token and `distill_coef * (log p_teacher - log p_student)`, the
+    negative per-token reverse KL, is added to each token's advantage (a dense reward);
+    `rewards` may then be empty (pure distillation, with `dynamic_sampling: false`)."""
 
     rewards: list[RewardTermConfig] = field(default_factory=lambda: [RewardTermConfig("exact_answer")])
+    teacher: Optional[str] = None
+    teacher_backend: Literal["native", "transformers"] = "native"
+    verify_teacher: bool = True
+    distill_coef: float = bounded(1.0, gt=0)
     rounds: int = bounded(100, ge=1)
     rounds_per_task: int = bounded(10, ge=1)
     prompts_per_round: int = bounded(16, ge=1)
@@ -622,10 +631,17 @@ class GRPOConfig(RecipeConfig):
         check_starts_from_trained(self, "GRPO")
         if self.model.backend != "native":
             raise ConfigError("a GRPO recipe trains our own model definitions: model.backend must be 'native'")
-        if not self.grpo.rewards:
-            raise ConfigError("grpo.rewards needs at least one reward function")
+        if not self.grpo.rewards and self.grpo.teacher is None:
+            raise ConfigError("grpo.rewards needs at least one reward function (or grpo.teacher for on-policy "
+                              "distillation)")
+        if not self.grpo.rewards and self.grpo.dynamic_sampling:
+            raise ConfigError("without grpo.rewards every group's reward is equal: set grpo.dynamic_sampling: false")
         if self.grpo.rounds_per_task > self.grpo.rounds:
             raise ConfigError(f"grpo.rounds_per_task ({self.grpo.rounds_per_task}) > grpo.rounds ({self.grpo.rounds})")
+
+    def model_references(self) -> list[tuple[str, str, bool]]:
+        teacher = [("grpo.teacher", self.grpo.teacher, True)] if self.grpo.teacher else []
+        return super().model_references() + teacher
 
 
 def check_starts_from_trained(config: RecipeConfig, what: str) -> None:

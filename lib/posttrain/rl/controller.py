@@ -28,17 +28,19 @@ One round (`run_round`):
 6. sync the engine's weights (`update_weights` with the full state dict) and verify it
    (`posttrain.rl.sync.check_sync`: greedy probes equal to a native engine over the policy,
    and the log-prob gap as a metric); a mismatch raises `SyncError`.
+An engine that fails (a Ray actor that died) raises `EngineLost`, which says whether the round
+can be redone from its start (it failed while generating) or only the sync is to be redone.
 Metrics: reward mean / std, pass@1 and pass@n (a sample succeeds when its reward reaches
 `success_threshold`), the objective's KL / entropy / clip fraction / IS weight, completion
 lengths, the share of zero-advantage groups, failed rewards, and the time split
-(generate / score / reference / update / sync).
+(generate / score / reference / teacher / update / sync).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -46,9 +48,20 @@ import torch
 
 from posttrain.rl.advantages import degenerate_groups, group_advantages
 from posttrain.rl.engine import Completion, SamplingConfig, request_seed
-from posttrain.rl.rewards import RewardScorer
+from posttrain.rl.rewards import RewardScorer, Scores
 from posttrain.rl.sync import SyncError, check_sync
 from posttrain.rl.trajectories import Trajectory, attach_logps, pack_trajectories
+
+
+class EngineLost(RuntimeError):
+    """The rollout engine failed during a round (the error is the `__cause__`). `result` is the
+    round's result when only the weight sync after the update was lost (the policy has
+    stepped; rebuild the engine and sync it), or None when it failed while generating (nothing
+    changed but the prompt position: restore the controller's state and redo the round)."""
+
+    def __init__(self, result: "RoundResult | None"):
+        super().__init__("the rollout engine failed " + ("during the weight sync" if result else "while generating"))
+        self.result = result
 
 
 @dataclass(frozen=True)
@@ -148,14 +161,21 @@ class RLController:
     """Drives one round at a time (module docstring). `prompts[i]` are the token ids of
     `records[i]` (a `PromptRecord`: what the reward reads). `reference`: a frozen model, needed
     when the policy's objective has a KL term. `probes`: prompt ids for the sync check (default
-    the first four prompts)."""
+    the first four prompts). `on_scored(round)`: called in the middle of each round, after its
+    rollouts are scored and before the update (a fault-injection point for tests).
+    `teacher`: on-policy distillation (module docstring); `scorer` may then be None (every
+    reward 0: the teacher's is the only signal)."""
 
-    def __init__(self, policy, engine, scorer: RewardScorer, prompts: Sequence[Sequence[int]], records: Sequence,
+    def __init__(self, policy, engine, scorer: RewardScorer | None, prompts: Sequence[Sequence[int]], records: Sequence,
                  settings: RoundSettings, tokenizer, pad_id: int, reference: torch.nn.Module | None = None,
-                 probes: Sequence[Sequence[int]] | None = None):
+                 probes: Sequence[Sequence[int]] | None = None,
+                 on_scored: Callable[[int], None] | None = None, teacher: torch.nn.Module | None = None,
+                 distill_coef: float = 1.0):
         if len(prompts) != len(records):
             raise ValueError(f"{len(prompts)} prompts for {len(records)} records")
         objective = policy.objective
+        if scorer is None and teacher is None:
+            raise ValueError("a controller needs a reward scorer, a teacher, or both")
         if getattr(objective, "needs_reference", False) and reference is None:
             raise ValueError("the objective has a KL term (kl_coef > 0) but no reference model was given")
         self.policy, self.engine, self.scorer = policy, engine, scorer
@@ -170,6 +190,8 @@ class RLController:
         self.sampler = PromptSampler(len(self.prompts), settings.seed)
         self.round = 0
         self._sync_reference = None
+        self.on_scored = on_scored
+        self.teacher, self.distill_coef = teacher, float(distill_coef)
 
     # ---------------------------------------------------------------- state
 
@@ -190,8 +212,9 @@ class RLController:
         return indices, groups
 
     def run_round(self) -> RoundResult:
+        started = time.perf_counter()
         s = self.settings
-        times = {"generate": 0.0, "score": 0.0, "reference": 0.0, "update": 0.0, "sync": 0.0}
+        times = {"generate": 0.0, "score": 0.0, "reference": 0.0, "teacher": 0.0, "update": 0.0, "sync": 0.0}
         kept: list[tuple[int, list[Completion], list[float], list[float]]] = []  # (prompt, group, rewards, adv)
         rollouts: list[Rollout] = []
         errors: list[tuple[int, str, str]] = []
@@ -200,13 +223,17 @@ class RLController:
         draws = 0
         while len(kept) < s.prompts_per_round and draws < (s.max_draws if s.dynamic_sampling else 1):
             t = time.perf_counter()
-            indices, groups = self._draw(draws)
+            try:
+                indices, groups = self._draw(draws)
+            except Exception as err:  # noqa: BLE001 - the caller decides whether a restart helps
+                raise EngineLost(None) from err
             times["generate"] += time.perf_counter() - t
             draws += 1
             t = time.perf_counter()
             flat = [c for g in groups for c in g]
             texts = [_decode(self.tokenizer, c) for c in flat]
-            scores = self.scorer.score(texts, [self.records[i] for i in indices for _ in range(s.n)])
+            scores = (self.scorer.score(texts, [self.records[i] for i in indices for _ in range(s.n)])
+                      if self.scorer is not None else Scores([0.0] * len(flat), {}, [False] * len(flat), []))
             times["score"] += time.perf_counter() - t
             offset = len(rollouts)
             errors += [(offset + i, label, msg) for i, label, msg in scores.errors]
@@ -231,31 +258,71 @@ class RLController:
                         if math.isfinite(adv[j]) and c.token_ids
                         and not (s.overlong_mask and c.finish_reason == "length")]
 
+        if self.on_scored is not None:
+            self.on_scored(self.round + 1)
         train_metrics: list[dict] = []
+        sync_error = None
         if trajectories:
             batches = pack_trajectories(trajectories, s.row_length, s.rows_per_batch, self.pad_id)
             if self.reference is not None:
                 t = time.perf_counter()
                 attach_logps(self.reference, batches, "ref_logps")
                 times["reference"] += time.perf_counter() - t
+            if self.teacher is not None:
+                t = time.perf_counter()
+                attach_logps(self.teacher, batches, "teacher_logps")
+                times["teacher"] += time.perf_counter() - t
             t = time.perf_counter()
             steps = min(s.steps_per_pass, len(batches))
-            if s.passes * steps > 1:  # later steps need the log-probs of the policy that sampled
+            if s.passes * steps > 1 or self.teacher is not None:  # the log-probs of the policy that sampled
                 attach_logps(self.policy.model, batches, "old_logps")
+            if self.teacher is not None:
+                reverse_kl = self._add_teacher_advantages(batches)
             for _ in range(s.passes):
                 for chunk in np.array_split(np.arange(len(batches)), steps):
                     train_metrics.append(self.policy.train_step([batches[i] for i in chunk]))
             times["update"] += time.perf_counter() - t
             t = time.perf_counter()
-            sync = self.sync_weights()
+            try:
+                sync = self.sync_weights()
+            except SyncError:
+                raise
+            except Exception as err:  # noqa: BLE001 - reported with the round's result below
+                sync, sync_error = None, err
             times["sync"] += time.perf_counter() - t
         else:
             sync = None
         self.round += 1
         metrics = self._metrics(all_rewards, rollouts, kept, trajectories, train_metrics, times,
                                 zero_groups, drawn_groups, failed, draws, sync)
-        return RoundResult(round=self.round, metrics=metrics, rollouts=rollouts, train_metrics=train_metrics,
-                           reward_errors=errors)
+        if self.teacher is not None and trajectories:
+            metrics["reverse_kl"] = reverse_kl
+        metrics["time_round_s"] = time.perf_counter() - started  # the phases above plus bookkeeping
+        result = RoundResult(round=self.round, metrics=metrics, rollouts=rollouts, train_metrics=train_metrics,
+                             reward_errors=errors)
+        if sync_error is not None:
+            raise EngineLost(result) from sync_error
+        return result
+
+    def _add_teacher_advantages(self, batches: list[dict]) -> float:
+        """On-policy distillation: `distill_coef * (teacher - student)` log-prob of every sampled
+        token (the batches' `teacher_logps` and `old_logps`), less its mean over the round, joins
+        its advantage. Returns the mean per-token reverse KL estimate `student - teacher` (of
+        the sampling policy)."""
+        from posttrain.ops.losses import IGNORE_INDEX
+
+        gaps, tokens = [], 0
+        for batch in batches:
+            keep_BT = batch["labels"] != IGNORE_INDEX
+            gaps.append((batch["teacher_logps"] - batch["old_logps"]) * keep_BT)
+            tokens += int(keep_BT.sum())
+        mean_gap = sum(float(g.sum()) for g in gaps) / max(tokens, 1)
+        for batch, gap_BT in zip(batches, gaps):
+            # a constant baseline (the round's mean gap) leaves the gradient's expectation as it
+            # is at every position and removes most of its variance
+            keep_BT = batch["labels"] != IGNORE_INDEX
+            batch["advantages"] = batch["advantages"] + self.distill_coef * (gap_BT - mean_gap * keep_BT)
+        return -mean_gap
 
     def sync_weights(self) -> dict | None:
         """Push the policy's weights to the engine and (with `sync_check`) verify them."""
