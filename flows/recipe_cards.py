@@ -110,6 +110,10 @@ EVAL_COLUMNS = {
     "pair_accuracy": ("pair accuracy", "{:.1%}"),
     "pair_accuracy_se": ("± s.e.", "{:.1%}"),
     "score_margin": ("mean score margin", "{:.3f}"),
+    "heldout_reward": ("held-out reward (greedy)", "{:.4f}"),
+    "heldout_success": ("success (greedy)", "{:.1%}"),
+    "heldout_success_se": ("± s.e.", "{:.1%}"),
+    "heldout_pass_at_k": ("pass@k (sampled)", "{:.1%}"),
 }
 
 

@@ -74,6 +74,8 @@ class ValidateRecipe(FlowMutator):
         try:
             recipe = loader.recipe_config_from_dict(configs["config"].to_dict(), getattr(self, "recipe", "sft"),
                                                     source="config", overrides=configs["overrides"].to_dict())
+            for i in range(len(getattr(recipe, "sweep", None) or [])):  # a sweep's variants, each in full
+                loader.sweep_variant(recipe, i)
             if launching():
                 check_recipe_paths(recipe)
                 check_starting_model(recipe)

@@ -114,7 +114,7 @@ def grpo_objective(config: GRPOConfig) -> GRPOObjective:
 def reward_scorer(config: GRPOConfig) -> RewardScorer | None:
     if not config.grpo.rewards:
         return None  # on-policy distillation alone
-    return RewardScorer([RewardTerm(t.function, t.weight, dict(t.kwargs), t.timeout_s, t.name)
+    return RewardScorer([RewardTerm(t.function, t.weight, dict(t.kwargs), t.timeout_s, t.name, t.retry_budget_s)
                          for t in config.grpo.rewards])
 
 
@@ -123,11 +123,17 @@ def total_optimizer_steps(config: GRPOConfig) -> int:
 
 
 def build_engine(config: GRPOConfig, model: torch.nn.Module, tokenizer):
-    """The rollout engine role, holding its own copy of the weights (synced by `update_weights`)."""
-    if config.grpo.engine == "native_actor":
+    """The rollout engine role, holding its own copy of the weights (synced by `update_weights`):
+    `grpo.engine` native (in this process), native_actor or vllm_actor (a Ray actor; vLLM gets
+    a GPU of its own on a CUDA machine)."""
+    if config.grpo.engine in ("native_actor", "vllm_actor"):
         from posttrain.rl.actor import EngineSpec, RemoteEngine
 
-        return RemoteEngine(EngineSpec(kind="native", model_dir=str(trained_start_dir(config))), num_actors=1)
+        kind = "vllm" if config.grpo.engine == "vllm_actor" else "native"
+        gpus = 1 if kind == "vllm" and pick_device(config.train.device).type == "cuda" else 0
+        # the actor starts from the starting model; the task syncs it to the policy before use
+        return RemoteEngine(EngineSpec(kind=kind, model_dir=str(trained_start_dir(config))), num_actors=1,
+                            num_gpus=gpus)
     from posttrain.rl.native import NativeEngine
 
     return NativeEngine(copy.deepcopy(model).eval().requires_grad_(False), tokenizer=tokenizer)
@@ -196,7 +202,8 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
     controller = RLController(trainer, engine, reward_scorer(config), prompts.ids, prompts.records,
                               round_settings(config, tokenizer), tokenizer, tokenizer.pad_token_id, reference=reference,
                               on_scored=lambda r: maybe_inject_fault(r, run_dir / RL_STATE_DIR), teacher=teacher,
-                              distill_coef=config.grpo.distill_coef)
+                              distill_coef=config.grpo.distill_coef,
+                              teacher_vocab=teacher_spec.vocab_size if teacher_spec is not None else None)
     if previous is not None:
         controller.load_state_dict(manager.load(previous, trainer))
         engine.update_weights(trainer.export_weights())
@@ -262,3 +269,62 @@ def summary(history: list[dict]) -> dict:
             "optimizer_steps": sum(r.get("optimizer_steps", 0) for r in history),
             **{f"seconds_{k}": sum(r.get(f"time_{k}_s", 0.0) for r in history)
                for k in ("generate", "score", "reference", "teacher", "update", "sync")}}
+
+
+def evaluate_rewards(models: dict[str, str], config: GRPOConfig, tokenizer, records: list[PromptRecord],
+                     samples: bool = True) -> dict[str, dict]:
+    """Each model (label -> HF directory) on the held-out prompts (the first `eval.max_examples`),
+    scored by the recipe's rewards: `heldout_reward` (mean over greedy answers),
+    `heldout_success` (the share of greedy answers reaching `grpo.success_threshold`, with its
+    standard error `heldout_success_se`), `heldout_reward_failed`; with `samples`, also
+    `heldout_pass_at_k` (the share of prompts with a success among `grpo.eval_samples` samples
+    at the training temperature; `k` is `eval_samples`) and `heldout_sampled_success`. Without
+    reward functions (on-policy distillation alone) every model gets an empty dict."""
+    import math
+
+    from posttrain.models.registry import load_hf_checkpoint
+    from posttrain.rl.engine import SamplingConfig
+    from posttrain.rl.native import NativeEngine
+
+    scorer = reward_scorer(config)
+    if scorer is None:
+        return {label: {} for label in models}
+    g = config.grpo
+    limit = config.eval.max_examples or len(records)
+    prompts = tokenize_prompts(records[:limit], tokenizer, config)
+    stops = stop_token_ids(tokenizer, config)
+    greedy = SamplingConfig(temperature=0, max_new_tokens=g.max_new_tokens, stop_token_ids=stops)
+    sampled = SamplingConfig(n=g.eval_samples, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+                             max_new_tokens=g.max_new_tokens, stop_token_ids=stops, seed=config.seed)
+    device = pick_device(config.train.device)
+
+    def score(groups) -> tuple[list[float], int]:
+        flat = [c for group in groups for c in group]
+        texts = [tokenizer.decode(c.content_ids, skip_special_tokens=True) for c in flat]
+        result = scorer.score(texts, [r for r, group in zip(prompts.records, groups) for _ in group])
+        return result.rewards, result.num_failed
+
+    out: dict[str, dict] = {}
+    for label, model_dir in models.items():
+        model = load_hf_checkpoint(model_dir, device=device).eval()
+        engine = NativeEngine(model, tokenizer=tokenizer, max_batch_rows=max(config.eval.batch_size, g.eval_samples))
+        rewards, failed = score(engine.generate(prompts.ids, greedy))
+        finite = [r for r in rewards if math.isfinite(r)]
+        success = [math.isfinite(r) and r >= g.success_threshold for r in rewards]
+        p = sum(success) / len(success)
+        metrics = {"heldout_reward": sum(finite) / max(len(finite), 1), "heldout_success": p,
+                   "heldout_success_se": math.sqrt(p * (1 - p) / len(success)), "heldout_reward_failed": failed,
+                   "heldout_prompts": len(success)}
+        if samples:
+            rewards, _ = score(engine.generate(prompts.ids, sampled))
+            ok = [math.isfinite(r) and r >= g.success_threshold for r in rewards]
+            k = g.eval_samples
+            metrics["heldout_pass_at_k"] = sum(any(ok[i * k:(i + 1) * k]) for i in range(len(success))) / len(success)
+            metrics["heldout_sampled_success"] = sum(ok) / len(ok)
+            metrics["eval_samples"] = k
+        out[label] = metrics
+        print(f"[evaluate] {label}: held-out reward {metrics['heldout_reward']:.4f}, success "
+              f"{metrics['heldout_success']:.3f} ± {metrics['heldout_success_se']:.3f}"
+              + (f", pass@{g.eval_samples} {metrics['heldout_pass_at_k']:.3f}" if samples else ""))
+        del model, engine
+    return out

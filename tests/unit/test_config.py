@@ -134,3 +134,15 @@ def test_launch_path_checks_name_the_key_and_accept_hub_ids(tmp_path, monkeypatc
         with pytest.raises(ConfigError, match=re.escape(message)):
             check_recipe_paths(load_sft_config(tiny, overrides={**ok, **override}))
     assert is_hub_id("gpt2") and is_hub_id("Qwen/Qwen3-0.6B") and not is_hub_id("a--b/c") and not is_hub_id("a/b/c")
+
+
+def test_grpo_sweep_variants_are_checked():
+    from posttrain.config.loader import REPO_CONFIG_DIR, load_recipe_config, sweep_variant
+
+    path = REPO_CONFIG_DIR / "grpo" / "sweep-demo.yaml"
+    config = load_recipe_config(path, "grpo")
+    assert [sweep_variant(config, i).train.learning_rate for i in range(3)] == [1e-5, 3e-5, 1e-4]
+    with pytest.raises(ConfigError, match="learnig_rate"):
+        sweep_variant(load_recipe_config(path, "grpo", overrides={"sweep": [{"train.learnig_rate": 1.0}]}), 0)
+    with pytest.raises(ConfigError, match="share its data"):
+        load_recipe_config(path, "grpo", overrides={"sweep": [{"grpo.max_new_tokens": 4}]})

@@ -119,7 +119,10 @@ def test_loss_and_gradient_match_a_direct_computation(model, aggregation):
     for n, p in model.named_parameters():
         torch.testing.assert_close(ours[n], p.grad, rtol=1e-4, atol=1e-6)
     clipped = ((ratio.clamp(0.8, 1.3) * adv) < (ratio * adv)).float()
-    assert float(out.metric_sums["clip_fraction"]) == pytest.approx(float((w * clipped).sum()), rel=1e-5)
+    # metrics: the loss's weights, but per-completion token means under sequence_sum
+    mw = 1.0 / torch.bincount(seq)[seq].float() if aggregation == "sequence_sum" else w
+    assert float(out.metric_sums["clip_fraction"]) == pytest.approx(float((mw * clipped).sum()), rel=1e-5)
+    assert float(out.metric_sums["ratio"]) == pytest.approx(float((mw * ratio.detach()).sum()), rel=1e-5)
 
 
 def test_first_pass_ratio_is_one_and_the_gradient_is_the_policy_gradient(model):
@@ -200,3 +203,19 @@ def test_token_logps_equal_direct(model):
     batch = pack_trajectories(trajectories(), 64, 8, PAD)[0]
     with torch.no_grad():
         torch.testing.assert_close(token_logps(model, batch), direct_logps(model, batch), rtol=1e-5, atol=1e-5)
+
+
+def test_old_logps_recomputed_in_the_trainers_precision_give_ratio_one_under_bf16():
+    """The controller recomputes old log-probs under `Trainer.forward_context`: with bf16 mixed
+    precision the first step's ratio is exactly 1 (no spurious clipping)."""
+    from posttrain.ops.precision import cpu_bf16_feature
+
+    if cpu_bf16_feature() is None:
+        pytest.skip("this CPU has no native bf16")
+    model = build_model(tiny_config("qwen3"), seed=0)
+    cfg = TrainConfig(learning_rate=1e-3, warmup_steps=0, weight_decay=0.0, mixed_precision="bf16")
+    trainer = Trainer(model, cfg, 10, objective=GRPOObjective(is_correction="none", entropy=False))
+    batches = pack_trajectories(trajectories(), 64, 8, PAD)
+    attach_logps(model, batches, "old_logps", context=trainer.forward_context)
+    metrics = trainer.train_step(batches)
+    assert metrics["ratio"] == 1.0 and metrics["clip_fraction"] == 0.0

@@ -102,3 +102,79 @@ def test_scorer_needs_terms_with_distinct_names():
         RewardScorer([])
     with pytest.raises(RewardError, match="distinct names"):
         RewardScorer([RewardTerm("exact_answer"), RewardTerm("exact_answer")])
+
+
+def test_reward_model_scores_prompt_and_answer_as_its_recipe_does(tmp_path):
+    """The built-in `reward_model` reward equals the reward model's value at the last token of
+    prompt + answer (one plain forward, as transformers' sequence classifiers read it), for a
+    model saved as the reward-model recipe saves it."""
+    import torch
+
+    from posttrain.data.chat import render_conversation
+    from posttrain.data.demo import build_demo_tokenizer
+    from posttrain.data.tokenizer import load_tokenizer
+    from posttrain.models.heads import RewardModel, ValueHead, save_with_head
+    from posttrain.models.registry import build_model, tiny_config
+
+    tokenizer = load_tokenizer(str(build_demo_tokenizer(tmp_path / "tok", texts=["What is 1 + 2? 3 4 5"] * 50,
+                                                        vocab_size=256)))
+    backbone = build_model(tiny_config("qwen3", vocab_size=len(tokenizer)), seed=0)
+    head = ValueHead(backbone.config.hidden_size, bias=False)
+    head.init_weights(0, std=0.5)
+    model_dir = save_with_head(RewardModel(backbone, head), tmp_path / "rm", tokenizer=tokenizer)
+    recs = records("3", "3")
+    recs[0].prompt = recs[1].prompt = [{"role": "user", "content": "What is 1 + 2?"}]
+    scores = RewardScorer([RewardTerm("reward_model", kwargs={"model": str(model_dir)})]).score(["3", "45"], recs)
+    assert not any(scores.failed)
+    model = RewardModel(backbone, head).eval()
+    for answer, score in zip(["3", "45"], scores.rewards):
+        ids = render_conversation(tokenizer, recs[0].prompt + [{"role": "assistant", "content": answer}]).input_ids
+        t = torch.tensor([ids])
+        with torch.no_grad():
+            expected = model(t, torch.arange(t.shape[1])[None], torch.zeros_like(t))[0, -1]
+        assert score == pytest.approx(float(expected), abs=1e-5)
+    assert scores.rewards[0] != scores.rewards[1]
+
+
+def none_for_b(completions, records, **_):
+    return [None if c == "b" else 1.0 for c in completions]
+
+
+def not_a_number(completions, records, **_):
+    return ["high" for _ in completions]
+
+
+def always_hangs(completions, records, **_):
+    time.sleep(30)
+
+
+def test_none_fails_a_sample_and_a_non_number_is_an_error():
+    scores = RewardScorer([RewardTerm(f"{__name__}:none_for_b")]).score(["a", "b"], records("x", "y"))
+    assert scores.failed == [False, True]
+    with pytest.raises(RewardError, match="'high'"):
+        RewardScorer([RewardTerm(f"{__name__}:not_a_number")]).score(["a"], records("x"))
+
+
+def test_a_grader_that_always_hangs_costs_at_most_its_retry_budget():
+    term = RewardTerm(f"{__name__}:always_hangs", timeout_s=0.2, retry_budget_s=0.5)
+    start = time.perf_counter()
+    scores = RewardScorer([term]).score(["a"] * 20, records(*"abcdefghijklmnopqrst"))
+    assert time.perf_counter() - start < 3  # not 21 timeouts
+    assert all(scores.failed)
+    assert any("retry budget" in e[2] for e in scores.errors)
+
+
+def test_no_timeout_calls_in_this_thread():
+    import threading
+
+    seen = []
+
+    def where(completions, records, **_):
+        seen.append(threading.current_thread() is threading.main_thread())
+        return [1.0] * len(completions)
+
+    term = RewardTerm("exact_answer", timeout_s=None)
+    scorer = RewardScorer([term])
+    scorer.functions = [where]
+    assert scorer.score(["a"], records("a")).rewards == [1.0]
+    assert seen == [True]

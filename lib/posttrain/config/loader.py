@@ -26,6 +26,7 @@ DEFAULT_DPO_CONFIG = str(REPO_CONFIG_DIR / "dpo" / "demo.yaml")
 DEFAULT_RM_CONFIG = str(REPO_CONFIG_DIR / "rm" / "demo.yaml")
 DEFAULT_DISTILL_CONFIG = str(REPO_CONFIG_DIR / "distill" / "demo.yaml")
 DEFAULT_GRPO_CONFIG = str(REPO_CONFIG_DIR / "grpo" / "demo.yaml")
+DEFAULT_GRPO_SWEEP_CONFIG = str(REPO_CONFIG_DIR / "grpo" / "sweep-demo.yaml")
 
 
 def parse_yaml(text: str, source: str) -> dict:
@@ -123,3 +124,13 @@ parse_sft_config, parse_sft_overrides = recipe_parsers("sft")
 
 def config_to_yaml(config: Any) -> str:
     return yaml.safe_dump(to_dict(config), sort_keys=False)
+
+
+def sweep_variant(config: RecipeConfig, index: int) -> RecipeConfig:
+    """The recipe with its `sweep[index]`'s dotted overrides applied, validated as any override
+    (a recipe with a `sweep` list: `GRPOConfig`)."""
+    sweep = getattr(config, "sweep", None) or []
+    if not 0 <= index < len(sweep):
+        raise ConfigError(f"sweep has {len(sweep)} variants, not {index + 1}")
+    kind = next(name for name, cls in RECIPES.items() if type(config) is cls)
+    return recipe_config_from_dict(to_dict(config), kind, source=f"sweep[{index}]", overrides=sweep[index])

@@ -554,14 +554,17 @@ class DistillConfig(RecipeConfig):
 @dataclass
 class RewardTermConfig:
     """One weighted reward function (`posttrain.rl.rewards`): a built-in's name (exact_answer,
-    numeric_answer, format, length) or `package.module:function`, with keyword arguments and a
-    per-call timeout; `name` labels it in metrics (default: the function's name)."""
+    numeric_answer, format, length, reward_model) or `package.module:function`, with keyword
+    arguments and a per-call timeout (null: no timeout, called on the controller's thread);
+    `name` labels it in metrics (default: the function's name); `retry_budget_s` bounds the
+    sample-by-sample retries of a failed batch call (default 4 x timeout_s)."""
 
     function: str
     weight: float = 1.0
     kwargs: dict = field(default_factory=dict)
-    timeout_s: float = bounded(10.0, gt=0)
+    timeout_s: Optional[float] = bounded(10.0, gt=0)
     name: Optional[str] = None
+    retry_budget_s: Optional[float] = bounded(None, gt=0)
 
 
 @dataclass
@@ -578,8 +581,9 @@ class GRPOSection:
     mismatch. `dynamic_sampling` drops groups whose rewards are all equal and draws more
     prompts (at most `max_draws` draws per round); `overlong_mask` leaves completions cut at
     `max_new_tokens` out of the loss. `rounds` rounds in all, `rounds_per_task` of them per
-    task of the flow's recursive `rl_round` step. `engine`: native (in process) or
-    `native_actor` (a Ray actor); `sync_check` verifies each weight sync on greedy probes.
+    task of the flow's recursive `rl_round` step. `engine`: native (in process),
+    `native_actor` (the native engine in a Ray actor) or `vllm_actor` (vLLM in a Ray actor, for
+    GPU machines with vLLM installed); `sync_check` verifies each weight sync on greedy probes.
     On-policy distillation: with `teacher` (a registry entry, a model directory or a hub id,
     checked as the distillation recipe checks its teacher: same token ids, logit verifier), the
     teacher scores every sampled token and `distill_coef * (log p_teacher - log p_student)`, the
@@ -614,21 +618,36 @@ class GRPOSection:
     overlong_mask: bool = False
     success_threshold: float = 1.0
     entropy: bool = True
-    engine: Literal["native", "native_actor"] = "native"
+    engine: Literal["native", "native_actor", "vllm_actor"] = "native"
     sync_check: bool = True
     eval_samples: int = bounded(8, ge=1)  # samples per held-out prompt for pass@k in evaluate
+
+
+# what a sweep's variants share (its tokenize step renders the prompts once, before the foreach)
+SWEEP_SHARED = ("data", "tokenizer", "model", "pack", "register", "output_dir", "grpo.max_new_tokens",
+                "grpo.teacher", "grpo.teacher_backend", "grpo.verify_teacher")
 
 
 @dataclass
 class GRPOConfig(RecipeConfig):
     """The GRPO recipe: ingest prompts -> tokenize -> rl_round (recursive: one task per
-    `grpo.rounds_per_task` rounds) -> evaluate -> register, from a trained model."""
+    `grpo.rounds_per_task` rounds) -> verify -> evaluate -> register, from a trained model.
+    `sweep`: the variants the sweep flow runs as foreach branches (each a mapping of dotted
+    overrides of this recipe, e.g. `{train.learning_rate: 6.0e-5}`); the GRPO flow ignores it."""
 
     grpo: GRPOSection = field(default_factory=GRPOSection)
+    sweep: list[dict] = field(default_factory=list)  # variants for flows/grpo_sweep_flow.py: dotted overrides
 
     def validate(self) -> None:
         super().validate()
         check_starts_from_trained(self, "GRPO")
+        for i, variant in enumerate(self.sweep):
+            if not variant or "sweep" in variant:
+                raise ConfigError(f"sweep[{i}] must be a non-empty mapping of dotted overrides (not of sweep itself)")
+            fixed = [k for k in variant if k.split(".")[0] in SWEEP_SHARED or k in SWEEP_SHARED]
+            if fixed:
+                raise ConfigError(f"sweep[{i}] overrides {fixed[0]!r}: the variants of a sweep share its data, prompts, "
+                                  "model, tokenizer and teacher; vary optimisation and RL settings only")
         if self.model.backend != "native":
             raise ConfigError("a GRPO recipe trains our own model definitions: model.backend must be 'native'")
         if not self.grpo.rewards and self.grpo.teacher is None:

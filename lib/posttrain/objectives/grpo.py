@@ -7,6 +7,9 @@ two are equal), `A` the completion's advantage and `r = exp(logp - old)`:
 
     pg_t  = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)        (DAPO's clip-higher: clip_high > clip_low)
     kl_t  = k1: logp - ref   |   k3: exp(ref - logp) - (ref - logp) - 1       (only with kl_coef > 0)
+
+(As a loss term k1's gradient, `grad logp`, has zero expectation under on-policy samples: it
+estimates the KL for the metrics but barely regularises; k3, the default, does.)
     loss_t = w_t (is_t pg_t + kl_coef kl_t)
 
 `is_t` corrects for the rollout engine's log-probs `eng` differing from the trainer's (a bf16
@@ -22,7 +25,8 @@ its tokens get weight 0, and still count).
 - `sequence_sum`: w = 1 / `norm_tokens`, normalised by completions (each completion's token
   sum over a constant, Dr. GRPO: no length bias).
 
-Metrics (each the same weighted mean as the loss): `pg_loss`, `kl` (0 without a reference),
+Metrics (each the same weighted mean as the loss, but under `sequence_sum` the mean of
+per-completion token means, so ratios and fractions stay ratios): `pg_loss`, `kl` (0 without a reference),
 `entropy` (of the policy at trained tokens, when `entropy` is on; else 0), `clip_fraction`
 (tokens whose gradient the clip removed), `ratio`, `is_weight`, `advantage`.
 """
@@ -40,14 +44,15 @@ KL_ESTIMATORS = ("k1", "k3")
 IS_CORRECTIONS = ("none", "token", "sequence_mask")
 
 
-def token_logps(model: torch.nn.Module, batch: dict, with_entropy: bool = False):
-    """The policy's log-probability of every trained token of a trajectory batch, `[M]` float32
-    in the order of `labels != -100` (row-major), differentiable; with `with_entropy` also each
+def token_logps(model: torch.nn.Module, batch: dict, with_entropy: bool = False, vocab_size: int | None = None):
+    """The model's log-probability of every trained token of a trajectory batch, `[M]` float32
+    in the order of `labels != -100` (row-major), differentiable, normalised over the first
+    `vocab_size` token ids (default the model's vocabulary); with `with_entropy` also each
     position's entropy."""
     hidden_BTD = model(batch["input_ids"], batch["position_ids"], batch["doc_ids"])
     keep_BT = batch["labels"] != IGNORE_INDEX
     return chunked_logprobs(hidden_BTD[keep_BT], model.output_weight, batch["labels"][keep_BT],
-                            model.config.vocab_size, with_entropy=with_entropy,
+                            vocab_size or model.config.vocab_size, with_entropy=with_entropy,
                             logit_softcap=getattr(model, "logit_softcap", None))
 
 
@@ -114,6 +119,12 @@ class GRPOObjective(Objective):
             return torch.ones(seq_M.shape, dtype=torch.float32, device=seq_M.device)
         if self.aggregation == "sequence_sum":
             return torch.full(seq_M.shape, 1.0 / self.norm_tokens, dtype=torch.float32, device=seq_M.device)
+        return self._sequence_mean_weights(batch)
+
+    @staticmethod
+    def _sequence_mean_weights(batch: dict) -> torch.Tensor:
+        """`1 / |completion|` for every trained token: sums over them are sums of token means."""
+        seq_M = batch["seq_ids"][batch["labels"] != IGNORE_INDEX]
         _, inverse_M, counts_S = torch.unique(seq_M, return_inverse=True, return_counts=True)
         return 1.0 / counts_S[inverse_M].float()
 
@@ -152,10 +163,13 @@ class GRPOObjective(Objective):
                 raise ValueError("kl_coef > 0 needs the batch's ref_logps (reference log-probabilities)")
             kl_M = kl_estimate(logp_M, batch["ref_logps"][keep_BT].float(), self.kl_estimator)
             loss_M = loss_M + self.kl_coef * kl_M
+        # metrics: the loss's weights, except under sequence_sum, whose 1 / norm_tokens would
+        # scale ratios and fractions by length; there each completion's token mean
+        mw_M = self._sequence_mean_weights(batch) if self.aggregation == "sequence_sum" else w_M
         metrics = {
             "pg_loss": pg_M.detach(), "kl": kl_M.detach(),
             "entropy": entropy_M.detach() if entropy_M is not None else torch.zeros_like(logp_M),
             "clip_fraction": clip_M, "ratio": ratio_M.detach(), "is_weight": is_M, "advantage": adv_M,
         }
         return ObjectiveOutput((w_M * loss_M).sum(), self.count(batch),
-                               {k: (w_M * v).sum() for k, v in metrics.items()})
+                               {k: (mw_M * v).sum() for k, v in metrics.items()})

@@ -19,12 +19,13 @@ One round (`run_round`):
 3. score every completion (failed samples are counted and left out), group-relative advantages
    (`posttrain.rl.advantages`); with `dynamic_sampling`, groups whose rewards are all equal are
    dropped and further prompts drawn (up to `max_draws` draws) until `prompts_per_round` groups
-   carry a signal;
+   carry a signal (with a teacher every group carries one, and none is dropped);
 4. training samples from token ids: prompt + completion as sampled (stop token kept);
    `overlong_mask` leaves completions cut at `max_new_tokens` out of the loss;
 5. reference log-probs (with a KL term), old log-probs (the sampling policy's, recomputed by the
-   trainer when a round makes more than one optimizer step), then `passes` passes over the
-   batch, each `steps_per_pass` optimizer steps;
+   trainer, under its own precision settings, when a round makes more than one optimizer step),
+   then `passes` passes over the batch, each `steps_per_pass` optimizer steps on as many
+   shares of the completions;
 6. sync the engine's weights (`update_weights` with the full state dict) and verify it
    (`posttrain.rl.sync.check_sync`: greedy probes equal to a native engine over the policy,
    and the log-prob gap as a metric); a mismatch raises `SyncError`.
@@ -163,14 +164,15 @@ class RLController:
     when the policy's objective has a KL term. `probes`: prompt ids for the sync check (default
     the first four prompts). `on_scored(round)`: called in the middle of each round, after its
     rollouts are scored and before the update (a fault-injection point for tests).
-    `teacher`: on-policy distillation (module docstring); `scorer` may then be None (every
-    reward 0: the teacher's is the only signal)."""
+    `teacher`: on-policy distillation (module docstring), its log-probs normalised over the
+    `teacher_vocab` token ids it shares with the policy (default: its whole vocabulary);
+    `scorer` may then be None (every reward 0: the teacher's is the only signal)."""
 
     def __init__(self, policy, engine, scorer: RewardScorer | None, prompts: Sequence[Sequence[int]], records: Sequence,
                  settings: RoundSettings, tokenizer, pad_id: int, reference: torch.nn.Module | None = None,
                  probes: Sequence[Sequence[int]] | None = None,
                  on_scored: Callable[[int], None] | None = None, teacher: torch.nn.Module | None = None,
-                 distill_coef: float = 1.0):
+                 distill_coef: float = 1.0, teacher_vocab: int | None = None):
         if len(prompts) != len(records):
             raise ValueError(f"{len(prompts)} prompts for {len(records)} records")
         objective = policy.objective
@@ -191,7 +193,7 @@ class RLController:
         self.round = 0
         self._sync_reference = None
         self.on_scored = on_scored
-        self.teacher, self.distill_coef = teacher, float(distill_coef)
+        self.teacher, self.distill_coef, self.teacher_vocab = teacher, float(distill_coef), teacher_vocab
 
     # ---------------------------------------------------------------- state
 
@@ -236,7 +238,7 @@ class RLController:
                       if self.scorer is not None else Scores([0.0] * len(flat), {}, [False] * len(flat), []))
             times["score"] += time.perf_counter() - t
             offset = len(rollouts)
-            errors += [(offset + i, label, msg) for i, label, msg in scores.errors]
+            errors += [(offset + i if i >= 0 else i, label, msg) for i, label, msg in scores.errors]
             failed += scores.num_failed
             rewards_GN = torch.tensor(scores.rewards, dtype=torch.float64).view(len(indices), s.n)
             adv_GN = group_advantages(rewards_GN, s.advantage_scale)
@@ -245,7 +247,9 @@ class RLController:
                 drawn_groups += 1
                 zero_groups += flat_groups[g]
                 all_rewards.append(rewards_GN[g].tolist())
-                use = not (s.dynamic_sampling and flat_groups[g]) and len(kept) < s.prompts_per_round
+                # a teacher gives every group a signal: only reward-only runs drop equal-reward groups
+                drop = s.dynamic_sampling and flat_groups[g] and self.teacher is None
+                use = not drop and len(kept) < s.prompts_per_round
                 if use:
                     kept.append((prompt_index, group, rewards_GN[g].tolist(), adv_GN[g].tolist()))
                 for j, c in enumerate(group):
@@ -253,7 +257,8 @@ class RLController:
                     trained = use and math.isfinite(reward) and not (s.overlong_mask and c.finish_reason == "length")
                     rollouts.append(Rollout(prompt_index, j, list(c.token_ids), texts[g * s.n + j], c.finish_reason,
                                             reward, advantage, trained))
-        trajectories = [Trajectory(self.prompts[p], list(c.token_ids), adv[j], list(c.logprobs))
+        # the engine's log-probs under the model's own distribution: what the trainer recomputes
+        trajectories = [Trajectory(self.prompts[p], list(c.token_ids), adv[j], list(c.raw_logprobs))
                         for p, group, _, adv in kept for j, c in enumerate(group)
                         if math.isfinite(adv[j]) and c.token_ids
                         and not (s.overlong_mask and c.finish_reason == "length")]
@@ -263,24 +268,29 @@ class RLController:
         train_metrics: list[dict] = []
         sync_error = None
         if trajectories:
-            batches = pack_trajectories(trajectories, s.row_length, s.rows_per_batch, self.pad_id)
+            # each optimizer step of a pass trains on its own share of the trajectories
+            steps = min(s.steps_per_pass, len(trajectories))
+            step_batches = [pack_trajectories([trajectories[i] for i in share], s.row_length, s.rows_per_batch,
+                                              self.pad_id, first_seq=int(share[0]))
+                            for share in np.array_split(np.arange(len(trajectories)), steps)]
+            batches = [b for group in step_batches for b in group]
+            context = self.policy.forward_context
             if self.reference is not None:
                 t = time.perf_counter()
-                attach_logps(self.reference, batches, "ref_logps")
+                attach_logps(self.reference, batches, "ref_logps", context=context)
                 times["reference"] += time.perf_counter() - t
             if self.teacher is not None:
                 t = time.perf_counter()
-                attach_logps(self.teacher, batches, "teacher_logps")
+                attach_logps(self.teacher, batches, "teacher_logps", context=context, vocab_size=self.teacher_vocab)
                 times["teacher"] += time.perf_counter() - t
             t = time.perf_counter()
-            steps = min(s.steps_per_pass, len(batches))
             if s.passes * steps > 1 or self.teacher is not None:  # the log-probs of the policy that sampled
-                attach_logps(self.policy.model, batches, "old_logps")
+                attach_logps(self.policy.model, batches, "old_logps", context=context)
             if self.teacher is not None:
                 reverse_kl = self._add_teacher_advantages(batches)
             for _ in range(s.passes):
-                for chunk in np.array_split(np.arange(len(batches)), steps):
-                    train_metrics.append(self.policy.train_step([batches[i] for i in chunk]))
+                for group in step_batches:
+                    train_metrics.append(self.policy.train_step(group))
             times["update"] += time.perf_counter() - t
             t = time.perf_counter()
             try:

@@ -11,17 +11,20 @@ source row held). It returns one number per completion; a wrong count is a `Rewa
 timeout; `RewardScorer` sums the weighted terms.
 
 Failure isolation: a batch call that raises or runs past its timeout is retried sample by
-sample (each with the same timeout); a sample whose call raises, times out, or returns a
-non-finite number is marked failed. Failed samples are counted, excluded from the update by
-the controller, and their errors reported; the run goes on. A call past its timeout cannot be
-interrupted in Python: it is abandoned on a daemon thread (it keeps its CPU until it returns),
-so a function that can hang should bound its own work.
+sample (each with the same timeout, all of them within the term's `retry_budget_s`); a sample
+whose call raises, times out, returns None or a non-finite number is marked failed (a value
+that is not a number at all is a `RewardError`). Failed samples are counted, excluded from the
+update by the controller, and their errors reported; the run goes on. A call past its timeout
+cannot be interrupted in Python: it is abandoned on a daemon thread (it keeps its CPU until it
+returns, and may still be running while the samples are retried: a function that is not
+thread-safe should set `timeout_s: null` and bound its own work).
 
 Built-ins (`BUILTINS`): `exact_answer` (the completion, stripped, equals the reference's final
 answer: the text after GSM8K's `####` when present), `numeric_answer` (the last number in the
 completion equals the reference's numerically; `partial_credit` gives 1 - relative error,
 floored at 0, for a wrong number), `format` (1 when the completion matches a regular
-expression), `length` (0 up to `target` characters, falling linearly to -1 at `limit`).
+expression), `length` (0 up to `target` characters, falling linearly to -1 at `limit`),
+`reward_model` (the score of a model a reward-model recipe registered, `model=registry:NAME`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import importlib
 import math
 import re
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,11 +99,60 @@ def length_penalty(completions: list[str], records: list, target: int = 256, lim
     return [-min(1.0, max(0.0, (len(c) - target) / (limit - target))) for c in completions]
 
 
+_REWARD_MODELS: dict[str, tuple] = {}  # model directory -> (model, tokenizer), loaded once per process
+_REWARD_MODELS_LOCK = threading.Lock()
+
+
+def _load_reward_model(model: str, registry_dir: str):
+    from posttrain.data.tokenizer import load_tokenizer
+    from posttrain.models.heads import RewardModel, load_with_head
+    from posttrain.registry import resolve_model_dir
+
+    directory = str(resolve_model_dir(model, registry_dir=registry_dir))
+    with _REWARD_MODELS_LOCK:
+        if directory not in _REWARD_MODELS:
+            loaded = load_with_head(directory).eval().requires_grad_(False)
+            if not isinstance(loaded, RewardModel):
+                raise RewardError(f"reward_model {model!r}: {directory} holds no value head (not a reward model)")
+            _REWARD_MODELS[directory] = (loaded, load_tokenizer(directory))
+        return _REWARD_MODELS[directory]
+
+
+def reward_model(completions: list[str], records: list, model: str, registry_dir: str = "outputs/registry",
+                 row_length: int = 512, batch_size: int = 16, **_: Any) -> list[float]:
+    """A reward model's score of each answer: `model` is what a reward-model recipe registers
+    (`registry:NAME[:VERSION]`) or its directory (a backbone with a value head). The prompt
+    and the completion are rendered with the reward model's own tokenizer and chat template
+    and scored exactly as that recipe scores a response (`posttrain.objectives.reward.score_pairs`,
+    at the response's last token). Loaded once per process."""
+    import torch
+
+    from posttrain.data.chat import render_conversation
+    from posttrain.data.preference import PairSample, _prompt_ids
+    from posttrain.objectives.reward import score_pairs
+
+    scorer, tokenizer = _load_reward_model(model, registry_dir)
+    pairs = []
+    for i, (completion, record) in enumerate(zip(completions, records)):
+        prompt = _prompt_ids(tokenizer, record.prompt, {})
+        full = render_conversation(tokenizer, record.prompt + [{"role": "assistant", "content": completion}])
+        ids, mask = full.input_ids[len(prompt):], full.loss_mask[len(prompt):]
+        if len(prompt) + 2 * len(ids) > row_length:
+            raise RewardError(f"reward_model: prompt + answer ({len(prompt) + len(ids)} tokens) do not fit "
+                              f"row_length {row_length} (set it in the reward's kwargs)")
+        # the answer as both sides of a pair: the recipe's own scoring layout, one score read
+        pairs.append(PairSample(prompt, ids, mask, ids, mask, pair_id=i))
+    with torch.no_grad():
+        table = score_pairs(scorer, pairs, row_length, tokenizer.pad_token_id, rows_per_batch=batch_size)
+    return [float(table[2 * i]) for i in range(len(pairs))]
+
+
 BUILTINS: dict[str, Callable] = {
     "exact_answer": exact_answer,
     "numeric_answer": numeric_answer,
     "format": format_match,
     "length": length_penalty,
+    "reward_model": reward_model,
 }
 
 
@@ -129,13 +182,21 @@ def resolve_reward(name: str) -> Callable:
 @dataclass(frozen=True)
 class RewardTerm:
     """One weighted reward function: `function` (a name for `resolve_reward`), `weight`,
-    keyword arguments, and a per-call `timeout_s`."""
+    keyword arguments, a per-call `timeout_s` (None: called in the caller's thread without a
+    timeout, e.g. for a function that bounds itself with `signal.alarm`, which only works on
+    the main thread), and `retry_budget_s` (default 4 x `timeout_s`): the most time the
+    sample-by-sample retries of one failed batch call may take."""
 
     function: str
     weight: float = 1.0
     kwargs: dict = field(default_factory=dict)
-    timeout_s: float = 10.0
+    timeout_s: float | None = 10.0
     name: str | None = None
+    retry_budget_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.retry_budget_s is None and self.timeout_s is not None:
+            object.__setattr__(self, "retry_budget_s", 4 * self.timeout_s)
 
     @property
     def label(self) -> str:
@@ -169,7 +230,7 @@ def _call_with_timeout(fn: Callable, args: tuple, kwargs: dict, timeout_s: float
     def target() -> None:
         try:
             box["value"] = fn(*args, **kwargs)
-        except BaseException as err:  # noqa: BLE001 (reported as this sample's failure)
+        except BaseException as err:  # noqa: BLE001 - in the worker thread: re-raised in the caller
             box["error"] = err
 
     thread = threading.Thread(target=target, daemon=True, name="reward-call")
@@ -183,12 +244,23 @@ def _call_with_timeout(fn: Callable, args: tuple, kwargs: dict, timeout_s: float
 
 
 def _values(result: Any, expected: int, label: str) -> list[float]:
+    """The call's numbers (None for a sample: that sample failed, NaN); anything that is not a
+    sequence of `expected` numbers is a broken function (`RewardError`)."""
     try:
-        values = [float(v) for v in result]
+        items = list(result)
     except TypeError:
         raise RewardError(f"reward {label!r} returned {type(result).__name__}, not a sequence of numbers") from None
-    if len(values) != expected:
-        raise RewardError(f"reward {label!r} returned {len(values)} values for {expected} completions")
+    if len(items) != expected:
+        raise RewardError(f"reward {label!r} returned {len(items)} values for {expected} completions")
+    values = []
+    for v in items:
+        if v is None:
+            values.append(math.nan)
+            continue
+        try:
+            values.append(float(v))
+        except (TypeError, ValueError):
+            raise RewardError(f"reward {label!r} returned {v!r} ({type(v).__name__}), not a number") from None
     return values
 
 
@@ -204,23 +276,35 @@ class RewardScorer:
         if len(set(labels)) != len(labels):
             raise RewardError(f"reward terms need distinct names, got {labels} (set `name`)")
 
+    def _call(self, fn: Callable, term: RewardTerm, completions: list[str], records: list):
+        if term.timeout_s is None:  # in this thread, unbounded (for functions with timeouts of their own)
+            return fn(completions, records, **term.kwargs)
+        return _call_with_timeout(fn, (completions, records), term.kwargs, term.timeout_s)
+
     def _term_values(self, fn: Callable, term: RewardTerm, completions: list[str], records: list,
                      errors: list) -> list[float]:
         n = len(completions)
         try:
-            return _values(_call_with_timeout(fn, (completions, records), term.kwargs, term.timeout_s), n, term.label)
+            return _values(self._call(fn, term, completions, records), n, term.label)
         except RewardError:
             raise
-        except BaseException as err:  # noqa: BLE001 - one bad sample must not fail the batch
+        except Exception as err:  # noqa: BLE001 - one bad sample must not fail the batch
             batch_error = err
         values = []
-        for i in range(n):  # isolate the samples that fail
+        # sample by sample, within a budget: a grader that hangs on every sample fails the rest
+        # of the batch once the budget is spent, instead of stalling the run for n timeouts
+        deadline = (time.monotonic() + term.retry_budget_s) if term.timeout_s is not None else None
+        for i in range(n):
+            if deadline is not None and time.monotonic() > deadline:
+                errors.append((i, term.label, f"not retried: the {term.retry_budget_s:g}s retry budget of this batch "
+                                              "was spent"))
+                values.append(math.nan)
+                continue
             try:
-                value = _values(_call_with_timeout(fn, ([completions[i]], [records[i]]), term.kwargs, term.timeout_s),
-                                1, term.label)[0]
+                value = _values(self._call(fn, term, [completions[i]], [records[i]]), 1, term.label)[0]
             except RewardError:
                 raise
-            except BaseException as err:  # noqa: BLE001
+            except Exception as err:  # noqa: BLE001
                 errors.append((i, term.label, f"{type(err).__name__}: {err}"))
                 value = math.nan
             values.append(value)

@@ -10,7 +10,8 @@ and returns micro-batches of `rows_per_batch` rows:
 - `input_ids`, `position_ids`, `doc_ids` (`-1` on padding), `labels` (`[B, T]` long): the label
   at position p is the token at p + 1 when that token belongs to a trained completion, else -100;
 - `advantages`, `engine_logps` (`[B, T]` float32, aligned with `labels`, 0 elsewhere);
-- `seq_ids` (`[B, T]` long): the trajectory's index in the list given, where a label is; -1 elsewhere.
+- `seq_ids` (`[B, T]` long): the trajectory's index in the list given (plus `first_seq`), where a
+  label is; -1 elsewhere.
 
 `attach_logps(model, batches, key)` adds the model's log-probs of every trained token as a
 further aligned field (`old_logps` before an update, `ref_logps` from a frozen reference).
@@ -20,7 +21,9 @@ same batches, bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,9 +60,10 @@ def _first_fit(lengths: list[int], row_length: int) -> list[list[int]]:
 
 
 def pack_trajectories(trajectories: Sequence[Trajectory], row_length: int, rows_per_batch: int,
-                      pad_id: int) -> list[dict]:
-    """Micro-batches of packed trajectories (module docstring). Raises ValueError when one does
-    not fit a row or has an empty completion."""
+                      pad_id: int, first_seq: int = 0) -> list[dict]:
+    """Micro-batches of packed trajectories (module docstring); `seq_ids` number them from
+    `first_seq`. Raises ValueError when one does not fit a row, has an empty completion, or
+    carries a non-finite engine log-prob."""
     if row_length < 2 or rows_per_batch < 1:
         raise ValueError(f"need row_length >= 2 and rows_per_batch >= 1, got {row_length}, {rows_per_batch}")
     for i, t in enumerate(trajectories):
@@ -72,6 +76,9 @@ def pack_trajectories(trajectories: Sequence[Trajectory], row_length: int, rows_
         if len(t.engine_logps) != len(t.completion_ids):
             raise ValueError(f"trajectory {i}: {len(t.engine_logps)} engine log-probs for "
                              f"{len(t.completion_ids)} completion tokens")
+        if not all(math.isfinite(x) for x in t.engine_logps):
+            raise ValueError(f"trajectory {i}: a non-finite engine log-prob (the engine must report each sampled "
+                             "token's log-prob under the model's own distribution)")
     rows = _first_fit([len(t) for t in trajectories], row_length)
     batches = []
     for start in range(0, len(rows), rows_per_batch):
@@ -95,7 +102,7 @@ def pack_trajectories(trajectories: Sequence[Trajectory], row_length: int, rows_
                 docs[b, at:at + P + C] = d
                 first = at + P - 1  # predicts the first completion token
                 labels[b, first:first + C] = t.completion_ids
-                seq[b, first:first + C] = i
+                seq[b, first:first + C] = first_seq + i
                 adv[b, first:first + C] = t.advantage
                 eng[b, first:first + C] = t.engine_logps
                 at += P + C
@@ -107,9 +114,13 @@ def pack_trajectories(trajectories: Sequence[Trajectory], row_length: int, rows_
 
 
 @torch.no_grad()
-def attach_logps(model: torch.nn.Module, batches: list[dict], key: str) -> None:
+def attach_logps(model: torch.nn.Module, batches: list[dict], key: str, context: Callable = nullcontext,
+                 vocab_size: int | None = None) -> None:
     """Store `model`'s log-prob of every trained token of each batch under `batch[key]`
-    (`[B, T]` float32 aligned with `labels`, 0 elsewhere); the model is left in its mode."""
+    (`[B, T]` float32 aligned with `labels`, 0 elsewhere), computed under `context()` (the
+    trainer's `forward_context`: the precision its training forward runs in) and normalised
+    over the first `vocab_size` token ids (default the model's vocabulary); the model is left
+    in its mode."""
     from posttrain.objectives.grpo import token_logps
 
     was_training = model.training
@@ -119,7 +130,8 @@ def attach_logps(model: torch.nn.Module, batches: list[dict], key: str) -> None:
         for batch in batches:
             moved = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "position_ids", "doc_ids",
                                                                          "labels")}
-            logp_M = token_logps(model, moved).float().cpu()
+            with context():
+                logp_M = token_logps(model, moved, vocab_size=vocab_size).float().cpu()
             out = torch.zeros(batch["labels"].shape, dtype=torch.float32)
             out[batch["labels"] != IGNORE_INDEX] = logp_M
             batch[key] = out

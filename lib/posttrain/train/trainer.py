@@ -44,6 +44,7 @@ Batches are moved to the model's device if they are not already there.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import random
@@ -217,6 +218,14 @@ class Trainer:
     def _autocast(self, device: torch.device):
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.cfg.mixed_precision == "bf16")
 
+    @contextlib.contextmanager
+    def forward_context(self):
+        """The precision the training forward runs in (bf16 autocast with `mixed_precision: bf16`,
+        the output projection's `head_precision`): wrap any other forward that must match it,
+        e.g. an RL controller recomputing the policy's log-probs before an update."""
+        with self._autocast(model_device(self.model)), head_precision(matmul_dtype_for(self.head_precision)):
+            yield
+
     def train_step(self, micro_batches: list[dict]) -> dict:
         """One optimizer step over `micro_batches` (dicts of `[B, T]` long tensors).
 
@@ -260,7 +269,7 @@ class Trainer:
         sums = torch.zeros(1 + len(objective.metric_names), dtype=torch.float64, device=device)
         reported = []
         for batch in micro_batches:
-            with self._autocast(device), head_precision(matmul_dtype_for(self.head_precision)):
+            with self.forward_context():
                 out = objective(self.model, batch)
             (out.loss_sum / total_count).backward()
             sums[0] += out.loss_sum.detach().double()

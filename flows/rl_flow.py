@@ -1,0 +1,92 @@
+"""What the RL recipe flows share (GRPO, and its sweep): ingest prompts, tokenize them, run round
+tasks, evaluate with the recipe's rewards, draw the overview.
+
+`RLRecipeFlow` is a `RecipeSteps` (start, verify, register, end) whose helpers are the bodies
+of the RL steps; each flow defines the steps themselves (their transitions differ: a sweep
+fans out before its rounds and joins after them), each a thin call of one helper:
+`_ingest_prompts`, `_tokenize_prompts`, `_round_task` (one task of the recursive `rl_round`
+step; sets `self.route` to "again" or "done"), `_evaluate_rl` and `_overview`.
+"""
+
+from metaflow import current
+
+import recipe_cards as cards
+from recipe_flow import RecipeSteps
+
+
+class RLRecipeFlow(RecipeSteps):
+    RECIPE = "grpo"
+
+    def _ingest_prompts(self):
+        """Every source as prompt records (a chat's last assistant turn is the reference)."""
+        from posttrain.steps import ingest
+
+        result = ingest.run(self.recipe, self.run_dir, kind="prompts")
+        self.train_records, self.heldout_records = result.train, result.heldout
+        self.rejected, self.rejected_path, self.data_counts = result.rejected, result.rejected_path, result.counts
+        self.data_warnings = result.warnings
+        cards.ingest_section(current.card["ingest"], self.data_counts, self.rejected, self.data_warnings)
+
+    def _tokenize_prompts(self):
+        """Every prompt as token ids with the chat template's generation prompt; the teacher of
+        on-policy distillation checked once (`grpo.teacher`)."""
+        from posttrain.steps import rl
+
+        records = [r for source in self.recipe.data.sources for r in self.train_records[source.name]]
+        self.prompts = rl.tokenize_prompts(records, self._tokenizer(), self.recipe)
+        self.rl_checkpoint, self.history = None, []
+        self.teacher_spec = None
+        if self.recipe.grpo.teacher is not None:
+            from posttrain.steps import teacher
+
+            self.teacher_spec = teacher.run(self.recipe, self._tokenizer(), None, self.run_dir)
+        lengths = [len(p) for p in self.prompts.ids]
+        current.card["tokenize"].append(cards.Markdown(
+            f"## Prompts\n{len(self.prompts.ids)} prompts kept, {self.prompts.dropped} dropped (longer than "
+            f"pack.row_length - grpo.max_new_tokens); prompt length {min(lengths)}-{max(lengths)} tokens."))
+
+    def _round_task(self):
+        """`grpo.rounds_per_task` rounds from the previous task's round checkpoint; the rounds
+        (rollouts, rewards, advantages, metrics) become the artifact `rounds`."""
+        from posttrain.steps import rl
+
+        live = cards.LiveRoundsCard(current.card["rounds"], self.recipe.grpo.n, self.recipe.train.card_refresh_s)
+        rounds_dir = getattr(self, "rounds_dir", None) or self.run_dir  # a sweep's branch has its own
+        result = rl.run_task(self.recipe, self._tokenizer(), self.prompts, rounds_dir, self.rl_checkpoint,
+                             on_round=live, teacher_spec=self.teacher_spec)
+        live.draw()
+        self.rounds = result.rounds  # this task's rounds
+        self.history = self.history + [r["metrics"] for r in result.rounds]
+        self.rl_checkpoint, self.rounds_done = result.checkpoint, result.rounds_done
+        self.engine_restarts = result.engine_restarts
+        self.route = "done" if result.done else "again"
+        if result.done:
+            self.checkpoint_dir, self.base_dir = result.checkpoint_dir, result.base_dir
+            self.parent_dir, self.adapter_dir, self.sequence_classifier_dir = result.base_dir, None, None
+            self.train_summary = rl.summary(self.history)
+
+    def _evaluate_rl(self):
+        """Base vs tuned on the held-out prompts: the recipe's reward on greedy answers, success
+        rate, pass@k over `grpo.eval_samples` samples; held-out loss and exact match of the
+        reference answers; an evidently report of the outputs."""
+        from posttrain.steps import evaluate, rl
+
+        tokenizer = self._tokenizer()
+        chats = [rl.as_chat(r) for r in self.heldout_records]
+        result = evaluate.run(self.base_dir, self.checkpoint_dir, tokenizer, chats, self.recipe)
+        rewards = rl.evaluate_rewards({"base": self.base_dir, "tuned": self.checkpoint_dir}, self.recipe, tokenizer,
+                                      self.heldout_records)
+        self.eval_metrics = {label: {**result.metrics[label], **rewards[label]} for label in rewards}
+        self.eval_examples, self.evidently_html = result.examples, result.report_html
+        card = current.card["evaluation"]
+        cards.eval_section(card, self.eval_metrics)
+        cards.examples_table(card, self.eval_examples)
+
+    def _overview(self):
+        card = current.card["overview"]
+        card.append(cards.Markdown(f"# {self.recipe.name}\nModel registered at `{self.model_uri}`"))
+        cards.rounds_section(card, self.history, self.recipe.grpo.n)
+        cards.verify_section(card, self.verdict)
+        cards.eval_section(card, self.eval_metrics)
+        cards.ingest_section(card, self.data_counts, self.rejected, self.data_warnings)
+        print(f"[end] model_uri = {self.model_uri}")
