@@ -95,7 +95,7 @@ def run_ours(model_dir: Path, tokenizer, records, args) -> tuple[list[float], li
     engine = NativeEngine(copy.deepcopy(model), tokenizer=tokenizer)
     prompts = [render_prompt(tokenizer, r.prompt) for r in records]
     settings = RoundSettings(prompts_per_round=args.prompts, n=args.n, max_new_tokens=args.new_tokens,
-                             stop_token_ids=tuple(end_of_turn_token_ids(tokenizer)), row_length=256,
+                             stop_token_ids=tuple(end_of_turn_token_ids(tokenizer)), row_length=args.row_length,
                              rows_per_batch=1024, dynamic_sampling=False, seed=0)
     controller = RLController(trainer, engine, RewardScorer([RewardTerm("exact_answer")]), prompts, records,
                               settings, tokenizer, tokenizer.pad_token_id)
@@ -154,6 +154,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--row-length", type=int, default=128, help="our packed rows (prompt + completion must fit)")
     parser.add_argument("--model", default=None, help="an HF model directory with its tokenizer (default: random)")
     args = parser.parse_args()
     if args.quick:

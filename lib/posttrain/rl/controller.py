@@ -54,6 +54,9 @@ from posttrain.rl.sync import SyncError, check_sync
 from posttrain.rl.trajectories import Trajectory, attach_logps, pack_trajectories
 
 
+SYNC_PROBE_TOKENS = 8  # greedy tokens per probe prompt in the sync check
+
+
 class EngineLost(RuntimeError):
     """The rollout engine failed during a round (the error is the `__cause__`). `result` is the
     round's result when only the weight sync after the update was lost (the policy has
@@ -344,7 +347,7 @@ class RLController:
 
             self._sync_reference = NativeEngine(self.policy.model)
         report = check_sync(self.engine, self._sync_reference, self.policy.model, self.probes,
-                            max_new_tokens=self.settings.max_new_tokens)
+                            max_new_tokens=min(SYNC_PROBE_TOKENS, self.settings.max_new_tokens))
         if not report.ok:
             raise SyncError(f"after the weight update of round {self.round + 1}, {report.mismatched} of "
                             f"{report.probes} probe prompts decode differently in the engine than in the policy")
