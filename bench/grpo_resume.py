@@ -89,9 +89,10 @@ def run_flow(args: list[str], env: dict, cwd: Path) -> tuple[int, str, str | Non
 
 
 def trajectory(run_id: str, env: dict) -> list:
+    # Metaflow reads its datastore root when first imported: point it at the runs' first
+    os.environ.update({k: env[k] for k in ("METAFLOW_DATASTORE_SYSROOT_LOCAL", "METAFLOW_USER")})
     from metaflow import Run, namespace
 
-    os.environ.update({k: env[k] for k in ("METAFLOW_DATASTORE_SYSROOT_LOCAL", "METAFLOW_USER")})
     namespace(None)
     out = []
     for task in sorted(Run(f"GRPOFlow/{run_id}")["rl_round"].tasks(), key=lambda t: t.data.rounds_done):
