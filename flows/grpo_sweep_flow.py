@@ -1,6 +1,6 @@
 """A sweep of GRPO configurations as foreach branches, each a recursive round loop; the join keeps
-the best by held-out reward: ingest -> tokenize -> sweep (foreach) -> variant -> rl_round
-(recursive, inside the branch) -> score_variant -> pick (join) -> verify -> evaluate -> register.
+the best by held-out reward: ingest -> tokenize (foreach) -> variant -> rl_round (recursive,
+inside the branch) -> score_variant -> pick (join) -> verify -> evaluate -> register.
 
     python flows/grpo_sweep_flow.py --config config configs/grpo/sweep-demo.yaml run --max-workers 1
 
@@ -68,7 +68,8 @@ class GRPOSweepFlow(RLRecipeFlow):
     @card(type="blank", id="rounds", refresh_interval=5)
     @step
     def rl_round(self):
-        """`grpo.rounds_per_task` rounds of this variant; then again, or on to its score."""
+        """`grpo.rounds_per_task` rounds of this variant; then again, or on to its score (a
+        conditional transition cannot lead to the join itself)."""
         self._round_task()
         self.next({"again": self.rl_round, "done": self.score_variant}, condition="route")
 

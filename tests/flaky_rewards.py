@@ -8,9 +8,9 @@ import time
 
 def flaky_length(completions, records, **_):
     """0.1 per character; raises for the problems on lines divisible by 7 and hangs (past any
-    sensible timeout) for those on lines divisible by 11."""
+    sensible timeout) for the problem on line 11 and 22."""
     for record in records:
-        if record.line % 11 == 0:
+        if record.line in (11, 22):
             time.sleep(60)
         if record.line % 7 == 0:
             raise ConnectionError(f"grader unavailable for line {record.line}")
