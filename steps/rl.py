@@ -41,10 +41,10 @@ from posttrain.config.schema import GRPOConfig
 from posttrain.data.chat import end_of_turn_token_ids, render_prompt
 from posttrain.data.records import ChatRecord, PromptRecord
 from posttrain.objectives.grpo import GRPOObjective
-from posttrain.rl.controller import EngineLost, RLController, RoundResult, RoundSettings
+from posttrain.rl.controller import EngineLost, RLController, RoundResult, RoundSettings, completion_text
 from posttrain.rl.rewards import RewardScorer, RewardTerm
 from posttrain.steps.train import maybe_inject_fault, pick_device, training_fingerprint
-from posttrain.steps.train_model import Start, export_trained, load_start, trained_start_dir
+from posttrain.steps.train_model import Start, export_trained, load_for_eval, load_start, trained_start_dir
 from posttrain.train.checkpoint import CheckpointManager
 from posttrain.train.trainer import Trainer
 
@@ -282,7 +282,6 @@ def evaluate_rewards(models: dict[str, str], config: GRPOConfig, tokenizer, reco
     reward functions (on-policy distillation alone) every model gets an empty dict."""
     import math
 
-    from posttrain.models.registry import load_hf_checkpoint
     from posttrain.rl.engine import SamplingConfig
     from posttrain.rl.native import NativeEngine
 
@@ -300,13 +299,13 @@ def evaluate_rewards(models: dict[str, str], config: GRPOConfig, tokenizer, reco
 
     def score(groups) -> tuple[list[float], int]:
         flat = [c for group in groups for c in group]
-        texts = [tokenizer.decode(c.content_ids, skip_special_tokens=True) for c in flat]
+        texts = [completion_text(tokenizer, c) for c in flat]
         result = scorer.score(texts, [r for r, group in zip(prompts.records, groups) for _ in group])
         return result.rewards, result.num_failed
 
     out: dict[str, dict] = {}
     for label, model_dir in models.items():
-        model = load_hf_checkpoint(model_dir, device=device).eval()
+        model = load_for_eval(model_dir, config, device).eval()
         engine = NativeEngine(model, tokenizer=tokenizer, max_batch_rows=max(config.eval.batch_size, g.eval_samples))
         rewards, failed = score(engine.generate(prompts.ids, greedy))
         finite = [r for r in rewards if math.isfinite(r)]

@@ -155,9 +155,9 @@ class RoundResult:
         return asdict(self)
 
 
-def _decode(tokenizer, completion: Completion) -> str:
-    if completion.text is not None and completion.finish_reason != "stop_token":
-        return completion.text
+def completion_text(tokenizer, completion: Completion) -> str:
+    """What a reward reads: the completion's tokens without its stop token, decoded without
+    special tokens (the same text in training rounds and in evaluation, whatever the engine)."""
     return tokenizer.decode(completion.content_ids, skip_special_tokens=True)
 
 
@@ -236,7 +236,7 @@ class RLController:
             draws += 1
             t = time.perf_counter()
             flat = [c for g in groups for c in g]
-            texts = [_decode(self.tokenizer, c) for c in flat]
+            texts = [completion_text(self.tokenizer, c) for c in flat]
             scores = (self.scorer.score(texts, [self.records[i] for i in indices for _ in range(s.n)])
                       if self.scorer is not None else Scores([0.0] * len(flat), {}, [False] * len(flat), []))
             times["score"] += time.perf_counter() - t
