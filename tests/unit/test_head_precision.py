@@ -62,6 +62,27 @@ def test_bf16_head_is_the_bf16_matmul_with_float32_softmax():
     assert float(got) == pytest.approx(float(want), rel=1e-6)
 
 
+def test_the_fused_bf16_softmax_kernel_matches_the_eager_ops(monkeypatch):
+    """A chunk big enough for the compiled element-wise kernel (`posttrain.ops.fused_softmax`,
+    what a real vocabulary uses) gives the eager ops' loss, and their gradients to bf16 rounding;
+    the ignored rows and the target columns included."""
+    import posttrain.ops.fused_softmax as fused_softmax
+
+    hidden, weight, labels, V = inputs(N=48, D=16, V=fused_softmax.MIN_ELEMENTS // 32, scale=3.0)
+    labels[5] = V - 1  # a target in the last column
+
+    def run(enabled: str):
+        monkeypatch.setenv("POSTTRAIN_FUSED_SOFTMAX", enabled)
+        with head_precision(torch.bfloat16):
+            return loss_and_grads(hidden, weight, labels, V)
+
+    eager, fused = run("0"), run("1")
+    assert not fused_softmax._broken, fused_softmax._broken  # the kernel compiled and ran
+    assert float(fused[0]) == pytest.approx(float(eager[0]), rel=1e-6)
+    assert rel(fused[1], eager[1]) < 1e-2 and rel(fused[2], eager[2]) < 1e-2
+    assert float(fused[2][V:].abs().max()) == 0.0
+
+
 def test_head_precision_context_nests_and_restores():
     assert head_matmul_dtype() is None
     with head_precision(torch.bfloat16):

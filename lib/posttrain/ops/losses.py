@@ -93,12 +93,17 @@ def _chunked_grads(hidden_ND, w_VD, labels_N, chunk_size, need_hidden, need_weig
     h_ND, w_mm_VD = hidden_ND.to(mm), w_VD.to(mm)
     grad_hidden_ND = torch.empty_like(hidden_ND) if need_hidden else None
     grad_w_PD = None
+    N, V = hidden_ND.shape[0], w_VD.shape[0]
     if need_weight:
-        grad_w_PD = torch.zeros((padded_rows, w_VD.shape[1]), dtype=acc, device=w_VD.device)
-        grad_w_VD = grad_w_PD[: w_VD.shape[0]]  # contiguous view: padded rows get no gradient
+        # the first chunk writes the weight gradient, later ones add to it: no zero-filling pass
+        # over [V, D] (only the padded rows, which get no gradient, and all of it when N == 0)
+        grad_w_PD = torch.empty((padded_rows, w_VD.shape[1]), dtype=acc, device=w_VD.device)
+        grad_w_PD[V:].zero_()
+        if N == 0:
+            grad_w_PD.zero_()
+        grad_w_VD = grad_w_PD[:V]  # contiguous view
     # buffers reused by every chunk: a fresh [c, V] block per chunk fragments the heap and made
     # the peak vary run to run
-    N, V = hidden_ND.shape[0], w_VD.shape[0]
     rows = min(chunk_size, N)
     buf_cV = torch.empty((rows, V), dtype=acc, device=hidden_ND.device) if N > 0 else None
     narrow_cV = torch.empty((rows, V), dtype=mm, device=hidden_ND.device) if narrow and N > 0 else None
@@ -154,10 +159,16 @@ def _chunked_grads(hidden_ND, w_VD, labels_N, chunk_size, need_hidden, need_weig
             else:
                 out.copy_(grad_cV @ w_mm_VD)
         if need_weight:
+            first = start == 0
             if narrow:
                 for v in range(0, V, slice_rows):
-                    part_sD = narrow_sD[: min(slice_rows, V - v)]
-                    grad_w_VD[v : v + slice_rows] += torch.mm(grad_cV[:, v : v + slice_rows].T, h_cD, out=part_sD)
+                    part_sD = torch.mm(grad_cV[:, v : v + slice_rows].T, h_cD, out=narrow_sD[: min(slice_rows, V - v)])
+                    if first:
+                        grad_w_VD[v : v + slice_rows].copy_(part_sD)
+                    else:
+                        grad_w_VD[v : v + slice_rows] += part_sD
+            elif first:
+                torch.mm(grad_cV.T, h_cD, out=grad_w_VD)
             else:
                 torch.addmm(grad_w_VD, grad_cV.T, h_cD, out=grad_w_VD)  # addmm_ is invisible to FlopCounterMode
     if grad_w_PD is not None and grad_w_PD.dtype != w_VD.dtype:
