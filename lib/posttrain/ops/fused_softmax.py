@@ -5,9 +5,11 @@ With bf16 matmuls the three matmuls of a chunk get ~3x faster on a CPU with nati
 what is left is element-wise: widening the `[c, V]` logits to float32, the log-sum-exp, the
 softmax, subtracting the one-hot target, zeroing ignored rows and narrowing the gradient
 back to bf16, each a pass over hundreds of MB when done op by op. `torch.compile` fuses them
-into a couple of row-wise loops that stay in cache (measured: 93 ms against 155 ms for a
-512 x 151,669 chunk on the bench machine). The arithmetic is the eager path's: float32
-log-sum-exp and softmax from the bf16 logits, the gradient rounded to bf16 once at the end.
+into row-wise loops that stay in cache (measured on the bench machine for a 512 x 151,669
+chunk, with the allocator settings of docs/benchmarks.md: 37 ms against 155 ms op by op). The
+arithmetic is the eager path's: float32 max, `exp(x - max)`, its sum and the softmax from the
+bf16 logits, the gradient rounded to bf16 once at the end; the two agree to bf16 rounding
+(tests/unit/test_head_precision.py).
 
 Compiled lazily, once per process, with the row count dynamic (the last chunk is shorter);
 where `torch.compile` cannot compile (no C++ compiler, an unsupported platform), or is turned
@@ -30,13 +32,19 @@ _broken: list[str] = []
 
 def _chunk_loss_and_grad(logits_cV: torch.Tensor, target_c: torch.Tensor, valid_c: torch.Tensor):
     x_cV = logits_cV.float()
-    lse_c = torch.logsumexp(x_cV, dim=-1)
+    max_c1 = x_cV.amax(dim=-1, keepdim=True)
+    # exp(x - max) once per element: written so that the sum and the gradient read the same
+    # values, inductor keeps them in a per-row local buffer instead of computing exp twice
+    # (measured: 37 ms against 46 ms for a 512 x 151,669 chunk)
+    exp_cV = torch.exp(x_cV - max_c1)
+    sum_c1 = exp_cV.sum(dim=-1, keepdim=True)
+    lse_c = (torch.log(sum_c1) + max_c1).squeeze(1)
     target_logit_c = x_cV.gather(1, target_c[:, None]).squeeze(1)
     loss = torch.where(valid_c, lse_c - target_logit_c, 0.0).sum()
     # softmax - onehot(target), the one-hot subtracted outside the [c, V] loop: comparing every
-    # column index with the target made the kernel 16% slower (the target column gets the same
-    # arithmetic, exp(target - lse) - 1, computed per row)
-    grad_cV = torch.exp(x_cV - lse_c[:, None]) * valid_c[:, None]
+    # column index with the target made the kernel 16% slower (the target column gets
+    # exp(target - lse) - 1, computed per row)
+    grad_cV = exp_cV * (valid_c[:, None] / sum_c1)
     target_grad_c = (torch.exp(target_logit_c - lse_c) - 1.0) * valid_c
     return loss, grad_cV.to(logits_cV.dtype), target_grad_c.to(logits_cV.dtype)
 
