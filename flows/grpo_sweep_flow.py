@@ -95,7 +95,8 @@ class GRPOSweepFlow(RLRecipeFlow):
         for name in ("recipe", "history", "checkpoint_dir", "base_dir", "parent_dir", "adapter_dir",
                      "sequence_classifier_dir", "train_summary", "variant_index"):
             setattr(self, name, getattr(best, name))
-        for name in ("run_dir", "heldout_records", "data_counts", "rejected", "rejected_path", "data_warnings", "prompts"):
+        for name in ("run_dir", "train_records", "heldout_records", "data_counts", "rejected", "rejected_path",
+                     "data_warnings", "prompts"):
             setattr(self, name, getattr(inputs[0], name))
         print(f"[pick] variant {best.variant_index} ({best.base_recipe.sweep[best.variant_index]}): held-out "
               f"reward {best.variant_score['heldout_reward']:.4f}")

@@ -82,6 +82,20 @@ def verify_section(card, verdict: dict | None) -> None:
                              f"x {g['new_tokens']} tokens, {g['mismatched']} differ ({g['near_ties']} at near-ties)."))
 
 
+def skew_section(card, report: dict | None) -> None:
+    """The train/serve skew gate's verdict (None: off, or it raised before a report)."""
+    if report is None:
+        card.append(Markdown("## Train/serve skew gate\nNo report (off with `verify.skew_samples: 0`, or it failed: "
+                             "see the step's log)."))
+        return
+    checked = ", ".join(f"{n} {kind}" for kind, n in sorted(report["checked"].items()))
+    card.append(Markdown(
+        f"## Train/serve skew gate\n**{'passed' if report['passed'] else 'FAILED'}**: the exported directory, "
+        f"loaded alone with `AutoTokenizer`, rendered {checked} as training did ({report['mismatched']} differ); "
+        f"training ended answers with ids {report['end_of_turn_ids']}, the generation config stops at "
+        f"{report['serving_stop_ids']}."))
+
+
 def teacher_section(card, spec) -> None:
     """A distillation recipe's teacher: where it is, its identity, the shared vocabulary, its
     logit verdict and, with `distill.cache`, the stored top-k."""

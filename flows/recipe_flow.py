@@ -51,13 +51,18 @@ class RecipeSteps(FlowSpec):
     @step
     def verify(self):
         """Reload the exported checkpoint with transformers and compare logits with ours (a
-        reward model: its scores, against `AutoModelForSequenceClassification`)."""
+        reward model: its scores, against `AutoModelForSequenceClassification`); then the
+        train/serve skew gate on the exported directory."""
         from posttrain.steps import verify
 
         self.verdict = (verify.run(self.checkpoint_dir, self.recipe.verify, backend=self.recipe.model.backend,
                                    sequence_classifier=self.sequence_classifier_dir)
                         if self.recipe.verify.enabled else None)
         cards.verify_section(current.card["verify"], self.verdict)
+        try:
+            self.skew = verify.skew_gate(self.checkpoint_dir, self._tokenizer(), self.train_records, self.recipe)
+        finally:
+            cards.skew_section(current.card["verify"], getattr(self, "skew", None))
         self.next(self.evaluate)
 
     @step
@@ -68,7 +73,7 @@ class RecipeSteps(FlowSpec):
         pathspec = f"{current.flow_name}/{current.run_id}"
         self.registry_entry = register.run(self.checkpoint_dir, self.recipe, data_counts=self.data_counts,
                                            metrics={"train": self.train_summary, "eval": self.eval_metrics,
-                                                    "verify": self.verdict},
+                                                    "verify": self.verdict, "skew": self.skew},
                                            run_pathspec=pathspec, adapter_dir=self.adapter_dir,
                                            parent_dir=self.parent_dir or self.base_dir)
         self.model_uri = self.registry_entry.uri  # the registry's reference (a file:// URI here)

@@ -240,6 +240,8 @@ def export_trained(trainer, config: RecipeConfig, tokenizer, start: Start, run_d
     and, for LoRA, the PEFT adapter `<run dir>/adapter`. Collective under torch.distributed;
     rank 0 writes. Returns `{"checkpoint_dir": ..., "adapter_dir": ... or None}` (and a reward
     model's `"sequence_classifier_dir"`)."""
+    from posttrain.data.chat import generation_stop_ids
+    from posttrain.models.registry import add_generation_stop_ids
     from posttrain.train.checkpoint import export_hf_checkpoint
 
     checkpoint_dir, adapter_dir, exported = Path(run_dir) / "checkpoint", None, {}
@@ -264,6 +266,9 @@ def export_trained(trainer, config: RecipeConfig, tokenizer, start: Start, run_d
             dist.barrier()
     else:
         export_hf_checkpoint(trainer, checkpoint_dir, tokenizer=tokenizer)
+    if not isinstance(config, RMConfig) and tokenizer is not None and _rank() == 0:
+        # a server stops where training ended each answer (the skew gate checks it)
+        add_generation_stop_ids(checkpoint_dir, generation_stop_ids(tokenizer, **config.tokenizer.chat_template_kwargs))
     return {"checkpoint_dir": str(checkpoint_dir), "adapter_dir": None if adapter_dir is None else str(adapter_dir),
             **exported}
 

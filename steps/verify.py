@@ -1,4 +1,7 @@
 """Logit-verify: our model against `transformers` on the exported checkpoint; fails above tolerance.
+Then the train/serve skew gate (`skew_gate`): the exported directory alone must tokenize a
+sample of the training records as training did and stop where training ended each answer;
+a mismatch raises `SkewError`, so the flow never reaches `register`.
 
 A model trained through the transformers backend is verified the same way when its
 architecture is one of ours (registered); otherwise there is nothing of ours to compare and
@@ -10,8 +13,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from posttrain.config.schema import VerifyConfig
+from posttrain.config.schema import RecipeConfig, RMConfig, VerifyConfig
 from posttrain.verify.logits import verify_checkpoint, verify_sequence_classifier
+from posttrain.verify.skew import SkewError, check_skew
 
 
 class VerificationError(RuntimeError):
@@ -58,3 +62,23 @@ def run(model_dir: str, verify: VerifyConfig, device: str = "cpu", backend: str 
                   f"max abs diff {verdict['max_abs_diff']:.3e} > tolerance {verdict['tolerance']:.1e}")
         raise VerificationError(f"logit verification failed for {model_dir}: {reason}")
     return verdict
+
+
+def skew_gate(model_dir: str, tokenizer, records: dict[str, list] | list, config: RecipeConfig) -> dict | None:
+    """Run `posttrain.verify.skew.check_skew` on up to `verify.skew_samples` records of every
+    training source (chat, preference or prompt records) against the export at `model_dir`;
+    returns the report as a dict, None with `skew_samples: 0`. Raises `SkewError` with the
+    differences decoded side by side when it fails."""
+    samples = config.verify.skew_samples
+    if samples == 0:
+        print("[verify] skew gate off (verify.skew_samples: 0)")
+        return None
+    flat = [r for group in records.values() for r in group] if isinstance(records, dict) else list(records)
+    report = check_skew(tokenizer, model_dir, flat, template_kwargs=config.tokenizer.chat_template_kwargs,
+                        per_source=samples, seed=config.train.seed)
+    if isinstance(config, RMConfig):  # a reward model scores; it is not asked to stop
+        report.missing_stop_ids, report.stop_message = [], None
+    print(f"[verify] {report.describe()}")
+    if not report.passed:
+        raise SkewError(report.describe())
+    return report.as_dict()

@@ -124,6 +124,17 @@ def test_flow_produces_a_registered_model_that_transformers_loads(tiny_run):
     lineage = json.loads((model_dir.parent / "lineage.json").read_text())
     assert lineage["data"]["counts"]["arithmetic"]["kept"] == 300
     assert "model:sft-tiny" in run.user_tags
+    # the train/serve skew gate ran before register, and the export stops where training ended answers
+    assert data.skew["passed"] and data.skew["checked"]["conversation"] > 0 and lineage["metrics"]["skew"]["passed"]
+    eos = json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"]
+    assert set(data.skew["end_of_turn_ids"]) <= set(eos if isinstance(eos, list) else [eos])
+    # promotion: recorded in the registry and as a tag of the run that produced the model
+    from metaflow import Run
+
+    from posttrain.registry.promotion import promote
+
+    assert promote(tmp / "registry", "sft-tiny", 1)["tagged"]
+    assert "promoted:sft-tiny" in Run(run.pathspec).user_tags
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],

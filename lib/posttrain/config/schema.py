@@ -295,6 +295,9 @@ class VerifyConfig:
     tolerance: float = bounded(1e-4, gt=0)
     batch_size: int = bounded(3, ge=1)  # random padded sequences per comparison
     seq_len: int = bounded(48, ge=8)
+    # the train/serve skew gate (`posttrain.verify.skew`): training records per source that the
+    # exported directory must tokenize as training did; 0 turns the gate off
+    skew_samples: int = bounded(32, ge=0)
 
 
 @dataclass

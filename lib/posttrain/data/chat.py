@@ -153,6 +153,19 @@ def end_of_turn_token_ids(tokenizer, **template_kwargs) -> list[int]:
     return [i for i in tokenizer(marker, add_special_tokens=False)["input_ids"] if i in control]
 
 
+def generation_stop_ids(tokenizer, **template_kwargs) -> list[int]:
+    """What a server must stop at for a model trained on this template: the end-of-turn ids
+    (`end_of_turn_token_ids`) and the tokenizer's `eos_token_id`; just the latter for a
+    tokenizer without a chat template."""
+    try:
+        ids = end_of_turn_token_ids(tokenizer, **template_kwargs)
+    except ChatTemplateError:
+        ids = []
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
 # ---------------------------------------------------------------- masks
 
 

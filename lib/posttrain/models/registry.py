@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -365,6 +365,25 @@ def hf_named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
     for name, twin in arch.adapter.redundant_tensors(model.config).items():
         tensors.setdefault(name, tensors[twin])
     return iter(tensors.items())
+
+
+def add_generation_stop_ids(model_dir: str | os.PathLike, stop_token_ids: Iterable[int]) -> list[int]:
+    """Make every id of `stop_token_ids` an end-of-sequence id of `model_dir`'s
+    `generation_config.json` (created if missing; `eos_token_id` becomes a list when it holds
+    more than one id) and return the ids. Servers stop at these ids: a chat model must stop at
+    the end-of-turn token training put after each answer (e.g. `<|im_end|>`), which is not the
+    tokenizer's `eos_token` for many base models."""
+    path = Path(model_dir) / "generation_config.json"
+    generation = json.loads(path.read_text()) if path.is_file() else {}
+    eos = generation.get("eos_token_id")
+    ids = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+    ids += [int(i) for i in stop_token_ids if int(i) not in ids]
+    if ids:
+        generation["eos_token_id"] = ids[0] if len(ids) == 1 else ids
+        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        tmp.write_text(json.dumps(generation, indent=2) + "\n")
+        os.replace(tmp, path)
+    return ids
 
 
 def save_hf_checkpoint(

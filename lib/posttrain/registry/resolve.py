@@ -2,7 +2,7 @@
 
     from posttrain.registry import resolve_model_dir
     resolve_model_dir(run.data.model_uri)                 # file:///.../registry/NAME/vN/model
-    resolve_model_dir("registry:sft-demo-arithmetic")     # the newest version of a name
+    resolve_model_dir("registry:sft-demo-arithmetic")     # the promoted version (else the newest)
     resolve_model_dir("registry:sft-demo-arithmetic:2")   # a given version (v2)
     resolve_model_dir("outputs/registry/NAME/v1/model")   # a directory, as it is
 
@@ -10,7 +10,8 @@ References:
 - `file://` URIs (what `RegistryEntry.uri` and a run's `model_uri` artifact hold);
 - `registry:NAME[:VERSION]` in the local registry at `registry_dir` (default: the
   `POSTTRAIN_REGISTRY` environment variable, else `outputs/registry`, the recipes' default);
-  without a version, the newest one;
+  without a version, the promoted one (`posttrain.registry.promotion`), or the newest when
+  the name was never promoted;
 - a local directory holding `config.json`, or a registry entry directory (`.../NAME/vN`).
 Anything else (e.g. `s3://`) raises `ValueError` saying which forms are understood.
 """
@@ -48,7 +49,11 @@ def resolve_model_dir(reference: str | os.PathLike, registry_dir: str | os.PathL
                 raise ValueError(f"{ref}: {name!r} has versions {[e.version for e in versions]}, not {version!r}")
             path = Path(found[0].model_path)
         else:
-            path = Path(versions[-1].model_path)
+            from posttrain.registry.promotion import promoted_version
+
+            promoted = promoted_version(root, name)
+            chosen = [e for e in versions if e.version == promoted] or versions[-1:]
+            path = Path(chosen[0].model_path)
     elif "://" in ref:
         raise ValueError(f"{ref}: only file:// URIs, registry:NAME[:VERSION] and local directories resolve to a "
                          "local model directory here")

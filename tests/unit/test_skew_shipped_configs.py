@@ -1,0 +1,96 @@
+"""The train/serve skew gate passes on every shipped config: each config's tokenizer and chat
+template options, exported as our exporter exports them, against records of its own sources
+(the demo's generated data; ../shared/data for the real-data configs; the ../shared/data
+equivalent for hub datasets, which are unreachable here)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from posttrain.config.loader import load_recipe_config
+from posttrain.config.schema import GenerateConfig
+from posttrain.data.chat import generation_stop_ids
+from posttrain.data.records import PreferenceRecord
+from posttrain.data.sources import SourceSpec, read_records
+from posttrain.data.tokenizer import load_tokenizer
+from posttrain.models.registry import add_generation_stop_ids
+from posttrain.verify.skew import check_skew
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = REPO.parent / "shared" / "data"
+CONFIGS = sorted(p for p in (REPO / "configs").glob("*/*.yaml"))
+RECORDS_PER_SOURCE = 12
+# hub datasets the real-data configs name -> the copy of the same data in ../shared/data
+HUB_STAND_INS = {"openai/gsm8k": "gsm8k/train.jsonl", "HuggingFaceH4/ultrachat_200k": "sft/oasst_en_100_conversations.jsonl"}
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    """The demo's data and tokenizer, generated once (the shipped demos differ only in task
+    sizes and digits, which do not change the template or the special tokens)."""
+    from posttrain.steps.ingest import generate_demo_data
+
+    return generate_demo_data(GenerateConfig(num_train=200, num_heldout=20, min_digits=3, max_digits=3),
+                              tmp_path_factory.mktemp("demo"))
+
+
+def config_tokenizer(config, generated: Path):
+    name = config.tokenizer.name_or_path
+    if name.startswith("${generated}") or name.startswith("registry:"):  # registry demos: the SFT demo's tokenizer
+        return load_tokenizer(str(generated / "tokenizer"))
+    if name.startswith("Qwen/Qwen3"):
+        return load_tokenizer("builtin:qwen3")
+    raise AssertionError(f"{name}: no offline stand-in for this tokenizer; add one here")
+
+
+def mined_pairs_stand_in(generated: Path) -> list:
+    """What the DPO / reward-model demos mine from the SFT model (`steps/mine_pairs.py`): a
+    demo question, its right answer chosen, a wrong one rejected."""
+    chats, _ = read_records(SourceSpec(name="pairs", kind="jsonl", path=str(generated / "train.jsonl"),
+                                       limit=RECORDS_PER_SOURCE))
+    return [PreferenceRecord(prompt=c.messages[:-1], chosen=c.messages[-1:],
+                             rejected=[{"role": "assistant", "content": c.messages[-1]["content"] + "1"}],
+                             source="pairs", line=c.line) for c in chats]
+
+
+def config_records(config, generated: Path) -> list:
+    records = []
+    for source in config.data.sources:
+        values = {f.name: getattr(source, f.name) for f in dataclasses.fields(SourceSpec) if hasattr(source, f.name)
+                  and f.name not in ("weight", "cap")}
+        path = source.path
+        if "${generated}" in path and source.format == "preference":  # mined from the SFT model by the flow
+            records += mined_pairs_stand_in(generated)
+            continue
+        if "${generated}" in path:
+            values["path"] = path.replace("${generated}", str(generated))
+        elif source.kind == "hf":
+            values.update(kind="jsonl", path=str(SHARED / HUB_STAND_INS[path]), subset=None, split="train")
+            if path == "HuggingFaceH4/ultrachat_200k":
+                values["format"] = "chat"
+        elif not Path(path).is_absolute():
+            values["path"] = str(REPO / path)
+        values["limit"] = RECORDS_PER_SOURCE
+        read, _ = read_records(SourceSpec(**values))
+        records += read
+    return records
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[f"{p.parent.name}/{p.name}" for p in CONFIGS])
+def test_the_skew_gate_passes_on_every_shipped_config(path, generated, tmp_path):
+    if not SHARED.is_dir():
+        pytest.skip("../shared/data is not present")
+    config = load_recipe_config(path, recipe="grpo" if path.parent.name == "grpo" else path.parent.name)
+    tokenizer = config_tokenizer(config, generated)
+    kwargs = config.tokenizer.chat_template_kwargs
+    export = tmp_path / "export"
+    tokenizer.save_pretrained(str(export))
+    add_generation_stop_ids(export, generation_stop_ids(tokenizer, **kwargs))
+    records = config_records(config, generated)
+    assert records, f"{path}: no records read"
+    report = check_skew(tokenizer, export, records, template_kwargs=kwargs)
+    assert report.passed, report.describe()
+    assert sum(report.checked.values()) >= len(records)
