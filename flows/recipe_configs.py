@@ -81,6 +81,27 @@ class ValidateRecipe(FlowMutator):
                 check_starting_model(recipe)
         except ConfigError as exc:
             raise RecipeConfigError(str(exc)) from None
+        apply_production(mutable_flow, recipe.production)
+
+
+def apply_production(mutable_flow, production) -> None:
+    """The recipe's `production` section as Metaflow decorators (`ProductionConfig`): the
+    schedule and the trigger on the flow, `@retry` and `@resources` on its steps. A step's own
+    `@retry` (e.g. `train`'s) is kept."""
+    from metaflow import resources, retry, schedule, trigger_on_finish
+
+    if production.schedule:
+        mutable_flow.add_decorator(schedule, deco_kwargs={"cron": production.schedule})
+    if production.trigger_on_finish:
+        mutable_flow.add_decorator(trigger_on_finish, deco_kwargs={"flow": production.trigger_on_finish})
+    default = production.resources.get("default", {})
+    for name, step in mutable_flow.steps:
+        if production.retry_times:
+            step.add_decorator(retry, deco_kwargs={"times": production.retry_times,
+                                                    "minutes_between_retries": production.retry_minutes_between})
+        sized = {**default, **production.resources.get(name, {})}
+        if sized:
+            step.add_decorator(resources, deco_kwargs=sized)
 
 
 def check_starting_model(recipe) -> None:

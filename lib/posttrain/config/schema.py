@@ -314,6 +314,39 @@ class RegisterConfig:
     model_name: Optional[str] = None
 
 
+RESOURCE_KEYS = ("cpu", "memory", "gpu")  # @resources' own names: CPUs, MB of memory, GPUs
+
+
+@dataclass
+class ProductionConfig:
+    """How a scheduler runs the flow, applied as Metaflow decorators when the flow is launched
+    or compiled (`flows/recipe_configs.py:ValidateRecipe`), so the flow file is never edited:
+    `schedule` (a cron expression: `@schedule(cron=...)`), `trigger_on_finish` (a flow name:
+    `@trigger_on_finish(flow=...)`, e.g. a DPO flow that starts when `SFTFlow` finishes and
+    starts from its promoted model through `registry:NAME`), `retry_times` /
+    `retry_minutes_between` (`@retry` on every step that has none) and `resources` (step name,
+    or `default` for every step, to `{cpu, memory, gpu}`: `@resources`, which Argo Workflows
+    and Kubernetes size pods by)."""
+
+    schedule: Optional[str] = None
+    trigger_on_finish: Optional[str] = None
+    retry_times: int = bounded(0, ge=0)
+    retry_minutes_between: int = bounded(2, ge=0)
+    resources: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.schedule is not None and len(self.schedule.split()) not in (5, 6):
+            raise ConfigError(f"production.schedule must be a cron expression (5 or 6 fields), got {self.schedule!r}")
+        for step, spec in self.resources.items():
+            if not isinstance(spec, dict):
+                raise ConfigError(f"production.resources.{step} must be a mapping of {list(RESOURCE_KEYS)}")
+            for key, value in spec.items():
+                if key not in RESOURCE_KEYS:
+                    raise ConfigError(f"production.resources.{step}.{key}: unknown; use {list(RESOURCE_KEYS)}")
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    raise ConfigError(f"production.resources.{step}.{key} must be a non-negative integer, got {value!r}")
+
+
 @dataclass
 class ParallelConfig:
     """How training is spread over workers (`posttrain.parallel`; docs/parallel.md).
@@ -389,6 +422,7 @@ class RecipeConfig:
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     register: RegisterConfig = field(default_factory=RegisterConfig)
+    production: ProductionConfig = field(default_factory=ProductionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output_dir: str = "outputs"
