@@ -26,6 +26,12 @@ class RecipeConfigError(MetaflowException):
     headline = "Invalid recipe config"
 
 
+class SchedulerError(MetaflowException):
+    """A scheduler that cannot express the flow (the reason says which part)."""
+
+    headline = "Cannot deploy this flow there"
+
+
 def _clean_errors(parse):
     def parser(text: str) -> dict:
         try:
@@ -70,6 +76,12 @@ class ValidateRecipe(FlowMutator):
         self.recipe = recipe
 
     def pre_mutate(self, mutable_flow) -> None:
+        if getattr(self, "recipe", "sft") == "grpo" and "step-functions" in sys.argv[1:]:
+            # Metaflow would say so only after checking AWS Batch for the steps before the round
+            raise SchedulerError(
+                "AWS Step Functions cannot run an RL recipe: its rl_round step transitions to itself (a "
+                "conditional transition), which Step Functions does not express; deploy it with "
+                "`argo-workflows create` (docs/production.md)")
         configs = dict(mutable_flow.configs)
         try:
             recipe = loader.recipe_config_from_dict(configs["config"].to_dict(), getattr(self, "recipe", "sft"),

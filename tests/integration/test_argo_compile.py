@@ -125,3 +125,11 @@ def test_the_production_section_schedules_chains_retries_and_sizes_the_compiled_
     assert train["container"]["resources"]["limits"] == {"nvidia.com/gpu": "1"}
     assert start["retryStrategy"]["limit"] == 2
     assert train["retryStrategy"]["limit"] == 1  # the train step's own @retry is kept
+
+
+def test_step_functions_refuses_the_rl_flows_saying_why(s3_env):
+    env, cwd = s3_env
+    done = subprocess.run([sys.executable, str(REPO / "flows/grpo_flow.py"), "--no-pylint", "step-functions", "create",
+                           "--only-json"], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "AWS Step Functions cannot run an RL recipe: its rl_round step transitions to itself" in done.stderr
