@@ -214,3 +214,26 @@ def test_sweep_branches_run_recursive_rounds_and_the_join_keeps_the_best(flow_po
     assert end.checkpoint_dir == best["checkpoint_dir"]
     assert set(end.eval_metrics) == {"base", "tuned"} and "heldout_reward" in end.eval_metrics["tuned"]
     assert end.verdict["passed"]
+
+
+@pytest.mark.slow
+def test_lineage_notebook_follows_the_rl_model_to_its_parent_and_shows_its_rounds(grpo_run):
+    import os
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    run, result = grpo_run
+    notebook = nbformat.read(REPO_ROOT / "notebooks" / "inspect_lineage.ipynb", as_version=4)
+    os.environ.update(POSTTRAIN_REGISTRY=str(result["tmp"] / "registry"), POSTTRAIN_MODEL="grpo-tiny")
+    try:
+        NotebookClient(notebook, timeout=300, kernel_name="python3",
+                       resources={"metadata": {"path": str(result["tmp"])}}).execute()
+    finally:
+        for key in ("POSTTRAIN_REGISTRY", "POSTTRAIN_MODEL"):
+            os.environ.pop(key)
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    text = "".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in outputs)
+    assert f"grpo-tiny:v1 [grpo-tiny, run {run.pathspec}]" in text and f"<- {START_NAME}:v1" in text
+    assert f"rounds: {ROUNDS}" in text and "reward_mean" in text and "prompt_index" in text
+    assert any("image/png" in o.get("data", {}) for o in outputs)  # the reward / pass@1 curves
