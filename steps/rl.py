@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from posttrain.config.schema import GRPOConfig
-from posttrain.data.chat import end_of_turn_token_ids, render_prompt
+from posttrain.data.chat import generation_stop_ids, render_prompt
 from posttrain.data.records import ChatRecord, PromptRecord
 from posttrain.objectives.grpo import GRPOObjective
 from posttrain.rl.controller import EngineLost, RLController, RoundResult, RoundSettings, completion_text
@@ -88,10 +88,8 @@ def tokenize_prompts(records: list[PromptRecord], tokenizer, config: GRPOConfig,
 
 
 def stop_token_ids(tokenizer, config: GRPOConfig) -> tuple[int, ...]:
-    ids = set(end_of_turn_token_ids(tokenizer, **config.tokenizer.chat_template_kwargs))
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return tuple(sorted(ids))
+    """Where rollouts stop: where the exported model's server stops (`generation_stop_ids`)."""
+    return tuple(sorted(generation_stop_ids(tokenizer, **config.tokenizer.chat_template_kwargs)))
 
 
 def round_settings(config: GRPOConfig, tokenizer) -> RoundSettings:

@@ -77,7 +77,7 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, templa
     return text
 
 
-def _ids(encoded: Any) -> list[int]:
+def template_ids(encoded: Any) -> list[int]:
     """`input_ids` from what `apply_chat_template(tokenize=True)` returns (list or BatchEncoding)."""
     if isinstance(encoded, dict) or hasattr(encoded, "keys"):
         encoded = encoded["input_ids"]
@@ -257,4 +257,4 @@ def render_prompt(tokenizer, messages: list[dict], **template_kwargs) -> list[in
     encoded = tokenizer.apply_chat_template(
         messages[: last_user + 1], tokenize=True, add_generation_prompt=True, **template_kwargs
     )
-    return _ids(encoded)
+    return template_ids(encoded)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from posttrain.data.chat import render_conversation
+from posttrain.data.chat import render_conversation, template_ids
 from posttrain.data.records import PreferenceRecord
 
 CODE_STRIDE = 8
@@ -64,14 +64,15 @@ class PairSample:
         return len(self.prompt_ids) + len(self.chosen_ids) + len(self.rejected_ids)
 
 
-def _prompt_ids(tokenizer, prompt: list[dict], template_kwargs: dict) -> list[int]:
-    out = tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, **template_kwargs)
-    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+def prompt_ids(tokenizer, prompt: list[dict], template_kwargs: dict) -> list[int]:
+    """A pair's prompt as training renders it: every prompt message, then the generation prompt."""
+    return template_ids(tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
+                                                      **template_kwargs))
 
 
 def render_pair(tokenizer, record: PreferenceRecord, pair_id: int = -1, **template_kwargs) -> PairSample:
     """The record as token ids (module docstring); raises `PairError` for a pair that cannot train."""
-    prompt = _prompt_ids(tokenizer, record.prompt, template_kwargs)
+    prompt = prompt_ids(tokenizer, record.prompt, template_kwargs)
     sides = []
     for side, turns in (("chosen", record.chosen), ("rejected", record.rejected)):
         full = render_conversation(tokenizer, record.prompt + turns, **template_kwargs)

@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 
 from posttrain.registry.local import list_versions, load_lineage
-from posttrain.registry.promotion import PromotionError, gate_verdicts, history, promote, promoted_version, rollback
+from posttrain.registry.promotion import (PromotionError, gate_verdicts, history, promote, promoted_version, rollback,
+                                         select_entry)
 from posttrain.registry.resolve import default_registry_dir
 
 MAX_LINEAGE_DEPTH = 64  # a parent cycle (hand-edited lineage files) stops here
@@ -55,17 +56,9 @@ def _names(registry_dir: Path) -> list[str]:
 
 def entry_record(registry_dir: Path, name: str, version: int | None) -> dict:
     """The lineage of `name:version` (default: promoted, else newest) with `promoted` added."""
-    versions = list_versions(registry_dir, name)
-    if not versions:
-        raise RegistryCommandError(f"no model named {name!r} in the registry at {registry_dir.resolve()}")
-    promoted = promoted_version(registry_dir, name)
-    if version is None:
-        version = promoted if promoted is not None else versions[-1].version
-    found = [e for e in versions if e.version == version]
-    if not found:
-        raise RegistryCommandError(f"{name!r} has versions {[e.version for e in versions]}, not {version}")
-    record = load_lineage(found[0].path)
-    return {**record, "name": name, "version": version, "promoted": version == promoted, "path": found[0].path}
+    entry = select_entry(registry_dir, name, version)
+    return {**load_lineage(entry.path), "name": name, "version": entry.version,
+            "promoted": entry.version == promoted_version(registry_dir, name), "path": entry.path}
 
 
 def lineage_chain(registry_dir: Path, name: str, version: int | None) -> list[dict]:
@@ -80,7 +73,7 @@ def lineage_chain(registry_dir: Path, name: str, version: int | None) -> list[di
             try:
                 chain.append(entry_record(registry_dir, parent["name"], int(parent["version"])))
                 continue
-            except RegistryCommandError:
+            except PromotionError:
                 pass  # the parent was registered elsewhere (or removed): show what the lineage says
         chain.append({"reference": parent.get("reference") or parent.get("model_dir"), "outside_registry": True})
         break

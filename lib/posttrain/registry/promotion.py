@@ -62,10 +62,15 @@ def promoted_version(registry_dir: str | Path, name: str) -> int | None:
     return events[-1]["version"] if events else None
 
 
-def _entry(registry_dir: str | Path, name: str, version: int) -> RegistryEntry:
+def select_entry(registry_dir: str | Path, name: str, version: int | None = None) -> RegistryEntry:
+    """The entry `name:version`; without a version, the promoted one, else the newest (what
+    `registry:NAME` means everywhere). Raises `PromotionError` (a `ValueError`) naming the
+    versions there are when the name or the version is not registered."""
     versions = list_versions(registry_dir, name)
     if not versions:
         raise PromotionError(f"no model named {name!r} in the registry at {Path(registry_dir).resolve()}")
+    if version is None:
+        version = promoted_version(registry_dir, name) or versions[-1].version
     found = [e for e in versions if e.version == version]
     if not found:
         raise PromotionError(f"{name!r} has versions {[e.version for e in versions]}, not {version}")
@@ -93,7 +98,7 @@ def _run_pathspec(registry_dir: str | Path, name: str, version: int | None) -> s
     if version is None:
         return None
     try:
-        return load_lineage(_entry(registry_dir, name, version).path).get("run")
+        return load_lineage(select_entry(registry_dir, name, version).path).get("run")
     except (PromotionError, OSError, ValueError):
         return None
 
@@ -131,7 +136,7 @@ def _event(action: str, version: int, **extra) -> dict:
 def promote(registry_dir: str | Path, name: str, version: int) -> dict:
     """Make `version` of `name` the promoted one (module docstring); returns the event.
     Raises `PromotionError` for an unknown version or a failed gate."""
-    entry = _entry(registry_dir, name, version)
+    entry = select_entry(registry_dir, name, version)
     lineage = load_lineage(entry.path)
     verdicts = gate_verdicts(lineage)
     failed = [gate for gate, passed in verdicts.items() if passed is False]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from posttrain.registry.local import MODEL_DIR, list_versions, uri_to_path
+from posttrain.registry.local import MODEL_DIR, uri_to_path
 
 REGISTRY_PREFIX = "registry:"
 DEFAULT_REGISTRY_DIR = "outputs/registry"
@@ -39,21 +39,17 @@ def resolve_model_dir(reference: str | os.PathLike, registry_dir: str | os.PathL
     elif ref.startswith(REGISTRY_PREFIX):
         name, _, version = ref[len(REGISTRY_PREFIX):].partition(":")
         root = Path(registry_dir) if registry_dir is not None else default_registry_dir()
-        versions = list_versions(root, name)
-        if not versions:
-            raise ValueError(f"{ref}: no model named {name!r} in the registry at {root.resolve()}")
-        if version:
-            wanted = int(version.removeprefix("v")) if version.removeprefix("v").isdigit() else None
-            found = [e for e in versions if e.version == wanted]
-            if not found:
-                raise ValueError(f"{ref}: {name!r} has versions {[e.version for e in versions]}, not {version!r}")
-            path = Path(found[0].model_path)
-        else:
-            from posttrain.registry.promotion import promoted_version
+        from posttrain.registry.promotion import select_entry
 
-            promoted = promoted_version(root, name)
-            chosen = [e for e in versions if e.version == promoted] or versions[-1:]
-            path = Path(chosen[0].model_path)
+        wanted = None
+        if version:
+            if not version.removeprefix("v").isdigit():
+                raise ValueError(f"{ref}: the version must be a number (2 or v2), not {version!r}")
+            wanted = int(version.removeprefix("v"))
+        try:
+            path = Path(select_entry(root, name, wanted).model_path)
+        except ValueError as err:
+            raise ValueError(f"{ref}: {err}") from None
     elif "://" in ref:
         raise ValueError(f"{ref}: only file:// URIs, registry:NAME[:VERSION] and local directories resolve to a "
                          "local model directory here")

@@ -128,13 +128,13 @@ def reward_model(completions: list[str], records: list, model: str, registry_dir
     import torch
 
     from posttrain.data.chat import render_conversation
-    from posttrain.data.preference import PairSample, _prompt_ids
+    from posttrain.data.preference import PairSample, prompt_ids
     from posttrain.objectives.reward import score_pairs
 
     scorer, tokenizer = _load_reward_model(model, registry_dir)
     pairs = []
     for i, (completion, record) in enumerate(zip(completions, records)):
-        prompt = _prompt_ids(tokenizer, record.prompt, {})
+        prompt = prompt_ids(tokenizer, record.prompt, {})
         full = render_conversation(tokenizer, record.prompt + [{"role": "assistant", "content": completion}])
         ids, mask = full.input_ids[len(prompt):], full.loss_mask[len(prompt):]
         if len(prompt) + 2 * len(ids) > row_length:

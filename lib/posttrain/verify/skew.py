@@ -34,7 +34,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from posttrain.data.chat import end_of_turn_token_ids, render_conversation, render_prompt
+from posttrain.data.chat import end_of_turn_token_ids, render_conversation, render_prompt, template_ids
+from posttrain.data.preference import prompt_ids
 from posttrain.data.records import ChatRecord, PreferenceRecord, PromptRecord
 
 DEFAULT_SAMPLES = 64  # records per source
@@ -91,12 +92,6 @@ class SkewReport:
         if self.stop_message:
             lines.append(self.stop_message)
         return "\n".join(lines)
-
-
-def _ids(encoded: Any) -> list[int]:
-    if isinstance(encoded, dict) or hasattr(encoded, "keys"):
-        encoded = encoded["input_ids"]
-    return [int(i) for i in encoded]
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -165,10 +160,10 @@ class _Checker:
                 _window(self.serve, serving, at), len(training), len(serving)))
 
     def served_prompt(self, messages: list[dict]) -> list[int]:
-        return _ids(self.serve.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **self.kwargs))
+        return prompt_ids(self.serve, messages, self.kwargs)
 
     def served_conversation(self, messages: list[dict]) -> list[int]:
-        return _ids(self.serve.apply_chat_template(messages, tokenize=True, **self.kwargs))
+        return template_ids(self.serve.apply_chat_template(messages, tokenize=True, **self.kwargs))
 
     def check(self, record) -> None:
         if isinstance(record, ChatRecord):
@@ -182,9 +177,8 @@ class _Checker:
                 if last_user + 1 < len(record.messages):  # the answer it trained on continues that prompt
                     self.compare(record, "prompt inside the trained conversation", trained, served, prefix=True)
         elif isinstance(record, PreferenceRecord):
-            trained_prompt = _ids(self.train.apply_chat_template(record.prompt, tokenize=True, add_generation_prompt=True,
-                                                                 **self.kwargs))
-            self.compare(record, "pair prompt", trained_prompt, self.served_prompt(record.prompt))
+            self.compare(record, "pair prompt", prompt_ids(self.train, record.prompt, self.kwargs),
+                         self.served_prompt(record.prompt))
             for side, turns in (("chosen", record.chosen), ("rejected", record.rejected)):
                 messages = record.prompt + turns
                 self.compare(record, f"{side} conversation",
