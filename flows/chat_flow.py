@@ -1,11 +1,11 @@
 """The steps the recipes that train on conversations share (SFT, distillation): ingest chats,
-tokenize them, pack them, evaluate base against tuned.
+tokenize them, pack them.
 
 `ChatRecipeFlow` is a `RecipeFlow` whose `ingest` reads chat records and whose `tokenize`
 renders each conversation with the tokenizer's chat template (assistant-only loss masks),
 then filters. Each recipe flow defines its own `pack` step (its body `self._pack_chats()`, then
-the recipe's next step: SFT trains, distillation prepares its teacher first) and its
-`evaluate` step (its body `self._evaluate_chats(...)`, then `register`).
+the recipe's next step: SFT trains, distillation prepares its teacher first). Evaluation is
+`RecipeSteps`' foreach over the recipe's suites, on the held-out conversations.
 """
 
 from metaflow import card, current, step
@@ -55,19 +55,3 @@ class ChatRecipeFlow(RecipeFlow):
         result = pack.run(self.samples, self.recipe, self._tokenizer().pad_token_id)
         self.packed_rows, self.pack_stats, self.samples_per_source = result.rows, result.stats, result.samples_per_source
         cards.pack_section(current.card["pack"], self.pack_stats, self.samples_per_source)
-
-    def _evaluate_chats(self, others=None):
-        """Held-out loss and task metric, base vs tuned (and `others`: label -> (model directory,
-        backend)), in the `evaluation` card (the table first, then sample outputs), and an
-        evidently report of the base's and the tuned model's outputs (the `report` card). The
-        body of each chat recipe's `evaluate` step."""
-        from posttrain.steps import evaluate
-
-        result = evaluate.run(self.base_dir, self.checkpoint_dir, self._tokenizer(), self.heldout_records, self.recipe,
-                              others=others)
-        self.eval_metrics, self.eval_examples, self.evidently_html = result.metrics, result.examples, result.report_html
-        card = current.card["evaluation"]
-        cards.eval_section(card, self.eval_metrics)
-        cards.examples_table(card, self.eval_examples)
-        card.append(cards.Markdown("The evidently report of the base and tuned outputs is this step's `report` "
-                                   "card (`flow.py card view evaluate --id report`)."))

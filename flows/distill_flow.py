@@ -52,14 +52,9 @@ class DistillFlow(ChatRecipeFlow):
         cards.teacher_section(current.card["teacher"], self.teacher_spec)
         self.next(self.train)
 
-    @card(type="blank", id="evaluation")
-    @card(type="html", id="report", options={"attribute": "evidently_html"})
-    @step
-    def evaluate(self):
-        """Held-out loss and exact match of the base, the distilled student and the teacher; an
-        evidently report of the base's and the student's outputs."""
-        self._evaluate_chats(others={"teacher": (self.teacher_spec.model_dir, self.teacher_spec.backend)})
-        self.next(self.register)
+    def _eval_others(self) -> dict:
+        """The teacher is evaluated beside base and student."""
+        return {"teacher": (self.teacher_spec.model_dir, self.teacher_spec.backend)}
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Direct preference optimisation, end to end: ingest pairs -> tokenize -> pack -> reference ->
-train -> verify -> evaluate -> register.
+train -> verify -> evaluate (a foreach over the suites) -> register.
 
     make sft-3digit                                          # the SFT demo model DPO starts from
     python flows/dpo_flow.py run                             # the embedded demo (offline, CPU)
@@ -54,24 +54,6 @@ class DPOFlow(PairRecipeFlow):
                   f"On the fly: the train step scores each batch with `{result.model_dir}` (`dpo.reference`).")
         current.card["reference"].append(cards.Markdown(f"## Reference\n{scored}"))
         self.next(self.train)
-
-    @card(type="blank", id="evaluation")
-    @card(type="html", id="report", options={"attribute": "evidently_html"})
-    @step
-    def evaluate(self):
-        """Greedy exact match of the chosen responses, held-out loss, and preference accuracy on
-        held-out pairs, base (the reference) vs tuned; an evidently report of their outputs."""
-        from posttrain.data.records import ChatRecord
-        from posttrain.steps import evaluate
-
-        chats = [ChatRecord(p.prompt + p.chosen, p.source, p.line) for p in self.heldout_records]
-        result = evaluate.run_pairs(self.base_dir, self.checkpoint_dir, self._tokenizer(), self.heldout_pairs,
-                                    chats, self.recipe)
-        self.eval_metrics, self.eval_examples, self.evidently_html = result.metrics, result.examples, result.report_html
-        card = current.card["evaluation"]
-        cards.eval_section(card, self.eval_metrics)
-        cards.examples_table(card, self.eval_examples)
-        self.next(self.register)
 
 
 if __name__ == "__main__":

@@ -61,15 +61,6 @@ class GRPOFlow(RLRecipeFlow):
         self._round_task()
         self.next({"again": self.rl_round, "done": self.verify}, condition="route")
 
-    @card(type="blank", id="evaluation")
-    @card(type="html", id="report", options={"attribute": "evidently_html"})
-    @step
-    def evaluate(self):
-        """Base vs tuned on the held-out prompts (the recipe's reward, success, pass@k; loss and
-        exact match of the references), and an evidently report of their outputs."""
-        self._evaluate_rl()
-        self.next(self.register)
-
     @card(type="blank", id="overview")
     @step
     def end(self):

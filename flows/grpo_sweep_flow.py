@@ -102,14 +102,6 @@ class GRPOSweepFlow(RLRecipeFlow):
               f"reward {best.variant_score['heldout_reward']:.4f}")
         self.next(self.verify)
 
-    @card(type="blank", id="evaluation")
-    @card(type="html", id="report", options={"attribute": "evidently_html"})
-    @step
-    def evaluate(self):
-        """The picked variant, base vs tuned, as the GRPO flow evaluates."""
-        self._evaluate_rl()
-        self.next(self.register)
-
     @card(type="blank", id="overview")
     @step
     def end(self):

@@ -6,7 +6,8 @@ them from the starting model's own answers) and whose `tokenize` renders each pa
 the chat template, prompt once, masks on the responses, fitted to a row (responses cut, never
 the prompt; unusable pairs kept aside with file, line and reason). Each recipe flow defines
 its own `pack` step (one line: `self._pack_pairs()`, then the recipe's next step: DPO scores
-the pairs with its reference first, a reward model trains directly) and its `evaluate`.
+the pairs with its reference first, a reward model trains directly). Evaluation reads the
+held-out pairs, and their prompts with the chosen responses as conversations (`_eval_data`).
 """
 
 from metaflow import card, current, step
@@ -62,3 +63,12 @@ class PairRecipeFlow(RecipeFlow):
         result = pack.run(self.samples, self.recipe, self._tokenizer().pad_token_id, pairs=True)
         self.pack_stats, self.samples_per_source = result.stats, result.samples_per_source
         cards.pack_section(current.card["pack"], self.pack_stats, self.samples_per_source)
+
+    def _eval_data(self):
+        """The held-out pairs (tokenized, and as records), and each pair's prompt with its chosen
+        response as a conversation (held-out loss and task metrics of the chosen answers)."""
+        from posttrain.data.records import ChatRecord
+        from posttrain.steps.eval_suites import EvalData
+
+        chats = [ChatRecord(p.prompt + p.chosen, p.source, p.line) for p in self.heldout_records]
+        return EvalData(chats=chats, pairs=list(self.heldout_pairs), pair_records=list(self.heldout_records))

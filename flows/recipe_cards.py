@@ -128,14 +128,36 @@ EVAL_COLUMNS = {
     "heldout_success": ("success (greedy)", "{:.1%}"),
     "heldout_success_se": ("± s.e.", "{:.1%}"),
     "heldout_pass_at_k": ("pass@k (sampled)", "{:.1%}"),
+    "perplexity": ("perplexity", "{:.2f}"),
+    "output_length": ("mean answer tokens", "{:.1f}"),
+    "truncated": ("cut at max tokens", "{:.1%}"),
 }
 
 
 def eval_section(card, metrics: dict) -> None:
-    card.append(Markdown("## Evaluation: base vs tuned (held out)"))
-    shown = [k for k in EVAL_COLUMNS if all(k in m for m in metrics.values())]
-    card.append(Table([[label, *(EVAL_COLUMNS[k][1].format(m[k]) for k in shown)] for label, m in metrics.items()],
+    """The metrics table: one row per model under test, a column per known metric any of them has."""
+    card.append(Markdown(f"## Evaluation: {', '.join(metrics)} (held out)"))
+    shown = [k for k in EVAL_COLUMNS if any(k in m for m in metrics.values())]
+    card.append(Table([[label, *(EVAL_COLUMNS[k][1].format(m[k]) if k in m else "–" for k in shown)]
+                       for label, m in metrics.items()],
                       headers=["model", *(EVAL_COLUMNS[k][0] for k in shown)]))
+
+
+def evaluation_card(card, result, models) -> None:
+    """The evaluate step's card: the models under test, the metrics table, each suite's outcome
+    (a failed suite with its error), a chart per suite, sample outputs."""
+    card.append(Markdown("## Models under test\n" + "\n".join(
+        f"- **{m.label}**: `{m.model_dir}`" + (f" (registry `{m.reference}`)" if m.reference else "") for m in models)))
+    eval_section(card, result.metrics)
+    card.append(Markdown("## Suites"))
+    card.append(Table([[s.name, s.kind, f"failed: {s.error}" if s.error else "completed", f"{s.seconds:.1f} s"]
+                       for s in result.suites], headers=["suite", "kind", "outcome", "time"]))
+    for suite in result.suites:
+        if suite.metrics:
+            card.append(figure_image(plots.suite_bars(suite.metrics, f"suite {suite.name}"), label=suite.name))
+    examples_table(card, result.examples)
+    card.append(Markdown("The evidently report of the outputs (tuned against base, and against the promoted model "
+                         "when there is one) is this step's `report` card (`flow.py card view evaluate --id report`)."))
 
 
 def pairs_section(card, stats: dict) -> None:
@@ -147,18 +169,24 @@ def pairs_section(card, stats: dict) -> None:
 
 
 def examples_table(card, examples: list[dict]) -> None:
-    """Held-out prompts with the base and tuned predictions side by side."""
+    """Held-out prompts with each model's prediction side by side (the first suite that
+    produced examples)."""
+    if not examples:
+        return
+    suite = examples[0].get("suite")
     by_model: dict[str, list[dict]] = {}
     for example in examples:
-        by_model.setdefault(example["model"], []).append(example)
-    base, tuned = by_model.get("base", []), by_model.get("tuned", [])
+        if example.get("suite") == suite:
+            by_model.setdefault(example["model"], []).append(example)
 
     def shown(e: dict) -> str:
         return f"{e['prediction']!r} {'✓' if e['correct'] else '✗'}"
 
-    card.append(Markdown("## Sample outputs"))
-    card.append(Table([[b["prompt"], b["reference"], shown(b), shown(t)] for b, t in zip(base, tuned)][:MAX_TABLE_ROWS],
-                      headers=["prompt", "reference", "base", "tuned"]))
+    labels = list(by_model)
+    first = by_model[labels[0]]
+    card.append(Markdown("## Sample outputs" + (f" ({suite})" if suite else "")))
+    card.append(Table([[e["prompt"], e["reference"], *(shown(by_model[label][i]) for label in labels)]
+                       for i, e in enumerate(first)][:MAX_TABLE_ROWS], headers=["prompt", "reference", *labels]))
 
 
 class LiveTrainingCard:

@@ -4,10 +4,15 @@ A recipe flow (`SFTFlow`, `DPOFlow`) subclasses `RecipeFlow`, names its recipe k
 (`RECIPE`, a key of `posttrain.config.schema.RECIPES`), declares its `config` / `overrides`
 Metaflow `Config`s with that recipe's parsers and its `@ValidateRecipe(kind)` launch check,
 and defines the steps that differ: `ingest`, `tokenize`, `pack` (and e.g. `reference`),
-`evaluate`. `start`, `train`, `verify`, `register` and `end` are written once, here; each calls
-one plain function of `posttrain.steps`. `RecipeSteps` holds all of them but `train`: the RL
-recipe (`GRPOFlow`) builds on it with its own recursive round step. `start` goes on to `ingest`; `pack` (or the last
-recipe step before training) goes on to `train`; `evaluate` to `register`.
+`evaluate`. `start`, `train`, `verify`, the evaluation, `register` and `end` are written once,
+here; each calls one plain function of `posttrain.steps`. `RecipeSteps` holds all of them but
+`train`: the RL recipe (`GRPOFlow`) builds on it with its own recursive round step. `start` goes
+on to `ingest`; `pack` (or the last recipe step before training) goes on to `train`.
+
+Evaluation is a foreach over the recipe's suites (`eval.suites`, `posttrain.steps.evaluate`):
+`verify -> plan_evaluation -> eval_suite (one branch per suite) -> evaluate (the join) ->
+register`. A recipe family says what its held-out data is (`_eval_data`) and which models
+besides base, tuned and the promoted one it compares (`_eval_others`, e.g. a teacher).
 """
 
 from metaflow import FlowSpec, Run, card, current, retry, step
@@ -63,7 +68,55 @@ class RecipeSteps(FlowSpec):
             self.skew = verify.skew_gate(self.checkpoint_dir, self._tokenizer(), self.train_records, self.recipe)
         finally:
             cards.skew_section(current.card["verify"], getattr(self, "skew", None))
+        self.next(self.plan_evaluation)
+
+    def _eval_data(self):
+        """The held-out data the suites read (`EvalData`): a chat recipe's held-out conversations."""
+        from posttrain.steps.eval_suites import EvalData
+
+        return EvalData(chats=list(self.heldout_records))
+
+    def _eval_others(self) -> dict:
+        """Models compared besides base, tuned and promoted: label -> (model directory, backend)."""
+        return {}
+
+    @step
+    def plan_evaluation(self):
+        """Name the models under test (base, tuned, the recipe's extras, and the version promoted
+        now under the recipe's registry name) and the suites; one `eval_suite` branch per suite."""
+        from posttrain.steps import evaluate
+
+        self.eval_models = evaluate.models_under_test(self.base_dir, self.checkpoint_dir, self.recipe,
+                                                      others=self._eval_others())
+        self.eval_plan = evaluate.suites_for(self.recipe)
+        print(f"[evaluate] {len(self.eval_plan)} suites: {', '.join(s.label for s in self.eval_plan)}")
+        self.next(self.eval_suite, foreach="eval_plan")
+
+    @step
+    def eval_suite(self):
+        """One suite on every model under test; a suite that fails keeps its error as its result."""
+        from posttrain.steps import evaluate
+
+        self.suite_result = evaluate.run_suite(self.input, self.eval_models, self._eval_data(), self.recipe,
+                                               self._tokenizer())
         self.next(self.evaluate)
+
+    @card(type="blank", id="evaluation")
+    @card(type="html", id="report", options={"attribute": "evidently_html"})
+    @step
+    def evaluate(self, inputs):
+        """Join the suites: metrics by model (`eval_metrics`), every suite's outcome
+        (`eval_suites`, failed ones with their error), the `evaluation` card (the table, a chart
+        per suite, sample outputs) and the evidently report (the `report` card, a page of its
+        own: `card get <run>/evaluate/<task> --id report`)."""
+        from posttrain.steps import evaluate
+
+        self.merge_artifacts(inputs, exclude=["suite_result"])
+        result = evaluate.join([branch.suite_result for branch in inputs])
+        self.eval_metrics, self.eval_examples, self.evidently_html = result.metrics, result.examples, result.report_html
+        self.eval_suites = result.suites
+        cards.evaluation_card(current.card["evaluation"], result, self.eval_models)
+        self.next(self.register)
 
     @step
     def register(self):
@@ -94,7 +147,7 @@ class RecipeSteps(FlowSpec):
             f"Training: loss {summary['first_loss']:.3f} (step 1) -> {summary['final_loss']:.3f} "
             f"(mean of the last 10 steps) over {summary['steps']} steps, "
             f"{summary['tokens_per_s']:.0f} real tokens/s, {summary['num_parameters'] / 1e6:.2f}M parameters."))
-        heldout = {label: m["heldout_loss"] for label, m in self.eval_metrics.items()}
+        heldout = {label: m["heldout_loss"] for label, m in self.eval_metrics.items() if "heldout_loss" in m}
         card.append(cards.figure_image(plots.loss_curve(self.history, heldout), label="loss"))
         card.append(cards.figure_image(plots.throughput_curve(self.history), label="throughput"))
         curves = ("margin", "accuracy", "reward_chosen", "reward_rejected", "score_chosen", "score_rejected", "kd", "ce")

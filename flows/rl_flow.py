@@ -1,11 +1,12 @@
 """What the RL recipe flows share (GRPO, and its sweep): ingest prompts, tokenize them, run round
-tasks, evaluate with the recipe's rewards, draw the overview.
+tasks, say what evaluation reads, draw the overview.
 
 `RLRecipeFlow` is a `RecipeSteps` (start, verify, register, end) whose helpers are the bodies
 of the RL steps; each flow defines the steps themselves (their transitions differ: a sweep
 fans out before its rounds and joins after them), each a thin call of one helper:
 `_ingest_prompts`, `_tokenize_prompts`, `_round_task` (one task of the recursive `rl_round`
-step; sets `self.route` to "again" or "done"), `_evaluate_rl` and `_overview`.
+step; sets `self.route` to "again" or "done") and `_overview`; `_eval_data` gives the shared
+evaluation foreach the held-out prompts (the `rewards` suite scores them with the recipe's rewards).
 """
 
 from metaflow import current
@@ -65,22 +66,13 @@ class RLRecipeFlow(RecipeSteps):
             self.parent_dir, self.adapter_dir, self.sequence_classifier_dir = result.base_dir, None, None
             self.train_summary = rl.summary(self.history)
 
-    def _evaluate_rl(self):
-        """Base vs tuned on the held-out prompts: the recipe's reward on greedy answers, success
-        rate, pass@k over `grpo.eval_samples` samples; held-out loss and exact match of the
-        reference answers; an evidently report of the outputs."""
-        from posttrain.steps import evaluate, rl
+    def _eval_data(self):
+        """The held-out prompt records (rewards) and, as conversations, each prompt with its
+        reference answer (held-out loss and task metrics)."""
+        from posttrain.steps import rl
+        from posttrain.steps.eval_suites import EvalData
 
-        tokenizer = self._tokenizer()
-        chats = [rl.as_chat(r) for r in self.heldout_records]
-        result = evaluate.run(self.base_dir, self.checkpoint_dir, tokenizer, chats, self.recipe)
-        rewards = rl.evaluate_rewards({"base": self.base_dir, "tuned": self.checkpoint_dir}, self.recipe, tokenizer,
-                                      self.heldout_records)
-        self.eval_metrics = {label: {**result.metrics[label], **rewards[label]} for label in rewards}
-        self.eval_examples, self.evidently_html = result.examples, result.report_html
-        card = current.card["evaluation"]
-        cards.eval_section(card, self.eval_metrics)
-        cards.examples_table(card, self.eval_examples)
+        return EvalData(chats=[rl.as_chat(r) for r in self.heldout_records], prompts=list(self.heldout_records))
 
     def _overview(self):
         card = current.card["overview"]

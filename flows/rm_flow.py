@@ -20,11 +20,10 @@ standard error, base (the new head) vs tuned, with an evidently report of the sc
 (evaluate), and an overview with the accuracy and margin curves (end).
 """
 
-from metaflow import card, current, step
+from metaflow import card, step
 
 from posttrain.config.loader import DEFAULT_RM_CONFIG
 
-import recipe_cards as cards
 from pair_flow import PairRecipeFlow
 from recipe_configs import ValidateRecipe, recipe_configs
 
@@ -40,22 +39,6 @@ class RewardModelFlow(PairRecipeFlow):
         """One pass over the weighted mixture of pairs, best-fit packed: rows per epoch and efficiency."""
         self._pack_pairs()
         self.next(self.train)
-
-    @card(type="blank", id="evaluation")
-    @card(type="html", id="report", options={"attribute": "evidently_html"})
-    @step
-    def evaluate(self):
-        """Held-out pair accuracy (with its standard error), score margin and loss, base (the
-        starting model with its new head) vs tuned; an evidently report of the margins."""
-        from posttrain.steps import evaluate
-
-        result = evaluate.run_reward(self.base_dir, self.checkpoint_dir, self._tokenizer(), self.heldout_pairs,
-                                     self.heldout_records, self.recipe)
-        self.eval_metrics, self.eval_examples, self.evidently_html = result.metrics, result.examples, result.report_html
-        card = current.card["evaluation"]
-        cards.eval_section(card, self.eval_metrics)
-        cards.examples_table(card, self.eval_examples)
-        self.next(self.register)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Supervised fine-tuning, end to end: ingest -> tokenize -> pack -> train -> verify -> evaluate -> register.
+"""Supervised fine-tuning, end to end: ingest -> tokenize -> pack -> train -> verify -> evaluate (a foreach over the suites) -> register.
 
     python flows/sft_flow.py run                                   # the embedded demo (offline, CPU)
     python flows/sft_flow.py --config config configs/sft/qwen3-0.6b.yaml run
@@ -51,16 +51,6 @@ class SFTFlow(ChatRecipeFlow):
         """One pass over the weighted mixture, best-fit packed: rows per epoch and efficiency."""
         self._pack_chats()
         self.next(self.train)
-
-    @card(type="blank", id="evaluation")
-    @card(type="html", id="report", options={"attribute": "evidently_html"})
-    @step
-    def evaluate(self):
-        """Held-out loss and task metric, base vs tuned (the `evaluation` card: the table first,
-        then sample outputs), and an evidently report of their outputs (the `report` card, a
-        page of its own: `card get <run>/evaluate/<task> --id report`)."""
-        self._evaluate_chats()
-        self.next(self.register)
 
 
 if __name__ == "__main__":

@@ -1,184 +1,153 @@
-"""Evaluate: the untrained base and the tuned model side by side on held-out data.
+"""Evaluate: every model under test on the recipe's held-out data, one suite at a time.
 
-For each model: held-out loss (per token, assistant tokens only) and the task metric from
-greedy generation through the native rollout engine (exact match of the final assistant answer). An evidently report
-compares the two models' outputs (lengths, correctness). Preference recipes add the held-out
-pairs: DPO their log-prob and implicit-reward accuracies (`run_pairs`); a reward model
-(`run_reward`) is judged on the pairs alone: pair accuracy (chosen scored higher) with its
-standard error, mean score margin and the held-out Bradley-Terry loss.
+A flow's evaluation is a foreach (flows/recipe_flow.py): `models_under_test` names the models
+(the starting model `base`, the `tuned` one, extras such as a distillation teacher, and the
+version promoted now under the recipe's registry name, `promoted`, when there is one) and
+`suites_for` the suites (`eval.suites`, else the recipe's defaults); each branch runs one
+suite (`run_suite`); the join (`join`) merges their metrics by model, keeps each failed
+suite's error, draws a bar chart per suite and builds one evidently report comparing the
+tuned model's outputs with the base's and the promoted model's. `run` does all of it in one
+process (tests, notebooks, benchmarks). The suites themselves are `posttrain.steps.eval_suites`.
+
+A suite that raises becomes a `SuiteResult` with `error` set (the traceback printed); the other
+suites and the flow go on, and the card shows the error. If every suite fails, `join` raises.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+import traceback
+from dataclasses import dataclass, field
 
-import torch
-
-from posttrain.config.schema import RecipeConfig
-from posttrain.data.chat import end_of_turn_token_ids, render_prompt
-from posttrain.data.packer import iter_batches, pack_samples
+from posttrain.config.schema import DEFAULT_SUITES, RECIPES, RecipeConfig, SuiteConfig
 from posttrain.data.records import ChatRecord
-from posttrain.eval.heldout import evaluate_loss
-from posttrain.eval.metrics import exact_match
-from posttrain.eval.report import build_comparison_frame, evidently_report_html
-from posttrain.rl.engine import SamplingConfig
-from posttrain.rl.native import NativeEngine
-from posttrain.steps import tokenize as tokenize_step
+from posttrain.eval.report import evidently_comparison_html
+from posttrain.steps.eval_suites import SUITES, EvalData, ModelUnderTest, SuiteContext
 from posttrain.steps.train import pick_device
 from posttrain.steps.train_model import load_for_eval
 
 
 @dataclass
+class SuiteResult:
+    """One suite's outcome: its `name` and `kind`, metrics by model label (empty when it
+    failed), example and report rows (`eval_suites.SuiteOutput`), the `error` that stopped it
+    (None when it completed), and its wall time."""
+
+    name: str
+    kind: str
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    examples: list[dict] = field(default_factory=list)
+    report_rows: list[dict] = field(default_factory=list)
+    report_numerical: list[str] = field(default_factory=list)
+    report_categorical: list[str] = field(default_factory=list)
+    error: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass
 class EvalResult:
+    """The joined evaluation: `metrics` (model label -> metric -> value, every suite's metrics
+    merged; a suite named other than its kind prefixes its metrics with `NAME/`), `examples`,
+    the evidently `report_html`, and `suites` (each `SuiteResult`, failed ones included)."""
+
     metrics: dict[str, dict[str, float]]
     examples: list[dict]
     report_html: str
+    suites: list[SuiteResult] = field(default_factory=list)
+
+    @property
+    def errors(self) -> dict[str, str]:
+        return {s.name: s.error for s in self.suites if s.error}
 
 
-def prompt_and_reference(record: ChatRecord) -> tuple[list[dict], str]:
-    """Everything before the last assistant turn is the prompt; that turn's content the reference."""
-    last = max(i for i, m in enumerate(record.messages) if m["role"] == "assistant")
-    return record.messages[:last], record.messages[last]["content"]
+def recipe_kind(config: RecipeConfig) -> str:
+    return next(kind for kind, cls in RECIPES.items() if type(config) is cls)
 
 
-def run(base_dir: str, tuned_dir: str, tokenizer, heldout: list[ChatRecord], config: RecipeConfig,
-        others: dict[str, tuple[str, str]] | None = None) -> EvalResult:
-    """Held-out loss and exact match of the base and the tuned model (and of `others`: label ->
-    `(model directory, backend)`, e.g. a distillation recipe's teacher), and an evidently
-    report of the base's and the tuned model's outputs."""
-    if not heldout:
-        raise ValueError("evaluation needs held-out records: set data.heldout or data.heldout_fraction")
-    records = heldout[: config.eval.max_examples] if config.eval.max_examples else heldout
-    template_kwargs = config.tokenizer.chat_template_kwargs
-    samples, _ = tokenize_step.render(records, tokenizer, template_kwargs, desc="tokenize held-out")
-    rows, _ = pack_samples(samples, config.pack.row_length, tokenizer.pad_token_id, window=config.pack.window,
-                           on_overflow=config.pack.on_overflow)
-    prompts, references = zip(*(prompt_and_reference(r) for r in records))
-    prompt_ids = [render_prompt(tokenizer, messages, **template_kwargs) for messages in prompts]
-    stop_ids = set(end_of_turn_token_ids(tokenizer, **template_kwargs)) | {tokenizer.eos_token_id}
-    greedy = SamplingConfig(temperature=0, max_new_tokens=config.eval.max_new_tokens, stop_token_ids=tuple(stop_ids))
+def suites_for(config: RecipeConfig) -> list[SuiteConfig]:
+    """`eval.suites`, or the recipe's `DEFAULT_SUITES` when it names none."""
+    return list(config.eval.suites) or [SuiteConfig(kind) for kind in DEFAULT_SUITES[recipe_kind(config)]]
+
+
+def promoted_model(config: RecipeConfig) -> ModelUnderTest | None:
+    """The version promoted now under the recipe's registry name (`register.model_name`, else
+    the recipe's name), or None: never promoted, or `eval.compare_promoted` off."""
+    from posttrain.registry.local import list_versions
+    from posttrain.registry.promotion import promoted_version, select_entry
+
+    name = config.register.model_name or config.name
+    if not config.eval.compare_promoted:
+        return None
+    try:
+        versions = list_versions(config.register.registry_dir, name)
+    except ValueError:
+        return None
+    version = promoted_version(config.register.registry_dir, name) if versions else None
+    if version is None:
+        return None
+    entry = select_entry(config.register.registry_dir, name, version)
+    return ModelUnderTest("promoted", str(entry.model_path), reference=f"{name}:v{version}")
+
+
+def models_under_test(base_dir: str, tuned_dir: str, config: RecipeConfig,
+                      others: dict[str, tuple[str, str | None]] | None = None,
+                      promoted: bool = True) -> list[ModelUnderTest]:
+    """`base` (the starting model), `tuned`, each of `others` (label -> (directory, backend)) and,
+    with `promoted`, the registry's promoted version of the recipe's name (`promoted_model`)."""
+    models = [ModelUnderTest("base", str(base_dir)), ModelUnderTest("tuned", str(tuned_dir))]
+    models += [ModelUnderTest(label, str(d), backend) for label, (d, backend) in (others or {}).items()]
+    current = promoted_model(config) if promoted else None
+    if current is not None:
+        print(f"[evaluate] comparing with the promoted {current.reference} ({current.model_dir})")
+        models.append(current)
+    return models
+
+
+def run_suite(suite: SuiteConfig, models: list[ModelUnderTest], data: EvalData, config: RecipeConfig,
+              tokenizer) -> SuiteResult:
+    """Run one suite on every model; an error it raises is caught, printed with its traceback
+    and returned as the result's `error`."""
     device = pick_device(config.train.device)
 
+    def load(model: ModelUnderTest):
+        return load_for_eval(model.model_dir, config, device, backend=model.backend).eval()
+
+    started = time.perf_counter()
+    print(f"[evaluate] suite {suite.label!r} ({suite.kind}) on {', '.join(m.label for m in models)}")
+    try:
+        out = SUITES[suite.kind](models, data, SuiteContext(config, tokenizer, suite, load))
+    except Exception as err:  # a failed suite is reported, the others still run
+        traceback.print_exc()
+        print(f"[evaluate] suite {suite.label!r} failed: {type(err).__name__}: {err}")
+        return SuiteResult(suite.label, suite.kind, error=f"{type(err).__name__}: {err}",
+                           seconds=time.perf_counter() - started)
+    return SuiteResult(suite.label, suite.kind, out.metrics, [{**e, "suite": suite.label} for e in out.examples],
+                       out.report_rows, out.report_numerical, out.report_categorical,
+                       seconds=time.perf_counter() - started)
+
+
+def join(results: list[SuiteResult]) -> EvalResult:
+    """Merge the suites' metrics by model label and build the evidently report (tuned against
+    base, and against promoted when it was measured) from the suites' report rows."""
+    completed = [r for r in results if r.error is None]
+    if not completed:
+        raise RuntimeError("every evaluation suite failed: " + "; ".join(f"{r.name}: {r.error}" for r in results))
     metrics: dict[str, dict[str, float]] = {}
-    examples: list[dict] = []
-    models = [("base", base_dir, None), ("tuned", tuned_dir, None)]
-    models += [(label, model_dir, backend) for label, (model_dir, backend) in (others or {}).items()]
-    for label, model_dir, backend in models:
-        model = load_for_eval(model_dir, config, device, backend=backend).eval()
-        with torch.no_grad():
-            loss = evaluate_loss(model, iter_batches(rows, config.eval.batch_size))
-            engine = NativeEngine(model, max_batch_rows=config.eval.batch_size)
-            outputs = [group[0].content_ids for group in engine.generate(prompt_ids, greedy)]
-        del model, engine
-        predictions = [tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
-        correct = [exact_match(p, r) for p, r in zip(predictions, references)]
-        metrics[label] = {"heldout_loss": loss, "exact_match": sum(correct) / len(correct)}
-        print(f"[evaluate] {label}: held-out loss {loss:.4f}, exact match {metrics[label]['exact_match']:.3f}")
-        for messages, reference, prediction, ok, ids in zip(prompts, references, predictions, correct, outputs):
-            examples.append({"model": label, "prompt": messages[-1]["content"], "reference": reference,
-                             "prediction": prediction, "correct": ok, "output_length": len(ids)})
-    frame = build_comparison_frame([e for e in examples if e["model"] in ("base", "tuned")])
-    report_html = evidently_report_html(frame[frame.model == "base"], frame[frame.model == "tuned"])
-    return EvalResult(metrics=metrics, examples=examples, report_html=report_html)
+    for result in completed:
+        prefix = "" if result.name == result.kind else f"{result.name}/"
+        for label, values in result.metrics.items():
+            metrics.setdefault(label, {}).update({prefix + k: v for k, v in values.items()})
+    report_html = evidently_comparison_html(
+        [(r.name, r.report_rows, r.report_numerical, r.report_categorical) for r in completed if r.report_rows])
+    examples = [e for r in completed for e in r.examples]
+    return EvalResult(metrics, examples, report_html, list(results))
 
 
-def pair_logps(model, pairs, config, tokenizer) -> torch.Tensor:
-    """`model`'s response log-probabilities of `pairs`, by pair id (`reference_logps`' table)."""
-    from posttrain.objectives.dpo import reference_logps
-
-    shared = config.shared_prompt
-    return reference_logps(model, pairs, config.pack.row_length, tokenizer.pad_token_id,
-                           rows_per_batch=config.eval.batch_size, shared_prompt=shared, window=config.pack.window)
-
-
-def preference_metrics(table: torch.Tensor, reference: torch.Tensor, pairs) -> dict[str, float]:
-    """On held-out pairs, from a model's table and the reference's: how often the model gives
-    the chosen response a higher summed log-probability (`logp_accuracy`), and how often its
-    implicit reward margin `(c - c0) - (r - r0)` is positive (`reward_accuracy`, DPO's
-    preference accuracy; 0 for the reference itself) and its mean (`reward_margin`)."""
-    ids = torch.tensor([p.pair_id for p in pairs])
-    c, r = table[2 * ids], table[2 * ids + 1]
-    margin = (c - reference[2 * ids]) - (r - reference[2 * ids + 1])
-    return {"logp_accuracy": float((c > r).double().mean()), "reward_accuracy": float((margin > 0).double().mean()),
-            "reward_margin": float(margin.mean())}
-
-
-def run_pairs(base_dir: str, tuned_dir: str, tokenizer, heldout_pairs, heldout_chats: list[ChatRecord],
-              config: RecipeConfig) -> EvalResult:
-    """A preference recipe's evaluation: `run` (held-out loss and greedy exact match of the
-    chosen responses, base vs tuned, with the evidently report) plus `preference_metrics` on
-    the held-out pairs for both models (the base is the reference)."""
-    result = run(base_dir, tuned_dir, tokenizer, heldout_chats, config)
-    device = pick_device(config.train.device)
-    pairs = heldout_pairs[: config.eval.max_examples] if config.eval.max_examples else heldout_pairs
-    tables = {}
-    with torch.no_grad():
-        for label, model_dir in (("base", base_dir), ("tuned", tuned_dir)):
-            model = load_for_eval(model_dir, config, device).eval()
-            tables[label] = pair_logps(model, pairs, config, tokenizer)
-            del model
-    for label, table in tables.items():
-        result.metrics[label].update(preference_metrics(table, tables["base"], pairs))
-        m = result.metrics[label]
-        print(f"[evaluate] {label}: preference accuracy (log-prob) {m['logp_accuracy']:.3f}, "
-              f"reward accuracy {m['reward_accuracy']:.3f}, mean margin {m['reward_margin']:.3f}")
-    return result
-
-
-def _last_content(messages: list[dict]) -> str:
-    return messages[-1]["content"] if messages else ""
-
-
-def reward_metrics(scores: torch.Tensor, pairs) -> dict[str, float]:
-    """Held-out pair accuracy (chosen scored above rejected) with its binomial standard error,
-    the mean score margin and the mean Bradley-Terry loss `-log s(s_c - s_r)`, from a score
-    table by pair id (`posttrain.objectives.reward.score_pairs`)."""
-    import math
-
-    import torch.nn.functional as F
-
-    ids = torch.tensor([p.pair_id for p in pairs])
-    margin = scores[2 * ids] - scores[2 * ids + 1]
-    accuracy = float((margin > 0).double().mean())
-    return {"heldout_loss": float(-F.logsigmoid(margin.double()).mean()), "pair_accuracy": accuracy,
-            "pair_accuracy_se": math.sqrt(accuracy * (1 - accuracy) / len(pairs)),
-            "score_margin": float(margin.mean()), "pairs": len(pairs)}
-
-
-def run_reward(base_dir: str, tuned_dir: str, tokenizer, heldout_pairs, heldout_records,
-               config: RecipeConfig) -> EvalResult:
-    """A reward model's evaluation: `reward_metrics` on the held-out pairs for the starting
-    reward model (its new head) and the tuned one; examples list each pair's two scores, and
-    the evidently report compares the models' score margins and correctness."""
-    import pandas as pd
-
-    from posttrain.objectives.reward import score_pairs
-
-    device = pick_device(config.train.device)
-    limit = config.eval.max_examples
-    pairs = heldout_pairs[:limit] if limit else heldout_pairs
-    by_line = {(r.source, r.line): r for r in heldout_records}
-    metrics, examples, frames = {}, [], {}
-    for label, model_dir in (("base", base_dir), ("tuned", tuned_dir)):
-        model = load_for_eval(model_dir, config, device).eval()
-        table = score_pairs(model, pairs, config.pack.row_length, tokenizer.pad_token_id,
-                            rows_per_batch=config.eval.batch_size, shared_prompt=config.shared_prompt,
-                            window=config.pack.window)
-        del model
-        metrics[label] = reward_metrics(table, pairs)
-        m = metrics[label]
-        print(f"[evaluate] {label}: pair accuracy {m['pair_accuracy']:.3f} +- {m['pair_accuracy_se']:.3f} "
-              f"({m['pairs']} held-out pairs), mean margin {m['score_margin']:.3f}, loss {m['heldout_loss']:.4f}")
-        rows = []
-        for pair in pairs:
-            s_c, s_r = float(table[2 * pair.pair_id]), float(table[2 * pair.pair_id + 1])
-            record = by_line.get((pair.source, pair.line))
-            prompt, chosen, rejected = ((_last_content(record.prompt), _last_content(record.chosen),
-                                         _last_content(record.rejected)) if record is not None else ("", "", ""))
-            rows.append({"margin": s_c - s_r, "correct": s_c > s_r})
-            examples.append({"model": label, "prompt": prompt, "reference": chosen,
-                             "prediction": f"{s_c:+.2f} vs {s_r:+.2f} for {rejected!r}", "correct": s_c > s_r,
-                             "output_length": len(pair.chosen_ids)})
-        frames[label] = pd.DataFrame(rows)
-    report_html = evidently_report_html(frames["base"], frames["tuned"], numerical=["margin"], categorical=["correct"])
-    return EvalResult(metrics=metrics, examples=examples, report_html=report_html)
+def run(base_dir: str, tuned_dir: str, tokenizer, heldout: EvalData | list[ChatRecord], config: RecipeConfig,
+        others: dict[str, tuple[str, str | None]] | None = None, promoted: bool = False) -> EvalResult:
+    """The whole evaluation in this process: the recipe's suites, one after another, on `base`,
+    `tuned`, `others` and (with `promoted`) the promoted model; `heldout` is an `EvalData` or a
+    list of held-out conversations."""
+    data = heldout if isinstance(heldout, EvalData) else EvalData(chats=list(heldout))
+    models = models_under_test(base_dir, tuned_dir, config, others, promoted=promoted)
+    return join([run_suite(s, models, data, config, tokenizer) for s in suites_for(config)])

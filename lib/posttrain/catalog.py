@@ -91,3 +91,24 @@ def resolve_columns(format_name: str, fields: Mapping[str, Any] | None = None, *
     if format_name in COLUMN_CHECKS:
         COLUMN_CHECKS[format_name](columns)
     return columns
+
+
+def import_callable(path: str, what: str) -> Callable:
+    """The callable a config names by import path, `package.module:function` (or
+    `package.module.function`), for user functions (reward functions, evaluation suites).
+    Raises `LookupError` saying `what` named it and why it cannot be had."""
+    import importlib
+
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise LookupError(f"{what}: expected 'package.module:function', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise LookupError(f"{what}: cannot import {module_name!r} ({err})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise LookupError(f"{what}: {module_name!r} has no callable {attr!r}")
+    return fn

@@ -23,11 +23,32 @@ def loss_curve(history: list[dict], heldout: dict | None = None):
     fig, ax = _figure()
     ax.plot([h["step"] for h in history], [h["loss"] for h in history], lw=1.2, label="train loss")
     for label, value in (heldout or {}).items():
-        ax.axhline(value, ls="--", lw=1, color="tab:red" if label == "base" else "tab:green",
+        ax.axhline(value, ls="--", lw=1, color=MODEL_COLOURS.get(label, "tab:gray"),
                    label=f"held-out ({label})")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (per token)")
     ax.legend(loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+MODEL_COLOURS = {"base": "tab:red", "tuned": "tab:green", "promoted": "tab:blue"}
+
+
+def suite_bars(metrics: dict[str, dict[str, float]], title: str = ""):
+    """One evaluation suite's metrics (model label -> metric -> value), one panel per metric
+    (at most 6, in the order of the first model's), a bar per model."""
+    names = [k for k in next(iter(metrics.values()), {})][:6]
+    fig, axes = plt.subplots(1, max(len(names), 1), figsize=(2.6 * max(len(names), 1), 2.8), squeeze=False)
+    labels = list(metrics)
+    for ax, name in zip(axes[0], names):
+        values = [metrics[label].get(name, float("nan")) for label in labels]
+        ax.bar(labels, values, color=[MODEL_COLOURS.get(label, "tab:gray") for label in labels])
+        ax.set_title(name, fontsize=9)
+        ax.tick_params(axis="x", labelsize=8, rotation=30)
+        ax.grid(alpha=0.3, axis="y")
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     return fig
 

@@ -1,4 +1,4 @@
-"""Base-vs-tuned comparison: a tidy frame of held-out predictions and an evidently report.
+"""Model comparisons: a tidy frame of held-out predictions and evidently reports.
 
 The evidently report treats the base model's outputs as the reference data and the tuned
 model's as the current data, and compares two columns: `output_length` (numerical, generated
@@ -76,3 +76,33 @@ def evidently_report_html(base_df: pd.DataFrame, tuned_df: pd.DataFrame, numeric
         warnings.simplefilter("ignore")
         snapshot = report.run(current, reference)
         return snapshot.get_html_str(as_iframe=False)
+
+
+# (suite name, report rows (each with `model`), numerical columns, categorical columns)
+ReportSection = tuple[str, list[dict], list[str], list[str]]
+
+
+def evidently_comparison_html(sections: list[ReportSection]) -> str:
+    """One HTML page comparing the tuned model's outputs with the base's and, where the suite
+    measured it, the promoted model's: an evidently report per suite and comparison (the
+    other model as reference data, the tuned one as current). A single report is returned as
+    evidently's own page; several are stacked on one page under headings, each in an inline
+    frame. No section (no suite produced report rows): a page that says so."""
+    import html
+
+    reports = []
+    for name, rows, numerical, categorical in sections:
+        frame = pd.DataFrame(rows)
+        for reference in ("base", "promoted"):
+            if (frame.model == reference).any() and (frame.model == "tuned").any():
+                page = evidently_report_html(frame[frame.model == reference], frame[frame.model == "tuned"],
+                                             numerical=numerical, categorical=categorical)
+                reports.append((f"{name}: tuned (current) against {reference} (reference)", page))
+    if not reports:
+        return "<html><body><p>No evaluation suite produced per-example outputs to compare.</p></body></html>"
+    if len(reports) == 1:
+        return reports[0][1]
+    parts = [f'<h2>{html.escape(title)}</h2>\n<iframe srcdoc="{html.escape(page, quote=True)}" '
+             'style="width:100%;height:1400px;border:0"></iframe>' for title, page in reports]
+    return ("<html><head><meta charset='utf-8'><title>Evaluation report</title></head><body>\n"
+            "<h1>Evaluation report</h1>\n" + "\n".join(parts) + "\n</body></html>")

@@ -29,7 +29,6 @@ expression), `length` (0 up to `target` characters, falling linearly to -1 at `l
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 import threading
@@ -37,6 +36,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from posttrain.catalog import import_callable
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -160,20 +161,13 @@ def resolve_reward(name: str) -> Callable:
     """A built-in's short name (`BUILTINS`) or `package.module:function` (also `package.module.function`)."""
     if name in BUILTINS:
         return BUILTINS[name]
-    module_name, sep, attr = name.partition(":")
-    if not sep:
-        module_name, _, attr = name.rpartition(".")
-    if not module_name or not attr:
+    if ":" not in name and "." not in name:
         raise RewardError(f"reward function {name!r}: expected a built-in ({', '.join(BUILTINS)}) or "
                           "'package.module:function'")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise RewardError(f"reward function {name!r}: cannot import {module_name!r} ({err})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise RewardError(f"reward function {name!r}: {module_name!r} has no callable {attr!r}")
-    return fn
+        return import_callable(name, f"reward function {name!r}")
+    except LookupError as err:
+        raise RewardError(str(err)) from None
 
 
 # ---------------------------------------------------------------- scoring

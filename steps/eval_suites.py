@@ -1,0 +1,332 @@
+"""The built-in evaluation suites, one function per `SuiteConfig.kind` (`SUITES`).
+
+Every suite has the same signature, `suite(models, data, ctx) -> SuiteOutput`: it measures each
+model under test (`ModelUnderTest`, loaded one at a time with `ctx.load`) on the held-out data
+(`EvalData`) and returns metrics by model label, example rows for the card, and report rows
+(one row per model and example, with the columns the evidently report compares). Suites do
+not catch their own errors: `posttrain.steps.evaluate.run_suite` turns a raised error into a
+failed suite, so the other suites still run.
+
+- `heldout_loss`: per-token loss of the reference answers (assistant tokens only) and its perplexity.
+- `task`: greedy answers from the native rollout engine, exact (numeric where the reference is a
+  number) match against the references, mean answer length, the share cut at `max_new_tokens`;
+  with `samples: n > 1` also n answers per prompt at `temperature`: `pass_at_n` (any correct)
+  and `sampled_exact_match`.
+- `preference`: on held-out pairs, log-prob and implicit-reward accuracy against the `base`
+  model as the reference (DPO's preference accuracy), and the mean implicit-reward margin.
+- `reward_pairs`: a reward model's held-out pair accuracy with its standard error, score margin
+  and Bradley-Terry loss.
+- `rewards`: the RL recipe's reward functions (a reward model among them) on greedy and sampled
+  answers to the held-out prompts (`posttrain.steps.rl.evaluate_rewards`).
+- `reward_model`: each model's greedy answers scored by a registered reward model
+  (`kwargs.model`, `posttrain.rl.rewards.reward_model`): `reward_model_score` (mean) and its
+  standard error; the scores go into the report.
+- `python`: a user's `package.module:function`, called once per model as
+  `function(model, tokenizer, data, **kwargs)`, returning `{metric: number}`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from posttrain.catalog import import_callable
+from posttrain.config.schema import RecipeConfig, SuiteConfig
+from posttrain.data.chat import end_of_turn_token_ids, render_prompt
+from posttrain.data.packer import iter_batches, pack_samples
+from posttrain.data.records import ChatRecord
+from posttrain.eval.heldout import evaluate_loss
+from posttrain.eval.metrics import exact_match
+from posttrain.rl.engine import SamplingConfig
+from posttrain.rl.native import NativeEngine
+from posttrain.steps import tokenize as tokenize_step
+
+
+@dataclass(frozen=True)
+class ModelUnderTest:
+    """A model the evaluation compares: its `label` in every table (`base`, `tuned`, `promoted`,
+    `teacher`), its directory, the backend that loads it (None: the recipe's) and, for a
+    registry entry, its reference (`NAME:vVERSION`)."""
+
+    label: str
+    model_dir: str
+    backend: str | None = None
+    reference: str | None = None
+
+
+@dataclass
+class EvalData:
+    """The recipe's held-out data, as the suites read it: `chats` (conversations whose last
+    assistant turn is the reference answer), `pairs` (tokenized preference pairs) with their
+    `pair_records`, and `prompts` (an RL recipe's prompt records). A recipe fills what it has."""
+
+    chats: list[ChatRecord] = field(default_factory=list)
+    pairs: list = field(default_factory=list)
+    pair_records: list = field(default_factory=list)
+    prompts: list = field(default_factory=list)
+
+
+@dataclass
+class SuiteContext:
+    """What a suite needs besides the models and the data: the recipe, its tokenizer, the
+    suite's own config, and `load(model)` (an evaluation-mode model on the recipe's device)."""
+
+    config: RecipeConfig
+    tokenizer: object
+    suite: SuiteConfig
+    load: Callable[[ModelUnderTest], torch.nn.Module]
+
+    @property
+    def max_examples(self) -> int | None:
+        return self.suite.max_examples or self.config.eval.max_examples
+
+    def head(self, items: list) -> list:
+        return items[: self.max_examples] if self.max_examples else items
+
+
+@dataclass
+class SuiteOutput:
+    """What a suite measured: `metrics` (model label -> metric -> value), `examples` (rows with
+    `model`, `prompt`, `reference`, `prediction`, `correct`, `output_length`), `report_rows`
+    (rows with `model` and the `report_numerical` / `report_categorical` columns)."""
+
+    metrics: dict[str, dict[str, float]]
+    examples: list[dict] = field(default_factory=list)
+    report_rows: list[dict] = field(default_factory=list)
+    report_numerical: list[str] = field(default_factory=list)
+    report_categorical: list[str] = field(default_factory=list)
+
+
+def _needs(items: list, what: str, kind: str) -> list:
+    if not items:
+        raise ValueError(f"the {kind!r} suite needs {what}, and this recipe's held-out data has none")
+    return items
+
+
+def prompt_and_reference(record: ChatRecord) -> tuple[list[dict], str]:
+    """Everything before the last assistant turn is the prompt; that turn's content the reference."""
+    last = max(i for i, m in enumerate(record.messages) if m["role"] == "assistant")
+    return record.messages[:last], record.messages[last]["content"]
+
+
+def heldout_loss(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> SuiteOutput:
+    config, tokenizer = ctx.config, ctx.tokenizer
+    records = ctx.head(_needs(data.chats, "held-out conversations", "heldout_loss"))
+    samples, _ = tokenize_step.render(records, tokenizer, config.tokenizer.chat_template_kwargs, desc="tokenize held-out")
+    rows, _ = pack_samples(samples, config.pack.row_length, tokenizer.pad_token_id, window=config.pack.window,
+                           on_overflow=config.pack.on_overflow)
+    metrics = {}
+    for model_ref in models:
+        model = ctx.load(model_ref)
+        with torch.no_grad():
+            loss = evaluate_loss(model, iter_batches(rows, config.eval.batch_size))
+        del model
+        metrics[model_ref.label] = {"heldout_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+        print(f"[evaluate] {model_ref.label}: held-out loss {loss:.4f} (perplexity {math.exp(min(loss, 50.0)):.2f})")
+    return SuiteOutput(metrics)
+
+
+def _prompts_and_references(data: EvalData, ctx: SuiteContext, kind: str):
+    """The held-out prompts (messages and rendered ids), their references and the stop ids."""
+    config, tokenizer = ctx.config, ctx.tokenizer
+    records = ctx.head(_needs(data.chats, "held-out conversations", kind))
+    template_kwargs = config.tokenizer.chat_template_kwargs
+    prompts, references = zip(*(prompt_and_reference(r) for r in records))
+    prompt_ids = [render_prompt(tokenizer, messages, **template_kwargs) for messages in prompts]
+    stop_ids = tuple(sorted(set(end_of_turn_token_ids(tokenizer, **template_kwargs)) | {tokenizer.eos_token_id}))
+    return list(prompts), list(references), prompt_ids, stop_ids
+
+
+def _greedy(config: RecipeConfig, stop_ids: tuple[int, ...]) -> SamplingConfig:
+    return SamplingConfig(temperature=0, max_new_tokens=config.eval.max_new_tokens, stop_token_ids=stop_ids)
+
+
+def task(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> SuiteOutput:
+    config, tokenizer, suite = ctx.config, ctx.tokenizer, ctx.suite
+    prompts, references, prompt_ids, stop_ids = _prompts_and_references(data, ctx, "task")
+    greedy = _greedy(config, stop_ids)
+    sampled = SamplingConfig(n=suite.samples, temperature=suite.temperature, max_new_tokens=config.eval.max_new_tokens,
+                             stop_token_ids=stop_ids, seed=config.seed)
+    output = SuiteOutput({}, report_numerical=["output_length"], report_categorical=["correct"])
+    for model_ref in models:
+        model = ctx.load(model_ref)
+        engine = NativeEngine(model, max_batch_rows=max(config.eval.batch_size, suite.samples))
+        with torch.no_grad():
+            answers = [group[0] for group in engine.generate(prompt_ids, greedy)]
+            groups = engine.generate(prompt_ids, sampled) if suite.samples > 1 else None
+        del model, engine
+        predictions = [tokenizer.decode(a.content_ids, skip_special_tokens=True) for a in answers]
+        correct = [exact_match(p, r) for p, r in zip(predictions, references)]
+        m = {"exact_match": sum(correct) / len(correct),
+             "output_length": sum(len(a.content_ids) for a in answers) / len(answers),
+             "truncated": sum(a.finish_reason == "length" for a in answers) / len(answers)}
+        if groups is not None:
+            hits = [[exact_match(tokenizer.decode(c.content_ids, skip_special_tokens=True), ref) for c in group]
+                    for group, ref in zip(groups, references)]
+            m[f"pass_at_{suite.samples}"] = sum(any(h) for h in hits) / len(hits)
+            m["sampled_exact_match"] = sum(sum(h) for h in hits) / (len(hits) * suite.samples)
+        output.metrics[model_ref.label] = m
+        shown = ", ".join(f"{k} {v:.3f}" for k, v in m.items())
+        print(f"[evaluate] {model_ref.label}: {shown}")
+        for messages, reference, prediction, ok, answer in zip(prompts, references, predictions, correct, answers):
+            row = {"model": model_ref.label, "prompt": messages[-1]["content"], "reference": reference,
+                   "prediction": prediction, "correct": ok, "output_length": len(answer.content_ids)}
+            output.examples.append(row)
+            output.report_rows.append({"model": model_ref.label, "output_length": row["output_length"], "correct": ok})
+    return output
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    prompt: list[dict]  # what `rewards.reward_model` reads of a record
+
+
+def reward_model(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> SuiteOutput:
+    from posttrain.rl import rewards as reward_functions
+
+    config, tokenizer = ctx.config, ctx.tokenizer
+    prompts, _, prompt_ids, stop_ids = _prompts_and_references(data, ctx, "reward_model")
+    kwargs = {"registry_dir": config.register.registry_dir, "row_length": config.pack.row_length,
+              "batch_size": config.eval.batch_size, **ctx.suite.kwargs}
+    output = SuiteOutput({}, report_numerical=["score"])
+    for model_ref in models:
+        model = ctx.load(model_ref)
+        with torch.no_grad():
+            answers = [g[0] for g in NativeEngine(model, max_batch_rows=config.eval.batch_size).generate(
+                prompt_ids, _greedy(config, stop_ids))]
+        del model
+        texts = [tokenizer.decode(a.content_ids, skip_special_tokens=True) for a in answers]
+        scores = reward_functions.reward_model(texts, [_Prompt(p) for p in prompts], **kwargs)
+        mean = sum(scores) / len(scores)
+        spread = math.sqrt(sum((s - mean) ** 2 for s in scores) / max(len(scores) - 1, 1))
+        output.metrics[model_ref.label] = {"reward_model_score": mean,
+                                           "reward_model_score_se": spread / math.sqrt(len(scores))}
+        print(f"[evaluate] {model_ref.label}: reward-model score {mean:.4f} over {len(scores)} answers")
+        for messages, text, score in zip(prompts, texts, scores):
+            output.report_rows.append({"model": model_ref.label, "score": score})
+            output.examples.append({"model": model_ref.label, "prompt": messages[-1]["content"], "reference": "",
+                                    "prediction": f"{text!r} ({score:+.3f})", "correct": score > 0,
+                                    "output_length": len(tokenizer.encode(text, add_special_tokens=False))})
+    return output
+
+
+def preference(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> SuiteOutput:
+    from posttrain.objectives.dpo import reference_logps
+
+    config = ctx.config
+    pairs = ctx.head(_needs(data.pairs, "held-out preference pairs", "preference"))
+    if models[0].label != "base":
+        raise ValueError("the preference suite measures against the starting model: models[0] must be 'base'")
+    tables = {}
+    for model_ref in models:
+        model = ctx.load(model_ref)
+        with torch.no_grad():
+            tables[model_ref.label] = reference_logps(
+                model, pairs, config.pack.row_length, ctx.tokenizer.pad_token_id, rows_per_batch=config.eval.batch_size,
+                shared_prompt=config.shared_prompt, window=config.pack.window)
+        del model
+    metrics = {}
+    for label, table in tables.items():
+        metrics[label] = m = preference_metrics(table, tables["base"], pairs)
+        print(f"[evaluate] {label}: preference accuracy (log-prob) {m['logp_accuracy']:.3f}, "
+              f"reward accuracy {m['reward_accuracy']:.3f}, mean margin {m['reward_margin']:.3f}")
+    return SuiteOutput(metrics)
+
+
+def preference_metrics(table: torch.Tensor, reference: torch.Tensor, pairs) -> dict[str, float]:
+    """On held-out pairs, from a model's table and the reference's: how often the model gives
+    the chosen response a higher summed log-probability (`logp_accuracy`), and how often its
+    implicit reward margin `(c - c0) - (r - r0)` is positive (`reward_accuracy`, DPO's
+    preference accuracy; 0 for the reference itself) and its mean (`reward_margin`)."""
+    ids = torch.tensor([p.pair_id for p in pairs])
+    c, r = table[2 * ids], table[2 * ids + 1]
+    margin = (c - reference[2 * ids]) - (r - reference[2 * ids + 1])
+    return {"logp_accuracy": float((c > r).double().mean()), "reward_accuracy": float((margin > 0).double().mean()),
+            "reward_margin": float(margin.mean())}
+
+
+def reward_metrics(scores: torch.Tensor, pairs) -> dict[str, float]:
+    """Held-out pair accuracy (chosen scored above rejected) with its binomial standard error,
+    the mean score margin and the mean Bradley-Terry loss `-log s(s_c - s_r)`, from a score
+    table by pair id (`posttrain.objectives.reward.score_pairs`)."""
+    import torch.nn.functional as F
+
+    ids = torch.tensor([p.pair_id for p in pairs])
+    margin = scores[2 * ids] - scores[2 * ids + 1]
+    accuracy = float((margin > 0).double().mean())
+    return {"heldout_loss": float(-F.logsigmoid(margin.double()).mean()), "pair_accuracy": accuracy,
+            "pair_accuracy_se": math.sqrt(accuracy * (1 - accuracy) / len(pairs)),
+            "score_margin": float(margin.mean()), "pairs": len(pairs)}
+
+
+def _last_content(messages: list[dict]) -> str:
+    return messages[-1]["content"] if messages else ""
+
+
+def reward_pairs(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> SuiteOutput:
+    from posttrain.objectives.reward import score_pairs
+
+    config = ctx.config
+    pairs = ctx.head(_needs(data.pairs, "held-out preference pairs", "reward_pairs"))
+    by_line = {(r.source, r.line): r for r in data.pair_records}
+    output = SuiteOutput({}, report_numerical=["margin"], report_categorical=["correct"])
+    for model_ref in models:
+        model = ctx.load(model_ref)
+        with torch.no_grad():
+            table = score_pairs(model, pairs, config.pack.row_length, ctx.tokenizer.pad_token_id,
+                                rows_per_batch=config.eval.batch_size, shared_prompt=config.shared_prompt,
+                                window=config.pack.window)
+        del model
+        output.metrics[model_ref.label] = m = reward_metrics(table, pairs)
+        print(f"[evaluate] {model_ref.label}: pair accuracy {m['pair_accuracy']:.3f} +- {m['pair_accuracy_se']:.3f} "
+              f"({m['pairs']} held-out pairs), mean margin {m['score_margin']:.3f}, loss {m['heldout_loss']:.4f}")
+        for pair in pairs:
+            s_c, s_r = float(table[2 * pair.pair_id]), float(table[2 * pair.pair_id + 1])
+            record = by_line.get((pair.source, pair.line))
+            prompt, chosen, rejected = ((_last_content(record.prompt), _last_content(record.chosen),
+                                         _last_content(record.rejected)) if record is not None else ("", "", ""))
+            output.report_rows.append({"model": model_ref.label, "margin": s_c - s_r, "correct": s_c > s_r})
+            output.examples.append({"model": model_ref.label, "prompt": prompt, "reference": chosen,
+                                    "prediction": f"{s_c:+.2f} vs {s_r:+.2f} for {rejected!r}", "correct": s_c > s_r,
+                                    "output_length": len(pair.chosen_ids)})
+    return output
+
+
+def rewards(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> SuiteOutput:
+    from posttrain.steps import rl
+
+    prompts = ctx.head(_needs(data.prompts, "held-out prompts", "rewards"))
+    metrics = rl.evaluate_rewards({m.label: m.model_dir for m in models}, ctx.config, ctx.tokenizer, prompts)
+    return SuiteOutput(metrics)
+
+
+def python(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> SuiteOutput:
+    suite = ctx.suite
+    function = import_callable(suite.function, f"eval suite {suite.label!r}")
+    limited = EvalData(chats=ctx.head(data.chats), pairs=ctx.head(data.pairs), pair_records=data.pair_records,
+                       prompts=ctx.head(data.prompts))
+    metrics = {}
+    for model_ref in models:
+        model = ctx.load(model_ref)
+        with torch.no_grad():
+            values = function(model, ctx.tokenizer, limited, **suite.kwargs)
+        del model
+        if not isinstance(values, dict) or not values:
+            raise TypeError(f"eval suite {suite.label!r}: {suite.function} returned {type(values).__name__}, "
+                            "expected a non-empty dict of metric name -> number")
+        bad = {k: v for k, v in values.items() if not isinstance(k, str) or isinstance(v, bool)
+               or not isinstance(v, (int, float))}
+        if bad:
+            raise TypeError(f"eval suite {suite.label!r}: {suite.function} returned non-numeric metrics {bad}")
+        metrics[model_ref.label] = {k: float(v) for k, v in values.items()}
+        print(f"[evaluate] {model_ref.label}: {suite.label} {metrics[model_ref.label]}")
+    return SuiteOutput(metrics)
+
+
+SUITES: dict[str, Callable[[list[ModelUnderTest], EvalData, SuiteContext], SuiteOutput]] = {
+    "heldout_loss": heldout_loss, "task": task, "preference": preference, "reward_pairs": reward_pairs,
+    "rewards": rewards, "reward_model": reward_model, "python": python,
+}
