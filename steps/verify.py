@@ -64,6 +64,24 @@ def run(model_dir: str, verify: VerifyConfig, device: str = "cpu", backend: str 
     return verdict
 
 
+def vllm_chat(model_dir: str, mode: str):
+    """A vLLM `LLM` over the export for the skew gate (`verify.skew_vllm`): "auto" when vllm is
+    installed in this environment, "on" always (an error naming the setting when it is not),
+    "off" never. None when not used."""
+    import importlib.util
+
+    installed = importlib.util.find_spec("vllm") is not None
+    if mode == "off" or (mode == "auto" and not installed):
+        return None
+    if not installed:
+        raise SkewError("verify.skew_vllm is 'on' but vllm is not installed in this environment "
+                        "(make setup-vllm, or set verify.skew_vllm: auto)")
+    from posttrain.rl.vllm_engine import chat_llm
+
+    print(f"[verify] skew gate: starting vLLM over {model_dir} for its chat preprocessing")
+    return chat_llm(model_dir)
+
+
 def skew_gate(model_dir: str, tokenizer, records: dict[str, list] | list, config: RecipeConfig) -> dict | None:
     """Run `posttrain.verify.skew.check_skew` on up to `verify.skew_samples` records of every
     training source (chat, preference or prompt records) against the export at `model_dir`;
@@ -74,8 +92,12 @@ def skew_gate(model_dir: str, tokenizer, records: dict[str, list] | list, config
         print("[verify] skew gate off (verify.skew_samples: 0)")
         return None
     flat = [r for group in records.values() for r in group] if isinstance(records, dict) else list(records)
-    report = check_skew(tokenizer, model_dir, flat, template_kwargs=config.tokenizer.chat_template_kwargs,
-                        per_source=samples, seed=config.train.seed)
+    llm = vllm_chat(model_dir, config.verify.skew_vllm)
+    try:
+        report = check_skew(tokenizer, model_dir, flat, template_kwargs=config.tokenizer.chat_template_kwargs,
+                            per_source=samples, seed=config.train.seed, vllm_llm=llm)
+    finally:
+        del llm
     if isinstance(config, RMConfig):  # a reward model scores; it is not asked to stop
         report.missing_stop_ids, report.stop_message = [], None
     print(f"[verify] {report.describe()}")

@@ -170,8 +170,10 @@ def test_transformers_backend_recipe_trains_and_exports_a_model_we_do_not_implem
 @pytest.mark.slow
 def test_a_short_bf16_run_reaches_the_float32_held_out_loss(tmp_path):
     """300 steps of the tiny recipe, float32 against bf16 mixed precision (bf16 decoder and
-    bf16 output projection where the CPU has native bf16): held-out losses within 2% (measured
-    figures in docs/benchmarks.md)."""
+    bf16 output projection where the CPU has native bf16): held-out losses within 5%, the size
+    of float32's own seed-to-seed spread on this tiny model (2.6% over seeds 0-2 on an Intel
+    Xeon with AVX512-BF16, where bf16 landed 0.8-3.0% from float32 of the same seed; 0.5% on an
+    AMD Zen 4; docs/benchmarks.md)."""
     from posttrain.ops.precision import cpu_bf16_feature
     from posttrain.steps import evaluate, ingest, train
 
@@ -190,7 +192,7 @@ def test_a_short_bf16_run_reaches_the_float32_held_out_loss(tmp_path):
         held[mixed] = (metrics["base"]["heldout_loss"], metrics["tuned"]["heldout_loss"])
     (base, fp32), (_, bf16) = held["no"], held["bf16"]
     assert fp32 < base - 1.0 and bf16 < base - 1.0, held  # both learned
-    assert abs(bf16 - fp32) / fp32 < 0.02, held
+    assert abs(bf16 - fp32) / fp32 < 0.05, held
 
 
 def test_the_sft_objective_keeps_the_tiny_trajectory_bit_for_bit(tmp_path):

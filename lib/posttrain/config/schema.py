@@ -298,6 +298,8 @@ class VerifyConfig:
     # the train/serve skew gate (`posttrain.verify.skew`): training records per source that the
     # exported directory must tokenize as training did; 0 turns the gate off
     skew_samples: int = bounded(32, ge=0)
+    # also through vLLM's chat preprocessing (`LLM.chat` over the export): auto = when vllm is installed
+    skew_vllm: Literal["auto", "on", "off"] = "auto"
 
 
 # evaluation suite kind -> the recipes it applies to (the held-out data it reads)

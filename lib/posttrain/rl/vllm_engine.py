@@ -57,6 +57,20 @@ def cpu_settings() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+def chat_llm(model_dir: str | os.PathLike, max_model_len: int = 2048, **llm_kwargs: Any):
+    """A `vllm.LLM` over an exported directory with its tokenizer, for vLLM's chat preprocessing
+    (the skew gate's `VLLMServing`); on CPU with the settings above. The caller deletes it."""
+    cpu = not torch.cuda.is_available()
+    if cpu:
+        cpu_settings()
+    from vllm import LLM
+
+    settings = dict(model=str(model_dir), dtype="float32", max_model_len=max_model_len, seed=0)
+    if cpu:
+        settings.update(enforce_eager=True, distributed_executor_backend="uni", max_num_batched_tokens=65536)
+    return LLM(**{**settings, **llm_kwargs})
+
+
 class VLLMEngine:
     """A `RolloutEngine` over vLLM (module docstring). `model_dir` is an HF checkpoint one of our
     architectures loads (the reference engine needs it); `probes` are the sync-check prompts."""

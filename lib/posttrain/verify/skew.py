@@ -21,6 +21,11 @@ them on a sample of the training records and fails on the first difference:
   id of the exported `generation_config.json` (or of `config.json` without one); otherwise a
   server would generate past the end of the answer.
 
+The serving side is `TransformersServing` (the exported directory's `AutoTokenizer`), and,
+when the caller passes a vLLM `LLM` over the exported directory, also `VLLMServing`: vLLM's
+own chat preprocessing (`LLM.chat`, the path its OpenAI server takes), whose prompt token ids
+must equal training's too (its mismatches are labelled `vllm: ...`).
+
 `SkewReport.passed` is the verdict; each mismatch names the record (source and line), what
 was compared, the first differing position, and the tokens around it decoded side by side.
 """
@@ -70,11 +75,12 @@ class SkewReport:
     serving_dir: str
     checked: dict[str, int] = field(default_factory=dict)  # comparisons made, by kind
     mismatched: int = 0
-    mismatches: list[SkewMismatch] = field(default_factory=list)  # the first MAX_REPORTED
+    mismatches: list[SkewMismatch] = field(default_factory=list)  # the first MAX_REPORTED of each stack
     end_of_turn_ids: list[int] = field(default_factory=list)
     serving_stop_ids: list[int] = field(default_factory=list)
     missing_stop_ids: list[int] = field(default_factory=list)
     stop_message: str | None = None
+    serving_stacks: list[str] = field(default_factory=lambda: ["transformers"])  # what rendered the serving side
 
     @property
     def passed(self) -> bool:
@@ -86,8 +92,8 @@ class SkewReport:
     def describe(self) -> str:
         """A readable verdict: what was checked, then every reported difference."""
         checked = ", ".join(f"{n} {kind}" for kind, n in sorted(self.checked.items())) or "nothing"
-        lines = [f"skew gate {'passed' if self.passed else 'FAILED'} for {self.serving_dir}: checked {checked}; "
-                 f"{self.mismatched} token mismatches"]
+        lines = [f"skew gate {'passed' if self.passed else 'FAILED'} for {self.serving_dir} "
+                 f"({' and '.join(self.serving_stacks)}): checked {checked}; {self.mismatched} token mismatches"]
         lines += [m.describe() for m in self.mismatches]
         if self.stop_message:
             lines.append(self.stop_message)
@@ -141,12 +147,55 @@ def sample_records(records: Iterable[Any], per_source: int = DEFAULT_SAMPLES, se
     return picked
 
 
+class TransformersServing:
+    """The serving stack as `transformers` renders a request: the exported tokenizer's
+    `apply_chat_template`."""
+
+    label = ""
+
+    def __init__(self, tokenizer, template_kwargs: dict):
+        self.tokenizer, self.kwargs = tokenizer, template_kwargs
+
+    def prompt(self, messages: list[dict]) -> list[int]:
+        return prompt_ids(self.tokenizer, messages, self.kwargs)
+
+    def conversation(self, messages: list[dict]) -> list[int]:
+        return template_ids(self.tokenizer.apply_chat_template(messages, tokenize=True, **self.kwargs))
+
+
+class VLLMServing:
+    """The serving stack as vLLM renders a request: `LLM.chat` over the exported directory (its
+    chat template, its tokenizer, its preprocessing), one token generated and discarded; the
+    request's `prompt_token_ids` are what the model is served."""
+
+    label = "vllm: "
+
+    def __init__(self, llm, template_kwargs: dict):
+        self.llm, self.kwargs = llm, template_kwargs
+        self.tokenizer = llm.get_tokenizer()
+
+    def _served(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        from vllm import SamplingParams
+
+        out = self.llm.chat([messages], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False,
+                            add_generation_prompt=add_generation_prompt, chat_template_kwargs=self.kwargs or None)
+        return list(out[0].prompt_token_ids)
+
+    def prompt(self, messages: list[dict]) -> list[int]:
+        return self._served(messages, add_generation_prompt=True)
+
+    def conversation(self, messages: list[dict]) -> list[int]:
+        return self._served(messages, add_generation_prompt=False)
+
+
 class _Checker:
-    def __init__(self, training_tokenizer, serving_tokenizer, template_kwargs: dict, report: SkewReport):
-        self.train, self.serve, self.kwargs, self.report = training_tokenizer, serving_tokenizer, template_kwargs, report
+    def __init__(self, training_tokenizer, serving, template_kwargs: dict, report: SkewReport):
+        self.train, self.serving, self.kwargs, self.report = training_tokenizer, serving, template_kwargs, report
+        self.reported = 0
 
     def compare(self, record, what: str, training: list[int], serving: list[int], prefix: bool = False) -> None:
         """Record a mismatch unless `serving` equals `training` (with `prefix`: is a prefix of it)."""
+        what = self.serving.label + what
         self.report.checked[what] = self.report.checked.get(what, 0) + 1
         at = first_difference(training[: len(serving)] if prefix else training, serving)
         if prefix and len(serving) > len(training):
@@ -154,16 +203,17 @@ class _Checker:
         if at is None:
             return
         self.report.mismatched += 1
-        if len(self.report.mismatches) < MAX_REPORTED:
+        if self.reported < MAX_REPORTED:  # the first ones of each serving stack
+            self.reported += 1
             self.report.mismatches.append(SkewMismatch(
                 record.source, record.line, what, at, _window(self.train, training, at),
-                _window(self.serve, serving, at), len(training), len(serving)))
+                _window(self.serving.tokenizer, serving, at), len(training), len(serving)))
 
     def served_prompt(self, messages: list[dict]) -> list[int]:
-        return prompt_ids(self.serve, messages, self.kwargs)
+        return self.serving.prompt(messages)
 
     def served_conversation(self, messages: list[dict]) -> list[int]:
-        return template_ids(self.serve.apply_chat_template(messages, tokenize=True, **self.kwargs))
+        return self.serving.conversation(messages)
 
     def check(self, record) -> None:
         if isinstance(record, ChatRecord):
@@ -193,19 +243,24 @@ class _Checker:
 
 def check_skew(training_tokenizer, export_dir: str | Path, records: Iterable[Any], *,
                template_kwargs: dict | None = None, per_source: int = DEFAULT_SAMPLES, seed: int = 0,
-               serving_tokenizer=None) -> SkewReport:
+               serving_tokenizer=None, vllm_llm=None) -> SkewReport:
     """Compare training's tokenization of a sample of `records` (up to `per_source` of each
     source) with what the serving stack makes of `export_dir` alone (module docstring).
-    `serving_tokenizer` defaults to `AutoTokenizer.from_pretrained(export_dir)`."""
+    `serving_tokenizer` defaults to `AutoTokenizer.from_pretrained(export_dir)`; with
+    `vllm_llm` (a `vllm.LLM` over `export_dir`) vLLM's chat preprocessing is checked too."""
     if serving_tokenizer is None:
         from transformers import AutoTokenizer
 
         serving_tokenizer = AutoTokenizer.from_pretrained(str(export_dir))
     kwargs = dict(template_kwargs or {})
     report = SkewReport(serving_dir=str(export_dir))
-    checker = _Checker(training_tokenizer, serving_tokenizer, kwargs, report)
-    for record in sample_records(records, per_source, seed):
-        checker.check(record)
+    stacks = [TransformersServing(serving_tokenizer, kwargs)] + ([VLLMServing(vllm_llm, kwargs)] if vllm_llm else [])
+    report.serving_stacks = ["transformers" if not s.label else s.label.rstrip(": ") for s in stacks]
+    sample = sample_records(records, per_source, seed)
+    for serving in stacks:
+        checker = _Checker(training_tokenizer, serving, kwargs, report)
+        for record in sample:
+            checker.check(record)
     report.end_of_turn_ids = sorted(end_of_turn_token_ids(training_tokenizer, **kwargs))
     report.serving_stop_ids = serving_stop_ids(export_dir)
     report.missing_stop_ids = [i for i in report.end_of_turn_ids if i not in report.serving_stop_ids]
