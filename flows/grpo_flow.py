@@ -21,8 +21,9 @@ configurations: `flows/grpo_sweep_flow.py`.
 
 Cards: data sources (ingest), prompts kept and dropped (tokenize), a live card per round task
 (reward, pass@k, KL, lengths and time split per round), the logit verdict (verify), the
-evaluation (base vs tuned: the recipe's reward on held-out prompts, success rate and pass@k,
-held-out loss and exact match, an evidently report), and an overview of the whole run: reward
+evaluation (one foreach branch per suite; base, tuned and the promoted version: the recipe's
+reward on held-out prompts, success rate and pass@k, held-out loss and exact match, an
+evidently report), and an overview of the whole run: reward
 and pass@k curves over all rounds (end).
 """
 

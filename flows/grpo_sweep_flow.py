@@ -1,6 +1,6 @@
 """A sweep of GRPO configurations as foreach branches, each a recursive round loop; the join keeps
 the best by held-out reward: ingest -> tokenize (foreach) -> variant -> rl_round (recursive,
-inside the branch) -> score_variant -> pick (join) -> verify -> evaluate -> register.
+inside the branch) -> score_variant -> pick (join) -> verify -> evaluation (foreach over the suites) -> register.
 
     python flows/grpo_sweep_flow.py --config config configs/grpo/sweep-demo.yaml run --max-workers 1
 
@@ -11,7 +11,7 @@ like any override; what every variant shares (data, prompts, model, tokenizer, p
 directory for its rounds (`<run dir>/variant_<i>`), one `rl_round` task per `grpo.rounds_per_task` rounds, and
 scores its model on the held-out prompts with the recipe's rewards (greedy answers).
 The join picks the variant with the highest held-out reward (ties: the first listed), which
-goes on to the logit verifier, the base-vs-tuned evaluation and the registry; every variant's
+goes on to the logit verifier, the evaluation suites and the registry; every variant's
 score is the artifact `sweep_results` and a table in the overview card.
 
 Branches are processes: on a machine with few cores run them one at a time (`--max-workers 1`),
@@ -95,7 +95,8 @@ class GRPOSweepFlow(RLRecipeFlow):
         for name in ("recipe", "history", "checkpoint_dir", "base_dir", "parent_dir", "adapter_dir",
                      "sequence_classifier_dir", "train_summary", "variant_index"):
             setattr(self, name, getattr(best, name))
-        for name in ("run_dir", "train_records", "heldout_records", "data_counts", "rejected", "rejected_path",
+        for name in ("run_dir", "train_records", "heldout_records", "data_counts", "data_fingerprints", "rejected",
+                     "rejected_path",
                      "data_warnings", "prompts"):
             setattr(self, name, getattr(inputs[0], name))
         print(f"[pick] variant {best.variant_index} ({best.base_recipe.sweep[best.variant_index]}): held-out "

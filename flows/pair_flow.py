@@ -27,6 +27,7 @@ class PairRecipeFlow(RecipeFlow):
         result = ingest.run(self.recipe, self.run_dir, kind="pairs")
         self.train_records, self.heldout_records = result.train, result.heldout
         self.rejected, self.rejected_path, self.data_counts = result.rejected, result.rejected_path, result.counts
+        self.data_fingerprints = result.fingerprints  # each source's size and SHA-256, for the lineage
         self.data_warnings = result.warnings
         cards.ingest_section(current.card["ingest"], self.data_counts, self.rejected, self.data_warnings)
         self.next(self.tokenize)

@@ -91,9 +91,10 @@ def skew_section(card, report: dict | None) -> None:
     checked = ", ".join(f"{n} {kind}" for kind, n in sorted(report["checked"].items()))
     card.append(Markdown(
         f"## Train/serve skew gate\n**{'passed' if report['passed'] else 'FAILED'}**: the exported directory, "
-        f"loaded alone with `AutoTokenizer`, rendered {checked} as training did ({report['mismatched']} differ); "
+        f"loaded alone by {' and '.join(report.get('serving_stacks', ['transformers']))}, rendered {checked} "
+        f"as training did ({report['mismatched']} differ); "
         f"training ended answers with ids {report['end_of_turn_ids']}, the generation config stops at "
-        f"{report['serving_stop_ids']}."))
+        f"{report['serving_stop_ids']}." + "".join(f"\n\n{note}" for note in report.get("notes", []))))
 
 
 def teacher_section(card, spec) -> None:
@@ -113,11 +114,13 @@ def teacher_section(card, spec) -> None:
 
 
 # the evaluation table's columns, in order: metric key -> (header, format); a column is shown
-# when every model has the metric (SFT: loss and exact match; DPO adds preference accuracies;
-# a reward model: pair accuracy with its standard error and the score margin)
+# when any model has the metric ("–" where one lacks it; SFT: loss and exact match; DPO adds
+# preference accuracies; a reward model: pair accuracy with its standard error and the score
+# margin); `pass_at_N` columns are added as they appear, a user suite's metrics are in its chart
 EVAL_COLUMNS = {
     "heldout_loss": ("held-out loss", "{:.4f}"),
     "exact_match": ("exact match", "{:.1%}"),
+    "numeric_match": ("numeric match", "{:.1%}"),
     "logp_accuracy": ("prefers chosen (log-prob)", "{:.1%}"),
     "reward_accuracy": ("reward accuracy", "{:.1%}"),
     "reward_margin": ("mean reward margin", "{:.3f}"),
@@ -131,16 +134,20 @@ EVAL_COLUMNS = {
     "perplexity": ("perplexity", "{:.2f}"),
     "output_length": ("mean answer tokens", "{:.1f}"),
     "truncated": ("cut at max tokens", "{:.1%}"),
+    "sampled_exact_match": ("exact match (sampled)", "{:.1%}"),
+    "reward_model_score": ("reward-model score", "{:.3f}"),
 }
 
 
 def eval_section(card, metrics: dict) -> None:
     """The metrics table: one row per model under test, a column per known metric any of them has."""
     card.append(Markdown(f"## Evaluation: {', '.join(metrics)} (held out)"))
-    shown = [k for k in EVAL_COLUMNS if any(k in m for m in metrics.values())]
-    card.append(Table([[label, *(EVAL_COLUMNS[k][1].format(m[k]) if k in m else "–" for k in shown)]
+    passes = sorted({k for m in metrics.values() for k in m if k.startswith("pass_at_")})
+    columns = {**EVAL_COLUMNS, **{k: (k.replace("pass_at_", "pass@"), "{:.1%}") for k in passes}}
+    shown = [k for k in columns if any(k in m for m in metrics.values())]
+    card.append(Table([[label, *(columns[k][1].format(m[k]) if k in m else "–" for k in shown)]
                        for label, m in metrics.items()],
-                      headers=["model", *(EVAL_COLUMNS[k][0] for k in shown)]))
+                      headers=["model", *(columns[k][0] for k in shown)]))
 
 
 def evaluation_card(card, result, models) -> None:

@@ -1,10 +1,10 @@
-"""The steps every recipe flow shares: resolve the recipe, train, verify, register, summarise.
+"""The steps every recipe flow shares: resolve the recipe, train, verify, evaluate, register, summarise.
 
 A recipe flow (`SFTFlow`, `DPOFlow`) subclasses `RecipeFlow`, names its recipe kind
 (`RECIPE`, a key of `posttrain.config.schema.RECIPES`), declares its `config` / `overrides`
 Metaflow `Config`s with that recipe's parsers and its `@ValidateRecipe(kind)` launch check,
-and defines the steps that differ: `ingest`, `tokenize`, `pack` (and e.g. `reference`),
-`evaluate`. `start`, `train`, `verify`, the evaluation, `register` and `end` are written once,
+and defines the steps that differ: `ingest`, `tokenize`, `pack` (and e.g. `reference`).
+`start`, `train`, `verify`, the evaluation, `register` and `end` are written once,
 here; each calls one plain function of `posttrain.steps`. `RecipeSteps` holds all of them but
 `train`: the RL recipe (`GRPOFlow`) builds on it with its own recursive round step. `start` goes
 on to `ingest`; `pack` (or the last recipe step before training) goes on to `train`.
@@ -24,8 +24,8 @@ from recipe_configs import RecipeConfigError
 
 
 class RecipeSteps(FlowSpec):
-    """`start`, `verify`, `register` and `end`: what every recipe flow has, the RL recipe
-    included (it trains in its own recursive `rl_round` step instead of `train`)."""
+    """`start`, `verify`, the evaluation foreach, `register` and `end`: what every recipe flow
+    has, the RL recipe included (it trains in its own recursive `rl_round` step instead of `train`)."""
 
     RECIPE = "sft"
 
@@ -86,6 +86,7 @@ class RecipeSteps(FlowSpec):
         now under the recipe's registry name) and the suites; one `eval_suite` branch per suite."""
         from posttrain.steps import evaluate
 
+        evaluate.check_heldout(self._eval_data())
         self.eval_models = evaluate.models_under_test(self.base_dir, self.checkpoint_dir, self.recipe,
                                                       others=self._eval_others())
         self.eval_plan = evaluate.suites_for(self.recipe)
@@ -115,6 +116,7 @@ class RecipeSteps(FlowSpec):
         result = evaluate.join([branch.suite_result for branch in inputs])
         self.eval_metrics, self.eval_examples, self.evidently_html = result.metrics, result.examples, result.report_html
         self.eval_suites = result.suites
+        self.eval_errors = result.errors  # suite name -> error; registered with the metrics
         cards.evaluation_card(current.card["evaluation"], result, self.eval_models)
         self.next(self.register)
 
@@ -125,8 +127,10 @@ class RecipeSteps(FlowSpec):
 
         pathspec = f"{current.flow_name}/{current.run_id}"
         self.registry_entry = register.run(self.checkpoint_dir, self.recipe, data_counts=self.data_counts,
+                                           data_fingerprints=getattr(self, "data_fingerprints", None),
                                            metrics={"train": self.train_summary, "eval": self.eval_metrics,
-                                                    "verify": self.verdict, "skew": self.skew},
+                                                    "eval_errors": self.eval_errors, "verify": self.verdict,
+                                                    "skew": self.skew},
                                            run_pathspec=pathspec, adapter_dir=self.adapter_dir,
                                            parent_dir=self.parent_dir or self.base_dir)
         self.model_uri = self.registry_entry.uri  # the registry's reference (a file:// URI here)

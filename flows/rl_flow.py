@@ -1,7 +1,7 @@
 """What the RL recipe flows share (GRPO, and its sweep): ingest prompts, tokenize them, run round
 tasks, say what evaluation reads, draw the overview.
 
-`RLRecipeFlow` is a `RecipeSteps` (start, verify, register, end) whose helpers are the bodies
+`RLRecipeFlow` is a `RecipeSteps` (start, verify, the evaluation foreach, register, end) whose helpers are the bodies
 of the RL steps; each flow defines the steps themselves (their transitions differ: a sweep
 fans out before its rounds and joins after them), each a thin call of one helper:
 `_ingest_prompts`, `_tokenize_prompts`, `_round_task` (one task of the recursive `rl_round`
@@ -25,6 +25,7 @@ class RLRecipeFlow(RecipeSteps):
         result = ingest.run(self.recipe, self.run_dir, kind="prompts")
         self.train_records, self.heldout_records = result.train, result.heldout
         self.rejected, self.rejected_path, self.data_counts = result.rejected, result.rejected_path, result.counts
+        self.data_fingerprints = result.fingerprints  # each source's size and SHA-256, for the lineage
         self.data_warnings = result.warnings
         cards.ingest_section(current.card["ingest"], self.data_counts, self.rejected, self.data_warnings)
 

@@ -4,7 +4,8 @@
     python flows/sft_multinode_flow.py --config config configs/sft/tiny-2workers.yaml run --with kubernetes
 
 The same recipe, config parser and steps as `SFTFlow` (flows/sft_flow.py), which this flow
-inherits: start, ingest, tokenize, pack, verify, evaluate, register and end are SFTFlow's.
+inherits: start, ingest, tokenize, pack, verify, the evaluation foreach, register and end
+are SFTFlow's.
 Only training differs. SFTFlow trains `parallel.num_workers` ranks as Ray actors inside one
 task; here each rank is its own Metaflow task, so on a cluster each runs on its own node:
 

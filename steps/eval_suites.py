@@ -9,7 +9,8 @@ failed suite, so the other suites still run.
 
 - `heldout_loss`: per-token loss of the reference answers (assistant tokens only) and its perplexity.
 - `task`: greedy answers from the native rollout engine, exact (numeric where the reference is a
-  number) match against the references, mean answer length, the share cut at `max_new_tokens`;
+  number) match against the references, `numeric_match` (the answer's last number equals the
+  reference's final answer, GSM8K style), mean answer length, the share cut at `max_new_tokens`;
   with `samples: n > 1` also n answers per prompt at `temperature`: `pass_at_n` (any correct)
   and `sampled_exact_match`.
 - `preference`: on held-out pairs, log-prob and implicit-reward accuracy against the `base`
@@ -42,6 +43,7 @@ from posttrain.eval.heldout import evaluate_loss
 from posttrain.eval.metrics import exact_match
 from posttrain.rl.engine import SamplingConfig
 from posttrain.rl.native import NativeEngine
+from posttrain.rl.rewards import numeric_answer
 from posttrain.steps import tokenize as tokenize_step
 
 
@@ -160,7 +162,8 @@ def task(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> Sui
         del model, engine
         predictions = [tokenizer.decode(a.content_ids, skip_special_tokens=True) for a in answers]
         correct = [exact_match(p, r) for p, r in zip(predictions, references)]
-        m = {"exact_match": sum(correct) / len(correct),
+        numeric = numeric_answer(predictions, [_Reference(r) for r in references])
+        m = {"exact_match": sum(correct) / len(correct), "numeric_match": sum(numeric) / len(numeric),
              "output_length": sum(len(a.content_ids) for a in answers) / len(answers),
              "truncated": sum(a.finish_reason == "length" for a in answers) / len(answers)}
         if groups is not None:
@@ -177,6 +180,11 @@ def task(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> Sui
             output.examples.append(row)
             output.report_rows.append({"model": model_ref.label, "output_length": row["output_length"], "correct": ok})
     return output
+
+
+@dataclass(frozen=True)
+class _Reference:
+    reference: str  # what `rewards.numeric_answer` reads of a record
 
 
 @dataclass(frozen=True)
@@ -298,8 +306,11 @@ def reward_pairs(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext
 def rewards(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> SuiteOutput:
     from posttrain.steps import rl
 
+    import dataclasses
+
     prompts = ctx.head(_needs(data.prompts, "held-out prompts", "rewards"))
-    metrics = rl.evaluate_rewards({m.label: m.model_dir for m in models}, ctx.config, ctx.tokenizer, prompts)
+    config = dataclasses.replace(ctx.config, eval=dataclasses.replace(ctx.config.eval, max_examples=len(prompts)))
+    metrics = rl.evaluate_rewards({m.label: m.model_dir for m in models}, config, ctx.tokenizer, prompts)
     return SuiteOutput(metrics)
 
 

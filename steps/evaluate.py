@@ -18,8 +18,9 @@ from __future__ import annotations
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from posttrain.config.schema import DEFAULT_SUITES, RECIPES, RecipeConfig, SuiteConfig
+from posttrain.config.schema import DEFAULT_SUITES, RecipeConfig, SuiteConfig
 from posttrain.data.records import ChatRecord
 from posttrain.eval.report import evidently_comparison_html
 from posttrain.steps.eval_suites import SUITES, EvalData, ModelUnderTest, SuiteContext
@@ -47,7 +48,8 @@ class SuiteResult:
 @dataclass
 class EvalResult:
     """The joined evaluation: `metrics` (model label -> metric -> value, every suite's metrics
-    merged; a suite named other than its kind prefixes its metrics with `NAME/`), `examples`,
+    merged; a user suite's, a suite named other than its kind and a key another suite already
+    gave are stored as `NAME/metric`), `examples`,
     the evidently `report_html`, and `suites` (each `SuiteResult`, failed ones included)."""
 
     metrics: dict[str, dict[str, float]]
@@ -60,13 +62,15 @@ class EvalResult:
         return {s.name: s.error for s in self.suites if s.error}
 
 
-def recipe_kind(config: RecipeConfig) -> str:
-    return next(kind for kind, cls in RECIPES.items() if type(config) is cls)
-
-
 def suites_for(config: RecipeConfig) -> list[SuiteConfig]:
     """`eval.suites`, or the recipe's `DEFAULT_SUITES` when it names none."""
-    return list(config.eval.suites) or [SuiteConfig(kind) for kind in DEFAULT_SUITES[recipe_kind(config)]]
+    return list(config.eval.suites) or [SuiteConfig(kind) for kind in DEFAULT_SUITES[config.kind]]
+
+
+def check_heldout(data: EvalData) -> None:
+    """Evaluation needs held-out data: an error naming the settings when the recipe has none."""
+    if not (data.chats or data.pairs or data.prompts):
+        raise ValueError("evaluation needs held-out records: set data.heldout or data.heldout_fraction")
 
 
 def promoted_model(config: RecipeConfig) -> ModelUnderTest | None:
@@ -89,6 +93,16 @@ def promoted_model(config: RecipeConfig) -> ModelUnderTest | None:
     return ModelUnderTest("promoted", str(entry.model_path), reference=f"{name}:v{version}")
 
 
+def loadable(model_dir: str) -> str | None:
+    """Why `model_dir` cannot be evaluated (no config.json, no safetensors weights), or None."""
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        return f"{model_dir} has no config.json"
+    if not any(path.glob("*.safetensors")):
+        return f"{model_dir} has no safetensors weights"
+    return None
+
+
 def models_under_test(base_dir: str, tuned_dir: str, config: RecipeConfig,
                       others: dict[str, tuple[str, str | None]] | None = None,
                       promoted: bool = True) -> list[ModelUnderTest]:
@@ -98,8 +112,12 @@ def models_under_test(base_dir: str, tuned_dir: str, config: RecipeConfig,
     models += [ModelUnderTest(label, str(d), backend) for label, (d, backend) in (others or {}).items()]
     current = promoted_model(config) if promoted else None
     if current is not None:
-        print(f"[evaluate] comparing with the promoted {current.reference} ({current.model_dir})")
-        models.append(current)
+        problem = loadable(current.model_dir)
+        if problem is None:
+            print(f"[evaluate] comparing with the promoted {current.reference} ({current.model_dir})")
+            models.append(current)
+        else:  # the candidate is still evaluated; what is in production is not comparable
+            print(f"[evaluate] WARNING: the promoted {current.reference} is left out of the comparison: {problem}")
     return models
 
 
@@ -134,9 +152,12 @@ def join(results: list[SuiteResult]) -> EvalResult:
         raise RuntimeError("every evaluation suite failed: " + "; ".join(f"{r.name}: {r.error}" for r in results))
     metrics: dict[str, dict[str, float]] = {}
     for result in completed:
-        prefix = "" if result.name == result.kind else f"{result.name}/"
+        builtin = result.name == result.kind and result.kind != "python"
         for label, values in result.metrics.items():
-            metrics.setdefault(label, {}).update({prefix + k: v for k, v in values.items()})
+            merged = metrics.setdefault(label, {})
+            for key, value in values.items():
+                key = key if builtin and key not in merged else f"{result.name}/{key}"  # never overwritten
+                merged[key] = value
     report_html = evidently_comparison_html(
         [(r.name, r.report_rows, r.report_numerical, r.report_categorical) for r in completed if r.report_rows])
     examples = [e for r in completed for e in r.examples]

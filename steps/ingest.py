@@ -24,7 +24,7 @@ from pathlib import Path
 
 from posttrain.config.schema import GenerateConfig, RecipeConfig, SourceConfig
 from posttrain.data.records import ChatRecord, PreferenceRecord, PromptRecord, RejectedRow
-from posttrain.data.sources import SourceSpec, read_records, write_rejected
+from posttrain.data.sources import SourceSpec, fingerprint, read_records, write_rejected
 from posttrain.steps.paths import generated_directory, resolve
 
 
@@ -43,6 +43,7 @@ class IngestResult:
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
     rejected_path: str | None = None
     warnings: list[str] = field(default_factory=list)
+    fingerprints: dict[str, dict] = field(default_factory=dict)  # by source name: `sources.fingerprint`
 
 
 def reason_summary(rejected: list[RejectedRow], most: int = 3) -> str:
@@ -177,8 +178,10 @@ def run(config: RecipeConfig, run_dir: Path, kind: str = "conversations") -> Ing
                         f"{reasons}{where}")
     for warning in warnings:
         print(f"[ingest] WARNING: {warning}")
+    sources = [*config.data.sources, *([config.data.heldout] if config.data.heldout is not None else [])]
+    fingerprints = {source.name: fingerprint(resolve(source.path, run_dir)) for source in sources}
     return IngestResult(train=train, heldout=heldout, rejected=rejected, counts=counts, rejected_path=rejected_path,
-                        warnings=warnings)
+                        warnings=warnings, fingerprints=fingerprints)
 
 
 def split_heldout(records: list[ChatRecord], fraction: float, seed: int) -> tuple[list, list]:

@@ -10,11 +10,14 @@ from posttrain.registry.local import LINEAGE_FILE, RegistryEntry, load_lineage, 
 
 
 def run(model_dir: str, config: RecipeConfig, *, data_counts: dict, metrics: dict, run_pathspec: str,
-        adapter_dir: str | None = None, parent_dir: str | None = None) -> RegistryEntry:
+        adapter_dir: str | None = None, parent_dir: str | None = None,
+        data_fingerprints: dict | None = None) -> RegistryEntry:
     """Register `model_dir` (and a LoRA recipe's PEFT `adapter_dir`) with the run's lineage,
     which names the parent model: the registry reference or checkpoint the recipe started from
     (`model.init_from` / `model.name_or_path`) and its directory (`parent_dir`), with that
-    entry's own lineage when it was registered (so SFT -> DPO chains can be walked)."""
+    entry's own lineage when it was registered (so SFT -> DPO chains can be walked), and the
+    data: each source's config, counts and `data_fingerprints` (size and SHA-256 by source name,
+    `posttrain.data.sources.fingerprint`)."""
     name = config.register.model_name or config.name
     parent = None
     if config.model.init_from or config.model.init == "pretrained":
@@ -28,7 +31,8 @@ def run(model_dir: str, config: RecipeConfig, *, data_counts: dict, metrics: dic
         "parent": parent,
         "run": run_pathspec,
         "config": dataclasses.asdict(config),
-        "data": {"sources": [dataclasses.asdict(s) for s in config.data.sources], "counts": data_counts},
+        "data": {"sources": [dataclasses.asdict(s) for s in config.data.sources], "counts": data_counts,
+                 "fingerprints": data_fingerprints or {}},
         "metrics": metrics,
     }
     entry = register_model(config.register.registry_dir, name, model_dir, lineage, adapter_dir=adapter_dir)

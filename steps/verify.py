@@ -64,13 +64,14 @@ def run(model_dir: str, verify: VerifyConfig, device: str = "cpu", backend: str 
     return verdict
 
 
-def vllm_chat(model_dir: str, mode: str):
-    """A vLLM `LLM` over the export for the skew gate (`verify.skew_vllm`): "auto" when vllm is
-    installed in this environment, "on" always (an error naming the setting when it is not),
-    "off" never. None when not used."""
+def vllm_opener(model_dir: str, mode: str):
+    """How the skew gate starts vLLM over the export (`verify.skew_vllm`), or None: "auto" when
+    vllm is installed in this environment (a start that fails is noted, not fatal), "on"
+    always (an error naming the setting when vllm is missing), "off" never."""
     import importlib.util
 
-    installed = importlib.util.find_spec("vllm") is not None
+    spec = importlib.util.find_spec("vllm")
+    installed = spec is not None and spec.origin is not None  # not a namespace package (e.g. a tests/vllm folder)
     if mode == "off" or (mode == "auto" and not installed):
         return None
     if not installed:
@@ -78,8 +79,11 @@ def vllm_chat(model_dir: str, mode: str):
                         "(make setup-vllm, or set verify.skew_vllm: auto)")
     from posttrain.rl.vllm_engine import chat_llm
 
-    print(f"[verify] skew gate: starting vLLM over {model_dir} for its chat preprocessing")
-    return chat_llm(model_dir)
+    def open_vllm(max_model_len: int):
+        print(f"[verify] skew gate: starting vLLM over {model_dir} for its chat preprocessing")
+        return chat_llm(model_dir, max_model_len=max_model_len)
+
+    return open_vllm
 
 
 def skew_gate(model_dir: str, tokenizer, records: dict[str, list] | list, config: RecipeConfig) -> dict | None:
@@ -92,12 +96,10 @@ def skew_gate(model_dir: str, tokenizer, records: dict[str, list] | list, config
         print("[verify] skew gate off (verify.skew_samples: 0)")
         return None
     flat = [r for group in records.values() for r in group] if isinstance(records, dict) else list(records)
-    llm = vllm_chat(model_dir, config.verify.skew_vllm)
-    try:
-        report = check_skew(tokenizer, model_dir, flat, template_kwargs=config.tokenizer.chat_template_kwargs,
-                            per_source=samples, seed=config.train.seed, vllm_llm=llm)
-    finally:
-        del llm
+    mode = config.verify.skew_vllm
+    report = check_skew(tokenizer, model_dir, flat, template_kwargs=config.tokenizer.chat_template_kwargs,
+                        per_source=samples, seed=config.train.seed, open_vllm=vllm_opener(model_dir, mode),
+                        vllm_required=mode == "on")
     if isinstance(config, RMConfig):  # a reward model scores; it is not asked to stop
         report.missing_stop_ids, report.stop_message = [], None
     print(f"[verify] {report.describe()}")

@@ -261,6 +261,16 @@ def test_sft_then_dpo_from_the_promoted_sft_model_then_evaluation_against_the_pr
 
     lineage = json.loads(registry_cli(tmp, "--json", "lineage", "dpo-tiny:2").stdout)
     assert [(e["name"], e["version"]) for e in lineage] == [("dpo-tiny", 2), (CHAIN_SFT_NAME, 1), (START_NAME, 1)]
+    import hashlib
+
+    recorded = json.loads((tmp / "registry" / "dpo-tiny" / "v2" / "lineage.json").read_text())["data"]
+    written = recorded["fingerprints"]["written"]  # each source identified by size and content hash
+    bad = result["workspace"][1]
+    assert written == {"path": str(bad), "bytes": bad.stat().st_size, "sha256": hashlib.sha256(bad.read_bytes()).hexdigest()}
+    assert set(recorded["fingerprints"]) == {"mined", "written", "heldout-pairs"} and recorded["counts"]["written"]["kept"] == 2
+    assert recorded["fingerprints"]["mined"]["sha256"] and "eval_errors" not in recorded  # errors sit in metrics
+    registered_metrics = json.loads((tmp / "registry" / "dpo-tiny" / "v2" / "lineage.json").read_text())["metrics"]
+    assert registered_metrics["eval_errors"] == {"grader": "ConnectionError: grading service unavailable"}
 
     models = {m.label: m for m in dpo_run["plan_evaluation"].task.data.eval_models}
     assert list(models) == ["base", "tuned", "promoted"] and models["promoted"].reference == "dpo-tiny:v1"

@@ -137,3 +137,37 @@ def test_first_difference():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_vllm_is_checked_where_installed_and_a_failed_start_is_noted_or_fatal_as_configured(demo_tokenizer, tmp_path):
+    """`verify.skew_vllm`: "on" without vllm installed is an error naming the setting, "auto" and
+    "off" without it check transformers alone; an engine that cannot start is a note in the
+    report (auto) or the error itself (on). vLLM's own rendering is tested by make test-vllm."""
+    import importlib.util
+
+    from posttrain.data.chat import template_ids
+    from posttrain.steps.verify import vllm_opener
+    from posttrain.verify.skew import SkewError
+
+    path = export(demo_tokenizer, tmp_path / "export")
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        with pytest.raises(SkewError, match="verify.skew_vllm is 'on' but vllm is not installed"):
+            vllm_opener(str(path), "on")
+        assert vllm_opener(str(path), "auto") is None
+    assert vllm_opener(str(path), "off") is None
+
+    sizes = []
+
+    def no_engine(max_model_len):
+        sizes.append(max_model_len)
+        raise RuntimeError("no device for vLLM")
+
+    report = check_skew(demo_tokenizer, path, records(), open_vllm=no_engine)
+    assert report.passed and report.serving_stacks == ["transformers"]
+    assert report.notes == ["vllm: not checked, its engine did not start (RuntimeError: no device for vLLM)"]
+    assert "vllm: not checked" in report.describe()
+    longest = max(len(template_ids(demo_tokenizer.apply_chat_template(m, tokenize=True))) for m in CHATS)
+    assert sizes[0] >= longest  # the engine is sized to the longest sampled record
+    with pytest.raises(RuntimeError, match="no device for vLLM"):
+        check_skew(demo_tokenizer, path, records(), open_vllm=no_engine, vllm_required=True)

@@ -63,12 +63,9 @@ def export(tokenizer, path: Path) -> Path:
 
 def test_vllm_chat_preprocessing_matches_training_and_catches_an_edited_template(tokenizer, tmp_path):
     good = export(tokenizer, tmp_path / "export")
-    llm = chat_llm(good, max_model_len=512)
-    try:
-        report = check_skew(tokenizer, good, records(), vllm_llm=llm)
-    finally:
-        del llm
-        gc.collect()
+    report = check_skew(tokenizer, good, records(), open_vllm=lambda n: chat_llm(good, max_model_len=n),
+                        vllm_required=True)
+    gc.collect()
     print(f"\n[vllm skew] {report.describe()}")
     assert report.passed, report.describe()
     assert report.serving_stacks == ["transformers", "vllm"]
@@ -87,12 +84,9 @@ def test_vllm_chat_preprocessing_matches_training_and_catches_an_edited_template
         settings["chat_template"] = source.replace("'<|im_start|>' + message.role + '\\n'",
                                                    "'<|im_start|>' + message.role + ':\\n'")
         (skewed / "tokenizer_config.json").write_text(json.dumps(settings))
-    llm = chat_llm(skewed, max_model_len=512)
-    try:
-        report = check_skew(tokenizer, skewed, records(), vllm_llm=llm)
-    finally:
-        del llm
-        gc.collect()
+    report = check_skew(tokenizer, skewed, records(), open_vllm=lambda n: chat_llm(skewed, max_model_len=n),
+                        vllm_required=True)
+    gc.collect()
     print(f"\n[vllm skew, planted] {report.describe()}")
     assert not report.passed
     vllm_side = [m for m in report.mismatches if m.what.startswith("vllm: ")]

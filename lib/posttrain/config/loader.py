@@ -132,5 +132,4 @@ def sweep_variant(config: RecipeConfig, index: int) -> RecipeConfig:
     sweep = getattr(config, "sweep", None) or []
     if not 0 <= index < len(sweep):
         raise ConfigError(f"sweep has {len(sweep)} variants, not {index + 1}")
-    kind = next(name for name, cls in RECIPES.items() if type(config) is cls)
-    return recipe_config_from_dict(to_dict(config), kind, source=f"sweep[{index}]", overrides=sweep[index])
+    return recipe_config_from_dict(to_dict(config), config.kind, source=f"sweep[{index}]", overrides=sweep[index])

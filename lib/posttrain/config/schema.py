@@ -511,12 +511,17 @@ class RecipeConfig:
             )
         if has_heldout_source and self.data.heldout.name in {s.name for s in self.data.sources}:
             raise ConfigError(f"data.heldout.name '{self.data.heldout.name}' is also the name of a training source")
-        kind = next((k for k, cls in RECIPES.items() if type(self) is cls), None)
+        kind = self.kind
         for suite in self.eval.suites:
             if kind is not None and kind not in SUITE_KINDS[suite.kind]:
                 fits = ", ".join(k for k, recipes in SUITE_KINDS.items() if kind in recipes)
                 raise ConfigError(f"eval.suites: kind {suite.kind!r} does not apply to a {kind} recipe "
                                   f"(its kinds: {fits})")
+
+    @property
+    def kind(self) -> str | None:
+        """This recipe's key in `RECIPES` (`sft`, `dpo`, ...), None for a class not listed there."""
+        return next((k for k, cls in RECIPES.items() if type(self) is cls), None)
 
     def model_references(self) -> list[tuple[str, str, bool]]:
         """`(key, reference, hub_id_allowed)` of every model the recipe reads besides its data:
@@ -769,6 +774,11 @@ class GRPOConfig(RecipeConfig):
             raise ConfigError("without grpo.rewards every group's reward is equal: set grpo.dynamic_sampling: false")
         if self.grpo.rounds_per_task > self.grpo.rounds:
             raise ConfigError(f"grpo.rounds_per_task ({self.grpo.rounds_per_task}) > grpo.rounds ({self.grpo.rounds})")
+
+    @property
+    def kind(self) -> str | None:
+        """This recipe's key in `RECIPES` (`sft`, `dpo`, ...), None for a class not listed there."""
+        return next((k for k, cls in RECIPES.items() if type(self) is cls), None)
 
     def model_references(self) -> list[tuple[str, str, bool]]:
         teacher = [("grpo.teacher", self.grpo.teacher, True)] if self.grpo.teacher else []

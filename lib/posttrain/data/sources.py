@@ -303,3 +303,31 @@ def write_rejected(rejected: list[RejectedRow], path: str | Path) -> Path:
             f.write(json.dumps({"source": row.source, "line": row.line, "reason": row.reason, "raw": row.raw},
                                ensure_ascii=False) + "\n")
     return path
+
+
+def fingerprint(path: str | Path) -> dict:
+    """What identifies a source's data in a lineage: for a local file its size and SHA-256;
+    for a local directory (a saved `datasets` dataset, a Parquet folder) the same over its
+    files (each relative path, size and SHA-256, in sorted order); for anything else (a hub
+    dataset id, a remote URL) only the reference, with `sha256` None."""
+    import hashlib
+
+    def file_digest(file: Path) -> str:
+        digest = hashlib.sha256()
+        with open(file, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        return digest.hexdigest()
+
+    local = Path(path)
+    if local.is_file():
+        return {"path": str(local), "bytes": local.stat().st_size, "sha256": file_digest(local)}
+    if local.is_dir():
+        files = sorted(f for f in local.rglob("*") if f.is_file())
+        digest = hashlib.sha256()
+        for f in files:
+            digest.update(f"{f.relative_to(local)}\0{f.stat().st_size}\0{file_digest(f)}\n".encode())
+        return {"path": str(local), "bytes": sum(f.stat().st_size for f in files), "files": len(files),
+                "sha256": digest.hexdigest()}
+    return {"path": str(path), "sha256": None}
+

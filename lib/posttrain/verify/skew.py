@@ -81,6 +81,7 @@ class SkewReport:
     missing_stop_ids: list[int] = field(default_factory=list)
     stop_message: str | None = None
     serving_stacks: list[str] = field(default_factory=lambda: ["transformers"])  # what rendered the serving side
+    notes: list[str] = field(default_factory=list)  # e.g. a serving stack that could not be started
 
     @property
     def passed(self) -> bool:
@@ -94,7 +95,7 @@ class SkewReport:
         checked = ", ".join(f"{n} {kind}" for kind, n in sorted(self.checked.items())) or "nothing"
         lines = [f"skew gate {'passed' if self.passed else 'FAILED'} for {self.serving_dir} "
                  f"({' and '.join(self.serving_stacks)}): checked {checked}; {self.mismatched} token mismatches"]
-        lines += [m.describe() for m in self.mismatches]
+        lines += [m.describe() for m in self.mismatches] + self.notes
         if self.stop_message:
             lines.append(self.stop_message)
         return "\n".join(lines)
@@ -151,7 +152,7 @@ class TransformersServing:
     """The serving stack as `transformers` renders a request: the exported tokenizer's
     `apply_chat_template`."""
 
-    label = ""
+    name, label = "transformers", ""
 
     def __init__(self, tokenizer, template_kwargs: dict):
         self.tokenizer, self.kwargs = tokenizer, template_kwargs
@@ -168,7 +169,7 @@ class VLLMServing:
     chat template, its tokenizer, its preprocessing), one token generated and discarded; the
     request's `prompt_token_ids` are what the model is served."""
 
-    label = "vllm: "
+    name, label = "vllm", "vllm: "
 
     def __init__(self, llm, template_kwargs: dict):
         self.llm, self.kwargs = llm, template_kwargs
@@ -241,26 +242,51 @@ class _Checker:
             raise TypeError(f"the skew gate checks chat, preference and prompt records, not {type(record).__name__}")
 
 
+def _training_length(tokenizer, record, kwargs: dict) -> int:
+    """The longest rendering of `record` the gate compares (its whole conversation, or prompt)."""
+    if isinstance(record, ChatRecord):
+        return len(render_conversation(tokenizer, record.messages, **kwargs).input_ids)
+    if isinstance(record, PreferenceRecord):
+        return max(len(render_conversation(tokenizer, record.prompt + turns, **kwargs).input_ids)
+                   for turns in (record.chosen, record.rejected))
+    return len(render_prompt(tokenizer, record.prompt, **kwargs)) if isinstance(record, PromptRecord) else 0
+
+
 def check_skew(training_tokenizer, export_dir: str | Path, records: Iterable[Any], *,
                template_kwargs: dict | None = None, per_source: int = DEFAULT_SAMPLES, seed: int = 0,
-               serving_tokenizer=None, vllm_llm=None) -> SkewReport:
+               serving_tokenizer=None, open_vllm=None, vllm_required: bool = False) -> SkewReport:
     """Compare training's tokenization of a sample of `records` (up to `per_source` of each
     source) with what the serving stack makes of `export_dir` alone (module docstring).
-    `serving_tokenizer` defaults to `AutoTokenizer.from_pretrained(export_dir)`; with
-    `vllm_llm` (a `vllm.LLM` over `export_dir`) vLLM's chat preprocessing is checked too."""
+    `serving_tokenizer` defaults to `AutoTokenizer.from_pretrained(export_dir)`. With
+    `open_vllm(max_model_len) -> vllm.LLM` (over `export_dir`), vLLM's chat preprocessing is
+    checked too, in an engine sized to the longest sampled record; if it cannot start, the
+    report says so in `notes` (an error instead with `vllm_required`)."""
     if serving_tokenizer is None:
         from transformers import AutoTokenizer
 
         serving_tokenizer = AutoTokenizer.from_pretrained(str(export_dir))
     kwargs = dict(template_kwargs or {})
     report = SkewReport(serving_dir=str(export_dir))
-    stacks = [TransformersServing(serving_tokenizer, kwargs)] + ([VLLMServing(vllm_llm, kwargs)] if vllm_llm else [])
-    report.serving_stacks = ["transformers" if not s.label else s.label.rstrip(": ") for s in stacks]
     sample = sample_records(records, per_source, seed)
-    for serving in stacks:
-        checker = _Checker(training_tokenizer, serving, kwargs, report)
-        for record in sample:
-            checker.check(record)
+    stacks = [TransformersServing(serving_tokenizer, kwargs)]
+    llm = None
+    if open_vllm is not None:
+        longest = max((_training_length(training_tokenizer, r, kwargs) for r in sample), default=0)
+        try:
+            llm = open_vllm(longest + 16)
+            stacks.append(VLLMServing(llm, kwargs))
+        except Exception as err:
+            if vllm_required:
+                raise
+            report.notes.append(f"vllm: not checked, its engine did not start ({type(err).__name__}: {err})")
+    report.serving_stacks = [s.name for s in stacks]
+    try:
+        for serving in stacks:
+            checker = _Checker(training_tokenizer, serving, kwargs, report)
+            for record in sample:
+                checker.check(record)
+    finally:
+        del stacks, llm
     report.end_of_turn_ids = sorted(end_of_turn_token_ids(training_tokenizer, **kwargs))
     report.serving_stop_ids = serving_stop_ids(export_dir)
     report.missing_stop_ids = [i for i in report.end_of_turn_ids if i not in report.serving_stop_ids]
