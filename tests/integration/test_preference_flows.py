@@ -267,7 +267,7 @@ def test_sft_then_dpo_from_the_promoted_sft_model_then_evaluation_against_the_pr
     written = recorded["fingerprints"]["written"]  # each source identified by size and content hash
     bad = result["workspace"][1]
     assert written == {"path": str(bad), "bytes": bad.stat().st_size, "sha256": hashlib.sha256(bad.read_bytes()).hexdigest()}
-    assert set(recorded["fingerprints"]) == {"mined", "written", "heldout-pairs"} and recorded["counts"]["written"]["kept"] == 2
+    assert set(recorded["fingerprints"]) == {"mined", "written", "heldout-pairs"} and recorded["counts"]["written"]["kept"] == 3
     assert recorded["fingerprints"]["mined"]["sha256"] and "eval_errors" not in recorded  # errors sit in metrics
     registered_metrics = json.loads((tmp / "registry" / "dpo-tiny" / "v2" / "lineage.json").read_text())["metrics"]
     assert registered_metrics["eval_errors"] == {"grader": "ConnectionError: grading service unavailable"}
