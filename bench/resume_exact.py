@@ -143,8 +143,12 @@ def _start(config: Path, run_dir: Path, ckpt_dir: Path, *flags: str, log_name: s
     data["checkpoint"]["directory"] = str(ckpt_dir)
     config_with_dir.write_text(json.dumps(data))
     log = open(run_dir / log_name, "w")
+    # bit-for-bit needs the same reduction order in every process: MKL's dynamic threading may
+    # use fewer threads when the machine is busy (a resumed child beside other work) and sum
+    # in another order, so every child runs with a fixed thread count
+    env = {**os.environ, "MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"}
     return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", str(config_with_dir),
-                             "--run-dir", str(run_dir), *flags], stdout=log, stderr=subprocess.STDOUT)
+                             "--run-dir", str(run_dir), *flags], stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def run_to_end(config: Path, run_dir: Path, ckpt_dir: Path, *flags: str, log_name: str = "child.log") -> tuple[dict, float]:

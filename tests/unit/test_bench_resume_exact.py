@@ -18,7 +18,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # a reference run, so it must not share the cores with other runs.
 @pytest.mark.slow  # nine subprocesses, each importing torch and transformers
 def test_killed_runs_resume_exactly_and_an_interrupted_save_leaves_the_previous_checkpoint():
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # one thread per child: the pool's flows run beside this test, and a child that got fewer
+    # threads than another would sum in another order (the bench also turns dynamic threading off)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+           "MKL_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, str(REPO_ROOT / "bench" / "resume_exact.py"),
          "--steps", "5", "--every", "2", "--kill-after", "3", "--kill-in-save", "4",
