@@ -36,7 +36,7 @@ import torch
 
 from posttrain.catalog import import_callable
 from posttrain.config.schema import RecipeConfig, SuiteConfig
-from posttrain.data.chat import end_of_turn_token_ids, render_prompt
+from posttrain.data.chat import generation_stop_ids, render_prompt
 from posttrain.data.packer import iter_batches, pack_samples
 from posttrain.data.records import ChatRecord
 from posttrain.eval.heldout import evaluate_loss
@@ -138,7 +138,7 @@ def _prompts_and_references(data: EvalData, ctx: SuiteContext, kind: str):
     template_kwargs = config.tokenizer.chat_template_kwargs
     prompts, references = zip(*(prompt_and_reference(r) for r in records))
     prompt_ids = [render_prompt(tokenizer, messages, **template_kwargs) for messages in prompts]
-    stop_ids = tuple(sorted(set(end_of_turn_token_ids(tokenizer, **template_kwargs)) | {tokenizer.eos_token_id}))
+    stop_ids = tuple(sorted(generation_stop_ids(tokenizer, **template_kwargs)))  # where a server stops
     return list(prompts), list(references), prompt_ids, stop_ids
 
 

@@ -12,26 +12,10 @@ import pytest
 
 from posttrain.data.chat import end_of_turn_token_ids, generation_stop_ids
 from posttrain.data.demo import build_demo_tokenizer
-from posttrain.data.records import ChatRecord, PreferenceRecord, PromptRecord
+from posttrain.data.records import ChatRecord
 from posttrain.models.registry import add_generation_stop_ids
 from posttrain.verify.skew import check_skew, first_difference, sample_records, serving_stop_ids
-
-CHATS = [
-    [{"role": "user", "content": "What is 12 + 30?"}, {"role": "assistant", "content": "42"}],
-    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "7 * 6?"},
-     {"role": "assistant", "content": "42"}, {"role": "user", "content": "and 6 * 7?"},
-     {"role": "assistant", "content": "Also 42."}],
-]
-
-
-def records() -> list:
-    chats = [ChatRecord(messages=m, source="chats", line=i + 1) for i, m in enumerate(CHATS)]
-    pairs = [PreferenceRecord(prompt=[{"role": "user", "content": "Say hi"}],
-                              chosen=[{"role": "assistant", "content": "Hi!"}],
-                              rejected=[{"role": "assistant", "content": "No."}], source="pairs", line=1)]
-    prompts = [PromptRecord(prompt=[{"role": "user", "content": "3 + 4 = ?"}], reference="7", meta={},
-                            source="prompts", line=1)]
-    return chats + pairs + prompts
+from skew_records import CHATS, records
 
 
 def export(tokenizer, path: Path) -> Path:

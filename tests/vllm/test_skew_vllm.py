@@ -18,29 +18,13 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 from posttrain.data.chat import generation_stop_ids  # noqa: E402
-from posttrain.data.records import ChatRecord, PreferenceRecord, PromptRecord  # noqa: E402
 from posttrain.models.registry import (add_generation_stop_ids, build_model, save_hf_checkpoint,  # noqa: E402
                                        tiny_config)
 from posttrain.rl.vllm_engine import chat_llm  # noqa: E402
 from posttrain.verify.skew import check_skew  # noqa: E402
+from skew_records import records  # noqa: E402
 
 QWEN3 = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tokenizers" / "qwen3"
-CHATS = [
-    [{"role": "user", "content": "What is 12 + 30?"}, {"role": "assistant", "content": "42"}],
-    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "7 * 6?"},
-     {"role": "assistant", "content": "42"}, {"role": "user", "content": "and 6 * 7?"},
-     {"role": "assistant", "content": "Also 42."}],
-]
-
-
-def records() -> list:
-    chats = [ChatRecord(messages=m, source="chats", line=i + 1) for i, m in enumerate(CHATS)]
-    pairs = [PreferenceRecord(prompt=[{"role": "user", "content": "Say hi"}],
-                              chosen=[{"role": "assistant", "content": "Hi!"}],
-                              rejected=[{"role": "assistant", "content": "No."}], source="pairs", line=1)]
-    prompts = [PromptRecord(prompt=[{"role": "user", "content": "3 + 4 = ?"}], reference="7", meta={},
-                            source="prompts", line=1)]
-    return chats + pairs + prompts
 
 
 @pytest.fixture(scope="module")
