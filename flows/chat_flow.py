@@ -3,7 +3,7 @@ tokenize them, pack them.
 
 `ChatRecipeFlow` is a `RecipeFlow` whose `ingest` reads chat records and whose `tokenize`
 renders each conversation with the tokenizer's chat template (assistant-only loss masks),
-then filters. Each recipe flow defines its own `pack` step (its body `self._pack_chats()`, then
+then filters. Each recipe flow defines its own `pack` step (its body `self._pack_samples()`, then
 the recipe's next step: SFT trains, distillation prepares its teacher first). Evaluation is
 `RecipeSteps`' foreach over the recipe's suites, on the held-out conversations.
 """
@@ -47,12 +47,3 @@ class ChatRecipeFlow(RecipeFlow):
             self.rejected_path = str(write_rejected(self.rejected, Path(self.run_dir) / "rejected.jsonl"))
         cards.tokenize_section(current.card["tokenize"], self.tokenize_stats)
         self.next(self.pack)
-
-    def _pack_chats(self):
-        """One pass over the weighted mixture, best-fit packed: rows per epoch and efficiency, in
-        the `pack` card (the body of each chat recipe's `pack` step)."""
-        from posttrain.steps import pack
-
-        result = pack.run(self.samples, self.recipe, self._tokenizer().pad_token_id)
-        self.packed_rows, self.pack_stats, self.samples_per_source = result.rows, result.stats, result.samples_per_source
-        cards.pack_section(current.card["pack"], self.pack_stats, self.samples_per_source)

@@ -39,7 +39,7 @@ class DistillFlow(ChatRecipeFlow):
     @step
     def pack(self):
         """One pass over the weighted mixture, best-fit packed: rows per epoch and efficiency."""
-        self._pack_chats()
+        self._pack_samples()
         self.next(self.teacher)
 
     @card(type="blank", id="teacher")

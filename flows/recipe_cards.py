@@ -37,6 +37,20 @@ def ingest_section(card, counts: dict, rejected: list, warnings: list[str] = ())
         card.append(Markdown("None: every row was valid."))
 
 
+def vocabulary_section(card, vocabulary: dict, heldout_users: int, train_only_users: int) -> None:
+    """A sequence recipe's item vocabulary and its leave-last-out split."""
+    if "reused" in vocabulary:
+        text = f"Reused the item tokenizer `{vocabulary['reused']}`: {vocabulary['items']} items."
+    else:
+        text = (f"{vocabulary['items']} items kept (seen at least {vocabulary['min_count']} times in training), "
+                f"{vocabulary['dropped_items']} rarer items ({vocabulary['dropped_interactions']} interactions) "
+                f"mapped to `<unk>`; event types {vocabulary['events'] or 'none'}; {vocabulary['vocab_size']} "
+                f"tokens with {vocabulary['reserved']} reserved to pad to a multiple of 64.")
+    card.append(Markdown(f"## Item vocabulary\n{text}\n\n## Split (leave-last-out)\n{heldout_users} users hold out "
+                         f"their last item (test) and the one before (validation); {train_only_users} users with "
+                         "fewer than 3 interactions train only."))
+
+
 def tokenize_section(card, stats) -> None:
     card.append(Markdown(
         f"## Tokenized samples\n{stats.num_samples} samples, {stats.num_tokens} tokens, "

@@ -190,6 +190,15 @@ class RecipeFlow(RecipeSteps):
         self._store_train_result(result)
         self.next(self.verify)
 
+    def _pack_samples(self):
+        """One pass over the weighted mixture of the token samples, best-fit packed: rows per
+        epoch and efficiency, in the `pack` card (the body of each recipe's `pack` step)."""
+        from posttrain.steps import pack
+
+        result = pack.run(self.samples, self.recipe, self._tokenizer().pad_token_id)
+        self.packed_rows, self.pack_stats, self.samples_per_source = result.rows, result.stats, result.samples_per_source
+        cards.pack_section(current.card["pack"], self.pack_stats, self.samples_per_source)
+
     def _store_train_result(self, result):
         """The train step's artifacts from its `TrainResult` (any train step: this one, or the
         control task of a multi-node one)."""

@@ -49,7 +49,7 @@ class SFTFlow(ChatRecipeFlow):
     @step
     def pack(self):
         """One pass over the weighted mixture, best-fit packed: rows per epoch and efficiency."""
-        self._pack_chats()
+        self._pack_samples()
         self.next(self.train)
 
 

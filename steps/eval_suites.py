@@ -22,6 +22,9 @@ failed suite, so the other suites still run.
 - `reward_model`: each model's greedy answers scored by a registered reward model
   (`kwargs.model`, `posttrain.rl.rewards.reward_model`): `reward_model_score` (mean) and its
   standard error; the scores go into the report.
+- `next_item`: a sequence model's next-item ranking of held-out users (`posttrain.eval.next_item`:
+  full-ranking recall@k / NDCG@k / MRR with standard errors, the unseen-items and the sampled
+  variants), beside the popularity and item-to-item Markov baselines on the same cases.
 - `python`: a user's `package.module:function`, called once per model as
   `function(model, tokenizer, data, **kwargs)`, returning `{metric: number}`.
 """
@@ -63,12 +66,17 @@ class ModelUnderTest:
 class EvalData:
     """The recipe's held-out data, as the suites read it: `chats` (conversations whose last
     assistant turn is the reference answer), `pairs` (tokenized preference pairs) with their
-    `pair_records`, and `prompts` (an RL recipe's prompt records). A recipe fills what it has."""
+    `pair_records`, `prompts` (an RL recipe's prompt records), and a sequence recipe's
+    held-out next items (`cases`) with its training histories and item `catalogue`. A recipe
+    fills what it has."""
 
     chats: list[ChatRecord] = field(default_factory=list)
     pairs: list = field(default_factory=list)
     pair_records: list = field(default_factory=list)
     prompts: list = field(default_factory=list)
+    cases: list = field(default_factory=list)  # a sequence recipe's held-out next items (NextItemCase)
+    train_histories: list = field(default_factory=list)  # its training histories (the baselines fit on them)
+    catalogue: list = field(default_factory=list)  # the items its rankings rank
 
 
 @dataclass
@@ -314,11 +322,55 @@ def rewards(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> 
     return SuiteOutput(metrics)
 
 
+def next_item(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> SuiteOutput:
+    """Next-item ranking (`posttrain.eval.next_item`) of every model, each read through its own
+    exported tokenizer, beside the popularity and Markov baselines fitted on the training
+    histories; the per-case hits and reciprocal ranks go into the report."""
+    from posttrain.data.item_vocab import ItemCodec
+    from posttrain.data.tokenizer import load_tokenizer
+    from posttrain.eval.next_item import baseline_scores, evaluate_next_item, sampled_negatives, score_cases
+    from posttrain.eval.ranking import MarkovBaseline, PopularityBaseline
+
+    config = ctx.config
+    cases = ctx.head(_needs(data.cases, "held-out next items", "next_item"))
+    catalogue, ks = list(data.catalogue), tuple(config.sequence.ks)
+    negatives = (sampled_negatives(cases, catalogue, config.sequence.sampled_negatives, config.seed)
+                 if config.sequence.sampled_negatives else None)
+    hit = f"hit@{ks[0]}"
+    output = SuiteOutput({}, report_numerical=["reciprocal_rank"], report_categorical=[hit])
+
+    def record(label: str, scores_NI: torch.Tensor, extra: dict) -> None:
+        metrics, per_case = evaluate_next_item(scores_NI, cases, catalogue, ks, negatives)
+        output.metrics[label] = {**metrics, **extra}
+        k = ks[0]
+        print(f"[evaluate] {label}: recall@{k} {metrics[f'recall@{k}']:.4f} (se {metrics[f'recall@{k}_se']:.4f}), "
+              f"ndcg@{k} {metrics[f'ndcg@{k}']:.4f} on {len(cases)} users")
+        for i, case in enumerate(cases):
+            output.report_rows.append({"model": label, "reciprocal_rank": float(per_case["rr"][i]),
+                                       hit: float(per_case[hit][i]) >= 0.5})
+            if i < 5:
+                top = scores_NI[i].topk(min(5, len(catalogue))).indices.tolist()
+                output.examples.append({"model": label, "prompt": f"... {case.history[-5:]}", "reference": case.target,
+                                        "prediction": [catalogue[c] for c in top],
+                                        "correct": case.target in [catalogue[c] for c in top], "output_length": 5})
+
+    for model_ref in models:
+        model = ctx.load(model_ref)
+        codec = ItemCodec(load_tokenizer(model_ref.model_dir))  # each model's own vocabulary
+        scores_NI, oov = score_cases(model, codec, cases, catalogue, config.pack.row_length, config.eval.batch_size)
+        del model
+        record(model_ref.label, scores_NI, {"oov_history_items": float(oov)})
+    for baseline in (PopularityBaseline(data.train_histories), MarkovBaseline(data.train_histories)):
+        record(baseline.name, baseline_scores(baseline, cases, catalogue), {})
+    return output
+
+
 def python(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> SuiteOutput:
     suite = ctx.suite
     function = import_callable(suite.function, f"eval suite {suite.label!r}")
     limited = EvalData(chats=ctx.head(data.chats), pairs=ctx.head(data.pairs), pair_records=data.pair_records,
-                       prompts=ctx.head(data.prompts))
+                       prompts=ctx.head(data.prompts), cases=ctx.head(data.cases),
+                       train_histories=data.train_histories, catalogue=data.catalogue)
     metrics = {}
     for model_ref in models:
         model = ctx.load(model_ref)
@@ -339,5 +391,5 @@ def python(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> S
 
 SUITES: dict[str, Callable[[list[ModelUnderTest], EvalData, SuiteContext], SuiteOutput]] = {
     "heldout_loss": heldout_loss, "task": task, "preference": preference, "reward_pairs": reward_pairs,
-    "rewards": rewards, "reward_model": reward_model, "python": python,
+    "rewards": rewards, "reward_model": reward_model, "next_item": next_item, "python": python,
 }

@@ -69,7 +69,7 @@ def suites_for(config: RecipeConfig) -> list[SuiteConfig]:
 
 def check_heldout(data: EvalData) -> None:
     """Evaluation needs held-out data: an error naming the settings when the recipe has none."""
-    if not (data.chats or data.pairs or data.prompts):
+    if not (data.chats or data.pairs or data.prompts or data.cases):
         raise ValueError("evaluation needs held-out records: set data.heldout or data.heldout_fraction")
 
 

@@ -10,8 +10,9 @@ first under `${generated}` and then read back through the same readers as real d
 
 SFT trains on conversations (`kind="conversations"`): chat formats give them directly,
 preference formats (`hh_rlhf`, `orca_dpo`, `preference`) give their prompt plus the chosen
-reply. Preference recipes (`kind="pairs"`) train on the pairs of preference formats. A format
-that gives another record kind is a configuration error here.
+reply. Preference recipes (`kind="pairs"`) train on the pairs of preference formats, RL
+recipes sample prompts (`kind="prompts"`) and sequence recipes read interaction histories
+(`kind="sequences"`). A format that gives another record kind is a configuration error here.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from posttrain.config.schema import GenerateConfig, RecipeConfig, SourceConfig
-from posttrain.data.records import ChatRecord, PreferenceRecord, PromptRecord, RejectedRow
+from posttrain.data.records import ChatRecord, PreferenceRecord, PromptRecord, RejectedRow, SequenceRecord
 from posttrain.data.sources import SourceSpec, fingerprint, read_records, write_rejected
 from posttrain.steps.paths import generated_directory, resolve
 
@@ -63,10 +64,19 @@ def reason_summary(rejected: list[RejectedRow], most: int = 3) -> str:
 
 
 def generate_demo_data(generate: GenerateConfig, run_dir: Path) -> Path:
-    """Write the demo dataset and train its tokenizer under `run_dir/generated` (deterministic)."""
+    """Write the demo dataset and train its tokenizer under `run_dir/generated` (deterministic);
+    for `task: interactions`, the synthetic world's logs, item catalogue and simulator."""
     from posttrain.data.demo import build_demo_tokenizer, write_arithmetic_dataset
 
     out_dir = generated_directory(run_dir)
+    if generate.task == "interactions":
+        from posttrain.config.schema import WorldConfig
+        from posttrain.data.interactions import InteractionWorld, write_world
+
+        world = generate.world or WorldConfig()
+        write_world(out_dir, InteractionWorld.build(world))
+        print(f"[ingest] generated {world.num_users} users' histories over {world.num_items} items in {out_dir}")
+        return out_dir
     paths = write_arithmetic_dataset(
         out_dir, num_train=generate.num_train, num_heldout=generate.num_heldout, seed=generate.seed,
         min_digits=generate.min_digits, max_digits=generate.max_digits,
@@ -126,7 +136,15 @@ def as_prompt(record, source: SourceConfig) -> PromptRecord:
     )
 
 
-RECORD_KINDS = {"conversations": as_conversation, "pairs": as_pair, "prompts": as_prompt}
+def as_sequence(record, source: SourceConfig) -> SequenceRecord:
+    """What sequence recipes train on: an interaction history itself."""
+    if isinstance(record, SequenceRecord):
+        return record
+    raise ValueError(f"source '{source.name}' (format '{source.format}') gives {type(record).__name__}s; a sequence "
+                     "recipe trains on interaction histories: use format 'sequence'")
+
+
+RECORD_KINDS = {"conversations": as_conversation, "pairs": as_pair, "prompts": as_prompt, "sequences": as_sequence}
 
 
 def read_conversations(source: SourceConfig, run_dir: Path, kind: str = "conversations"

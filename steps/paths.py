@@ -25,11 +25,18 @@ def resolve(path: str, run_dir: Path) -> str:
     return path
 
 
+def vocabulary_directory(run_dir: Path) -> Path:
+    """Where a run that builds its tokenizer from its data writes it (`${vocabulary}`)."""
+    return Path(run_dir) / "vocabulary"
+
+
 def resolve_tokenizer(config, run_dir: Path) -> str:
-    """Where the recipe's tokenizer is: `${generated}` resolved, or a registry reference
-    (`registry:NAME[:VERSION]`, e.g. the starting model's own tokenizer) resolved to its
-    model directory in the recipe's registry."""
+    """Where the recipe's tokenizer is: `${generated}` resolved, the run's own vocabulary for
+    `${vocabulary}`, or a registry reference (`registry:NAME[:VERSION]`, e.g. the starting
+    model's own tokenizer) resolved to its model directory in the recipe's registry."""
     name = config.tokenizer.name_or_path
+    if config.builds_tokenizer:
+        return str(vocabulary_directory(run_dir))
     if name.startswith("registry:"):
         from posttrain.registry import resolve_model_dir
 

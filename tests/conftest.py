@@ -42,7 +42,7 @@ def flow_pool(request, tmp_path_factory):
     from concurrent.futures import ThreadPoolExecutor
 
     import torch  # noqa: F401  (before Metaflow's Runner: its typing patch breaks later torch imports)
-    from flow_pool import POOL_WORKERS, SCENARIOS, FlowPool, typing_restored
+    from flow_pool import POOL_WORKERS, SCENARIOS, FlowPool, timed, typing_restored, write_timeline
 
     modules = {item.module.__name__ for item in request.session.items if item.module is not None}
     wanted = sorted(((name, s) for name, s in SCENARIOS.items() if s.module in modules),
@@ -58,9 +58,11 @@ def flow_pool(request, tmp_path_factory):
         tmp = tmp_path_factory.mktemp(f"bg_{name}")
         args[name] = scenario.prepare(tmp) if scenario.prepare is not None else tmp
     pool = ThreadPoolExecutor(max_workers=POOL_WORKERS, thread_name_prefix="background")
-    futures = {name: pool.submit(scenario.launch, args[name]) for name, scenario in wanted}
+    timeline: dict[str, list[float]] = {}
+    futures = {name: pool.submit(timed(scenario.launch, name, timeline), args[name]) for name, scenario in wanted}
     yield FlowPool(futures)
     pool.shutdown(wait=True)
+    write_timeline(timeline)
     for future in futures.values():
         result = future.result() if future.done() and not future.exception() else None
         for closing in (result.get("close", []) if isinstance(result, dict) else []):

@@ -26,6 +26,7 @@ import contextlib
 import os
 import subprocess
 import threading
+import time
 import typing
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -86,6 +87,33 @@ def typing_restored():
 def single_thread_env(env: dict) -> dict:
     """`env` with one torch / OpenMP thread per process (the runs share two cores)."""
     return {**env, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def timed(launch: Callable[[Any], Any], name: str, timeline: dict[str, list[float]]) -> Callable[[Any], Any]:
+    """`launch` that records its start and end (seconds since the epoch) in `timeline[name]`."""
+
+    def run(arg: Any) -> Any:
+        timeline[name] = [time.time()]
+        try:
+            return launch(arg)
+        finally:
+            timeline[name].append(time.time())
+
+    return run
+
+
+def write_timeline(timeline: dict[str, list[float]]) -> None:
+    """Print when each scenario started and ended, relative to the first start (the pool's
+    critical path is what `make test` waits for), and write it to `$POSTTRAIN_POOL_TIMELINE`
+    when that names a file."""
+    if not timeline:
+        return
+    origin = min(t[0] for t in timeline.values())
+    rows = sorted((t[0] - origin, t[-1] - origin, name) for name, t in timeline.items())
+    text = "\n".join(f"  {name:<20} {start:7.1f} s -> {end:7.1f} s ({end - start:6.1f} s)" for start, end, name in rows)
+    print(f"\nbackground pool ({POOL_WORKERS} threads):\n{text}")
+    if os.environ.get("POSTTRAIN_POOL_TIMELINE"):
+        Path(os.environ["POSTTRAIN_POOL_TIMELINE"]).write_text(text + "\n")
 
 
 class FlowPool:

@@ -24,7 +24,7 @@ FORMAT_FIELDS: dict[str, dict[str, str | None]] = {
     "preference": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"},
     "orca_dpo": {"prompt": "input.messages", "chosen": "preferred_output", "rejected": "non_preferred_output"},
     "prompt": {"prompt": "prompt", "reference": "reference"},
-    "sequence": {"ids": "ids"},
+    "sequence": {"ids": "ids", "timestamps": "timestamps", "events": "events", "user": "user"},
 }
 
 

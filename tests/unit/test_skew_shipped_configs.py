@@ -84,6 +84,8 @@ def test_the_skew_gate_passes_on_every_shipped_config(path, generated, tmp_path)
     if not SHARED.is_dir():
         pytest.skip("../shared/data is not present")
     config = load_recipe_config(path, recipe="grpo" if path.parent.name == "grpo" else path.parent.name)
+    if config.builds_tokenizer:  # a sequence recipe: its vocabulary, built from a small world's histories
+        return check_item_vocabulary_config(config, tmp_path)
     tokenizer = config_tokenizer(config, generated)
     kwargs = config.tokenizer.chat_template_kwargs
     export = tmp_path / "export"
@@ -94,3 +96,23 @@ def test_the_skew_gate_passes_on_every_shipped_config(path, generated, tmp_path)
     report = check_skew(tokenizer, export, records, template_kwargs=kwargs)
     assert report.passed, report.describe()
     assert sum(report.checked.values()) >= len(records)
+
+
+def check_item_vocabulary_config(config, tmp_path: Path) -> None:
+    """The item vocabulary the recipe builds, exported alone, encodes its histories as training does."""
+    from posttrain.data.item_vocab import build_item_vocabulary, save_item_tokenizer
+    from posttrain.steps.ingest import generate_demo_data
+
+    generate = dataclasses.replace(config.data.generate, world=dataclasses.replace(
+        config.data.generate.world, num_users=40, num_items=60, num_topics=4))
+    generated = generate_demo_data(generate, tmp_path / "world")
+    source = config.data.sources[0]
+    records, _ = read_records(SourceSpec(name=source.name, kind=source.kind, format=source.format, limit=40,
+                                         path=source.path.replace("${generated}", str(generated))))
+    vocabulary = build_item_vocabulary(records, config.sequence.min_count, config.sequence.event_tokens)
+    tokenizer = load_tokenizer(str(save_item_tokenizer(vocabulary, tmp_path / "vocabulary")))
+    export = tmp_path / "export"
+    tokenizer.save_pretrained(str(export))
+    report = check_skew(tokenizer, export, records, per_source=RECORDS_PER_SOURCE)
+    assert report.passed, report.describe()
+    assert report.checked == {"history": RECORDS_PER_SOURCE}

@@ -27,6 +27,7 @@ DEFAULT_RM_CONFIG = str(REPO_CONFIG_DIR / "rm" / "demo.yaml")
 DEFAULT_DISTILL_CONFIG = str(REPO_CONFIG_DIR / "distill" / "demo.yaml")
 DEFAULT_GRPO_CONFIG = str(REPO_CONFIG_DIR / "grpo" / "demo.yaml")
 DEFAULT_GRPO_SWEEP_CONFIG = str(REPO_CONFIG_DIR / "grpo" / "sweep-demo.yaml")
+DEFAULT_SEQUENCE_CONFIG = str(REPO_CONFIG_DIR / "sequence" / "demo.yaml")
 
 
 def parse_yaml(text: str, source: str) -> dict:

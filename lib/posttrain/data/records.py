@@ -11,7 +11,10 @@ row index, 0-based):
 - `PromptRecord(prompt, reference, meta, source, line)`: prompt messages plus what a reward
   function needs: `reference` (e.g. GSM8K's final answer, or None) and `meta` (a dict of
   anything else) (`validate_prompt`).
-- `SequenceRecord(ids, source, line)`: raw non-negative token or item ids (`validate_sequence`).
+- `SequenceRecord(ids, source, line, timestamps, events, user)`: one user's (or session's)
+  interaction history in time order: raw non-negative item or event ids, optionally a
+  timestamp per id (integers, never decreasing), an event type per id (e.g. "play", "rate")
+  and the user's id (`validate_sequence`).
 - `RejectedRow(source, line, reason, raw)`: a malformed row, kept aside with a short
   human-readable `reason` and the offending text (`raw`, truncated to `MAX_RAW_CHARS`).
   Every malformed row becomes one of these; nothing is dropped silently.
@@ -69,6 +72,9 @@ class SequenceRecord:
     ids: list[int]
     source: str
     line: int
+    timestamps: list[int] | None = None
+    events: list[str] | None = None
+    user: str | None = None
 
 
 Record = Union[ChatRecord, PreferenceRecord, PromptRecord, SequenceRecord]
@@ -240,21 +246,58 @@ def validate_prompt(prompt: Any, reference: Any = None, meta: Any = None) -> tup
     return prompt, reference, meta
 
 
-def validate_sequence(ids: Any) -> list[int]:
-    """Check raw ids and return them as a list of Python ints: a non-empty list of
-    non-negative integers (bools are not ids; integral numpy scalars are accepted)."""
+def validate_sequence(ids: Any, timestamps: Any = None, events: Any = None,
+                      user: Any = None) -> tuple[list[int], list[int] | None, list[str] | None, str | None]:
+    """Check one interaction history and return `(ids, timestamps, events, user)`, cleaned.
+
+    `ids`: a non-empty list of non-negative integers (bools are not ids; integral numpy scalars
+    and integral floats such as 12.0, which Parquet and pandas make of integer columns with
+    gaps, are accepted). `timestamps` (optional): one integer per id, never decreasing (the
+    history must already be in time order: a reason names the first pair out of order).
+    `events` (optional): one non-empty string per id. `user` (optional): a string or an
+    integer, returned as a string.
+    """
     if not isinstance(ids, (list, tuple)):
         raise RecordError(f"ids: not a list (got {_type_name(ids)})")
     if not ids:
         raise RecordError("ids: empty")
-    out = []
-    for i, value in enumerate(ids):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise RecordError(f"ids[{i}]: not an integer (got {_type_name(value)})")
-        if value < 0:
-            raise RecordError(f"ids[{i}]: negative ({value})")
-        out.append(int(value))
-    return out
+    out = [_non_negative_int(value, f"ids[{i}]") for i, value in enumerate(ids)]
+    stamps = None
+    if timestamps is not None:
+        if not isinstance(timestamps, (list, tuple)):
+            raise RecordError(f"timestamps: not a list (got {_type_name(timestamps)})")
+        if len(timestamps) != len(out):
+            raise RecordError(f"timestamps: {len(timestamps)} values for {len(out)} ids")
+        stamps = [_non_negative_int(value, f"timestamps[{i}]") for i, value in enumerate(timestamps)]
+        for i in range(1, len(stamps)):
+            if stamps[i] < stamps[i - 1]:
+                raise RecordError(f"timestamps[{i}] ({stamps[i]}) is before timestamps[{i - 1}] ({stamps[i - 1]}): "
+                                  "the history is not in time order")
+    kinds = None
+    if events is not None:
+        if not isinstance(events, (list, tuple)):
+            raise RecordError(f"events: not a list (got {_type_name(events)})")
+        if len(events) != len(out):
+            raise RecordError(f"events: {len(events)} values for {len(out)} ids")
+        for i, event in enumerate(events):
+            if not isinstance(event, str) or not event.strip() or any(c.isspace() for c in event):
+                raise RecordError(f"events[{i}]: not a non-empty string without spaces (got {event!r})")
+        kinds = list(events)
+    if user is not None:
+        if isinstance(user, bool) or not isinstance(user, (str, numbers.Integral)):
+            raise RecordError(f"user: not a string or an integer (got {_type_name(user)})")
+        user = str(user)
+    return out, stamps, kinds, user
+
+
+def _non_negative_int(value: Any, what: str) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise RecordError(f"{what}: not an integer (got {_type_name(value)})")
+    if value < 0:
+        raise RecordError(f"{what}: negative ({value})")
+    return int(value)
 
 
 def validate_record(record: Any) -> None:
@@ -266,7 +309,7 @@ def validate_record(record: Any) -> None:
     elif isinstance(record, PromptRecord):
         validate_prompt(record.prompt, record.reference, record.meta)
     elif isinstance(record, SequenceRecord):
-        validate_sequence(record.ids)
+        validate_sequence(record.ids, record.timestamps, record.events, record.user)
     else:
         raise RecordError(f"not a record (got {_type_name(record)})")
 
@@ -284,5 +327,8 @@ def record_content(record: Record) -> dict:
     if isinstance(record, PromptRecord):
         return {"kind": "prompt", "prompt": record.prompt, "reference": record.reference}
     if isinstance(record, SequenceRecord):
-        return {"kind": "sequence", "ids": record.ids}
+        content = {"kind": "sequence", "ids": record.ids}
+        content.update({k: v for k, v in (("timestamps", record.timestamps), ("events", record.events),
+                                          ("user", record.user)) if v is not None})
+        return content
     raise TypeError(f"not a record: {type(record).__name__}")

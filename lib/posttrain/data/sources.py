@@ -34,7 +34,7 @@ from typing import Any, Iterator
 from posttrain.data.formats import get_format, get_path, parse_row, resolve_columns
 from posttrain.data.records import ChatRecord, RecordError, RejectedRow, raw_text
 
-KINDS = ("jsonl", "parquet", "hf")
+KINDS = ("jsonl", "parquet", "hf", "movielens")
 _GLOB_CHARS = set("*?[")
 
 
@@ -46,7 +46,9 @@ class SourceError(RuntimeError):
 class SourceSpec:
     """One dataset source.
 
-    `path`: for "jsonl" a `.jsonl` / `.jsonl.gz` file (gzip detected by the `.gz` suffix),
+    `path`: for "movielens" a MovieLens `ratings.dat` or `ratings.csv` (or a directory of
+    them: `iter_movielens`, one `sequence` row per user); for "jsonl" a `.jsonl` / `.jsonl.gz`
+    file (gzip detected by the `.gz` suffix),
     a directory (its `*.jsonl` and `*.jsonl.gz` files) or a glob; for "parquet" a file, a
     directory (its `*.parquet` files) or a glob; for "hf" a local data file or glob (loaded
     with the builder for its suffix: json, parquet, csv, arrow), a `save_to_disk` directory,
@@ -216,6 +218,66 @@ def iter_hf(path: str, split: str = "train", streaming: bool = False,
         yield index, row
 
 
+@dataclass(frozen=True)
+class BadLine:
+    """Yielded by a reader in place of a row for a line it could not parse (the MovieLens
+    reader groups lines into rows, so a bad line has no row to be rejected with)."""
+
+    reason: str
+    raw: str
+
+
+MOVIELENS_DAT = ("user", "movie", "rating", "timestamp")
+
+
+def iter_movielens(path: str) -> Iterator[tuple[int, dict | BadLine]]:
+    """MovieLens ratings as one row per user: `{"user", "ids", "timestamps", "ratings"}`, the
+    user's movies in time order (ties keep the file's order), numbered by the line of the
+    user's first rating. `ratings.dat` (ML-1M/10M: `user::movie::rating::timestamp`) or a CSV
+    with a `userId,movieId,rating,timestamp` header (ML-20M, ML-latest). A line that does not
+    parse is yielded as a `BadLine` with its line number, first, and the rest still load."""
+    csv = str(path).lower().endswith(".csv")
+    by_user: dict[str, list[tuple[int, int, float, int]]] = {}
+    first_line: dict[str, int] = {}
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line_number, text in enumerate(f, start=1):
+            text = text.rstrip("\r\n")
+            if not text.strip() or (csv and line_number == 1 and text.lower().startswith("userid")):
+                continue
+            parts = text.split(",") if csv else text.split("::")
+            if len(parts) != 4:
+                layout = "userId,movieId,rating,timestamp" if csv else "user::movie::rating::timestamp"
+                yield line_number, BadLine(f"expected 4 fields {layout}, got {len(parts)}", text)
+                continue
+            user, movie, rating, stamp = (p.strip() for p in parts)
+            try:
+                movie_id = _integer(movie, "movie id")
+                timestamp = _integer(stamp, "timestamp")
+                score = float(rating)
+                if not user:
+                    raise RecordError("user id is empty")
+            except (RecordError, ValueError) as err:
+                reason = err.reason if isinstance(err, RecordError) else f"rating is not a number ({rating!r})"
+                yield line_number, BadLine(reason, text)
+                continue
+            by_user.setdefault(user, []).append((timestamp, line_number, score, movie_id))
+            first_line.setdefault(user, line_number)
+    for user, events in by_user.items():
+        events.sort(key=lambda e: (e[0], e[1]))
+        yield first_line[user], {"user": user, "ids": [e[3] for e in events], "timestamps": [e[0] for e in events],
+                                 "ratings": [e[2] for e in events]}
+
+
+def _integer(text: str, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise RecordError(f"{what} is not an integer ({text!r})") from None
+    if value < 0:
+        raise RecordError(f"{what} is negative ({value})")
+    return value
+
+
 def iter_rows(spec: SourceSpec) -> Iterator[tuple[str, int, Any]]:
     """Yield `(source, line, raw)` for every row of `spec`, at most `spec.limit` rows.
 
@@ -225,6 +287,8 @@ def iter_rows(spec: SourceSpec) -> Iterator[tuple[str, int, Any]]:
         streams = ((f, iter_jsonl(f, spec.strict)) for f in _expand(spec.path, (".jsonl", ".jsonl.gz")))
     elif spec.kind == "parquet":
         streams = ((f, iter_parquet(f)) for f in _expand(spec.path, (".parquet",)))
+    elif spec.kind == "movielens":
+        streams = ((f, iter_movielens(f)) for f in _expand(spec.path, (".dat", ".csv")))
     else:
         streams = iter([(f"{spec.path}[{spec.split}]", iter_hf(spec.path, spec.split, spec.streaming, spec.subset))])
     count = 0
@@ -271,6 +335,9 @@ def read_records(spec: SourceSpec) -> tuple[list, list[RejectedRow]]:
     for source, line, raw in iter_rows(spec):
         if isinstance(raw, BrokenStream):
             rejected.append(RejectedRow(source, line, raw.reason, ""))
+            continue
+        if isinstance(raw, BadLine):
+            rejected.append(RejectedRow(source, line, raw.reason, raw_text(raw.raw)))
             continue
         try:
             made = parse_row(spec.format, _decode(raw), columns=columns, source=source, line=line,

@@ -57,6 +57,9 @@ class SamplingConfig:
     whole vocabulary; a completion ends at `max_new_tokens`, at a token of `stop_token_ids`
     (kept as its last token) or when its decoded text contains one of `stop_strings` (kept up
     to and including the token that completed it; needs an engine with a tokenizer).
+    `allowed` (a `posttrain.data.semantic_ids.TokenTrie`) constrains every completion to the
+    trie's token sequences (`posttrain.rl.constrained`): the sampling log-probs are then those
+    of the masked distribution; the raw ones stay the model's own. Native engine only.
     """
 
     n: int = 1
@@ -68,6 +71,7 @@ class SamplingConfig:
     stop_strings: tuple[str, ...] = ()
     seed: int = 0
     seeds: tuple[int, ...] | None = None  # one per prompt; overrides `seed`
+    allowed: object | None = None  # a TokenTrie: completions constrained to its sequences
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, (int, str)):
@@ -101,6 +105,9 @@ class SamplingConfig:
         need(isinstance(self.seed, int), f"seed must be an int, got {self.seed!r}")
         if self.seeds is not None:
             need(all(isinstance(s, int) for s in self.seeds), f"seeds must be ints, got {self.seeds!r}")
+        if self.allowed is not None:
+            need(callable(getattr(self.allowed, "children", None)),
+                 f"allowed must be a TokenTrie (posttrain.data.semantic_ids), got {type(self.allowed).__name__}")
 
     @property
     def greedy(self) -> bool:

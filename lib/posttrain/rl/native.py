@@ -258,8 +258,14 @@ class NativeEngine:
         position_ids_L = torch.tensor([len(p) for p in batch_prompts], device=device).repeat_interleave(n)
         stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids)), dtype=torch.long, device=device)
         for step in range(steps):
+            allowed_LV = None
+            if sampling.allowed is not None:  # constrained decoding: the trie's continuations of each row
+                from posttrain.rl.constrained import allowed_mask
+
+                allowed_LV = allowed_mask(sampling.allowed, batch.tokens_RS[rows_L, :step].tolist(),
+                                          logits_LV.shape[-1], device)
             token_ids_L, logprobs_L, raw_L = pick_tokens(
-                logits_LV, sampling, None if uniforms_RS is None else uniforms_RS[rows_L, step])
+                logits_LV, sampling, None if uniforms_RS is None else uniforms_RS[rows_L, step], allowed_LV)
             batch.tokens_RS[rows_L, step] = token_ids_L
             batch.logprobs_RS[rows_L, step] = logprobs_L
             batch.raw_RS[rows_L, step] = raw_L

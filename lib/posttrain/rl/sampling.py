@@ -46,17 +46,21 @@ def row_uniforms(seeds: Sequence[int], steps: int, device: torch.device | str = 
     return torch.stack(rows).to(device) if rows else torch.empty(0, steps, device=device)
 
 
-def pick_tokens(logits_RV: torch.Tensor, sampling: SamplingConfig,
-                uniforms_R: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See the module docstring; `uniforms_R` is ignored (may be None) when `sampling.greedy`."""
+def pick_tokens(logits_RV: torch.Tensor, sampling: SamplingConfig, uniforms_R: torch.Tensor | None,
+                allowed_RV: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See the module docstring; `uniforms_R` is ignored (may be None) when `sampling.greedy`.
+    `allowed_RV` (bool) restricts each row to its allowed tokens before temperature and the
+    filters (constrained decoding); the raw log-probs stay those of the whole vocabulary."""
     raw_logp_RV = torch.log_softmax(logits_RV.float(), dim=-1)
+    if allowed_RV is not None:
+        logits_RV = logits_RV.float().masked_fill(~allowed_RV, float("-inf"))
     if sampling.greedy:
         token_ids_R = logits_RV.argmax(dim=-1)
         raw_R = raw_logp_RV.gather(-1, token_ids_R[:, None])[:, 0]
         return token_ids_R, torch.zeros_like(raw_R), raw_R
     if uniforms_R is None or uniforms_R.shape != logits_RV.shape[:1]:
         raise ValueError(f"sampling {logits_RV.shape[0]} rows needs one uniform per row")
-    if sampling.temperature == 1 and sampling.top_k == 0 and sampling.top_p == 1:
+    if sampling.temperature == 1 and sampling.top_k == 0 and sampling.top_p == 1 and allowed_RV is None:
         logp_RV = raw_logp_RV  # the sampling distribution is the model's own
     else:
         logp_RV = torch.log_softmax(filtered_logits(logits_RV, sampling), dim=-1)

@@ -121,6 +121,9 @@ class VLLMEngine:
         prompts = check_prompts(prompts, self.context_length, self.vocab_size)
         if sampling.stop_strings and not self.has_tokenizer:
             raise ValueError("stop_strings need a tokenizer in the model directory")
+        if sampling.allowed is not None:
+            raise ValueError("SamplingConfig.allowed (decoding constrained to a catalogue) runs on the native engine "
+                             "only; use engine: native or native_actor")
         params = []
         for i, prompt in enumerate(prompts):
             limit = min(sampling.max_new_tokens, self.context_length - len(prompt))

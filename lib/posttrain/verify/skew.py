@@ -16,6 +16,9 @@ them on a sample of the training records and fails on the first difference:
 - preference records (`PreferenceRecord`): the pair's prompt as training renders it (the
   generation prompt included) and both full conversations;
 - prompt records (`PromptRecord`, RL): the prompt as the rollouts rendered it;
+- interaction histories (`SequenceRecord`, sequence models): training's token ids
+  (`posttrain.data.item_vocab.ItemCodec`) equal what the serving tokenizer makes of the
+  history's text (no chat template, no stop check: a sequence model is not asked to stop);
 - stop: every id of the end-of-turn marker training put after each assistant turn
   (`end_of_turn_token_ids`, the tokens the model learned to emit last) is an end-of-sequence
   id of the exported `generation_config.json` (or of `config.json` without one); otherwise a
@@ -41,7 +44,7 @@ from typing import Any, Iterable
 
 from posttrain.data.chat import end_of_turn_token_ids, render_conversation, render_prompt, template_ids
 from posttrain.data.preference import prompt_ids
-from posttrain.data.records import ChatRecord, PreferenceRecord, PromptRecord
+from posttrain.data.records import ChatRecord, PreferenceRecord, PromptRecord, SequenceRecord
 
 DEFAULT_SAMPLES = 64  # records per source
 CONTEXT_TOKENS = 6  # tokens shown on each side of the first difference
@@ -163,6 +166,9 @@ class TransformersServing:
     def conversation(self, messages: list[dict]) -> list[int]:
         return template_ids(self.tokenizer.apply_chat_template(messages, tokenize=True, **self.kwargs))
 
+    def text(self, text: str) -> list[int]:
+        return list(self.tokenizer(text).input_ids)
+
 
 class VLLMServing:
     """The serving stack as vLLM renders a request: `LLM.chat` over the exported directory (its
@@ -187,6 +193,12 @@ class VLLMServing:
 
     def conversation(self, messages: list[dict]) -> list[int]:
         return self._served(messages, add_generation_prompt=False)
+
+    def text(self, text: str) -> list[int]:
+        from vllm import SamplingParams
+
+        out = self.llm.generate([text], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+        return list(out[0].prompt_token_ids)
 
 
 class _Checker:
@@ -238,8 +250,20 @@ class _Checker:
         elif isinstance(record, PromptRecord):
             self.compare(record, "rollout prompt", render_prompt(self.train, record.prompt, **self.kwargs),
                          self.served_prompt(record.prompt))
+        elif isinstance(record, SequenceRecord):
+            codec = self._codec()
+            trained, _ = codec.encode(record.ids, record.events)
+            self.compare(record, "history", trained, self.serving.text(codec.to_text(record.ids, record.events)))
         else:
-            raise TypeError(f"the skew gate checks chat, preference and prompt records, not {type(record).__name__}")
+            raise TypeError(f"the skew gate checks chat, preference, prompt and sequence records, not "
+                            f"{type(record).__name__}")
+
+    def _codec(self):
+        if getattr(self, "codec", None) is None:
+            from posttrain.data.item_vocab import ItemCodec
+
+            self.codec = ItemCodec(self.train)
+        return self.codec
 
 
 def _training_length(tokenizer, record, kwargs: dict) -> int:
@@ -249,6 +273,8 @@ def _training_length(tokenizer, record, kwargs: dict) -> int:
     if isinstance(record, PreferenceRecord):
         return max(len(render_conversation(tokenizer, record.prompt + turns, **kwargs).input_ids)
                    for turns in (record.chosen, record.rejected))
+    if isinstance(record, SequenceRecord):
+        return 1 + len(record.ids) * (2 if record.events else 1)
     return len(render_prompt(tokenizer, record.prompt, **kwargs)) if isinstance(record, PromptRecord) else 0
 
 
@@ -287,6 +313,8 @@ def check_skew(training_tokenizer, export_dir: str | Path, records: Iterable[Any
                 checker.check(record)
     finally:
         del stacks, llm
+    if sample and all(isinstance(r, SequenceRecord) for r in sample):
+        return report  # a sequence model has no turns to end: nothing to stop at
     report.end_of_turn_ids = sorted(end_of_turn_token_ids(training_tokenizer, **kwargs))
     report.serving_stop_ids = serving_stop_ids(export_dir)
     report.missing_stop_ids = [i for i in report.end_of_turn_ids if i not in report.serving_stop_ids]
