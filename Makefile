@@ -16,7 +16,7 @@ export MALLOC_MMAP_MAX_ := 0
 export MALLOC_TRIM_THRESHOLD_ := 68719476736
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup browser run sft-3digit dpo-demo rm-demo grpo-demo distill-demo test bench clean setup-vllm test-vllm
+.PHONY: setup browser run sft-3digit dpo-demo rm-demo grpo-demo distill-demo sequence-demo semantic-demo test bench clean setup-vllm test-vllm
 
 setup: $(STAMP)
 
@@ -54,6 +54,18 @@ grpo-demo: setup
 distill-demo: setup
 	test -d outputs/registry/sft-demo-arithmetic || $(MAKE) run
 	$(BIN)/python flows/distill_flow.py --config config configs/distill/demo.yaml run
+
+# the sequence demo: a model of synthetic interaction histories, trained from scratch, ranked
+# beside popularity and Markov baselines (offline, about 3 minutes)
+sequence-demo: setup
+	$(BIN)/python flows/sequence_flow.py run
+
+# the semantic-ID demo: the SFT demo's text model learns items named by codes (make run, once),
+# compared with the sequence demo's model (once)
+semantic-demo: setup
+	test -d outputs/registry/sft-demo-arithmetic || $(MAKE) run
+	test -d outputs/registry/sequence-demo || $(MAKE) sequence-demo
+	$(BIN)/python flows/semantic_id_flow.py run
 
 # Debian's chromium: the card test opens every card of a flow run in a headless browser
 browser:

@@ -51,6 +51,17 @@ def vocabulary_section(card, vocabulary: dict, heldout_users: int, train_only_us
                          "fewer than 3 interactions train only."))
 
 
+def semantic_ids_section(card, stats: dict, examples: list) -> None:
+    """A semantic-ID recipe's codes and a few of its conversations."""
+    card.append(Markdown(
+        f"## Semantic IDs\n{stats['items']} items named by {stats['levels']} codes each ({stats['code_tokens']} code "
+        f"tokens added to the tokenizer); {stats['collisions']} items shared a tuple before the collision level. "
+        f"{stats['predictions']} next-item turns to train on. Left out: {stats['uncoded_history_items']} history "
+        f"items and {stats['uncoded_targets']} targets without features."))
+    card.append(Table([[" ".join(m["content"] for m in e.messages[:-1:2])[-160:], e.messages[-1]["content"]]
+                       for e in examples], headers=["session: the user's items (end)", "next item"]))
+
+
 def tokenize_section(card, stats) -> None:
     card.append(Markdown(
         f"## Tokenized samples\n{stats.num_samples} samples, {stats.num_tokens} tokens, "

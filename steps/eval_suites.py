@@ -25,6 +25,9 @@ failed suite, so the other suites still run.
 - `next_item`: a sequence model's next-item ranking of held-out users (`posttrain.eval.next_item`:
   full-ranking recall@k / NDCG@k / MRR with standard errors, the unseen-items and the sampled
   variants), beside the popularity and item-to-item Markov baselines on the same cases.
+- `semantic_next_item`: a semantic-ID text model's top items by trie-constrained beam search,
+  ranked as `next_item` ranks, the share of its greedy answers that are real items with and
+  without the constraint, beside the same baselines and (optionally) a sequence model.
 - `python`: a user's `package.module:function`, called once per model as
   `function(model, tokenizer, data, **kwargs)`, returning `{metric: number}`.
 """
@@ -339,9 +342,12 @@ def next_item(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -
     hit = f"hit@{ks[0]}"
     output = SuiteOutput({}, report_numerical=["reciprocal_rank"], report_categorical=[hit])
 
+    kept: dict[str, dict[str, torch.Tensor]] = {}
+
     def record(label: str, scores_NI: torch.Tensor, extra: dict) -> None:
         metrics, per_case = evaluate_next_item(scores_NI, cases, catalogue, ks, negatives)
         output.metrics[label] = {**metrics, **extra}
+        kept[label] = per_case
         k = ks[0]
         print(f"[evaluate] {label}: recall@{k} {metrics[f'recall@{k}']:.4f} (se {metrics[f'recall@{k}_se']:.4f}), "
               f"ndcg@{k} {metrics[f'ndcg@{k}']:.4f} on {len(cases)} users")
@@ -362,7 +368,123 @@ def next_item(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -
         record(model_ref.label, scores_NI, {"oov_history_items": float(oov)})
     for baseline in (PopularityBaseline(data.train_histories), MarkovBaseline(data.train_histories)):
         record(baseline.name, baseline_scores(baseline, cases, catalogue), {})
+    _add_paired_differences(output, kept, [m.label for m in models], ks[0])
     return output
+
+
+def _add_paired_differences(output: SuiteOutput, per_case: dict, models: list[str], k: int) -> None:
+    """Each model's recall@k and NDCG@k minus each baseline's, paired over the same cases."""
+    from posttrain.eval.next_item import paired_differences
+
+    baselines = ["popularity", "markov"]
+    for metric in (f"hit@{k}", f"ndcg@{k}"):
+        for label, values in paired_differences(per_case, models, baselines, metric).items():
+            output.metrics[label].update(values)
+    for label in models:
+        m = output.metrics[label]
+        print(f"[evaluate] {label} - markov: recall@{k} {m[f'recall@{k}_vs_markov']:+.4f} "
+              f"(paired se {m[f'recall@{k}_vs_markov_se']:.4f}), ndcg@{k} {m[f'ndcg@{k}_vs_markov']:+.4f} "
+              f"(paired se {m[f'ndcg@{k}_vs_markov_se']:.4f})")
+
+
+def semantic_next_item(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> SuiteOutput:
+    """A semantic-ID model's next items: the top `beam_width` catalogue items of each held-out
+    prompt by trie-constrained beam search (`posttrain.rl.constrained`), ranked by their
+    log-probability (items below the beams rank last), reported as the `next_item` suite
+    reports rankings; the share of greedy answers that name a real item, constrained
+    (`valid_items_constrained`, 1.0 by construction) and free (`valid_items_unconstrained`);
+    beside the popularity and Markov baselines and, with `semantic_ids.compare_with`, a
+    sequence model ranked on the same cases through its own vocabulary. Each model reads the
+    codes it was trained with from its own directory (`semantic_ids.json`)."""
+    from pathlib import Path
+
+    from posttrain.data.chat import end_of_turn_token_ids
+    from posttrain.data.semantic_ids import SemanticIDs
+    from posttrain.data.tokenizer import load_tokenizer
+    from posttrain.eval.next_item import baseline_scores, evaluate_next_item
+    from posttrain.eval.ranking import MarkovBaseline, PopularityBaseline
+    from posttrain.rl.constrained import trie_beam_search
+    from posttrain.steps.semantic import SEMANTIC_IDS_FILE
+
+    config, section = ctx.config, ctx.config.semantic_ids
+    cases = ctx.head(_needs(data.cases, "held-out next items", "semantic_next_item"))
+    chats = data.chats[:len(cases)]  # the held-out conversations, one per case, in order
+    catalogue, ks = list(data.catalogue), tuple(section.ks)
+    column = {item: c for c, item in enumerate(catalogue)}
+    kwargs = config.tokenizer.chat_template_kwargs
+    output = SuiteOutput({}, report_numerical=["reciprocal_rank"], report_categorical=[f"hit@{ks[0]}"])
+
+    kept: dict[str, dict[str, torch.Tensor]] = {}
+
+    def record(label: str, scores_NI: torch.Tensor, extra: dict) -> None:
+        metrics, per_case = evaluate_next_item(scores_NI, cases, catalogue, ks)
+        output.metrics[label] = {**metrics, **extra}
+        kept[label] = per_case
+        k = ks[0]
+        print(f"[evaluate] {label}: recall@{k} {metrics[f'recall@{k}']:.4f} (se {metrics[f'recall@{k}_se']:.4f}), "
+              f"ndcg@{k} {metrics[f'ndcg@{k}']:.4f} on {len(cases)} users"
+              + "".join(f", {name} {value:.3f}" for name, value in extra.items()))
+        output.report_rows += [{"model": label, "reciprocal_rank": float(per_case["rr"][i]),
+                                f"hit@{k}": float(per_case[f"hit@{k}"][i]) >= 0.5} for i in range(len(cases))]
+
+    for model_ref in models:
+        model = ctx.load(model_ref)
+        tokenizer = load_tokenizer(model_ref.model_dir)
+        semantic = SemanticIDs.load(Path(model_ref.model_dir) / SEMANTIC_IDS_FILE)
+        end_ids = end_of_turn_token_ids(tokenizer, **kwargs) or [tokenizer.eos_token_id]
+        trie = semantic.token_trie(tokenizer, end_ids)
+        prompts = [render_prompt(tokenizer, chat.messages[:-1], **kwargs) for chat in chats]
+        with torch.no_grad():
+            beams = trie_beam_search(model, prompts, trie, section.beam_width)
+        scores_NI = torch.full((len(cases), len(catalogue)), float("-inf"), dtype=torch.float64)
+        for i, found in enumerate(beams):
+            for item, logprob in found:
+                if item in column:
+                    scores_NI[i, column[item]] = logprob
+        validity = {}
+        engine = NativeEngine(model, max_batch_rows=config.eval.batch_size)
+        probe = prompts[:min(len(prompts), config.eval.batch_size * 4)]
+        for name, allowed in (("constrained", trie), ("unconstrained", None)):
+            greedy = SamplingConfig(temperature=0, max_new_tokens=semantic.levels + 1, stop_token_ids=tuple(end_ids),
+                                    allowed=allowed)
+            with torch.no_grad():
+                answers = [group[0] for group in engine.generate(probe, greedy)]
+            texts = [tokenizer.decode(a.content_ids, skip_special_tokens=True) for a in answers]
+            validity[f"valid_items_{name}"] = sum(semantic.parse_item(t) is not None for t in texts) / len(texts)
+            if name == "constrained":
+                for chat, text, case in list(zip(chats, texts, cases))[:5]:
+                    output.examples.append({"model": model_ref.label, "prompt": chat.messages[-2]["content"],
+                                            "reference": chat.messages[-1]["content"], "prediction": text,
+                                            "correct": semantic.parse_item(text) == case.target,
+                                            "output_length": semantic.levels})
+        del model, engine
+        record(model_ref.label, scores_NI, validity)
+    for baseline in (PopularityBaseline(data.train_histories), MarkovBaseline(data.train_histories)):
+        record(baseline.name, baseline_scores(baseline, cases, catalogue), {})
+    if section.compare_with:
+        record("sequence_model", *_sequence_model_scores(section.compare_with, config, cases, catalogue))
+    _add_paired_differences(output, kept, [m.label for m in models], ks[0])
+    return output
+
+
+def _sequence_model_scores(reference: str, config: RecipeConfig, cases, catalogue) -> tuple[torch.Tensor, dict]:
+    """A sequence model (`registry:NAME[:VERSION]` or a directory) scoring the same cases through
+    its own item vocabulary."""
+    from posttrain.data.item_vocab import ItemCodec
+    from posttrain.data.tokenizer import load_tokenizer
+    from posttrain.eval.next_item import score_cases
+    from posttrain.models.registry import load_hf_checkpoint
+    from posttrain.registry import resolve_model_dir
+
+    from posttrain.steps.sequences import context_tokens
+
+    model_dir = resolve_model_dir(reference, registry_dir=config.register.registry_dir)
+    model = load_hf_checkpoint(model_dir).eval()
+    max_tokens = context_tokens(model_dir, default=model.config.max_position_embeddings)
+    scores_NI, oov = score_cases(model, ItemCodec(load_tokenizer(str(model_dir))), cases, catalogue,
+                                 max_tokens=max_tokens, batch_size=config.eval.batch_size)
+    print(f"[evaluate] sequence_model: {reference} ({model_dir})")
+    return scores_NI, {"oov_history_items": float(oov)}
 
 
 def python(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> SuiteOutput:
@@ -391,5 +513,6 @@ def python(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> S
 
 SUITES: dict[str, Callable[[list[ModelUnderTest], EvalData, SuiteContext], SuiteOutput]] = {
     "heldout_loss": heldout_loss, "task": task, "preference": preference, "reward_pairs": reward_pairs,
-    "rewards": rewards, "reward_model": reward_model, "next_item": next_item, "python": python,
+    "rewards": rewards, "reward_model": reward_model, "next_item": next_item,
+    "semantic_next_item": semantic_next_item, "python": python,
 }

@@ -9,7 +9,10 @@ the same readers; malformed rows kept aside with file, line and reason). `prepar
 2. builds the item vocabulary from the training parts only (held-out items that never occur
    in training stay out of the vocabulary and are counted at evaluation), and writes it as a
    Hugging Face tokenizer to `<run dir>/vocabulary` (`tokenizer.name_or_path: ${vocabulary}`);
-   a recipe that names an existing item tokenizer reuses it.
+   a recipe that names an existing item tokenizer reuses it;
+3. writes `<run dir>/sequence_model.json` (`SEQUENCE_MODEL_FILE`: the history length in
+   tokens the model reads, `pack.row_length`), which goes beside every exported model, so the
+   model directory alone says how to query it (`context_tokens`).
 
 `tokenize` encodes each training history as `<bos>` followed by its items (and event tokens),
 every token but `<bos>` trained; a history longer than a row (`pack.row_length`) becomes
@@ -20,6 +23,7 @@ counted per source.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +35,8 @@ from posttrain.data.length_stats import LengthStats
 from posttrain.data.records import SequenceRecord
 from posttrain.steps.paths import resolve_tokenizer, vocabulary_directory
 from posttrain.steps.tokenize import TokenizeResult, TokenizeStats
+
+SEQUENCE_MODEL_FILE = "sequence_model.json"
 
 
 @dataclass
@@ -80,7 +86,14 @@ def prepare(records: dict[str, list[SequenceRecord]], config: SequenceConfig, ru
 
         codec = ItemCodec(load_tokenizer(str(tokenizer_dir)))
         summary = {"items": len(codec.items), "events": sorted(codec.event_to_token), "reused": str(tokenizer_dir)}
+    (Path(run_dir) / SEQUENCE_MODEL_FILE).write_text(json.dumps({"context_tokens": config.pack.row_length}) + "\n")
     return SequenceData(train, valid, test, summary, str(tokenizer_dir), short)
+
+
+def context_tokens(model_dir: str | Path, default: int) -> int:
+    """How many history tokens the sequence model in `model_dir` was trained to read."""
+    path = Path(model_dir) / SEQUENCE_MODEL_FILE
+    return int(json.loads(path.read_text())["context_tokens"]) if path.is_file() else default
 
 
 def windows(tokens: list[int], row_length: int, per_item: int) -> list[list[int]]:

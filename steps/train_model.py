@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from posttrain.config.schema import ModelConfig, RecipeConfig, RMConfig
+from posttrain.config.schema import ModelConfig, RecipeConfig, RMConfig, SemanticIDConfig
 from posttrain.models.registry import (build_model, get_architecture, load_hf_checkpoint, replace_dir,
                                        save_hf_checkpoint)
 
@@ -146,17 +146,52 @@ def trained_start_dir(config: RecipeConfig) -> Path | None:
     return None
 
 
+def _grown_start(tokenizer, parent: Path, base_dir: Path, keep_model: bool, run_dir: Path, seed: int) -> Start:
+    """`parent` with its vocabulary grown to `tokenizer`'s (the tokens the recipe added, e.g.
+    semantic-ID codes: `extend_vocabulary`, existing rows and so old logits unchanged), written
+    with the recipe's model files to `base_dir`. The new rows are drawn at random (seeded), not
+    set to the mean of the old ones: codes that start identical are indistinguishable as
+    inputs, and a model fine-tuned from there learned only the codes' marginal distribution."""
+    from posttrain.models.vocab import extend_vocabulary
+
+    model = load_hf_checkpoint(parent)
+    vocab = tokenizer.get_vocab()
+    added = sorted((t for t, i in vocab.items() if i >= model.config.vocab_size), key=vocab.get)
+    extend_vocabulary(model, tokenizer, added, init="normal", seed=seed)
+    print(f"[train] starting model {parent}: vocabulary grown by {len(added)} tokens to {model.config.vocab_size}")
+    save_hf_checkpoint(model, base_dir, tokenizer=tokenizer)
+    copy_model_files(RECIPE_MODEL_FILES, run_dir, base_dir)
+    return Start(Path(base_dir), model if keep_model else None, parent=parent)
+
+
+# files a recipe's model needs beside weights and tokenizer to be used (a semantic-ID model's
+# item codes, a sequence model's context), copied from the run directory into every model
+# directory the run writes
+RECIPE_MODEL_FILES = ("semantic_ids.json", "sequence_model.json")
+
+
+def copy_model_files(names: tuple[str, ...], run_dir: Path, model_dir: Path) -> None:
+    for name in names:
+        if (Path(run_dir) / name).is_file():
+            shutil.copy2(Path(run_dir) / name, Path(model_dir) / name)
+
+
 def prepare_start(config: RecipeConfig, tokenizer, base_dir: Path, keep_model: bool) -> Start:
     """Resolve (pretrained) or build and write to `base_dir` (random init) the starting model.
-    `keep_model`: return the built model too (the one-worker path trains it directly)."""
+    `keep_model`: return the built model too (the one-worker path trains it directly). A
+    starting model whose vocabulary is smaller than the recipe's tokenizer (a semantic-ID
+    recipe added its codes) is grown to it and written to `base_dir`."""
     check_model_recipe(config)
     parent = trained_start_dir(config)
     if isinstance(config, RMConfig):
         return _reward_start(config, tokenizer, parent, base_dir, keep_model)
+    if parent is not None and isinstance(config, SemanticIDConfig):
+        return _grown_start(tokenizer, parent, base_dir, keep_model, Path(base_dir).parent, config.train.seed)
     if parent is not None:
         return Start(parent, parent=parent)
     model = build_model(model_config_for(config.model, tokenizer), seed=config.train.seed)
     save_hf_checkpoint(model, base_dir, tokenizer=tokenizer)
+    copy_model_files(RECIPE_MODEL_FILES, Path(base_dir).parent, Path(base_dir))
     return Start(Path(base_dir), model if keep_model else None)
 
 
@@ -269,6 +304,8 @@ def export_trained(trainer, config: RecipeConfig, tokenizer, start: Start, run_d
     if not isinstance(config, RMConfig) and tokenizer is not None and _rank() == 0:
         # a server stops where training ended each answer (the skew gate checks it)
         add_generation_stop_ids(checkpoint_dir, generation_stop_ids(tokenizer, **config.tokenizer.chat_template_kwargs))
+    if _rank() == 0:
+        copy_model_files(RECIPE_MODEL_FILES, Path(run_dir), checkpoint_dir)
     return {"checkpoint_dir": str(checkpoint_dir), "adapter_dir": None if adapter_dir is None else str(adapter_dir),
             **exported}
 

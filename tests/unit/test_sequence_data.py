@@ -137,3 +137,23 @@ def test_item_vocabulary_round_trips_through_auto_tokenizer(tmp_path):
     assert not plain.uses_events and plain.encode([5, 9], ["play", "play"])[0] == [plain.bos_id,
                                                                                    *[plain.item_to_token[i] for i in
                                                                                      (5, 9)]]
+
+
+def test_sequence_and_semantic_recipes_refuse_what_they_cannot_run():
+    from posttrain.config.loader import recipe_config_from_dict
+    from posttrain.config.strict import ConfigError
+
+    source = {"name": "s", "kind": "jsonl", "path": "x.jsonl", "format": "sequence"}
+    good = {"name": "seq", "data": {"sources": [source]}}
+    assert recipe_config_from_dict(good, "sequence").builds_tokenizer
+    cases = [
+        ("sequence", {**good, "data": {"sources": [{**source, "format": "chat"}]}}, "reads format 'sequence'"),
+        ("sequence", {**good, "data": {"sources": [source], "heldout_fraction": 0.1}}, "leave-last-out"),
+        ("sequence", {**good, "model": {"init_from": "registry:x"}}, "keeps its own item vocabulary"),
+        ("sequence", {**good, "sequence": {"ks": [0]}}, "positive cutoffs"),
+        ("semantic_ids", {**good, "tokenizer": {"name_or_path": "${vocabulary}"}}, "starting text model's tokenizer"),
+        ("semantic_ids", {**good, "tokenizer": {"name_or_path": "t"}, "semantic_ids": {"ks": [30]}}, "beam_width"),
+    ]
+    for recipe, data, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            recipe_config_from_dict(data, recipe)

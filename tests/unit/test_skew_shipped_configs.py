@@ -84,6 +84,8 @@ def test_the_skew_gate_passes_on_every_shipped_config(path, generated, tmp_path)
     if not SHARED.is_dir():
         pytest.skip("../shared/data is not present")
     config = load_recipe_config(path, recipe="grpo" if path.parent.name == "grpo" else path.parent.name)
+    if config.kind == "semantic_ids":  # sessions of item codes, added to the text model's tokenizer
+        return check_semantic_id_config(config, generated, tmp_path)
     if config.builds_tokenizer:  # a sequence recipe: its vocabulary, built from a small world's histories
         return check_item_vocabulary_config(config, tmp_path)
     tokenizer = config_tokenizer(config, generated)
@@ -103,12 +105,18 @@ def check_item_vocabulary_config(config, tmp_path: Path) -> None:
     from posttrain.data.item_vocab import build_item_vocabulary, save_item_tokenizer
     from posttrain.steps.ingest import generate_demo_data
 
-    generate = dataclasses.replace(config.data.generate, world=dataclasses.replace(
-        config.data.generate.world, num_users=40, num_items=60, num_topics=4))
-    generated = generate_demo_data(generate, tmp_path / "world")
     source = config.data.sources[0]
+    if config.data.generate is not None:
+        generate = dataclasses.replace(config.data.generate, world=dataclasses.replace(
+            config.data.generate.world, num_users=40, num_items=60, num_topics=4))
+        path = source.path.replace("${generated}", str(generate_demo_data(generate, tmp_path / "world")))
+    else:  # MovieLens (not shipped): a few lines in its layout stand in
+        assert source.kind == "movielens", source
+        path = tmp_path / "ratings.dat"
+        path.write_text("".join(f"{u}::{m}::4::{978300000 + 10 * k}\n" for u in range(1, 21)
+                                for k, m in enumerate(range(u, u + 8))))
     records, _ = read_records(SourceSpec(name=source.name, kind=source.kind, format=source.format, limit=40,
-                                         path=source.path.replace("${generated}", str(generated))))
+                                         path=str(path)))
     vocabulary = build_item_vocabulary(records, config.sequence.min_count, config.sequence.event_tokens)
     tokenizer = load_tokenizer(str(save_item_tokenizer(vocabulary, tmp_path / "vocabulary")))
     export = tmp_path / "export"
@@ -116,3 +124,30 @@ def check_item_vocabulary_config(config, tmp_path: Path) -> None:
     report = check_skew(tokenizer, export, records, per_source=RECORDS_PER_SOURCE)
     assert report.passed, report.describe()
     assert report.checked == {"history": RECORDS_PER_SOURCE}
+
+
+def check_semantic_id_config(config, generated: Path, tmp_path: Path) -> None:
+    """The demo tokenizer with the recipe's code tokens, exported alone, renders the recipe's
+    sessions of a small world as training does, and stops where training ended each answer."""
+    from posttrain.data.interactions import read_item_features
+    from posttrain.data.records import ChatRecord
+    from posttrain.data.semantic_ids import assign_semantic_ids
+    from posttrain.steps.ingest import generate_demo_data
+    from posttrain.steps.semantic import session_messages
+
+    generate = dataclasses.replace(config.data.generate, world=dataclasses.replace(
+        config.data.generate.world, num_users=20, num_items=60, num_topics=4))
+    world = generate_demo_data(generate, tmp_path / "world")
+    ids, features = read_item_features(world / "items.jsonl")
+    section = config.semantic_ids
+    semantic = assign_semantic_ids(ids, features, levels=section.levels, codebook_size=min(section.codebook_size, 8))
+    tokenizer = load_tokenizer(str(generated / "tokenizer"))
+    tokenizer.add_tokens(semantic.tokens())
+    export = tmp_path / "export"
+    tokenizer.save_pretrained(str(export))
+    add_generation_stop_ids(export, generation_stop_ids(tokenizer))
+    histories, _ = read_records(SourceSpec(name="s", kind="jsonl", format="sequence", path=str(world / "sequences.jsonl")))
+    records = [ChatRecord(session_messages(semantic, h.ids[:section.history_items]), h.source, h.line) for h in histories]
+    report = check_skew(tokenizer, export, records, per_source=RECORDS_PER_SOURCE)
+    assert report.passed, report.describe()
+    assert report.checked["conversation"] == RECORDS_PER_SOURCE

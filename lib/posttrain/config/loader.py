@@ -28,6 +28,7 @@ DEFAULT_DISTILL_CONFIG = str(REPO_CONFIG_DIR / "distill" / "demo.yaml")
 DEFAULT_GRPO_CONFIG = str(REPO_CONFIG_DIR / "grpo" / "demo.yaml")
 DEFAULT_GRPO_SWEEP_CONFIG = str(REPO_CONFIG_DIR / "grpo" / "sweep-demo.yaml")
 DEFAULT_SEQUENCE_CONFIG = str(REPO_CONFIG_DIR / "sequence" / "demo.yaml")
+DEFAULT_SEMANTIC_ID_CONFIG = str(REPO_CONFIG_DIR / "semantic_ids" / "demo.yaml")
 
 
 def parse_yaml(text: str, source: str) -> dict:

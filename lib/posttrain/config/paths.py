@@ -3,7 +3,7 @@ hub id must be well formed. A flow runs them before its first step, so a typo in
 fails in one line naming the key, like a typo in a key, instead of as a traceback in ingest.
 
 What is checked (`check_recipe_paths`): each data source's and the held-out source's `path`;
-`tokenizer.name_or_path`; `model.name_or_path` when the model starts pretrained. A value
+`tokenizer.name_or_path`; a semantic-ID recipe's item catalogue (`semantic_ids.items`); `model.name_or_path` when the model starts pretrained. A value
 with `${generated}` (or the tokenizer `${vocabulary}`) is produced by the run itself and skipped; `builtin:` tokenizers are
 shipped with the package. A value that looks like a local path (absolute, `./`, `../`, `~`,
 or an existing file) must exist (for data sources: a file, a directory or a glob that
@@ -62,6 +62,9 @@ def _recipe_places(config: Any) -> Iterator[tuple[str, str, str, str | None]]:
     if heldout is not None:
         yield "data.heldout.path", f"held-out source '{heldout.name}'", heldout.path, heldout.kind
     yield "tokenizer.name_or_path", "the tokenizer", config.tokenizer.name_or_path, None
+    semantic = getattr(config, "semantic_ids", None)
+    if semantic is not None:
+        yield "semantic_ids.items", "the item catalogue", semantic.items, "jsonl"
     if config.model.init == "pretrained" and config.model.name_or_path:
         yield "model.name_or_path", "the starting model", config.model.name_or_path, None
 

@@ -141,3 +141,19 @@ def baseline_scores(baseline, cases: Sequence[NextItemCase], catalogue: list[int
     if not cases:
         return torch.zeros((0, len(catalogue)), dtype=torch.float64)
     return torch.stack([baseline.scores(case.history, catalogue) for case in cases])
+
+
+def paired_differences(per_case: dict[str, dict[str, torch.Tensor]], models: list[str], baselines: list[str],
+                       metric: str) -> dict[str, dict[str, float]]:
+    """For each of `models`, its per-case `metric` minus each baseline's on the same cases:
+    `{model: {"<metric>_vs_<baseline>": mean, "..._se": standard error}}` (paired: the spread
+    of the differences, much smaller than either metric's own when the cases agree)."""
+    out: dict[str, dict[str, float]] = {}
+    for model in models:
+        for baseline in baselines:
+            diff_N = per_case[model][metric] - per_case[baseline][metric]
+            name = f"{'recall@' + metric.split('@')[1] if metric.startswith('hit@') else metric}_vs_{baseline}"
+            n = diff_N.numel()
+            out.setdefault(model, {})[name] = float(diff_N.mean())
+            out[model][f"{name}_se"] = float(diff_N.std(unbiased=True) / n ** 0.5) if n > 1 else float("nan")
+    return out

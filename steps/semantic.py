@@ -1,0 +1,128 @@
+"""The semantic-ID recipe's data stage: interaction histories -> item codes -> conversations.
+
+`prepare(records, config, run_dir)`:
+1. splits every history leave-last-out (`posttrain.data.interactions.leave_last_out`), as the
+   sequence recipe does, so both recipes are evaluated on the same held-out items;
+2. names every item of the catalogue (`semantic_ids.items`: JSONL rows `id`, `features`) by a
+   tuple of codes (`posttrain.data.semantic_ids.assign_semantic_ids`: residual k-means,
+   collisions resolved by one more level and counted), written to
+   `<run dir>/semantic_ids.json` (and later beside the exported model, which needs it to be
+   read: `SEMANTIC_IDS_FILE`);
+3. writes the starting model's tokenizer with one added token per code to `<run dir>/vocabulary`
+   (the train step grows the model's embedding to match: `extend_vocabulary`, old logits
+   unchanged);
+4. turns histories into sessions (`session_messages`): each consumed item is a user turn
+   (its codes) answered by an assistant turn naming the next item, so every assistant turn is
+   a next-item prediction given the items before it. Training cuts each training history into
+   consecutive windows of `history_items` items (one conversation each); a held-out case is
+   the session of the `history_items - 1` items before the held-out one, whose last assistant
+   turn names it. Items without features (hence without a code) are left out and counted; a
+   held-out target without one is not evaluated (counted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from posttrain.data.interactions import NextItemCase, leave_last_out, read_item_features
+from posttrain.data.records import ChatRecord, SequenceRecord
+from posttrain.data.semantic_ids import SemanticIDs, assign_semantic_ids
+from posttrain.steps.paths import resolve, vocabulary_directory
+
+SEMANTIC_IDS_FILE = "semantic_ids.json"  # in the run directory and in every exported model directory
+
+
+@dataclass
+class SemanticData:
+    train: dict[str, list[ChatRecord]]  # sessions of consecutive items, by source
+    heldout: list[ChatRecord]  # one per evaluated case, in the cases' order
+    cases: list[NextItemCase]
+    train_histories: list[list[int]]  # the training parts (the baselines fit on them)
+    catalogue: list[int]  # items with a code that the training histories hold
+    semantic_ids_path: str
+    tokenizer_dir: str
+    stats: dict = field(default_factory=dict)
+
+
+def session_messages(semantic: SemanticIDs, items: list[int], target: int | None = None) -> list[dict]:
+    """A conversation over consecutive `items` (all coded): each item is a user turn (what the
+    user consumed, by its codes) answered by an assistant turn naming the next item, up to the
+    last item's user turn; with `target`, a final assistant turn naming it."""
+    messages = []
+    for k, item in enumerate(items):
+        messages.append({"role": "user", "content": semantic.item_text(item)})
+        following = items[k + 1] if k + 1 < len(items) else target
+        if following is not None:
+            messages.append({"role": "assistant", "content": semantic.item_text(following)})
+    return messages
+
+
+def windows_of(items: list[int], size: int) -> list[list[int]]:
+    """`items` cut into consecutive windows of `size` (the last one ends with the history; a
+    window needs two items to hold a prediction)."""
+    out, end = [], len(items)
+    while end >= 2:
+        out.append(items[max(0, end - size):end])
+        end -= size
+    return out[::-1]
+
+
+def prepare(records: dict[str, list[SequenceRecord]], config, run_dir: Path) -> SemanticData:
+    """Codes, extended tokenizer and conversations (module docstring)."""
+    from posttrain.data.tokenizer import load_tokenizer
+
+    section = config.semantic_ids
+    item_ids, features = read_item_features(resolve(section.items, run_dir))
+    semantic = assign_semantic_ids(item_ids, features, levels=section.levels, codebook_size=section.codebook_size,
+                                   iterations=section.iterations, seed=config.seed)
+    path = semantic.save(Path(run_dir) / SEMANTIC_IDS_FILE)
+    print(f"[prepare] {len(item_ids)} items -> semantic IDs of {semantic.levels} levels (codebook {section.codebook_size}"
+          f"{', one collision level' if semantic.dedup_level else ''}; {semantic.collisions} colliding items) in {path}")
+
+    base = load_tokenizer(_base_tokenizer(config, run_dir))
+    added = base.add_tokens([t for t in semantic.tokens() if t not in base.get_vocab()])
+    tokenizer_dir = vocabulary_directory(run_dir)
+    base.save_pretrained(str(tokenizer_dir))
+    print(f"[prepare] tokenizer: {added} code tokens added, {len(base)} tokens in {tokenizer_dir}")
+
+    train: dict[str, list[ChatRecord]] = {}
+    cases, histories = [], []
+    stats = {"items": len(item_ids), "levels": semantic.levels, "collisions": semantic.collisions,
+             "code_tokens": len(semantic.tokens()), "uncoded_history_items": 0, "uncoded_targets": 0,
+             "predictions": 0}
+    for name, source_records in records.items():
+        split = leave_last_out(source_records)
+        chats = []
+        for record in split.train:
+            histories.append(record.ids)
+            coded = [i for i in record.ids if i in semantic.codes]
+            stats["uncoded_history_items"] += len(record.ids) - len(coded)
+            for window in windows_of(coded, section.history_items):
+                chats.append(ChatRecord(session_messages(semantic, window), record.source, record.line))
+                stats["predictions"] += len(window) - 1
+        train[name] = chats
+        chosen = split.test if section.eval_split == "test" else split.valid
+        cases += [c for c in chosen if c.target in semantic.codes]
+        stats["uncoded_targets"] += sum(c.target not in semantic.codes for c in chosen)
+        print(f"[prepare] {name}: {len(chats)} training conversations ({stats['predictions']} next-item turns) from "
+              f"{len(split.train)} histories, {len(chosen)} held-out cases")
+    heldout = [ChatRecord(session_messages(semantic, recent(semantic, c.history, section.history_items - 1), c.target),
+                          c.source, c.line) for c in cases]
+    catalogue = sorted({i for h in histories for i in h if i in semantic.codes})
+    return SemanticData(train, heldout, cases, histories, catalogue, str(path), str(tokenizer_dir), stats)
+
+
+def recent(semantic: SemanticIDs, history: list[int], count: int) -> list[int]:
+    """The last `count` coded items of `history` (at least one item)."""
+    return [i for i in history if i in semantic.codes][-max(1, count):]
+
+
+def _base_tokenizer(config, run_dir: Path) -> str:
+    """The starting model's tokenizer the codes are added to (`tokenizer.name_or_path`)."""
+    name = config.tokenizer.name_or_path
+    if name.startswith("registry:"):
+        from posttrain.registry import resolve_model_dir
+
+        return str(resolve_model_dir(name, registry_dir=config.register.registry_dir))
+    return resolve(name, run_dir)
