@@ -31,7 +31,7 @@ from common import machine, spread  # noqa: E402  (bench/common.py)
 from posttrain.config.loader import load_recipe_config  # noqa: E402
 from posttrain.data.tokenizer import load_tokenizer  # noqa: E402
 from posttrain.steps import evaluate, ingest, pack, sequences, train  # noqa: E402
-from posttrain.steps.eval_suites import EvalData  # noqa: E402
+from posttrain.eval.suite_data import EvalData  # noqa: E402
 from posttrain.steps.paths import resolve_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

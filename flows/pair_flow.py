@@ -69,7 +69,7 @@ class PairRecipeFlow(RecipeFlow):
         """The held-out pairs (tokenized, and as records), and each pair's prompt with its chosen
         response as a conversation (held-out loss and task metrics of the chosen answers)."""
         from posttrain.data.records import ChatRecord
-        from posttrain.steps.eval_suites import EvalData
+        from posttrain.eval.suite_data import EvalData
 
         chats = [ChatRecord(p.prompt + p.chosen, p.source, p.line) for p in self.heldout_records]
         return EvalData(chats=chats, pairs=list(self.heldout_pairs), pair_records=list(self.heldout_records))

@@ -72,7 +72,7 @@ class RecipeSteps(FlowSpec):
 
     def _eval_data(self):
         """The held-out data the suites read (`EvalData`): a chat recipe's held-out conversations."""
-        from posttrain.steps.eval_suites import EvalData
+        from posttrain.eval.suite_data import EvalData
 
         return EvalData(chats=list(self.heldout_records))
 
@@ -113,7 +113,7 @@ class RecipeSteps(FlowSpec):
         from posttrain.steps import evaluate
 
         self.merge_artifacts(inputs, exclude=["suite_result"])
-        result = evaluate.join([branch.suite_result for branch in inputs])
+        result = evaluate.join([branch.suite_result for branch in inputs], report=self.recipe.eval.report)
         self.eval_metrics, self.eval_examples, self.evidently_html = result.metrics, result.examples, result.report_html
         self.eval_suites = result.suites
         self.eval_errors = result.errors  # suite name -> error; registered with the metrics

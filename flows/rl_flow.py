@@ -71,7 +71,7 @@ class RLRecipeFlow(RecipeSteps):
         """The held-out prompt records (rewards) and, as conversations, each prompt with its
         reference answer (held-out loss and task metrics)."""
         from posttrain.steps import rl
-        from posttrain.steps.eval_suites import EvalData
+        from posttrain.eval.suite_data import EvalData
 
         return EvalData(chats=[rl.as_chat(r) for r in self.heldout_records], prompts=list(self.heldout_records))
 

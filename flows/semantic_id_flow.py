@@ -58,7 +58,7 @@ class SemanticIDFlow(ChatRecipeFlow):
         self.next(self.train)
 
     def _eval_data(self):
-        from posttrain.steps.eval_suites import EvalData
+        from posttrain.eval.suite_data import EvalData
 
         return EvalData(chats=list(self.heldout_records), cases=list(self.heldout_cases),
                         catalogue=list(self.catalogue), train_histories=list(self.train_histories))

@@ -74,7 +74,7 @@ class SequenceFlow(RecipeFlow):
         self.next(self.train)
 
     def _eval_data(self):
-        from posttrain.steps.eval_suites import EvalData
+        from posttrain.eval.suite_data import EvalData
 
         return EvalData(cases=list(self.heldout_cases), catalogue=list(self.catalogue),
                         train_histories=[r.ids for group in self.train_records.values() for r in group])

@@ -46,40 +46,12 @@ from posttrain.data.chat import generation_stop_ids, render_prompt
 from posttrain.data.packer import iter_batches, pack_samples
 from posttrain.data.records import ChatRecord
 from posttrain.eval.heldout import evaluate_loss
+from posttrain.eval.suite_data import EvalData, ModelUnderTest  # noqa: F401  (the suites' inputs)
 from posttrain.eval.metrics import exact_match
 from posttrain.rl.engine import SamplingConfig
 from posttrain.rl.native import NativeEngine
 from posttrain.rl.rewards import numeric_answer
 from posttrain.steps import tokenize as tokenize_step
-
-
-@dataclass(frozen=True)
-class ModelUnderTest:
-    """A model the evaluation compares: its `label` in every table (`base`, `tuned`, `promoted`,
-    `teacher`), its directory, the backend that loads it (None: the recipe's) and, for a
-    registry entry, its reference (`NAME:vVERSION`)."""
-
-    label: str
-    model_dir: str
-    backend: str | None = None
-    reference: str | None = None
-
-
-@dataclass
-class EvalData:
-    """The recipe's held-out data, as the suites read it: `chats` (conversations whose last
-    assistant turn is the reference answer), `pairs` (tokenized preference pairs) with their
-    `pair_records`, `prompts` (an RL recipe's prompt records), and a sequence recipe's
-    held-out next items (`cases`) with its training histories and item `catalogue`. A recipe
-    fills what it has."""
-
-    chats: list[ChatRecord] = field(default_factory=list)
-    pairs: list = field(default_factory=list)
-    pair_records: list = field(default_factory=list)
-    prompts: list = field(default_factory=list)
-    cases: list = field(default_factory=list)  # a sequence recipe's held-out next items (NextItemCase)
-    train_histories: list = field(default_factory=list)  # its training histories (the baselines fit on them)
-    catalogue: list = field(default_factory=list)  # the items its rankings rank
 
 
 @dataclass

@@ -22,10 +22,10 @@ from pathlib import Path
 
 from posttrain.config.schema import DEFAULT_SUITES, RecipeConfig, SuiteConfig
 from posttrain.data.records import ChatRecord
-from posttrain.eval.report import evidently_comparison_html
-from posttrain.steps.eval_suites import SUITES, EvalData, ModelUnderTest, SuiteContext
-from posttrain.steps.train import pick_device
-from posttrain.steps.train_model import load_for_eval
+from posttrain.eval.suite_data import EvalData, ModelUnderTest
+
+# The suites, the model loaders and evidently are imported where they run (`run_suite`,
+# `join`): the flow's plan step imports this module in a process that loads no model.
 
 
 @dataclass
@@ -125,6 +125,10 @@ def run_suite(suite: SuiteConfig, models: list[ModelUnderTest], data: EvalData, 
               tokenizer) -> SuiteResult:
     """Run one suite on every model; an error it raises is caught, printed with its traceback
     and returned as the result's `error`."""
+    from posttrain.steps.eval_suites import SUITES, SuiteContext
+    from posttrain.steps.train import pick_device
+    from posttrain.steps.train_model import load_for_eval
+
     device = pick_device(config.train.device)
 
     def load(model: ModelUnderTest):
@@ -144,9 +148,14 @@ def run_suite(suite: SuiteConfig, models: list[ModelUnderTest], data: EvalData, 
                        seconds=time.perf_counter() - started)
 
 
-def join(results: list[SuiteResult]) -> EvalResult:
+NO_REPORT = ("<html><body><p>No evidently report: <code>eval.report</code> is false in this recipe "
+             "(the metrics and charts are in the evaluation card).</p></body></html>")
+
+
+def join(results: list[SuiteResult], report: bool = True) -> EvalResult:
     """Merge the suites' metrics by model label and build the evidently report (tuned against
-    base, and against promoted when it was measured) from the suites' report rows."""
+    base, and against promoted when it was measured) from the suites' report rows; with
+    `report` false (`eval.report`), a page that says it was not built."""
     completed = [r for r in results if r.error is None]
     if not completed:
         raise RuntimeError("every evaluation suite failed: " + "; ".join(f"{r.name}: {r.error}" for r in results))
@@ -158,8 +167,13 @@ def join(results: list[SuiteResult]) -> EvalResult:
             for key, value in values.items():
                 key = key if builtin and key not in merged else f"{result.name}/{key}"  # never overwritten
                 merged[key] = value
-    report_html = evidently_comparison_html(
-        [(r.name, r.report_rows, r.report_numerical, r.report_categorical) for r in completed if r.report_rows])
+    if report:
+        from posttrain.eval.report import evidently_comparison_html
+
+        report_html = evidently_comparison_html(
+            [(r.name, r.report_rows, r.report_numerical, r.report_categorical) for r in completed if r.report_rows])
+    else:
+        report_html = NO_REPORT
     examples = [e for r in completed for e in r.examples]
     return EvalResult(metrics, examples, report_html, list(results))
 
@@ -171,4 +185,4 @@ def run(base_dir: str, tuned_dir: str, tokenizer, heldout: EvalData | list[ChatR
     list of held-out conversations."""
     data = heldout if isinstance(heldout, EvalData) else EvalData(chats=list(heldout))
     models = models_under_test(base_dir, tuned_dir, config, others, promoted=promoted)
-    return join([run_suite(s, models, data, config, tokenizer) for s in suites_for(config)])
+    return join([run_suite(s, models, data, config, tokenizer) for s in suites_for(config)], report=config.eval.report)

@@ -159,6 +159,10 @@ def run(config: RecipeConfig, run_dir: Path, kind: str = "conversations") -> Ing
         from posttrain.steps.mine_pairs import generate_preference_demo
 
         generate_preference_demo(config, run_dir)
+    elif config.data.generate is not None and config.data.generate.task == "semantic_sessions":
+        from posttrain.steps.semantic import write_session_prompts
+
+        write_session_prompts(config, run_dir)
     elif config.data.generate is not None:
         generate_demo_data(config.data.generate, run_dir)
     train: dict[str, list[ChatRecord]] = {}

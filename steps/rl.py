@@ -92,6 +92,22 @@ def stop_token_ids(tokenizer, config: GRPOConfig) -> tuple[int, ...]:
     return tuple(sorted(generation_stop_ids(tokenizer, **config.tokenizer.chat_template_kwargs)))
 
 
+def catalogue_trie(config: GRPOConfig, tokenizer):
+    """With `grpo.constrain_to_catalogue`: the starting model's item codes (its
+    `semantic_ids.json`) as a trie of token ids, each ending at a stop token; else None."""
+    if not config.grpo.constrain_to_catalogue:
+        return None
+    from posttrain.data.semantic_ids import SemanticIDs
+    from posttrain.steps.semantic import SEMANTIC_IDS_FILE
+    from posttrain.steps.train_model import trained_start_dir
+
+    path = trained_start_dir(config) / SEMANTIC_IDS_FILE
+    if not path.is_file():
+        raise ValueError(f"grpo.constrain_to_catalogue: the starting model has no {SEMANTIC_IDS_FILE} ({path}); "
+                         "start from a model the semantic-ID recipe registered")
+    return SemanticIDs.load(path).token_trie(tokenizer, list(stop_token_ids(tokenizer, config)))
+
+
 def round_settings(config: GRPOConfig, tokenizer) -> RoundSettings:
     g = config.grpo
     return RoundSettings(prompts_per_round=g.prompts_per_round, n=g.n, temperature=g.temperature, top_k=g.top_k,
@@ -99,7 +115,8 @@ def round_settings(config: GRPOConfig, tokenizer) -> RoundSettings:
                          passes=g.passes, steps_per_pass=g.steps_per_pass, row_length=config.pack.row_length,
                          rows_per_batch=config.train.micro_batch_size, advantage_scale=g.advantage_scale,
                          dynamic_sampling=g.dynamic_sampling, max_draws=g.max_draws, overlong_mask=g.overlong_mask,
-                         success_threshold=g.success_threshold, sync_check=g.sync_check, seed=config.seed)
+                         success_threshold=g.success_threshold, sync_check=g.sync_check, seed=config.seed,
+                         allowed=catalogue_trie(config, tokenizer))
 
 
 def grpo_objective(config: GRPOConfig) -> GRPOObjective:
@@ -270,11 +287,13 @@ def summary(history: list[dict]) -> dict:
 
 
 def evaluate_rewards(models: dict[str, str], config: GRPOConfig, tokenizer, records: list[PromptRecord],
-                     samples: bool = True) -> dict[str, dict]:
+                     samples: bool = True, per_prompt: dict[str, list[float]] | None = None) -> dict[str, dict]:
     """Each model (label -> HF directory) on the held-out prompts (the first `eval.max_examples`),
     scored by the recipe's rewards: `heldout_reward` (mean over greedy answers),
-    `heldout_success` (the share of greedy answers reaching `grpo.success_threshold`, with its
-    standard error `heldout_success_se`), `heldout_reward_failed`; with `samples`, also
+    `heldout_reward_se` its standard error, `heldout_success` (the share of greedy answers
+    reaching `grpo.success_threshold`, with its standard error `heldout_success_se`),
+    `heldout_reward_failed`; `per_prompt`, when given, gets each model's greedy reward per
+    prompt (for paired comparisons); with `samples`, also
     `heldout_pass_at_k` (the share of prompts with a success among `grpo.eval_samples` samples
     at the training temperature; `k` is `eval_samples`) and `heldout_sampled_success`. Without
     reward functions (on-policy distillation alone) every model gets an empty dict."""
@@ -290,9 +309,10 @@ def evaluate_rewards(models: dict[str, str], config: GRPOConfig, tokenizer, reco
     limit = config.eval.max_examples or len(records)
     prompts = tokenize_prompts(records[:limit], tokenizer, config)
     stops = stop_token_ids(tokenizer, config)
-    greedy = SamplingConfig(temperature=0, max_new_tokens=g.max_new_tokens, stop_token_ids=stops)
+    allowed = catalogue_trie(config, tokenizer)
+    greedy = SamplingConfig(temperature=0, max_new_tokens=g.max_new_tokens, stop_token_ids=stops, allowed=allowed)
     sampled = SamplingConfig(n=g.eval_samples, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
-                             max_new_tokens=g.max_new_tokens, stop_token_ids=stops, seed=config.seed)
+                             max_new_tokens=g.max_new_tokens, stop_token_ids=stops, seed=config.seed, allowed=allowed)
     device = pick_device(config.train.device)
 
     def score(groups) -> tuple[list[float], int]:
@@ -309,7 +329,12 @@ def evaluate_rewards(models: dict[str, str], config: GRPOConfig, tokenizer, reco
         finite = [r for r in rewards if math.isfinite(r)]
         success = [math.isfinite(r) and r >= g.success_threshold for r in rewards]
         p = sum(success) / len(success)
-        metrics = {"heldout_reward": sum(finite) / max(len(finite), 1), "heldout_success": p,
+        mean = sum(finite) / max(len(finite), 1)
+        spread = sum((r - mean) ** 2 for r in finite) / max(len(finite) - 1, 1)
+        if per_prompt is not None:
+            per_prompt[label] = list(rewards)
+        metrics = {"heldout_reward": mean, "heldout_reward_se": math.sqrt(spread / max(len(finite), 1)),
+                   "heldout_success": p,
                    "heldout_success_se": math.sqrt(p * (1 - p) / len(success)), "heldout_reward_failed": failed,
                    "heldout_prompts": len(success)}
         if samples:

@@ -76,6 +76,7 @@ def prepare(records: dict[str, list[SequenceRecord]], config, run_dir: Path) -> 
     item_ids, features = read_item_features(resolve(section.items, run_dir))
     semantic = assign_semantic_ids(item_ids, features, levels=section.levels, codebook_size=section.codebook_size,
                                    iterations=section.iterations, seed=config.seed)
+    semantic.session_items = section.history_items
     path = semantic.save(Path(run_dir) / SEMANTIC_IDS_FILE)
     print(f"[prepare] {len(item_ids)} items -> semantic IDs of {semantic.levels} levels (codebook {section.codebook_size}"
           f"{', one collision level' if semantic.dedup_level else ''}; {semantic.collisions} colliding items) in {path}")
@@ -126,3 +127,52 @@ def _base_tokenizer(config, run_dir: Path) -> str:
 
         return str(resolve_model_dir(name, registry_dir=config.register.registry_dir))
     return resolve(name, run_dir)
+
+
+def write_session_prompts(config, run_dir: Path) -> Path:
+    """RL prompts over the synthetic world for a semantic-ID model (`data.generate.task:
+    semantic_sessions`): the world's logs and simulator under `${generated}`, then, in the
+    `prompt` format, `prompts.jsonl` (each of `num_train` users after the first `num_heldout`:
+    the session of its training history, the validation item as the reference) and
+    `heldout.jsonl` (each of the first `num_heldout` users: the session before its last item,
+    that item as the reference). The sessions use the starting model's codes and session length
+    (its `semantic_ids.json`); every row's meta names the user, the history, the world's
+    directory and the codes' file, which the `simulated_user` and `item_novelty` rewards read."""
+    import json
+
+    from posttrain.config.schema import WorldConfig
+    from posttrain.data.interactions import InteractionWorld, write_world
+    from posttrain.data.records import SequenceRecord as Record
+    from posttrain.steps.paths import generated_directory
+    from posttrain.steps.train_model import trained_start_dir
+
+    generate = config.data.generate
+    start = trained_start_dir(config)
+    codes_path = (start / SEMANTIC_IDS_FILE) if start is not None else None
+    if codes_path is None or not codes_path.is_file():
+        raise ValueError(f"data.generate.task semantic_sessions needs a starting model with item codes: "
+                         f"{start} has no {SEMANTIC_IDS_FILE} (start from a model the semantic-ID recipe registered)")
+    semantic = SemanticIDs.load(codes_path)
+    size = semantic.session_items or 8
+    out = generated_directory(run_dir)
+    paths = write_world(out, InteractionWorld.build(generate.world or WorldConfig()))
+    histories = [json.loads(line) for line in open(paths["sequences"], encoding="utf-8")]
+    records = [Record(h["ids"], str(paths["sequences"]), k + 1, user=h["user"]) for k, h in enumerate(histories)]
+    split = leave_last_out(records)
+    by_user = {r.user: r for r in split.train}
+    common = {"world": str(out), "semantic_ids": str(codes_path)}
+
+    def row(user: str, history: list[int], target: int) -> dict:
+        messages = session_messages(semantic, recent(semantic, history, size - 1))
+        return {"prompt": messages, "reference": semantic.item_text(target), "user": user, "history": history,
+                **common}
+
+    heldout = [row(c.user, c.history, c.target) for c in split.test[:generate.num_heldout]]
+    train = [row(c.user, by_user[c.user].ids, c.target)
+             for c in split.valid[generate.num_heldout:generate.num_heldout + generate.num_train]]
+    for name, rows in (("prompts.jsonl", train), ("heldout.jsonl", heldout)):
+        with open(out / name, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    print(f"[ingest] {len(train)} session prompts and {len(heldout)} held-out ones in {out} "
+          f"(codes of {codes_path}, sessions of {size} items)")
+    return out

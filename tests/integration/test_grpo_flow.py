@@ -49,7 +49,7 @@ grpo:
   max_new_tokens: 4
   passes: 2
   dynamic_sampling: false
-eval: {{max_examples: 12, max_new_tokens: 4, batch_size: 12}}
+eval: {{max_examples: 12, max_new_tokens: 4, batch_size: 12, report: false}}
 register: {{registry_dir: "{tmp / 'registry'}", model_name: grpo-tiny}}
 """
     path = tmp / "grpo.yaml"

@@ -100,7 +100,7 @@ pack: {{row_length: {ROW_LENGTH}}}
 train: {{max_steps: 6, micro_batch_size: 8, learning_rate: 0.003, warmup_steps: 2, weight_decay: 0.0, log_every: 3,
         card_refresh_s: 1}}
 checkpoint: {{enabled: false}}
-eval: {{max_examples: 8, max_new_tokens: 4, batch_size: 8}}
+eval: {{max_examples: 8, max_new_tokens: 4, batch_size: 8, report: false, suites: [{{kind: heldout_loss}}]}}
 register: {{registry_dir: "{tmp / 'registry'}", model_name: {CHAIN_SFT_NAME}}}
 """
     path = tmp / "sft_chain.yaml"
@@ -130,6 +130,7 @@ eval:
   max_examples: 16
   max_new_tokens: 4
   batch_size: 8
+  report: {"true" if recipe == "dpo" else "false"}
 {suites}register: {{registry_dir: "{tmp / 'registry'}", model_name: {recipe}-tiny}}
 """
     path = tmp / f"{recipe}.yaml"

@@ -13,7 +13,7 @@ import pytest
 from posttrain.config.loader import load_recipe_config
 from posttrain.config.schema import GenerateConfig
 from posttrain.data.chat import generation_stop_ids
-from posttrain.data.records import PreferenceRecord
+from posttrain.data.records import PreferenceRecord, PromptRecord
 from posttrain.data.sources import SourceSpec, read_records
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.models.registry import add_generation_stop_ids
@@ -84,8 +84,9 @@ def test_the_skew_gate_passes_on_every_shipped_config(path, generated, tmp_path)
     if not SHARED.is_dir():
         pytest.skip("../shared/data is not present")
     config = load_recipe_config(path, recipe="grpo" if path.parent.name == "grpo" else path.parent.name)
-    if config.kind == "semantic_ids":  # sessions of item codes, added to the text model's tokenizer
-        return check_semantic_id_config(config, generated, tmp_path)
+    generate = config.data.generate
+    if config.kind == "semantic_ids" or (generate is not None and generate.task == "semantic_sessions"):
+        return check_semantic_id_config(config, generated, tmp_path)  # sessions of item codes
     if config.builds_tokenizer:  # a sequence recipe: its vocabulary, built from a small world's histories
         return check_item_vocabulary_config(config, tmp_path)
     tokenizer = config_tokenizer(config, generated)
@@ -135,19 +136,26 @@ def check_semantic_id_config(config, generated: Path, tmp_path: Path) -> None:
     from posttrain.steps.ingest import generate_demo_data
     from posttrain.steps.semantic import session_messages
 
-    generate = dataclasses.replace(config.data.generate, world=dataclasses.replace(
+    generate = dataclasses.replace(config.data.generate, task="interactions", world=dataclasses.replace(
         config.data.generate.world, num_users=20, num_items=60, num_topics=4))
     world = generate_demo_data(generate, tmp_path / "world")
     ids, features = read_item_features(world / "items.jsonl")
-    section = config.semantic_ids
-    semantic = assign_semantic_ids(ids, features, levels=section.levels, codebook_size=min(section.codebook_size, 8))
+    levels, history_items = (config.semantic_ids.levels, config.semantic_ids.history_items) \
+        if config.kind == "semantic_ids" else (3, 8)  # an RL recipe's prompts: its starting model's sizes
+    semantic = assign_semantic_ids(ids, features, levels=levels, codebook_size=8)
     tokenizer = load_tokenizer(str(generated / "tokenizer"))
     tokenizer.add_tokens(semantic.tokens())
     export = tmp_path / "export"
     tokenizer.save_pretrained(str(export))
     add_generation_stop_ids(export, generation_stop_ids(tokenizer))
     histories, _ = read_records(SourceSpec(name="s", kind="jsonl", format="sequence", path=str(world / "sequences.jsonl")))
-    records = [ChatRecord(session_messages(semantic, h.ids[:section.history_items]), h.source, h.line) for h in histories]
+    if config.kind == "semantic_ids":
+        records = [ChatRecord(session_messages(semantic, h.ids[:history_items]), h.source, h.line) for h in histories]
+        checked = "conversation"
+    else:  # RL prompts: the session before the next item
+        records = [PromptRecord(session_messages(semantic, h.ids[:history_items - 1]), None, {}, h.source, h.line)
+                   for h in histories]
+        checked = "rollout prompt"
     report = check_skew(tokenizer, export, records, per_source=RECORDS_PER_SOURCE)
     assert report.passed, report.describe()
-    assert report.checked["conversation"] == RECORDS_PER_SOURCE
+    assert report.checked[checked] == RECORDS_PER_SOURCE

@@ -110,9 +110,13 @@ class GenerateConfig:
     heldout_pairs.jsonl), with the starting model's tokenizer (`posttrain.steps.mine_pairs`).
     `interactions` (sequence recipes): a synthetic world of users and items (`world`), its logs
     (sequences.jsonl), item catalogue with content features (items.jsonl) and the world itself
-    for the simulated user (`posttrain.data.interactions`); the arithmetic fields do not apply."""
+    for the simulated user (`posttrain.data.interactions`); the arithmetic fields do not apply.
+    `semantic_sessions` (RL from a semantic-ID model): the same world, and its users' sessions
+    as prompts in the starting model's codes (`prompts.jsonl`: `num_train` users' training
+    histories; `heldout.jsonl`: the first `num_heldout` users' test cases;
+    `posttrain.steps.semantic.write_session_prompts`)."""
 
-    task: Literal["arithmetic", "arithmetic_pairs", "interactions"] = "arithmetic"
+    task: Literal["arithmetic", "arithmetic_pairs", "interactions", "semantic_sessions"] = "arithmetic"
     num_train: int = bounded(20000, ge=1)
     num_heldout: int = bounded(200, ge=1)
     min_digits: int = bounded(1, ge=1, le=6)
@@ -414,7 +418,9 @@ class EvalConfig:
     the flow's evaluation foreach, on at most `max_examples` held-out examples, generating at
     most `max_new_tokens` per answer, `batch_size` rows at a time. The starting model (`base`)
     and the tuned one are always compared; with `compare_promoted`, also the version of the
-    recipe's registry name that is promoted now, when there is one (`promoted`)."""
+    recipe's registry name that is promoted now, when there is one (`promoted`). `report`: build
+    the evidently report of the suites' per-example outputs (a card of its own); false skips it
+    (its import and statistics take about 10 s of a core per run)."""
 
     max_examples: Optional[int] = bounded(200, ge=1)
     max_new_tokens: int = bounded(16, ge=1)
@@ -422,6 +428,7 @@ class EvalConfig:
     metric: Literal["exact_match"] = "exact_match"
     suites: list[SuiteConfig] = field(default_factory=list)
     compare_promoted: bool = True
+    report: bool = True
 
     def validate(self) -> None:
         labels = [s.label for s in self.suites]
@@ -798,6 +805,9 @@ class GRPOSection:
     success_threshold: float = 1.0
     entropy: bool = True
     engine: Literal["native", "native_actor", "vllm_actor"] = "native"
+    # a semantic-ID policy: rollouts and evaluation decode inside the starting model's catalogue
+    # (its semantic_ids.json as a trie), so every completion names a real item (native engines)
+    constrain_to_catalogue: bool = False
     sync_check: bool = True
     eval_samples: int = bounded(8, ge=1)  # samples per held-out prompt for pass@k in evaluate
 
@@ -836,6 +846,9 @@ class GRPOConfig(RecipeConfig):
             raise ConfigError("without grpo.rewards every group's reward is equal: set grpo.dynamic_sampling: false")
         if self.grpo.rounds_per_task > self.grpo.rounds:
             raise ConfigError(f"grpo.rounds_per_task ({self.grpo.rounds_per_task}) > grpo.rounds ({self.grpo.rounds})")
+        if self.grpo.constrain_to_catalogue and self.grpo.engine == "vllm_actor":
+            raise ConfigError("grpo.constrain_to_catalogue decodes inside a trie on the native engine: use engine "
+                              "native or native_actor")
 
     @property
     def kind(self) -> str | None:

@@ -91,6 +91,7 @@ class SemanticIDs:
     dedup_level: bool = False
     collisions: int = 0  # items whose tuple another item had before the collision level
     prefix: str = ""
+    session_items: int | None = None  # items per session conversation the model was trained on
     _by_codes: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -132,7 +133,7 @@ class SemanticIDs:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"codebook_size": self.codebook_size, "levels": self.levels,
                                     "dedup_level": self.dedup_level, "collisions": self.collisions,
-                                    "prefix": self.prefix,
+                                    "prefix": self.prefix, "session_items": self.session_items,
                                     "codes": {str(i): list(c) for i, c in sorted(self.codes.items())}}) + "\n")
         return path
 
@@ -140,7 +141,7 @@ class SemanticIDs:
     def load(cls, path: str | Path) -> "SemanticIDs":
         data = json.loads(Path(path).read_text())
         return cls({int(i): tuple(c) for i, c in data["codes"].items()}, data["codebook_size"], data["levels"],
-                   data["dedup_level"], data["collisions"], data.get("prefix", ""))
+                   data["dedup_level"], data["collisions"], data.get("prefix", ""), data.get("session_items"))
 
     def token_trie(self, tokenizer, end_ids: list[int]) -> "TokenTrie":
         """The trie of every item's token ids (as `tokenizer` encodes `item_text`), each followed by

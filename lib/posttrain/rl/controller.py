@@ -91,10 +91,12 @@ class RoundSettings:
     success_threshold: float = 1.0
     sync_check: bool = True
     seed: int = 0
+    allowed: object | None = None  # a TokenTrie: rollouts constrained to its sequences (a catalogue)
 
     def sampling(self, seed: int) -> SamplingConfig:
         return SamplingConfig(n=self.n, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                              max_new_tokens=self.max_new_tokens, stop_token_ids=self.stop_token_ids, seed=seed)
+                              max_new_tokens=self.max_new_tokens, stop_token_ids=self.stop_token_ids, seed=seed,
+                              allowed=self.allowed)
 
 
 class PromptSampler:

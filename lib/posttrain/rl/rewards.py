@@ -24,7 +24,11 @@ answer: the text after GSM8K's `####` when present), `numeric_answer` (the last 
 completion equals the reference's numerically; `partial_credit` gives 1 - relative error,
 floored at 0, for a wrong number), `format` (1 when the completion matches a regular
 expression), `length` (0 up to `target` characters, falling linearly to -1 at `limit`),
-`reward_model` (the score of a model a reward-model recipe registered, `model=registry:NAME`).
+`reward_model` (the score of a model a reward-model recipe registered, `model=registry:NAME`),
+and for a semantic-ID recommender's session prompts (`data.generate.task: semantic_sessions`)
+`simulated_user` (the synthetic world's user model scoring the recommended item, a business
+metric the policy never sees the parameters of) and `item_novelty` (a real item the user has
+not consumed: a diversity term).
 """
 
 from __future__ import annotations
@@ -148,12 +152,61 @@ def reward_model(completions: list[str], records: list, model: str, registry_dir
     return [float(table[2 * i]) for i in range(len(pairs))]
 
 
+_WORLDS: dict[str, Any] = {}
+_WORLDS_LOCK = threading.Lock()
+
+
+def _session_parts(record) -> tuple[Any, Any]:
+    """`(SemanticIDs, SimulatedUser)` a session prompt's meta names (`world`, `semantic_ids`:
+    `posttrain.steps.semantic.write_session_prompts`), loaded once per process."""
+    from posttrain.data.interactions import SimulatedUser
+    from posttrain.data.semantic_ids import SemanticIDs
+
+    meta = record.meta
+    missing = [k for k in ("user", "history", "world", "semantic_ids") if k not in meta]
+    if missing:
+        raise RewardError(f"a session reward needs the prompt's meta to name {missing} (prompts written by "
+                          "data.generate.task: semantic_sessions)")
+    with _WORLDS_LOCK:
+        for key, load in ((meta["world"], SimulatedUser.load), (meta["semantic_ids"], SemanticIDs.load)):
+            if key not in _WORLDS:
+                _WORLDS[key] = load(key)
+        return _WORLDS[meta["semantic_ids"]], _WORLDS[meta["world"]]
+
+
+def simulated_user(completions: list[str], records: list, **_: Any) -> list[float]:
+    """The simulated user's verdict on the recommended item (the item whose codes the completion
+    spells): how likely the user is to consume it next, relative to the item they are most
+    likely to consume (1.0: the best recommendation; 0 for a completion that names no item).
+    The world that generated the logs is the user model: the policy never saw its parameters."""
+    scores = []
+    for completion, record in zip(completions, records):
+        semantic, simulator = _session_parts(record)
+        item = semantic.parse_item(completion)
+        scores.append(simulator.score(record.meta["user"], record.meta["history"], item))
+    return scores
+
+
+def item_novelty(completions: list[str], records: list, window: int = 0, **_: Any) -> list[float]:
+    """1 when the completion names a real item the user has not consumed (within the last
+    `window` items; 0: ever), else 0: a diversity term against recommending the user's past."""
+    scores = []
+    for completion, record in zip(completions, records):
+        semantic, _ = _session_parts(record)
+        item = semantic.parse_item(completion)
+        history = record.meta["history"][-window:] if window else record.meta["history"]
+        scores.append(float(item is not None and item not in set(history)))
+    return scores
+
+
 BUILTINS: dict[str, Callable] = {
     "exact_answer": exact_answer,
     "numeric_answer": numeric_answer,
     "format": format_match,
     "length": length_penalty,
     "reward_model": reward_model,
+    "simulated_user": simulated_user,
+    "item_novelty": item_novelty,
 }
 
 
