@@ -16,7 +16,7 @@ export MALLOC_MMAP_MAX_ := 0
 export MALLOC_TRIM_THRESHOLD_ := 68719476736
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup browser run sft-3digit dpo-demo rm-demo grpo-demo distill-demo sequence-demo semantic-demo test bench clean setup-vllm test-vllm
+.PHONY: setup browser run sft-3digit dpo-demo rm-demo grpo-demo distill-demo sequence-demo semantic-demo semantic-rl-demo test bench clean setup-vllm test-vllm
 
 setup: $(STAMP)
 
@@ -66,6 +66,11 @@ semantic-demo: setup
 	test -d outputs/registry/sft-demo-arithmetic || $(MAKE) run
 	test -d outputs/registry/sequence-demo || $(MAKE) sequence-demo
 	$(BIN)/python flows/semantic_id_flow.py run
+
+# GRPO on a business metric: the semantic-ID model recommends, a simulated user rewards
+semantic-rl-demo: setup
+	test -d outputs/registry/semantic-ids-demo || $(MAKE) semantic-demo
+	$(BIN)/python flows/grpo_flow.py --config config configs/grpo/semantic-ids.yaml run
 
 # Debian's chromium: the card test opens every card of a flow run in a headless browser
 browser:

@@ -303,7 +303,7 @@ def next_item(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -
     histories; the per-case hits and reciprocal ranks go into the report."""
     from posttrain.data.item_vocab import ItemCodec
     from posttrain.data.tokenizer import load_tokenizer
-    from posttrain.eval.next_item import baseline_scores, evaluate_next_item, sampled_negatives, score_cases
+    from posttrain.eval.next_item import baseline_scores, sampled_negatives, score_cases
     from posttrain.eval.ranking import MarkovBaseline, PopularityBaseline
 
     config = ctx.config
@@ -311,52 +311,64 @@ def next_item(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -
     catalogue, ks = list(data.catalogue), tuple(config.sequence.ks)
     negatives = (sampled_negatives(cases, catalogue, config.sequence.sampled_negatives, config.seed)
                  if config.sequence.sampled_negatives else None)
-    hit = f"hit@{ks[0]}"
-    output = SuiteOutput({}, report_numerical=["reciprocal_rank"], report_categorical=[hit])
-
-    kept: dict[str, dict[str, torch.Tensor]] = {}
-
-    def record(label: str, scores_NI: torch.Tensor, extra: dict) -> None:
-        metrics, per_case = evaluate_next_item(scores_NI, cases, catalogue, ks, negatives)
-        output.metrics[label] = {**metrics, **extra}
-        kept[label] = per_case
-        k = ks[0]
-        print(f"[evaluate] {label}: recall@{k} {metrics[f'recall@{k}']:.4f} (se {metrics[f'recall@{k}_se']:.4f}), "
-              f"ndcg@{k} {metrics[f'ndcg@{k}']:.4f} on {len(cases)} users")
-        for i, case in enumerate(cases):
-            output.report_rows.append({"model": label, "reciprocal_rank": float(per_case["rr"][i]),
-                                       hit: float(per_case[hit][i]) >= 0.5})
-            if i < 5:
-                top = scores_NI[i].topk(min(5, len(catalogue))).indices.tolist()
-                output.examples.append({"model": label, "prompt": f"... {case.history[-5:]}", "reference": case.target,
-                                        "prediction": [catalogue[c] for c in top],
-                                        "correct": case.target in [catalogue[c] for c in top], "output_length": 5})
-
+    rankings = _Rankings(cases, catalogue, ks, negatives)
     for model_ref in models:
         model = ctx.load(model_ref)
         codec = ItemCodec(load_tokenizer(model_ref.model_dir))  # each model's own vocabulary
         scores_NI, oov = score_cases(model, codec, cases, catalogue, config.pack.row_length, config.eval.batch_size)
         del model
-        record(model_ref.label, scores_NI, {"oov_history_items": float(oov)})
+        rankings.record(model_ref.label, scores_NI, {"oov_history_items": float(oov)})
+        for i, case in enumerate(cases[:5]):
+            top = [catalogue[c] for c in scores_NI[i].topk(min(5, len(catalogue))).indices.tolist()]
+            rankings.output.examples.append({"model": model_ref.label, "prompt": f"... {case.history[-5:]}",
+                                             "reference": case.target, "prediction": top,
+                                             "correct": case.target in top, "output_length": len(top)})
     for baseline in (PopularityBaseline(data.train_histories), MarkovBaseline(data.train_histories)):
-        record(baseline.name, baseline_scores(baseline, cases, catalogue), {})
-    _add_paired_differences(output, kept, [m.label for m in models], ks[0])
-    return output
+        rankings.record(baseline.name, baseline_scores(baseline, cases, catalogue), {})
+    return rankings.finish([m.label for m in models])
 
 
-def _add_paired_differences(output: SuiteOutput, per_case: dict, models: list[str], k: int) -> None:
-    """Each model's recall@k and NDCG@k minus each baseline's, paired over the same cases."""
-    from posttrain.eval.next_item import paired_differences
+class _Rankings:
+    """The rankings of several models and baselines on the same cases (`next_item`,
+    `semantic_next_item`): metrics by label, one report row per label and case (reciprocal rank,
+    hit at the first cutoff), and each model's paired differences from the baselines."""
 
-    baselines = ["popularity", "markov"]
-    for metric in (f"hit@{k}", f"ndcg@{k}"):
-        for label, values in paired_differences(per_case, models, baselines, metric).items():
-            output.metrics[label].update(values)
-    for label in models:
-        m = output.metrics[label]
-        print(f"[evaluate] {label} - markov: recall@{k} {m[f'recall@{k}_vs_markov']:+.4f} "
-              f"(paired se {m[f'recall@{k}_vs_markov_se']:.4f}), ndcg@{k} {m[f'ndcg@{k}_vs_markov']:+.4f} "
-              f"(paired se {m[f'ndcg@{k}_vs_markov_se']:.4f})")
+    BASELINES = ("popularity", "markov")
+
+    def __init__(self, cases, catalogue: list[int], ks: tuple[int, ...], negatives=None):
+        self.cases, self.catalogue, self.ks, self.negatives = cases, catalogue, ks, negatives
+        self.hit = f"hit@{ks[0]}"
+        self.output = SuiteOutput({}, report_numerical=["reciprocal_rank"], report_categorical=[self.hit])
+        self.per_case: dict[str, dict[str, torch.Tensor]] = {}
+
+    def record(self, label: str, scores_NI: torch.Tensor, extra: dict) -> None:
+        from posttrain.eval.next_item import evaluate_next_item
+
+        metrics, per_case = evaluate_next_item(scores_NI, self.cases, self.catalogue, self.ks, self.negatives)
+        self.output.metrics[label] = {**metrics, **extra}
+        self.per_case[label] = per_case
+        k = self.ks[0]
+        print(f"[evaluate] {label}: recall@{k} {metrics[f'recall@{k}']:.4f} (se {metrics[f'recall@{k}_se']:.4f}), "
+              f"ndcg@{k} {metrics[f'ndcg@{k}']:.4f} on {len(self.cases)} users"
+              + "".join(f", {name} {value:.3f}" for name, value in extra.items()))
+        self.output.report_rows += [{"model": label, "reciprocal_rank": float(per_case["rr"][i]),
+                                     self.hit: float(per_case[self.hit][i]) >= 0.5} for i in range(len(self.cases))]
+
+    def finish(self, models: list[str]) -> SuiteOutput:
+        """The suite's output, with each of `models`' recall and NDCG at the first cutoff minus
+        each baseline's, paired over the same cases (`..._vs_markov`, `..._vs_markov_se`)."""
+        from posttrain.eval.next_item import paired_differences
+
+        k = self.ks[0]
+        for metric in (f"hit@{k}", f"ndcg@{k}"):
+            for label, values in paired_differences(self.per_case, models, list(self.BASELINES), metric).items():
+                self.output.metrics[label].update(values)
+        for label in models:
+            m = self.output.metrics[label]
+            print(f"[evaluate] {label} - markov: recall@{k} {m[f'recall@{k}_vs_markov']:+.4f} "
+                  f"(paired se {m[f'recall@{k}_vs_markov_se']:.4f}), ndcg@{k} {m[f'ndcg@{k}_vs_markov']:+.4f} "
+                  f"(paired se {m[f'ndcg@{k}_vs_markov_se']:.4f})")
+        return self.output
 
 
 def semantic_next_item(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> SuiteOutput:
@@ -373,7 +385,7 @@ def semantic_next_item(models: list[ModelUnderTest], data: EvalData, ctx: SuiteC
     from posttrain.data.chat import end_of_turn_token_ids
     from posttrain.data.semantic_ids import SemanticIDs
     from posttrain.data.tokenizer import load_tokenizer
-    from posttrain.eval.next_item import baseline_scores, evaluate_next_item
+    from posttrain.eval.next_item import baseline_scores
     from posttrain.eval.ranking import MarkovBaseline, PopularityBaseline
     from posttrain.rl.constrained import trie_beam_search
     from posttrain.steps.semantic import SEMANTIC_IDS_FILE
@@ -384,21 +396,7 @@ def semantic_next_item(models: list[ModelUnderTest], data: EvalData, ctx: SuiteC
     catalogue, ks = list(data.catalogue), tuple(section.ks)
     column = {item: c for c, item in enumerate(catalogue)}
     kwargs = config.tokenizer.chat_template_kwargs
-    output = SuiteOutput({}, report_numerical=["reciprocal_rank"], report_categorical=[f"hit@{ks[0]}"])
-
-    kept: dict[str, dict[str, torch.Tensor]] = {}
-
-    def record(label: str, scores_NI: torch.Tensor, extra: dict) -> None:
-        metrics, per_case = evaluate_next_item(scores_NI, cases, catalogue, ks)
-        output.metrics[label] = {**metrics, **extra}
-        kept[label] = per_case
-        k = ks[0]
-        print(f"[evaluate] {label}: recall@{k} {metrics[f'recall@{k}']:.4f} (se {metrics[f'recall@{k}_se']:.4f}), "
-              f"ndcg@{k} {metrics[f'ndcg@{k}']:.4f} on {len(cases)} users"
-              + "".join(f", {name} {value:.3f}" for name, value in extra.items()))
-        output.report_rows += [{"model": label, "reciprocal_rank": float(per_case["rr"][i]),
-                                f"hit@{k}": float(per_case[f"hit@{k}"][i]) >= 0.5} for i in range(len(cases))]
-
+    rankings = _Rankings(cases, catalogue, ks)
     for model_ref in models:
         model = ctx.load(model_ref)
         tokenizer = load_tokenizer(model_ref.model_dir)
@@ -413,30 +411,38 @@ def semantic_next_item(models: list[ModelUnderTest], data: EvalData, ctx: SuiteC
             for item, logprob in found:
                 if item in column:
                     scores_NI[i, column[item]] = logprob
-        validity = {}
-        engine = NativeEngine(model, max_batch_rows=config.eval.batch_size)
         probe = prompts[:min(len(prompts), config.eval.batch_size * 4)]
-        for name, allowed in (("constrained", trie), ("unconstrained", None)):
-            greedy = SamplingConfig(temperature=0, max_new_tokens=semantic.levels + 1, stop_token_ids=tuple(end_ids),
-                                    allowed=allowed)
-            with torch.no_grad():
-                answers = [group[0] for group in engine.generate(probe, greedy)]
-            texts = [tokenizer.decode(a.content_ids, skip_special_tokens=True) for a in answers]
-            validity[f"valid_items_{name}"] = sum(semantic.parse_item(t) is not None for t in texts) / len(texts)
-            if name == "constrained":
-                for chat, text, case in list(zip(chats, texts, cases))[:5]:
-                    output.examples.append({"model": model_ref.label, "prompt": chat.messages[-2]["content"],
-                                            "reference": chat.messages[-1]["content"], "prediction": text,
-                                            "correct": semantic.parse_item(text) == case.target,
-                                            "output_length": semantic.levels})
-        del model, engine
-        record(model_ref.label, scores_NI, validity)
+        validity, texts = _valid_item_shares(model, tokenizer, semantic, trie, end_ids, probe, config.eval.batch_size)
+        for chat, text, case in list(zip(chats, texts, cases))[:5]:
+            rankings.output.examples.append({"model": model_ref.label, "prompt": chat.messages[-2]["content"],
+                                             "reference": chat.messages[-1]["content"], "prediction": text,
+                                             "correct": semantic.parse_item(text) == case.target,
+                                             "output_length": semantic.levels})
+        del model
+        rankings.record(model_ref.label, scores_NI, validity)
     for baseline in (PopularityBaseline(data.train_histories), MarkovBaseline(data.train_histories)):
-        record(baseline.name, baseline_scores(baseline, cases, catalogue), {})
+        rankings.record(baseline.name, baseline_scores(baseline, cases, catalogue), {})
     if section.compare_with:
-        record("sequence_model", *_sequence_model_scores(section.compare_with, config, cases, catalogue))
-    _add_paired_differences(output, kept, [m.label for m in models], ks[0])
-    return output
+        rankings.record("sequence_model", *_sequence_model_scores(section.compare_with, config, cases, catalogue))
+    return rankings.finish([m.label for m in models])
+
+
+def _valid_item_shares(model, tokenizer, semantic, trie, end_ids: list[int], prompts: list[list[int]],
+                       batch_size: int) -> tuple[dict[str, float], list[str]]:
+    """The share of greedy answers to `prompts` that name a catalogue item, decoded inside the
+    trie and freely (`valid_items_constrained`, `valid_items_unconstrained`), and the
+    constrained answers' texts."""
+    engine = NativeEngine(model, max_batch_rows=batch_size)
+    shares, constrained_texts = {}, []
+    for name, allowed in (("constrained", trie), ("unconstrained", None)):
+        greedy = SamplingConfig(temperature=0, max_new_tokens=semantic.levels + 1, stop_token_ids=tuple(end_ids),
+                                allowed=allowed)
+        with torch.no_grad():
+            answers = [group[0] for group in engine.generate(prompts, greedy)]
+        texts = [tokenizer.decode(a.content_ids, skip_special_tokens=True) for a in answers]
+        shares[f"valid_items_{name}"] = sum(semantic.parse_item(t) is not None for t in texts) / len(texts)
+        constrained_texts = texts if name == "constrained" else constrained_texts
+    return shares, constrained_texts
 
 
 def _sequence_model_scores(reference: str, config: RecipeConfig, cases, catalogue) -> tuple[torch.Tensor, dict]:

@@ -157,3 +157,16 @@ def test_sequence_and_semantic_recipes_refuse_what_they_cannot_run():
     for recipe, data, message in cases:
         with pytest.raises(ConfigError, match=message):
             recipe_config_from_dict(data, recipe)
+
+
+def test_parquet_histories_with_nullable_integer_columns(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"user": ["a", "b", "c"], "ids": [[1, 2, 3], [4, None], [5]],
+                      "timestamps": [[10, 11, 12], [1, 2], [3]]})
+    pq.write_table(table, tmp_path / "histories.parquet")
+    records, rejected = read_records(SourceSpec(name="p", kind="parquet", path=str(tmp_path / "histories.parquet"),
+                                                format="sequence"))
+    assert [(r.user, r.ids, r.timestamps) for r in records] == [("a", [1, 2, 3], [10, 11, 12]), ("c", [5], [3])]
+    assert [(r.line, r.reason) for r in rejected] == [(1, "ids[1]: not an integer (got null)")]
