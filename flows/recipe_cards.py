@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+import importlib
 import time
 
-import matplotlib
+from metaflow.cards import Image, Markdown, ProgressBar, Table
 
-matplotlib.use("Agg")  # cards render on headless workers
-import matplotlib.pyplot as plt  # noqa: E402
-from metaflow.cards import Image, Markdown, ProgressBar, Table  # noqa: E402
 
-from posttrain.eval import plots  # noqa: E402
+class _OnFirstUse:
+    """A module imported when first used. Every task of a flow, and every card it renders (a
+    `flow.py card create` process of its own), imports the flow file and so this module;
+    matplotlib costs 0.7 s of a core to import and is needed only where a card draws."""
+
+    def __init__(self, name: str):
+        self._name, self._module = name, None
+
+    def __getattr__(self, attribute: str):
+        if self._module is None:
+            import matplotlib
+
+            matplotlib.use("Agg")  # cards render on headless workers
+            self._module = importlib.import_module(self._name)
+        return getattr(self._module, attribute)
+
+
+plt = _OnFirstUse("matplotlib.pyplot")
+plots = _OnFirstUse("posttrain.eval.plots")
 
 MAX_TABLE_ROWS = 50
 

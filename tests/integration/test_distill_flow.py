@@ -33,7 +33,7 @@ tokenizer: {{name_or_path: "registry:{START_NAME}"}}
 model: {{arch: qwen3, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 2,
         num_key_value_heads: 1, head_dim: 16}}
 pack: {{row_length: 64, window: 32}}
-train: {{max_steps: 12, micro_batch_size: 8, learning_rate: 0.01, warmup_steps: 2, log_every: 4, card_refresh_s: 1}}
+train: {{max_steps: 12, micro_batch_size: 8, learning_rate: 0.01, warmup_steps: 2, log_every: 4, card_refresh_s: 600}}
 distill: {{teacher: "{teacher}", loss: jsd, beta: 0.5, temperature: 2.0, hard_weight: 0.2}}
 checkpoint: {{every_steps: 6, keep_last: 1}}
 eval: {{max_examples: 16, max_new_tokens: 4, batch_size: 8, report: false}}

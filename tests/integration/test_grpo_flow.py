@@ -37,7 +37,7 @@ data:
 tokenizer: {{name_or_path: "registry:{START_NAME}"}}
 model: {{init_from: "registry:{START_NAME}"}}
 pack: {{row_length: 160}}
-train: {{micro_batch_size: 4, learning_rate: 0.001, warmup_steps: 0, weight_decay: 0.0}}
+train: {{micro_batch_size: 4, learning_rate: 0.001, warmup_steps: 0, weight_decay: 0.0, card_refresh_s: 600}}
 grpo:
   rewards:
     - {{function: exact_answer}}

@@ -98,7 +98,7 @@ tokenizer: {{name_or_path: "registry:{START_NAME}"}}
 model: {{init_from: "registry:{START_NAME}"}}
 pack: {{row_length: {ROW_LENGTH}}}
 train: {{max_steps: 6, micro_batch_size: 8, learning_rate: 0.003, warmup_steps: 2, weight_decay: 0.0, log_every: 3,
-        card_refresh_s: 1}}
+        card_refresh_s: 600}}
 checkpoint: {{enabled: false}}
 eval: {{max_examples: 8, max_new_tokens: 4, batch_size: 8, report: false, suites: [{{kind: heldout_loss}}]}}
 register: {{registry_dir: "{tmp / 'registry'}", model_name: {CHAIN_SFT_NAME}}}
@@ -124,7 +124,7 @@ tokenizer: {{name_or_path: "registry:{start}"}}
 model: {{init_from: "registry:{start}"}}
 pack: {{row_length: {ROW_LENGTH}, window: 32}}
 train: {{max_steps: 24, micro_batch_size: 8, learning_rate: 0.003, warmup_steps: 2, weight_decay: 0.0, log_every: 10,
-        card_refresh_s: 1}}
+        card_refresh_s: 600}}
 {section}checkpoint: {{every_steps: 12, keep_last: 1}}
 eval:
   max_examples: 16

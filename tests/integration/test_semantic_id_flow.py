@@ -32,7 +32,7 @@ tokenizer: {{name_or_path: "registry:{START_NAME}"}}
 model: {{init_from: "registry:{START_NAME}"}}
 semantic_ids: {{levels: 2, codebook_size: 6, history_items: 4, beam_width: 10, ks: [5, 10]}}
 pack: {{row_length: 64, window: 32}}
-train: {{max_steps: 30, micro_batch_size: 16, learning_rate: 0.005, warmup_steps: 3, log_every: 10, card_refresh_s: 1}}
+train: {{max_steps: 30, micro_batch_size: 16, learning_rate: 0.005, warmup_steps: 3, log_every: 10, card_refresh_s: 600}}
 checkpoint: {{every_steps: 30, keep_last: 1}}
 eval: {{max_examples: 40, batch_size: 16, report: false, suites: [{{kind: heldout_loss}}, {{kind: semantic_next_item}}]}}
 register: {{registry_dir: "{tmp / 'registry'}", model_name: semantic-tiny}}

@@ -39,7 +39,7 @@ data:
 model: {{arch: qwen3, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 2,
         num_key_value_heads: 1, head_dim: 32, max_position_embeddings: 128}}
 pack: {{row_length: 16, window: 32}}
-train: {{max_steps: 60, micro_batch_size: 16, learning_rate: 0.005, warmup_steps: 5, log_every: 20, card_refresh_s: 1}}
+train: {{max_steps: 60, micro_batch_size: 16, learning_rate: 0.005, warmup_steps: 5, log_every: 20, card_refresh_s: 600}}
 checkpoint: {{every_steps: 30, keep_last: 1}}
 sequence: {{sampled_negatives: 50}}
 eval: {{max_examples: 300, batch_size: 64}}

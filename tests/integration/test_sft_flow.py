@@ -87,7 +87,9 @@ def sft_scenario(tmp: Path) -> dict:
     extra = "".join(f"    - name: {p.stem}\n      kind: jsonl\n      path: {p}\n" for p in (mixed, all_bad, long))
     config.write_text(TINY.read_text().replace(
         "      path: ${generated}/train.jsonl\n", f"      path: ${{generated}}/train.jsonl\n{extra}"))
-    overrides = {"output_dir": str(tmp / "outputs"), "register.registry_dir": str(tmp / "registry")}
+    overrides = {"output_dir": str(tmp / "outputs"), "register.registry_dir": str(tmp / "registry"),
+                 "train.card_refresh_s": 600}  # the live card draws its first and last step only: a card
+    # refresh is a process (`flow.py card create`) with plots, which the tests' two cores cannot spare
     running = run_flow(FLOW, env=single_thread_env(flow_env()), cwd=tmp, config=[("config", str(config))],
                        config_value=[("overrides", overrides)])
     return {"running": running, "tmp": tmp, "close": [running]}

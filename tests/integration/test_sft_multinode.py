@@ -39,7 +39,7 @@ def multinode_scenario(tmp: Path) -> dict:
     """The 2-task flow whose rank 0 raises once after the step-3 checkpoint (then @retry)."""
     overrides = {"output_dir": str(tmp / "outputs"), "register.registry_dir": str(tmp / "registry"),
                  "data.generate.num_train": 80, "eval.max_examples": 4, "eval.report": False,
-                 "eval.suites": [{"kind": "heldout_loss"}]}
+                 "eval.suites": [{"kind": "heldout_loss"}], "train.card_refresh_s": 600}
     env = single_thread_env({**flow_env(), FAULT_AT_STEP_ENV: "3"})
     running = run_flow(FLOW, env=env, cwd=tmp, config=[("config", str(TWO_WORKERS))],
                        config_value=[("overrides", overrides)])

@@ -31,7 +31,8 @@ def resume_scenario(tmp: Path) -> dict:
     """The two-worker flow failing twice at step 3 (first attempt and its @retry), then resumed."""
     env = single_thread_env({**flow_env(), FAULT_AT_STEP_ENV: "3", FAULT_TIMES_ENV: "2"})
     overrides = {"output_dir": str(tmp / "outputs"), "register.registry_dir": str(tmp / "registry"),
-                 "checkpoint.every_steps": 2, "eval.report": False, "eval.suites": [{"kind": "heldout_loss"}]}
+                 "checkpoint.every_steps": 2, "eval.report": False, "eval.suites": [{"kind": "heldout_loss"}],
+                 "train.card_refresh_s": 600}
     failed = run_flow(FLOW, env=env, cwd=tmp, config=[("config", str(TWO_WORKERS))],
                       config_value=[("overrides", overrides)])
     origin, train_logs = failed.run, failed.stdout + failed.stderr
