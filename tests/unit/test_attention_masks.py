@@ -17,7 +17,7 @@ from posttrain.data.prefetch import PackedBatchPrefetcher
 from posttrain.rl.engine import SamplingConfig
 from posttrain.rl.native import PAD_ID, NativeEngine, left_pad
 from posttrain.models.registry import build_model, tiny_config
-from posttrain.ops.attention import build_attention_mask, document_attention, document_causal_mask
+from posttrain.ops.attention import build_attention_mask, document_attention, document_causal_mask, document_runs
 
 ATOL = 1e-6  # other documents must be unaffected; allow only float reassociation noise
 
@@ -203,3 +203,67 @@ def test_a_prefix_shared_row_gives_each_response_the_hidden_states_of_its_own_re
         alone_r = model(torch.cat([prompt, rejected])[None], torch.arange(P + R)[None], torch.zeros(1, P + R, dtype=torch.long))[0]
     torch.testing.assert_close(shared[:P + C], alone_c, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(shared[P + C:], alone_r[P:], atol=1e-5, rtol=1e-5)
+
+
+def test_document_runs_tile_rows_and_refuse_split_documents():
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, -1, -1], [5, 5, 5, 5, 5, 5, 5]])
+    assert document_runs(doc_ids) == [[3, 2, 2], [7]]
+    assert document_runs(torch.tensor([[0, 0, 1, 0]])) is None  # document 0 in two runs
+    assert document_runs(torch.tensor([[0, -1, 1, -1]])) is None  # padding in two runs
+    assert document_runs(torch.zeros((1, 0), dtype=torch.long)) is None
+
+
+def test_cpu_masks_take_the_per_document_backend_unless_windowed_treed_or_split():
+    doc_ids = torch.tensor([[0, 0, 1, 1, 1, -1]])
+    mask = build_attention_mask(doc_ids)
+    assert mask.backend == "documents" and mask.doc_runs == [[2, 3, 1]]
+    assert mask.dense_B1TT.equal(document_causal_mask(doc_ids))  # still there for sink attention
+    assert build_attention_mask(doc_ids, backend="sdpa").backend == "sdpa"
+    assert build_attention_mask(doc_ids, window=2).backend == "sdpa"
+    branches = torch.tensor([[0, 0, 0, 1, 2, 0]])
+    assert build_attention_mask(doc_ids, branch_ids_BT=branches).backend == "sdpa"
+    assert build_attention_mask(torch.tensor([[0, 1, 0]])).backend == "sdpa"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_per_document_attention_equals_the_masked_call_with_gradients(dtype):
+    gen = torch.Generator().manual_seed(4)
+    B, H, K, T, E = 3, 4, 2, 64, 8
+    doc_ids = random_doc_ids(gen, B, T)
+    doc_ids[2] = 0  # one document filling the row
+    qkv = [torch.randn(B, n, T, E, generator=gen).to(dtype).requires_grad_() for n in (H, K, K)]
+    grad_out = torch.randn(B, H, T, E, generator=gen).to(dtype)
+    outs, grads = [], []
+    for backend in ("documents", "sdpa"):
+        mask = build_attention_mask(doc_ids, backend=backend)
+        assert mask.backend == backend
+        out = document_attention(*qkv, mask, scale=0.3)
+        grads.append(torch.autograd.grad(out, qkv, grad_out))
+        outs.append(out.detach())
+    tol = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=tol * 4, rtol=tol)
+
+
+def test_per_document_attention_gradients_do_not_depend_on_the_thread_count():
+    """A GRPO run resumed in another process must repeat its trajectory bit for bit: the
+    per-document path's gradients must not change with the thread count (the CPU kernel's
+    own grouped-query backward did, by 1e-12, on this shape)."""
+    gen = torch.Generator().manual_seed(5)
+    doc_ids = torch.tensor([[0] * 89 + [1] * 38 + [2] * 31 + [3] * 2] * 4)
+    q, k, v = (torch.randn(4, n, 160, 16, generator=gen) for n in (2, 1, 1))
+    grad_out = torch.randn(4, 2, 160, 16, generator=gen)
+    mask = build_attention_mask(doc_ids)
+    assert mask.backend == "documents"
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = document_attention(*inputs, mask, scale=0.25)
+            results.append((out.detach(), *torch.autograd.grad(out, inputs, grad_out)))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results))

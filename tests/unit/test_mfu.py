@@ -168,3 +168,17 @@ def test_lora_counts_frozen_base_without_weight_gradients():
     full = one_layer(deep)
     assert lora.attention < full.attention  # layer 0 computes no dk
     assert lora.output == pytest.approx(full.output * 2 / 3)
+
+
+@pytest.mark.parametrize("make_batch", [padded_batch, packed_batch], ids=["padded", "packed"])
+def test_executed_flops_of_per_document_attention_count_each_run(monkeypatch, make_batch):
+    """With the per-document backend (CPU's default), attention runs on each run of a row (a
+    document or the padding) alone: `executed_step_flops(attention="documents")` is what an
+    eager attention over exactly those blocks computes, every padding slot included."""
+    monkeypatch.setattr(layers, "document_attention", eager_document_attention)
+    config = tiny_config(**ATTENTION_HEAVY)
+    model = build_model(config, seed=0)
+    batch = make_batch()
+    executed = executed_step_flops(config, batch, attention="documents")
+    assert executed.total == pytest.approx(counted_flops(model, batch), rel=1e-9)
+    assert batch_step_flops(config, batch).total <= executed.total < executed_step_flops(config, batch).total

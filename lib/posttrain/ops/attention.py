@@ -8,6 +8,14 @@ trunk (a preference pair's prompt) and branches (its two responses) that each se
 and themselves, not each other.
 
 Backends (chosen once per forward by `select_backend`, then shared by every layer):
+- "documents" (CPU, plain document-causal masks): one `F.scaled_dot_product_attention` call
+  per document with `is_causal=True`, over that document's queries and keys only. The masked
+  call below computes every row's full `T x T` block (its CPU kernel skips no masked block);
+  this computes each document's causal half, `sum(L_i^2) / 2` pairs. The mask still carries
+  the dense form for consumers that need it (sink attention, tests). Chosen when the rows'
+  documents are contiguous runs (padding included) and there is no window or tree; the sums
+  run in another order than the masked call's (float32 outputs agree to ~3e-7, not bitwise).
+  Where the model block is compiled, the per-document loop runs outside the graph.
 - "sdpa": `F.scaled_dot_product_attention` with a dense boolean `[B, 1, T, T]` mask. Works
   everywhere, including backward on CPU; memory is O(B*T^2) booleans.
 - "decode": a KV cache's single-query steps (`build_cached_attention_mask` with one new token
@@ -16,7 +24,7 @@ Backends (chosen once per forward by `select_backend`, then shared by every laye
   row where this takes a fraction (bench/rollout.py); inference only.
 - "flex" (future, GPU): FlexAttention with a BlockMask built from the same predicate. It
   slots in by adding a branch to `build_attention_mask` and `document_attention`; CPU has no
-  flex backward (DESIGN.md §6), so CPU always uses "sdpa".
+  flex backward (DESIGN.md §6), so CPU uses "documents" or "sdpa".
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("sdpa", "decode")
+BACKENDS = ("documents", "sdpa", "decode")
 
 
 def document_causal_mask(doc_ids_BT: torch.Tensor, window: int | None = None,
@@ -62,12 +70,29 @@ def document_causal_mask(doc_ids_BT: torch.Tensor, window: int | None = None,
 
 
 def select_backend(device: torch.device | str) -> str:
-    """The attention backend for tensors on `device`. Only "sdpa" exists today.
+    """The attention backend for a training forward on `device`: "documents" on CPU (where the
+    mask allows it; `build_attention_mask` falls back to "sdpa"), else "sdpa".
 
     This is the seam for FlexAttention: return "flex" for CUDA once it is implemented.
     """
-    del device  # every device uses sdpa for now
-    return "sdpa"
+    return "documents" if torch.device(device).type == "cpu" else "sdpa"
+
+
+def document_runs(doc_ids_BT: torch.Tensor) -> list[list[int]] | None:
+    """The lengths of each row's documents, in order, when every document of a row (and its
+    padding, `-1`) is one contiguous run; None when some id occurs in two runs of a row (the
+    dense mask lets those runs see each other; per-document attention would not)."""
+    if doc_ids_BT.shape[1] == 0:
+        return None
+    starts_BT = torch.ones_like(doc_ids_BT, dtype=torch.bool)
+    starts_BT[:, 1:] = doc_ids_BT[:, 1:] != doc_ids_BT[:, :-1]
+    runs = []
+    for row_T, starts_T in zip(doc_ids_BT.tolist(), starts_BT.tolist()):
+        first = [t for t, is_start in enumerate(starts_T) if is_start]
+        if len({row_T[t] for t in first}) != len(first):
+            return None
+        runs.append([b - a for a, b in zip(first, first[1:] + [len(row_T)])])
+    return runs
 
 
 @dataclass
@@ -75,10 +100,12 @@ class AttentionMask:
     """A document-causal mask prepared once per forward for a given backend."""
 
     backend: str
-    # "sdpa": boolean, True where attention is allowed; `[B, 1, T, T]`, or `[B, 1, T, S]` over a
-    # KV cache's S slots (`build_cached_attention_mask`)
+    # every backend: boolean, True where attention is allowed; `[B, 1, T, T]`, or `[B, 1, T, S]`
+    # over a KV cache's S slots (`build_cached_attention_mask`)
     dense_B1TT: torch.Tensor | None = None
     window: int | None = None  # sliding window it was built with (None: full causal)
+    # "documents": each row's document lengths in order (`document_runs`); they tile the row
+    doc_runs: list[list[int]] | None = None
 
 
 def build_attention_mask(doc_ids_BT: torch.Tensor, backend: str | None = None,
@@ -86,12 +113,17 @@ def build_attention_mask(doc_ids_BT: torch.Tensor, backend: str | None = None,
                          position_ids_BT: torch.Tensor | None = None) -> AttentionMask:
     """Prepare the mask for `doc_ids_BT` (`[B, T]` long, `-1` for padding); `window`,
     `branch_ids_BT` (tree documents) and `position_ids_BT` as in `document_causal_mask`. Models
-    with mixed layer types build one mask per type."""
+    with mixed layer types build one mask per type. `backend` "documents" (the CPU default)
+    falls back to "sdpa" for windows, trees and documents split into several runs; every mask
+    carries `dense_B1TT`."""
     backend = backend or select_backend(doc_ids_BT.device)
-    if backend == "sdpa":
-        dense_B1TT = document_causal_mask(doc_ids_BT, window, branch_ids_BT, position_ids_BT)
-        return AttentionMask(backend, dense_B1TT=dense_B1TT, window=window)
-    raise ValueError(f"unknown attention backend {backend!r}; available: {BACKENDS}")
+    if backend not in ("documents", "sdpa"):
+        raise ValueError(f"unknown attention backend {backend!r}; available: {BACKENDS}")
+    dense_B1TT = document_causal_mask(doc_ids_BT, window, branch_ids_BT, position_ids_BT)
+    runs = document_runs(doc_ids_BT) if backend == "documents" and window is None and branch_ids_BT is None else None
+    if runs is not None:
+        return AttentionMask("documents", dense_B1TT=dense_B1TT, doc_runs=runs)
+    return AttentionMask("sdpa", dense_B1TT=dense_B1TT, window=window)
 
 
 def build_cached_attention_mask(query_doc_ids_BT: torch.Tensor, query_position_ids_BT: torch.Tensor,
@@ -105,9 +137,9 @@ def build_cached_attention_mask(query_doc_ids_BT: torch.Tensor, query_position_i
     if window is not None and window < 1:
         raise ValueError(f"sliding window must be >= 1, got {window}")
     T = query_doc_ids_BT.shape[1]
-    backend = backend or ("decode" if T == 1 else select_backend(query_doc_ids_BT.device))
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; available: {BACKENDS}")
+    backend = backend or ("decode" if T == 1 else "sdpa")
+    if backend not in ("sdpa", "decode"):
+        raise ValueError(f"unknown attention backend {backend!r} for a KV cache; available: ('sdpa', 'decode')")
     S = key_doc_ids_BS.shape[1]
     device = query_doc_ids_BT.device
     query_slot_T1 = torch.arange(query_start, query_start + T, device=device)[:, None]
@@ -133,6 +165,8 @@ def document_attention(
     H, K = q_BHTE.shape[1], k_BKTE.shape[1]
     if H % K != 0:
         raise ValueError(f"query heads {H} not a multiple of key/value heads {K}")
+    if mask.backend == "documents":
+        return _per_document_attention(q_BHTE, k_BKTE, v_BKTE, mask.doc_runs, scale)
     if mask.backend == "sdpa":
         return F.scaled_dot_product_attention(
             q_BHTE, k_BKTE, v_BKTE, attn_mask=mask.dense_B1TT, scale=scale, enable_gqa=H != K
@@ -140,6 +174,33 @@ def document_attention(
     if mask.backend == "decode":
         return _matmul_attention(q_BHTE, k_BKTE, v_BKTE, mask.dense_B1TT, scale)
     raise ValueError(f"unknown attention backend {mask.backend!r}; available: {BACKENDS}")
+
+
+@torch.compiler.disable  # a loop over data-dependent lengths: compiled blocks call it eagerly
+def _per_document_attention(q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor,
+                            doc_runs: list[list[int]], scale: float | None) -> torch.Tensor:
+    """Causal attention within each run of `doc_runs` (row by row, the runs tile the row): one
+    SDPA call per document, the outputs concatenated in row order.
+
+    Grouped-query keys and values are expanded to the query heads first: the CPU kernel's
+    backward with `enable_gqa` on one row sums a key head's gradient over its query heads in
+    an order that depends on the thread count (measured: 1e-12 apart between 1 and 2 threads),
+    which would break bitwise resume across processes; the expansion's backward sums them in
+    a fixed order."""
+    groups = q_BHTE.shape[1] // k_BKTE.shape[1]
+    if groups > 1:
+        k_BKTE, v_BKTE = k_BKTE.repeat_interleave(groups, dim=1), v_BKTE.repeat_interleave(groups, dim=1)
+    rows = []
+    for b, lengths in enumerate(doc_runs):
+        parts, start = [], 0
+        for n in lengths:
+            end = start + n
+            parts.append(F.scaled_dot_product_attention(
+                q_BHTE[b : b + 1, :, start:end], k_BKTE[b : b + 1, :, start:end], v_BKTE[b : b + 1, :, start:end],
+                is_causal=True, scale=scale))
+            start = end
+        rows.append(torch.cat(parts, dim=2) if len(parts) != 1 else parts[0])
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
 
 
 def _matmul_attention(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor,

@@ -47,7 +47,11 @@ from posttrain.ops.fused_softmax import fused_chunk
 from posttrain.ops.precision import head_matmul_dtype
 
 IGNORE_INDEX = -100
-DEFAULT_CHUNK_SIZE = 512
+DEFAULT_CHUNK_SIZE = 512  # rows per chunk: a [512, 151936] float32 block is 311 MB
+# a bf16 head without soft-capping holds only bf16 [c, V] blocks (the logits, the fused kernel's
+# gradient): twice the rows in the same bytes, so half the passes over the weight and its
+# float32 gradient accumulator
+DEFAULT_NARROW_CHUNK_SIZE = 2 * DEFAULT_CHUNK_SIZE
 NARROW_WEIGHT_GRAD_BYTES = 4 * 2**20  # the bf16 weight-gradient buffer (a cache-sized slice of the vocabulary)
 
 
@@ -103,9 +107,10 @@ def _chunked_grads(hidden_ND, w_VD, labels_N, chunk_size, need_hidden, need_weig
             grad_w_PD.zero_()
         grad_w_VD = grad_w_PD[:V]  # contiguous view
     # buffers reused by every chunk: a fresh [c, V] block per chunk fragments the heap and made
-    # the peak vary run to run
+    # the peak vary run to run. The accumulation-dtype block is made on first use: a bf16 head
+    # whose element-wise work runs in the fused kernel never needs it
     rows = min(chunk_size, N)
-    buf_cV = torch.empty((rows, V), dtype=acc, device=hidden_ND.device) if N > 0 else None
+    acc_buf = []
     narrow_cV = torch.empty((rows, V), dtype=mm, device=hidden_ND.device) if narrow and N > 0 else None
     # a chunk's weight gradient is formed a slice of the vocabulary at a time in the narrow dtype
     # and added into the float32 accumulator (no mixed-dtype addmm on CPU): a [slice, D] buffer
@@ -132,6 +137,9 @@ def _chunked_grads(hidden_ND, w_VD, labels_N, chunk_size, need_hidden, need_weig
             if not (need_hidden or need_weight):
                 continue
         else:
+            if not acc_buf:
+                acc_buf.append(torch.empty((rows, V), dtype=acc, device=hidden_ND.device))
+            buf_cV = acc_buf[0]
             if narrow:
                 logits_cV = buf_cV[:c].copy_(narrow_logits_cV)
             else:
@@ -258,7 +266,7 @@ def chunked_cross_entropy(
     weight_VD: torch.Tensor,
     labels_N: torch.Tensor,
     vocab_size: int,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     logit_softcap: float | None = None,
     matmul_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
@@ -270,24 +278,32 @@ def chunked_cross_entropy(
     - `weight_VD` may have padded rows beyond `vocab_size`; they never receive probability and
       get a zero gradient.
     - Rows with label `-100` contribute nothing (an all-ignored or empty input gives 0).
+    - `chunk_size` (rows per chunk) defaults to `DEFAULT_CHUNK_SIZE`, and to
+      `DEFAULT_NARROW_CHUNK_SIZE` for a bf16/fp16 head without soft-capping (its chunk blocks
+      are narrow: the same bytes). Chunking changes the order of the weight
+      gradient's float32 sums, not the math.
     - Returns a float32 scalar (float64 for float64 inputs; a sum, not a mean). The matmuls run
       in `matmul_dtype`, default `posttrain.ops.precision.head_matmul_dtype()` (set by
       `head_precision(...)`), else the inputs' dtype; with bfloat16 the logits are widened to
       float32 before soft-capping and the softmax, the weight gradient is accumulated in
       float32, and both gradients come back in the inputs' dtypes. Peak extra memory is about
-      `chunk_size * vocab_size` float32s plus the gradients (`[V, D]` and `[N, D]`); a bf16
+      `chunk_size * vocab_size` float32s (two bf16 blocks of that size with the fused kernel)
+      plus the gradients (`[V, D]` and `[N, D]`); a bf16
       head adds a bf16 copy of the weight and the inputs, a bf16 `[chunk, V]` buffer and a
       4 MiB bf16 buffer for the weight gradient of a slice of the vocabulary.
     - With grad mode on and an input requiring grad, forward computes the gradients too (three
       matmuls per chunk, as much as forward + backward): evaluate under `torch.no_grad()`,
       where it computes the loss alone (one matmul per chunk).
     """
-    logit_softcap = check_projection_args(hidden_ND, weight_VD, labels_N, vocab_size, chunk_size, logit_softcap,
-                                          "labels")
-    grad_on = torch.is_grad_enabled()
     matmul_dtype = matmul_dtype or head_matmul_dtype()
     if matmul_dtype is not None and matmul_dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported matmul_dtype {matmul_dtype}")
+    if chunk_size is None:
+        narrow = (matmul_dtype or hidden_ND.dtype) in (torch.bfloat16, torch.float16)
+        chunk_size = DEFAULT_NARROW_CHUNK_SIZE if narrow and logit_softcap is None else DEFAULT_CHUNK_SIZE
+    logit_softcap = check_projection_args(hidden_ND, weight_VD, labels_N, vocab_size, chunk_size, logit_softcap,
+                                          "labels")
+    grad_on = torch.is_grad_enabled()
     return _ChunkedCrossEntropy.apply(
         hidden_ND, weight_VD, labels_N, vocab_size, chunk_size,
         grad_on and hidden_ND.requires_grad, grad_on and weight_VD.requires_grad, logit_softcap, matmul_dtype,
@@ -330,7 +346,7 @@ def router_aux_loss_coef(model: torch.nn.Module) -> float:
 
 
 def causal_lm_loss_terms(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size: int = DEFAULT_CHUNK_SIZE
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size: int | None = None
 ) -> CausalLMLossTerms:
     """`causal_lm_loss` with its parts kept apart (e.g. to log the router aux loss)."""
     coef = router_aux_loss_coef(model)
@@ -352,7 +368,7 @@ def causal_lm_loss_terms(
 
 
 def causal_lm_loss(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size: int = DEFAULT_CHUNK_SIZE
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_size: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy of a packed batch: `(loss_sum, num_loss_tokens)`.
 

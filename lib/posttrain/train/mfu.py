@@ -249,16 +249,26 @@ def batch_step_flops(config, batch: dict[str, torch.Tensor], lora: LoraSpec | No
 
 
 def executed_step_flops(config, batch: dict[str, torch.Tensor], lora: LoraSpec | None = None,
-                        num_loss_tokens: int | None = None, output_size: int | None = None) -> StepFlops:
+                        num_loss_tokens: int | None = None, output_size: int | None = None,
+                        attention: str = "sdpa") -> StepFlops:
     """The FLOPs the CPU kernels really execute for a batch, beside the useful ones MFU counts
     (`batch_step_flops`): every slot of the `[B, T]` batch goes through the linear layers,
-    padding included, and our dense masked SDPA computes each row's full `T x T` score block
-    whatever the documents and windows (the mask only zeroes entries). The output projection
-    is the same (our loss projects the loss tokens only). Hardware FLOPs utilisation (HFU) is
-    these over the peak; HFU >= MFU, and the gap is what packing-aware kernels could save."""
+    padding included. Attention as `attention` (the backend of `posttrain.ops.attention`)
+    computes it: "sdpa", the dense masked call, computes each row's full `T x T` score block
+    whatever the documents and windows (the mask only zeroes entries); "documents" computes
+    each run of the row (a document, or the padding) on its own, `L x L` (counted as MFU
+    counts a document: the causal half is not subtracted). The output projection is the same
+    (our loss projects the loss tokens only). Hardware FLOPs utilisation (HFU) is these over
+    the peak; HFU >= MFU, and the gap is what packing-aware kernels could save."""
     B, T = batch["doc_ids"].shape
     num_loss = int((batch["labels"] != -100).sum()) if num_loss_tokens is None else int(num_loss_tokens)
-    return step_flops(config, [[T]] * B, num_loss, lora, output_size=output_size)
+    if attention == "documents":
+        lengths = doc_lengths_from_doc_ids(batch["doc_ids"], include_padding=True)
+    elif attention == "sdpa":
+        lengths = [[T]] * B
+    else:
+        raise ValueError(f"attention must be 'sdpa' or 'documents', got {attention!r}")
+    return step_flops(config, lengths, num_loss, lora, output_size=output_size)
 
 
 def peak_flops(device: str | float | int, table: dict[str, float] | None = None) -> float:

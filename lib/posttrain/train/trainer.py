@@ -67,6 +67,7 @@ from torch.distributed.tensor import DTensor
 from posttrain.config.schema import TrainConfig
 from posttrain.models.blocks import decoder_blocks
 from posttrain.models.lora import lora_spec, merge_lora_weights
+from posttrain.ops.attention import document_runs, select_backend
 from posttrain.ops.losses import causal_lm_loss
 from posttrain.ops.precision import head_precision, matmul_dtype_for, resolve_head_precision
 from posttrain.parallel.grad_norm import clip_grads_with_norm_, total_grad_norm
@@ -211,9 +212,20 @@ class Trainer:
         useful = sum(batch_step_flops(self.model.config, b, lora=lora, num_loss_tokens=n, output_size=width).total
                      for b, n in zip(micro_batches, projected))
         executed = sum(executed_step_flops(self.model.config, b, lora=lora, num_loss_tokens=n,
-                                           output_size=width).total
+                                           output_size=width, attention=self._attention_backend(b)).total
                        for b, n in zip(micro_batches, projected))
         return useful, executed
+
+    def _attention_backend(self, batch: dict) -> str:
+        """The attention backend a training forward of `batch` runs (for `executed_step_flops`):
+        per-document where `posttrain.ops.attention` chooses it, i.e. plain document masks on
+        CPU; models with sliding windows, tree documents and models that are not our decoder
+        (the transformers backend) are counted as dense rows."""
+        windows = getattr(self.model, "layer_windows", None)
+        if windows is None or set(windows) != {None} or batch.get("branch_ids") is not None:
+            return "sdpa"
+        per_document = select_backend(model_device(self.model)) == "documents" and document_runs(batch["doc_ids"])
+        return "documents" if per_document else "sdpa"
 
     def _autocast(self, device: torch.device):
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.cfg.mixed_precision == "bf16")
