@@ -190,17 +190,14 @@ def _per_document_attention(q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: 
     groups = q_BHTE.shape[1] // k_BKTE.shape[1]
     if groups > 1:
         k_BKTE, v_BKTE = k_BKTE.repeat_interleave(groups, dim=1), v_BKTE.repeat_interleave(groups, dim=1)
+    # split, not slice: a slice's backward zero-fills a gradient of the whole input per document
     rows = []
-    for b, lengths in enumerate(doc_runs):
-        parts, start = [], 0
-        for n in lengths:
-            end = start + n
-            parts.append(F.scaled_dot_product_attention(
-                q_BHTE[b : b + 1, :, start:end], k_BKTE[b : b + 1, :, start:end], v_BKTE[b : b + 1, :, start:end],
-                is_causal=True, scale=scale))
-            start = end
+    for lengths, q_1HTE, k_1HTE, v_1HTE in zip(doc_runs, q_BHTE.split(1), k_BKTE.split(1), v_BKTE.split(1)):
+        parts = [F.scaled_dot_product_attention(q_1HLE, k_1HLE, v_1HLE, is_causal=True, scale=scale)
+                 for q_1HLE, k_1HLE, v_1HLE in zip(q_1HTE.split(lengths, dim=2), k_1HTE.split(lengths, dim=2),
+                                                   v_1HTE.split(lengths, dim=2))]
         rows.append(torch.cat(parts, dim=2) if len(parts) != 1 else parts[0])
-    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+    return torch.cat(rows, dim=0) if len(rows) != 1 else rows[0]
 
 
 def _matmul_attention(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor,
