@@ -15,7 +15,8 @@ Backends (chosen once per forward by `select_backend`, then shared by every laye
   the dense form for consumers that need it (sink attention, tests). Chosen when the rows'
   documents are contiguous runs (padding included) and there is no window or tree; the sums
   run in another order than the masked call's (float32 outputs agree to ~3e-7, not bitwise).
-  Where the model block is compiled, the per-document loop runs outside the graph.
+  Where the trainer compiles model blocks, the per-document loop runs outside the graphs
+  (`keep_per_document_loop_out_of_compiled_graphs`).
 - "sdpa": `F.scaled_dot_product_attention` with a dense boolean `[B, 1, T, T]` mask. Works
   everywhere, including backward on CPU; memory is O(B*T^2) booleans.
 - "decode": a KV cache's single-query steps (`build_cached_attention_mask` with one new token
@@ -166,7 +167,7 @@ def document_attention(
     if H % K != 0:
         raise ValueError(f"query heads {H} not a multiple of key/value heads {K}")
     if mask.backend == "documents":
-        return _per_document_attention(q_BHTE, k_BKTE, v_BKTE, mask.doc_runs, scale)
+        return _run_per_document(q_BHTE, k_BKTE, v_BKTE, mask.doc_runs, scale)
     if mask.backend == "sdpa":
         return F.scaled_dot_product_attention(
             q_BHTE, k_BKTE, v_BKTE, attn_mask=mask.dense_B1TT, scale=scale, enable_gqa=H != K
@@ -176,7 +177,6 @@ def document_attention(
     raise ValueError(f"unknown attention backend {mask.backend!r}; available: {BACKENDS}")
 
 
-@torch.compiler.disable  # a loop over data-dependent lengths: compiled blocks call it eagerly
 def _per_document_attention(q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor,
                             doc_runs: list[list[int]], scale: float | None) -> torch.Tensor:
     """Causal attention within each run of `doc_runs` (row by row, the runs tile the row): one
@@ -198,6 +198,18 @@ def _per_document_attention(q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: 
                                                    v_1HTE.split(lengths, dim=2))]
         rows.append(torch.cat(parts, dim=2) if len(parts) != 1 else parts[0])
     return torch.cat(rows, dim=0) if len(rows) != 1 else rows[0]
+
+
+_run_per_document = _per_document_attention
+
+
+def keep_per_document_loop_out_of_compiled_graphs() -> None:
+    """Compiled model blocks then call the per-document loop eagerly (a graph break) instead of
+    tracing it: its lengths change with every batch, and a traced loop would recompile for each.
+    The trainer calls this before compiling; not done at import, since `torch.compiler.disable`
+    imports torch._dynamo (1.5 s in every process that imports the models)."""
+    global _run_per_document
+    _run_per_document = torch.compiler.disable(_per_document_attention)
 
 
 def _matmul_attention(q_BHTE: torch.Tensor, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor,

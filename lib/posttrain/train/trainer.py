@@ -67,7 +67,7 @@ from torch.distributed.tensor import DTensor
 from posttrain.config.schema import TrainConfig
 from posttrain.models.blocks import decoder_blocks
 from posttrain.models.lora import lora_spec, merge_lora_weights
-from posttrain.ops.attention import document_runs, select_backend
+from posttrain.ops.attention import document_runs, keep_per_document_loop_out_of_compiled_graphs, select_backend
 from posttrain.ops.losses import causal_lm_loss
 from posttrain.ops.precision import head_precision, matmul_dtype_for, resolve_head_precision
 from posttrain.parallel.grad_norm import clip_grads_with_norm_, total_grad_norm
@@ -104,7 +104,9 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
 
 
 def apply_compile(model: torch.nn.Module) -> None:
-    """`torch.compile` each decoder block in place (`nn.Module.compile`; names unchanged)."""
+    """`torch.compile` each decoder block in place (`nn.Module.compile`; names unchanged); CPU
+    per-document attention stays out of the graphs."""
+    keep_per_document_loop_out_of_compiled_graphs()
     for block in decoder_blocks(model):
         block.compile()
 
