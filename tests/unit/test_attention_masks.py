@@ -17,7 +17,8 @@ from posttrain.data.prefetch import PackedBatchPrefetcher
 from posttrain.rl.engine import SamplingConfig
 from posttrain.rl.native import PAD_ID, NativeEngine, left_pad
 from posttrain.models.registry import build_model, tiny_config
-from posttrain.ops.attention import build_attention_mask, document_attention, document_causal_mask, document_runs
+from posttrain.ops.attention import (build_attention_mask, document_attention, document_causal_mask, document_runs,
+                                    per_document_pays)
 
 ATOL = 1e-6  # other documents must be unaffected; allow only float reassociation noise
 
@@ -213,16 +214,25 @@ def test_document_runs_tile_rows_and_refuse_split_documents():
     assert document_runs(torch.zeros((1, 0), dtype=torch.long)) is None
 
 
-def test_cpu_masks_take_the_per_document_backend_unless_windowed_treed_or_split():
+def test_cpu_masks_take_the_per_document_backend_where_it_pays_and_is_exact():
+    long_rows = torch.tensor([[d for d in range(4) for _ in range(256)]] * 2)  # 2 rows of 4 x 256
+    mask = build_attention_mask(long_rows)
+    assert mask.backend == "documents" and mask.doc_runs == [[256] * 4] * 2
+    assert per_document_pays([[256] * 4] * 2, 1024)
+    # short rows of short documents: the calls cost more than the pairs they skip
+    short_rows = torch.tensor([[d for d in range(8) for _ in range(16)]] * 8)
+    assert not per_document_pays(document_runs(short_rows), 128)
+    assert build_attention_mask(short_rows).backend == "sdpa"
     doc_ids = torch.tensor([[0, 0, 1, 1, 1, -1]])
-    mask = build_attention_mask(doc_ids)
+    mask = build_attention_mask(doc_ids, backend="documents")  # explicit: wherever exact
     assert mask.backend == "documents" and mask.doc_runs == [[2, 3, 1]]
     assert mask.dense_B1TT.equal(document_causal_mask(doc_ids))  # still there for sink attention
     assert build_attention_mask(doc_ids, backend="sdpa").backend == "sdpa"
-    assert build_attention_mask(doc_ids, window=2).backend == "sdpa"
+    assert build_attention_mask(long_rows, window=2).backend == "sdpa"
+    assert build_attention_mask(doc_ids, backend="documents", window=2).backend == "sdpa"
     branches = torch.tensor([[0, 0, 0, 1, 2, 0]])
-    assert build_attention_mask(doc_ids, branch_ids_BT=branches).backend == "sdpa"
-    assert build_attention_mask(torch.tensor([[0, 1, 0]])).backend == "sdpa"
+    assert build_attention_mask(doc_ids, backend="documents", branch_ids_BT=branches).backend == "sdpa"
+    assert build_attention_mask(torch.tensor([[0, 1, 0]]), backend="documents").backend == "sdpa"
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
@@ -254,7 +264,7 @@ def test_per_document_attention_gradients_do_not_depend_on_the_thread_count():
     doc_ids = torch.tensor([[0] * 89 + [1] * 38 + [2] * 31 + [3] * 2] * 4)
     q, k, v = (torch.randn(4, n, 160, 16, generator=gen) for n in (2, 1, 1))
     grad_out = torch.randn(4, 2, 160, 16, generator=gen)
-    mask = build_attention_mask(doc_ids)
+    mask = build_attention_mask(doc_ids, backend="documents")
     assert mask.backend == "documents"
     threads = torch.get_num_threads()
     results = []

@@ -8,8 +8,9 @@ trunk (a preference pair's prompt) and branches (its two responses) that each se
 and themselves, not each other.
 
 Backends (chosen once per forward by `select_backend`, then shared by every layer):
-- "documents" (CPU, plain document-causal masks): one `F.scaled_dot_product_attention` call
-  per document with `is_causal=True`, over that document's queries and keys only. The masked
+- "documents" (CPU, plain document-causal masks, where it pays: `per_document_pays`): one
+  `F.scaled_dot_product_attention` call per document with `is_causal=True`, over that
+  document's queries and keys only. The masked
   call below computes every row's full `T x T` block (its CPU kernel skips no masked block);
   this computes each document's causal half, `sum(L_i^2) / 2` pairs. The mask still carries
   the dense form for consumers that need it (sink attention, tests). Chosen when the rows'
@@ -79,6 +80,37 @@ def select_backend(device: torch.device | str) -> str:
     return "documents" if torch.device(device).type == "cpu" else "sdpa"
 
 
+# What one more SDPA call (forward + backward) costs on CPU, in (query, key) pairs of a masked
+# call: ~60 us against ~5 ns a pair and head, i.e. ~30,000 pair-heads, ~8,000 pairs at 4 heads
+# (measured on the AMD EPYC Zen 5 of docs/benchmarks.md, 2 threads, head dims 16-32). Below
+# it the loop's calls cost more than the pairs they skip: rows of 128 tokens with documents of
+# 20 ran 1.8x slower per document, rows of 1,024 with any documents 2.7-4x faster.
+PER_DOCUMENT_CALL_PAIRS = 8_000
+
+
+def per_document_pays(doc_runs: list[list[int]], T: int) -> bool:
+    """Whether the per-document backend should beat one masked call over rows of `T`: the
+    pairs it skips (`B * T^2` against each document's causal half) outweigh the fixed cost of
+    its calls (`PER_DOCUMENT_CALL_PAIRS` each)."""
+    calls = sum(len(lengths) for lengths in doc_runs)
+    kept = sum(n * (n + 1) // 2 for lengths in doc_runs for n in lengths)
+    return len(doc_runs) * T * T - kept > calls * PER_DOCUMENT_CALL_PAIRS
+
+
+def choose_backend(doc_ids_BT: torch.Tensor, window: int | None = None,
+                   branch_ids_BT: torch.Tensor | None = None) -> tuple[str, list[list[int]] | None]:
+    """`(backend, document runs or None)` for a training forward of `doc_ids_BT`: "documents"
+    on CPU for plain document masks where `per_document_pays`, else "sdpa". What
+    `build_attention_mask` does without an explicit backend, and what the trainer's FLOP
+    accounting asks."""
+    if select_backend(doc_ids_BT.device) != "documents" or window is not None or branch_ids_BT is not None:
+        return "sdpa", None
+    runs = document_runs(doc_ids_BT)
+    if runs is None or not per_document_pays(runs, doc_ids_BT.shape[1]):
+        return "sdpa", None
+    return "documents", runs
+
+
 def document_runs(doc_ids_BT: torch.Tensor) -> list[list[int]] | None:
     """The lengths of each row's documents, in order, when every document of a row (and its
     padding, `-1`) is one contiguous run; None when some id occurs in two runs of a row (the
@@ -114,14 +146,19 @@ def build_attention_mask(doc_ids_BT: torch.Tensor, backend: str | None = None,
                          position_ids_BT: torch.Tensor | None = None) -> AttentionMask:
     """Prepare the mask for `doc_ids_BT` (`[B, T]` long, `-1` for padding); `window`,
     `branch_ids_BT` (tree documents) and `position_ids_BT` as in `document_causal_mask`. Models
-    with mixed layer types build one mask per type. `backend` "documents" (the CPU default)
-    falls back to "sdpa" for windows, trees and documents split into several runs; every mask
-    carries `dense_B1TT`."""
-    backend = backend or select_backend(doc_ids_BT.device)
-    if backend not in ("documents", "sdpa"):
+    with mixed layer types build one mask per type. Without `backend`, `choose_backend` picks
+    ("documents" on CPU where it pays); an explicit "documents" is used wherever it is exact,
+    and falls back to "sdpa" for windows, trees and documents split into several runs. Every
+    mask carries `dense_B1TT`."""
+    if backend is None:
+        backend, runs = choose_backend(doc_ids_BT, window, branch_ids_BT)
+    elif backend == "documents":
+        runs = document_runs(doc_ids_BT) if window is None and branch_ids_BT is None else None
+    elif backend == "sdpa":
+        runs = None
+    else:
         raise ValueError(f"unknown attention backend {backend!r}; available: {BACKENDS}")
     dense_B1TT = document_causal_mask(doc_ids_BT, window, branch_ids_BT, position_ids_BT)
-    runs = document_runs(doc_ids_BT) if backend == "documents" and window is None and branch_ids_BT is None else None
     if runs is not None:
         return AttentionMask("documents", dense_B1TT=dense_B1TT, doc_runs=runs)
     return AttentionMask("sdpa", dense_B1TT=dense_B1TT, window=window)

@@ -67,7 +67,7 @@ from torch.distributed.tensor import DTensor
 from posttrain.config.schema import TrainConfig
 from posttrain.models.blocks import decoder_blocks
 from posttrain.models.lora import lora_spec, merge_lora_weights
-from posttrain.ops.attention import document_runs, keep_per_document_loop_out_of_compiled_graphs, select_backend
+from posttrain.ops.attention import choose_backend, keep_per_document_loop_out_of_compiled_graphs
 from posttrain.ops.losses import causal_lm_loss
 from posttrain.ops.precision import head_precision, matmul_dtype_for, resolve_head_precision
 from posttrain.parallel.grad_norm import clip_grads_with_norm_, total_grad_norm
@@ -224,10 +224,9 @@ class Trainer:
         CPU; models with sliding windows, tree documents and models that are not our decoder
         (the transformers backend) are counted as dense rows."""
         windows = getattr(self.model, "layer_windows", None)
-        if windows is None or set(windows) != {None} or batch.get("branch_ids") is not None:
+        if windows is None or set(windows) != {None}:
             return "sdpa"
-        per_document = select_backend(model_device(self.model)) == "documents" and document_runs(batch["doc_ids"])
-        return "documents" if per_document else "sdpa"
+        return choose_backend(batch["doc_ids"].to(model_device(self.model)), None, batch.get("branch_ids"))[0]
 
     def _autocast(self, device: torch.device):
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.cfg.mixed_precision == "bf16")
