@@ -111,21 +111,33 @@ def choose_backend(doc_ids_BT: torch.Tensor, window: int | None = None,
     return "documents", runs
 
 
+def row_runs(doc_ids_BT: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Each row's maximal runs of equal document ids, in order, as `(doc_id, length)` (padding
+    is id `-1`)."""
+    runs = []
+    for row_T in doc_ids_BT.tolist():
+        row: list[tuple[int, int]] = []
+        for doc in row_T:
+            if row and row[-1][0] == doc:
+                row[-1] = (doc, row[-1][1] + 1)
+            else:
+                row.append((doc, 1))
+        runs.append(row)
+    return runs
+
+
 def document_runs(doc_ids_BT: torch.Tensor) -> list[list[int]] | None:
     """The lengths of each row's documents, in order, when every document of a row (and its
     padding, `-1`) is one contiguous run; None when some id occurs in two runs of a row (the
     dense mask lets those runs see each other; per-document attention would not)."""
     if doc_ids_BT.shape[1] == 0:
         return None
-    starts_BT = torch.ones_like(doc_ids_BT, dtype=torch.bool)
-    starts_BT[:, 1:] = doc_ids_BT[:, 1:] != doc_ids_BT[:, :-1]
-    runs = []
-    for row_T, starts_T in zip(doc_ids_BT.tolist(), starts_BT.tolist()):
-        first = [t for t, is_start in enumerate(starts_T) if is_start]
-        if len({row_T[t] for t in first}) != len(first):
+    lengths = []
+    for row in row_runs(doc_ids_BT):
+        if len({doc for doc, _ in row}) != len(row):
             return None
-        runs.append([b - a for a, b in zip(first, first[1:] + [len(row_T)])])
-    return runs
+        lengths.append([n for _, n in row])
+    return lengths
 
 
 @dataclass

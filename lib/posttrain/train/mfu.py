@@ -56,6 +56,7 @@ import torch
 from posttrain.catalog import PEAK_FLOPS  # noqa: F401  (the known devices; re-exported)
 # the architectures' FLOP descriptions (re-exported: callers import them from here too)
 from posttrain.models.flops import LORA_TARGETS, LayerFlopSpec, LoraSpec, Matmul, dense_layer_spec  # noqa: F401
+from posttrain.ops.attention import row_runs
 
 @dataclass
 class StepFlops:
@@ -224,17 +225,7 @@ def flops_per_token(
 def doc_lengths_from_doc_ids(doc_ids_BT: torch.Tensor, include_padding: bool = False) -> list[list[int]]:
     """Lengths of the runs of equal document ids in each row (`-1` = padding, left out
     unless `include_padding`). Documents of a packed row are contiguous runs."""
-    rows = []
-    for row in doc_ids_BT.tolist():
-        lengths: list[int] = []
-        prev = None
-        for doc in row:
-            if doc != prev:
-                lengths.append(0)
-                prev = doc
-            lengths[-1] += 1 if (include_padding or doc != -1) else 0
-        rows.append([n for n in lengths if n])
-    return rows
+    return [[n for doc, n in row if include_padding or doc != -1] for row in row_runs(doc_ids_BT)]
 
 
 def batch_step_flops(config, batch: dict[str, torch.Tensor], lora: LoraSpec | None = None,
