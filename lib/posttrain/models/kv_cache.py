@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from posttrain.ops.attention import AttentionMask, document_attention, shared_prefix_attention
+from posttrain.ops.decode_kernel import decode_attention
 from posttrain.ops.sink_attention import sink_attention
 
 
@@ -64,8 +65,15 @@ class LayerKV:
     def attend(self, q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, mask: AttentionMask,
                scale: float | None, sinks_H: torch.Tensor | None = None) -> torch.Tensor:
         """Append this forward's keys and values, then attend the queries over every slot
-        (document attention, or GPT-OSS sink attention with `sinks_H`); returns `o_BHTE`."""
+        (document attention, or GPT-OSS sink attention with `sinks_H`); returns `o_BHTE`.
+        Single-query steps in float32 on the CPU take the fused kernel
+        (`posttrain.ops.decode_kernel`), everything else the torch ops."""
         k_BKUE, v_BKUE = self.append(k_BKTE, v_BKTE)
+        if q_BHTE.shape[2] == 1 and mask.dense_B1TT is not None:  # a decode step: the fused kernel
+            prefix = None if self.prefix_k_PKSE is None else (self.prefix_k_PKSE, self.prefix_v_PKSE)
+            o_BHTE = decode_attention(q_BHTE, k_BKUE, v_BKUE, mask.dense_B1TT, scale, sinks_H, prefix)
+            if o_BHTE is not None:
+                return o_BHTE
         if self.prefix_k_PKSE is not None:
             return shared_prefix_attention(q_BHTE, self.prefix_k_PKSE, self.prefix_v_PKSE, k_BKUE, v_BKUE,
                                            mask.dense_B1TT, scale, sinks_H)

@@ -1,0 +1,128 @@
+"""The fused decode-attention kernel (`posttrain.ops.decode_kernel`) against the torch paths it
+replaces: shared-prefix attention, plain cached attention, sink attention; masks, head sizes
+with and without a vector-length loop, strided cache views; thread-count independence; the
+fallbacks (turned off, a dtype it does not take, a compiler that fails)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttrain.ops import decode_kernel
+from posttrain.ops.attention import AttentionMask, _matmul_attention, shared_prefix_attention
+from posttrain.ops.sink_attention import sink_attention
+
+pytestmark = pytest.mark.skipif(decode_kernel.load() is None, reason="no C compiler for the decode kernel")
+
+
+def _cache_views(B, K, U, E, capacity, gen):
+    """Keys and values as a KV cache holds them: the first `U` slots of a larger buffer."""
+    k_full = torch.randn(B, K, capacity, E, generator=gen)
+    v_full = torch.randn(B, K, capacity, E, generator=gen)
+    return k_full[:, :, :U], v_full[:, :, :U]
+
+
+def _inputs(B=12, H=4, K=2, E=32, P=3, Sp=7, U=9, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q_BHTE = torch.randn(B, 1, H, E, generator=gen).transpose(1, 2)  # as the attention module makes it
+    prefix_k, prefix_v = _cache_views(P, K, Sp, E, Sp + 5, gen)
+    k_BKUE, v_BKUE = _cache_views(B, K, U, E, U + 6, gen)
+    allowed_B1TS = torch.rand(B, 1, 1, Sp + U, generator=gen) > 0.3
+    allowed_B1TS[..., -1] = True  # a row's own newest slot, as in a decode step
+    return q_BHTE, prefix_k, prefix_v, k_BKUE, v_BKUE, allowed_B1TS
+
+
+@pytest.mark.parametrize("H,K,E", [(4, 2, 32), (8, 2, 64), (2, 2, 16), (6, 3, 24), (4, 1, 128)])
+def test_shared_prefix_matches_the_torch_path(H, K, E):
+    q, pk, pv, k, v, allowed = _inputs(H=H, K=K, E=E)
+    with torch.no_grad():
+        expected = shared_prefix_attention(q, pk, pv, k, v, allowed, scale=0.3)
+        got = decode_kernel.decode_attention(q, k, v, allowed, 0.3, prefix=(pk, pv))
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
+
+
+def test_without_prefix_matches_matmul_attention():
+    q, _, _, k, v, allowed = _inputs(Sp=0, U=20)
+    with torch.no_grad():
+        expected = _matmul_attention(q, k, v, allowed, None)
+        got = decode_kernel.decode_attention(q, k, v, allowed)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
+
+
+def test_sinks_match_sink_attention_and_shared_prefix():
+    q, pk, pv, k, v, allowed = _inputs()
+    sinks_H = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = shared_prefix_attention(q, pk, pv, k, v, allowed, None, sinks_H)
+        got = decode_kernel.decode_attention(q, k, v, allowed, None, sinks_H, prefix=(pk, pv))
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
+        own = allowed[..., pk.shape[2]:].clone()
+        expected = sink_attention(q, k, v, sinks_H, AttentionMask("decode", dense_B1TT=own))
+        got = decode_kernel.decode_attention(q, k, v, own, None, sinks_H)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
+
+
+def test_a_row_with_nothing_to_attend_to_gives_zeros():
+    q, _, _, k, v, allowed = _inputs(Sp=0)
+    allowed[2] = False
+    with torch.no_grad():
+        got = decode_kernel.decode_attention(q, k, v, allowed)
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+    assert torch.isfinite(got).all()
+
+
+def test_large_scores_do_not_overflow():
+    q, pk, pv, k, v, allowed = _inputs()
+    with torch.no_grad():
+        expected = shared_prefix_attention(q * 40, pk, pv, k, v, allowed)
+        got = decode_kernel.decode_attention(q * 40, k, v, allowed, prefix=(pk, pv))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_result_does_not_depend_on_the_thread_count():
+    q, pk, pv, k, v, allowed = _inputs(B=64, P=8)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            with torch.no_grad():
+                outs.append(decode_kernel.decode_attention(q, k, v, allowed, prefix=(pk, pv)))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_other_dtypes_gradients_and_queries_fall_back():
+    q, pk, pv, k, v, allowed = _inputs()
+    with torch.no_grad():
+        assert decode_kernel.decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), allowed) is None
+        two_queries = torch.cat([q, q], dim=2)
+        assert decode_kernel.decode_attention(two_queries, k, v, allowed) is None
+    assert decode_kernel.decode_attention(q.requires_grad_(), k, v, allowed[..., pk.shape[2]:]) is None
+
+
+def test_mismatched_mask_is_an_error():
+    q, pk, pv, k, v, allowed = _inputs()
+    with torch.no_grad(), pytest.raises(ValueError, match="mask over"):
+        decode_kernel.decode_attention(q, k, v, allowed[..., 1:], prefix=(pk, pv))
+
+
+def test_turned_off_by_environment(monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_DECODE_KERNEL", "0")
+    monkeypatch.setattr(decode_kernel, "_library", None)
+    q, _, _, k, v, allowed = _inputs(Sp=0)
+    with torch.no_grad():
+        assert decode_kernel.decode_attention(q, k, v, allowed) is None
+
+
+def test_a_failing_compiler_warns_once_and_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+    monkeypatch.setenv("POSTTRAIN_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(decode_kernel, "_library", None)
+    monkeypatch.setattr(decode_kernel, "_failed", False)
+    with pytest.warns(RuntimeWarning, match="decode-attention kernel is unavailable"):
+        assert decode_kernel.load() is None
+    assert decode_kernel.load() is None  # no second build attempt, no second warning
+    assert list(tmp_path.glob("*.so")) == []
