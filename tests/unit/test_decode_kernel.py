@@ -16,8 +16,10 @@ pytestmark = pytest.mark.skipif(decode_kernel.load() is None, reason="no C compi
 
 
 def _cache_views(B, K, U, E, capacity, gen):
-    """Keys and values as a KV cache holds them: the first `U` slots of a larger buffer."""
-    k_full = torch.randn(B, K, capacity, E, generator=gen)
+    """Keys and values as a KV cache holds them: the first `U` slots of larger buffers, keys
+    stored slot-minor (`decode_kernel.key_buffer`)."""
+    k_full = decode_kernel.key_buffer(B, K, capacity, E, torch.empty(0))
+    k_full.copy_(torch.randn(B, K, capacity, E, generator=gen))
     v_full = torch.randn(B, K, capacity, E, generator=gen)
     return k_full[:, :, :U], v_full[:, :, :U]
 
@@ -32,7 +34,7 @@ def _inputs(B=12, H=4, K=2, E=32, P=3, Sp=7, U=9, seed=0):
     return q_BHTE, prefix_k, prefix_v, k_BKUE, v_BKUE, allowed_B1TS
 
 
-@pytest.mark.parametrize("H,K,E", [(4, 2, 32), (8, 2, 64), (2, 2, 16), (6, 3, 24), (4, 1, 128)])
+@pytest.mark.parametrize("H,K,E", [(4, 2, 32), (8, 2, 64), (2, 2, 16), (6, 3, 24), (4, 1, 128), (16, 1, 32)])
 def test_shared_prefix_matches_the_torch_path(H, K, E):
     q, pk, pv, k, v, allowed = _inputs(H=H, K=K, E=E)
     with torch.no_grad():
@@ -42,8 +44,14 @@ def test_shared_prefix_matches_the_torch_path(H, K, E):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
 
 
-def test_without_prefix_matches_matmul_attention():
-    q, _, _, k, v, allowed = _inputs(Sp=0, U=20)
+@pytest.mark.parametrize("U,capacity", [(20, 26), (16, 16), (37, 37), (3, 40)])
+def test_without_prefix_matches_matmul_attention(U, capacity):
+    """Slot counts around the 16-slot vectors, with and without room past the last slot."""
+    gen = torch.Generator().manual_seed(U)
+    q = torch.randn(12, 1, 4, 32, generator=gen).transpose(1, 2)
+    k, v = _cache_views(12, 2, U, 32, capacity, gen)
+    allowed = torch.rand(12, 1, 1, U, generator=gen) > 0.3
+    allowed[..., -1] = True
     with torch.no_grad():
         expected = _matmul_attention(q, k, v, allowed, None)
         got = decode_kernel.decode_attention(q, k, v, allowed)
@@ -94,13 +102,20 @@ def test_result_does_not_depend_on_the_thread_count():
     assert torch.equal(outs[0], outs[1])
 
 
-def test_other_dtypes_gradients_and_queries_fall_back():
-    q, pk, pv, k, v, allowed = _inputs()
+def test_other_dtypes_layouts_gradients_and_queries_fall_back():
+    q, pk, pv, k, v, allowed = _inputs(Sp=0)
     with torch.no_grad():
         assert decode_kernel.decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), allowed) is None
         two_queries = torch.cat([q, q], dim=2)
         assert decode_kernel.decode_attention(two_queries, k, v, allowed) is None
-    assert decode_kernel.decode_attention(q.requires_grad_(), k, v, allowed[..., pk.shape[2]:]) is None
+        assert decode_kernel.decode_attention(q, k.contiguous(), v, allowed) is None  # keys slot-major
+    assert decode_kernel.decode_attention(q.requires_grad_(), k, v, allowed) is None
+
+
+def test_key_buffers_are_slot_minor_only_where_the_kernel_runs():
+    like = torch.empty(0)
+    assert decode_kernel.key_buffer(2, 3, 5, 4, like).stride() == (60, 20, 1, 5)
+    assert decode_kernel.key_buffer(2, 3, 5, 4, like.bfloat16()).is_contiguous()
 
 
 def test_mismatched_mask_is_an_error():

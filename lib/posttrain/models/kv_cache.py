@@ -2,8 +2,9 @@
 
 `KVCache(batch, capacity)` holds, for `batch` rows and up to `capacity` slots per row, every
 layer's rotated keys and values (`[B, K, S, E]` each, allocated by the first write in that
-layer's dtype) and each slot's document id and position (`[B, S]`; `-1` marks a slot that
-holds padding). A forward with `cache=` (`posttrain.models.decoder.DecoderLM.forward`)
+layer's dtype; keys stored slot-minor where the fused decode kernel reads them:
+`posttrain.ops.decode_kernel.key_buffer`) and each slot's document id and position
+(`[B, S]`; `-1` marks a slot that holds padding). A forward with `cache=` (`posttrain.models.decoder.DecoderLM.forward`)
 writes its tokens into the next slots of every row and attends over all slots written so
 far: a prompt's prefill fills slots `0..T-1`, each decode step one more slot.
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from posttrain.ops.attention import AttentionMask, document_attention, shared_prefix_attention
-from posttrain.ops.decode_kernel import decode_attention
+from posttrain.ops.decode_kernel import decode_attention, key_buffer
 from posttrain.ops.sink_attention import sink_attention
 
 
@@ -55,9 +56,8 @@ class LayerKV:
             raise ValueError(f"layer cache got {k_BKTE.shape[2]} keys for {end - start} new slots")
         if self.k_BKSE is None:
             B, K, _, E = k_BKTE.shape
-            shape = (B, K, cache.capacity - offset, E)
-            self.k_BKSE = k_BKTE.new_empty(shape)
-            self.v_BKSE = v_BKTE.new_empty(shape)
+            self.k_BKSE = key_buffer(B, K, cache.capacity - offset, E, k_BKTE)
+            self.v_BKSE = v_BKTE.new_empty((B, K, cache.capacity - offset, E))
         self.k_BKSE[:, :, start:end] = k_BKTE
         self.v_BKSE[:, :, start:end] = v_BKTE
         return self.k_BKSE[:, :, :end], self.v_BKSE[:, :, :end]
@@ -87,7 +87,8 @@ class LayerKV:
             return
         cache, end = self.cache, self.cache.length
         offset = cache.offset
-        into.k_BKSE = self.k_BKSE.new_empty((len(index_R), self.k_BKSE.shape[1], cache.capacity, self.k_BKSE.shape[3]))
+        K, E = self.k_BKSE.shape[1], self.k_BKSE.shape[3]
+        into.k_BKSE = key_buffer(len(index_R), K, cache.capacity, E, self.k_BKSE)
         into.v_BKSE = self.v_BKSE.new_empty(into.k_BKSE.shape)
         if offset:
             into.k_BKSE[:, :, :offset] = self.prefix_k_PKSE[group_R]

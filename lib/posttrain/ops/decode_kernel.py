@@ -5,13 +5,15 @@ returns `o_BHTE` for `T == 1`, float32, or None where the kernel does not apply 
 dtype or device, no C compiler): the caller then runs its torch path. `prefix` is
 `(prefix_k_PKSE, prefix_v_PKSE)`, slots shared by groups of `B // P` consecutive rows
 (`posttrain.models.kv_cache.KVCache.fork`); the mask covers the prefix's slots, then the
-row's own.
+row's own. Keys must be stored slot-minor (`key_buffer`, as the KV cache stores them),
+values and queries head-minor (contiguous in their last dimension).
 
-Why: a decode step's attention is a matrix-vector product per row against its cached keys,
-bound by how fast the cache is read. As torch ops it is two batched matmuls over thousands of
-tiny matrices, a mask fill and a softmax, each a pass over memory; this reads each key and
-value once. It computes the same function in another summation order (float32 results agree
-to ~1e-6 relative), and its result does not depend on the thread count.
+Why: a decode step's attention is a matrix-vector product per row against its cached keys. As
+torch ops it is two batched matmuls over thousands of tiny matrices (a sum across vector
+lanes per key), a mask fill and a softmax, each a pass over memory; this reads each key and
+value once, and with keys stored slot-minor one multiply-add scores 16 slots. It computes
+the same function in another summation order (float32 results agree to ~1e-6 relative), and
+its result does not depend on the thread count.
 
 The C source is compiled at first use with the system compiler (`cc`, or `$CC`) into
 `$POSTTRAIN_KERNEL_DIR` (default `~/.cache/posttrain/kernels`), named by a hash of source and
@@ -78,8 +80,8 @@ def _build() -> ctypes.CDLL:
     library = ctypes.CDLL(str(target))
     fn = getattr(library, _SYMBOL)
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    fn.argtypes = [i64] * 5 + [ptr, i64, i64] + [ptr, i64, i64, i64] + [ptr, i64, i64, i64, i64] \
-        + [ptr, i64, i64, i64] + [ptr, i64, i64, i64, i64] + [ptr, i64] + [ptr, f32, ptr]
+    fn.argtypes = [i64] * 5 + [ptr, i64, i64] + [ptr, i64, i64, i64, i64] + [ptr, i64, i64, i64, i64] \
+        + [ptr, i64, i64, i64, i64] + [ptr, i64, i64, i64, i64] + [ptr, i64] + [ptr, f32, ptr]
     fn.restype = None
     return library
 
@@ -97,12 +99,36 @@ def load() -> ctypes.CDLL | None:
     return _library
 
 
-def applies(q_BHTE: torch.Tensor, *tensors: torch.Tensor) -> bool:
-    """Whether the kernel takes these inputs: one query per row, float32 on the CPU, unit
-    stride in the head dimension, gradients off."""
+def applies(q_BHTE: torch.Tensor, keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...],
+            sinks_H: torch.Tensor | None = None) -> bool:
+    """Whether the kernel takes these inputs: one query per row, float32 on the CPU, gradients
+    off; queries and values with a unit stride in the head dimension, keys in the slot
+    dimension (`key_buffer`)."""
+    tensors = (q_BHTE, *keys, *values) + (() if sinks_H is None else (sinks_H,))
     return (q_BHTE.shape[2] == 1 and not torch.is_grad_enabled()
-            and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1
-                    for t in (q_BHTE, *tensors)))
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            and all(t.stride(-1) == 1 for t in (q_BHTE, *values))
+            and all(k.stride(-2) == 1 or k.shape[-2] <= 1 for k in keys))
+
+
+def key_buffer(B: int, K: int, S: int, E: int, like: torch.Tensor) -> torch.Tensor:
+    """An empty `[B, K, S, E]` key buffer for a KV cache, dtype and device of `like`: stored
+    slot-minor (element `e` of consecutive slots contiguous, the layout the kernel reads 16
+    slots at a time) where the kernel will run (float32 on the CPU, the kernel available),
+    else contiguous. Torch ops take either as an ordinary tensor."""
+    if like.device.type == "cpu" and like.dtype == torch.float32 and load() is not None:
+        return like.new_empty((B, K, E, S)).transpose(-1, -2)
+    return like.new_empty((B, K, S, E))
+
+
+def _readable_slots(keys_BKSE: torch.Tensor) -> int:
+    """How many slots from a row's first may be read in whole vectors without leaving the
+    keys' storage (slots past the view's own are read and ignored)."""
+    B, K, S, E = keys_BKSE.shape
+    last_row = keys_BKSE.storage_offset() + sum((n - 1) * st for n, st in zip((B, K, E), (
+        keys_BKSE.stride(0), keys_BKSE.stride(1), keys_BKSE.stride(3))))
+    in_storage = keys_BKSE.untyped_storage().nbytes() // keys_BKSE.element_size() - last_row
+    return max(S, min(keys_BKSE.stride(3), in_storage)) if E > 0 else S
 
 
 def decode_attention(q_BHTE: torch.Tensor, k_BKUE: torch.Tensor, v_BKUE: torch.Tensor,
@@ -111,8 +137,7 @@ def decode_attention(q_BHTE: torch.Tensor, k_BKUE: torch.Tensor, v_BKUE: torch.T
     """See the module docstring. `allowed_B1TS` (bool) covers the prefix's `S_p` slots, then
     the `U` own slots; `sinks_H` adds one GPT-OSS sink logit per query head to each softmax."""
     prefix_k_PKSE, prefix_v_PKSE = prefix if prefix is not None else (k_BKUE[:1, :, :0], v_BKUE[:1, :, :0])
-    extra = () if sinks_H is None else (sinks_H,)
-    if not applies(q_BHTE, k_BKUE, v_BKUE, prefix_k_PKSE, prefix_v_PKSE, *extra):
+    if not applies(q_BHTE, (k_BKUE, prefix_k_PKSE), (v_BKUE, prefix_v_PKSE), sinks_H):
         return None
     library = load()
     if library is None:
@@ -132,9 +157,10 @@ def decode_attention(q_BHTE: torch.Tensor, k_BKUE: torch.Tensor, v_BKUE: torch.T
     getattr(library, _SYMBOL)(
         B, H, K, E, B // P,
         q_BHTE.data_ptr(), q_BHTE.stride(0), q_BHTE.stride(1),
-        prefix_k_PKSE.data_ptr(), *prefix_k_PKSE.stride()[:3],
+        prefix_k_PKSE.data_ptr(), prefix_k_PKSE.stride(0), prefix_k_PKSE.stride(1), prefix_k_PKSE.stride(3),
+        _readable_slots(prefix_k_PKSE),
         prefix_v_PKSE.data_ptr(), *prefix_v_PKSE.stride()[:3], Sp,
-        k_BKUE.data_ptr(), *k_BKUE.stride()[:3],
+        k_BKUE.data_ptr(), k_BKUE.stride(0), k_BKUE.stride(1), k_BKUE.stride(3), _readable_slots(k_BKUE),
         v_BKUE.data_ptr(), *v_BKUE.stride()[:3], U,
         allowed_BS.data_ptr(), allowed_BS.stride(0),
         None if sinks is None else sinks.data_ptr(), float(scale), out_BHTE.data_ptr())

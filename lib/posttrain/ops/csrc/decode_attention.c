@@ -4,8 +4,9 @@
  *
  * Row b of a decode step attends over Sp slots of a shared prefix (groups of `group`
  * consecutive rows share prefix b / group; Sp may be 0), then U slots of its own. Query head h
- * reads key/value head h / (H / K). Tensors are float32 with a unit stride in the head
- * dimension; other strides are given in elements.
+ * reads key/value head h / (H / K). Tensors are float32; strides are given in elements.
+ * Queries and values have a unit stride in the head dimension, keys in the slot dimension
+ * (the KV cache stores keys slot-minor for this kernel).
  *
  * Work is split over (row, key/value head) pairs with OpenMP, using the runtime torch has
  * loaded (the same libgomp.so.1). Each pair is computed by one thread in a fixed order, so
@@ -17,75 +18,124 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* exp(x) for float32, written so the compiler vectorises it (libm's expf is a scalar call):
- * x = k*ln2 + r with |r| <= ln2/2, e^r by the classic single-precision polynomial
- * r + r^2 * p(r) + 1 (Cephes' expf coefficients), 2^k through the exponent bits. Relative
- * error about 1e-7; x below -87 (including -inf) gives 0. */
-ALWAYS_INLINE float exp_f32(float x) {
-    const float log2e = 1.44269504088896341f;
-    const float ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
-    float xc = x < -87.0f ? -87.0f : x;
-    float kf = floorf(xc * log2e + 0.5f);
-    float r = xc - kf * ln2_hi - kf * ln2_lo;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
+/* 16 floats as one vector (GCC/Clang vector extensions: one zmm register with AVX-512, two
+ * ymm with AVX2), loadable from any float address. */
+typedef float v16f __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t v16i __attribute__((vector_size(64), aligned(4), may_alias));
+
+/* exp(x) of 16 floats: x = k*ln2 + r with |r| <= ln2/2, e^r by the classic single-precision
+ * polynomial r + r^2 * p(r) + 1 (Cephes' expf coefficients), 2^k through the exponent bits.
+ * Relative error about 1e-7; x below -87 (including -inf) gives 0. Written with vector
+ * operations because the compiler leaves a loop over a scalar version unvectorised. */
+static inline v16f exp16(v16f x) {
+    const v16i below = x < -87.0f;  /* lanes that underflow: all bits set */
+    const v16f xc = (v16f)(((v16i)x & ~below) | ((v16i)((v16f){0} - 87.0f) & below));
+    const v16f t = xc * 1.44269504088896341f + 0.5f;
+    v16i k = __builtin_convertvector(t, v16i);          /* truncates toward zero */
+    k += (v16i)(__builtin_convertvector(k, v16f) > t); /* ... so step down where that was up: floor */
+    const v16f kf = __builtin_convertvector(k, v16f);
+    const v16f r = xc - kf * 0.693359375f - kf * -2.12194440e-4f;
+    v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } two_k;
-    two_k.i = ((int32_t)kf + 127) << 23;
-    return x < -87.0f ? 0.0f : p * two_k.f;
+    const v16f two_k = (v16f)((k + 127) << 23);
+    return (v16f)((v16i)(p * two_k) & ~below);
 }
 
-/* 16 floats as one vector (GCC/Clang vector extensions: one zmm register with AVX-512, two
- * ymm with AVX2), loadable from any float address. */
-typedef float v16f __attribute__((vector_size(64), aligned(4), may_alias));
-typedef float v8f __attribute__((vector_size(32), aligned(4), may_alias));
+static inline float exp_one(float x) {
+    return exp16((v16f){0} + x)[0];
+}
 
-/* The sum of a vector's lanes as a tree of halves: a few shuffles, where a lane-by-lane sum
- * (what the compiler makes of a reduction loop without -ffast-math) is a chain of 16 adds. */
+/* The sum of a vector's lanes, as a fixed tree of halves. */
 static inline float sum_lanes(v16f x) {
-    v8f h = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-            __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    float q0 = h[0] + h[4], q1 = h[1] + h[5], q2 = h[2] + h[6], q3 = h[3] + h[7];
-    return (q0 + q2) + (q1 + q3);
+    float total = 0.0f, half[8];
+    for (int i = 0; i < 8; ++i) half[i] = x[i] + x[i + 8];
+    for (int i = 0; i < 4; ++i) half[i] += half[i + 4];
+    total = (half[0] + half[2]) + (half[1] + half[3]);
+    return total;
 }
 
-/* q . key over E floats: by vectors of 16 where E allows, else one float at a time. */
-ALWAYS_INLINE float dot(const float* q, const float* key, const int64_t E) {
-    if (E % 16 == 0) {
-        v16f acc = *(const v16f*)q * *(const v16f*)key;
-        for (int64_t c = 16; c < E; c += 16) acc += *(const v16f*)(q + c) * *(const v16f*)(key + c);
-        return sum_lanes(acc);
+/* Scores of NB blocks of 16 slots from slot s0 (of which `valid` are wanted) for the G query
+ * heads: out[g * S + s] = scale * q_g . key_s. Keys are stored slot-minor (element e of slot
+ * s at keys[e * ke + s]), so 16 slots' elements e are one vector load, and a query element
+ * times it is one multiply-add for 16 scores: no sums across a vector's lanes. The NB * G
+ * accumulators stay in registers (NB, E and G are compile-time constants). */
+ALWAYS_INLINE void score_blocks(const float* q, int64_t q_sh, const float* keys, int64_t ke, int64_t s0,
+                                int64_t valid, float scale, float* out, int64_t S, const int64_t NB,
+                                const int64_t E, const int64_t G) {
+    v16f acc[NB * G];
+    for (int64_t i = 0; i < NB * G; ++i) acc[i] = (v16f){0};
+    for (int64_t e = 0; e < E; ++e) {
+        const float* row = keys + e * ke + s0;
+        for (int64_t blk = 0; blk < NB; ++blk) {
+            const v16f kv = *(const v16f*)(row + 16 * blk);
+            for (int64_t g = 0; g < G; ++g) acc[blk * G + g] += q[g * q_sh + e] * kv;
+        }
     }
-    float acc = 0.0f;
-    for (int64_t e = 0; e < E; ++e) acc += q[e] * key[e];
-    return acc;
+    for (int64_t blk = 0; blk < NB; ++blk) {
+        const int64_t at = 16 * blk, m = valid - at < 16 ? valid - at : 16;
+        for (int64_t g = 0; g < G; ++g) {
+            float* dst = out + g * S + s0 + at;
+            if (m == 16) {
+                *(v16f*)dst = acc[blk * G + g] * scale;
+            } else {
+                for (int64_t j = 0; j < m; ++j) dst[j] = acc[blk * G + g][j] * scale;
+            }
+        }
+    }
 }
 
 /* scores[g * S + first + s] = scale * q_g . key_s for the G query heads of one key/value head
- * and n keys from slot `first`. E is a compile-time constant at every call (see below). */
-ALWAYS_INLINE void score_keys(const float* q, int64_t q_sh, int64_t G, const float* keys, int64_t key_stride,
-                              int64_t n, int64_t first, int64_t S, float scale, float* scores, const int64_t E) {
-    for (int64_t g = 0; g < G; ++g) {
-        const float* qg = q + g * q_sh;
-        float* out = scores + g * S + first;
-        for (int64_t s = 0; s < n; ++s) out[s] = dot(qg, keys + s * key_stride, E) * scale;
+ * and n keys from slot `first` (see score_blocks). Runs of CHUNK blocks are scored together,
+ * element by element, so each element's row is read in runs of 16 * CHUNK slots. Vector loads
+ * may read up to slot `readable` (past n: inside the buffer, the extra lanes are dropped);
+ * slots after the last whole vector go one at a time. */
+ALWAYS_INLINE void score_keys(const float* q, int64_t q_sh, const float* keys, int64_t ke, int64_t n,
+                              int64_t readable, int64_t first, int64_t S, float scale, float* scores,
+                              const int64_t E, const int64_t G) {
+    const int64_t CHUNK = G <= 8 ? 8 / G : 1;
+    const int64_t rounded_up = (n + 15) / 16 * 16, in_buffer = readable / 16 * 16;
+    const int64_t vector_slots = rounded_up < in_buffer ? rounded_up : in_buffer;
+    const int64_t covered = vector_slots < n ? vector_slots : n;
+    float* out = scores + first;
+    int64_t s0 = 0;
+    for (; vector_slots - s0 >= 16 * CHUNK; s0 += 16 * CHUNK)
+        score_blocks(q, q_sh, keys, ke, s0, covered - s0, scale, out, S, CHUNK, E, G);
+    for (; s0 < vector_slots; s0 += 16) score_blocks(q, q_sh, keys, ke, s0, covered - s0, scale, out, S, 1, E, G);
+    for (int64_t s = covered; s < n; ++s) {
+        for (int64_t g = 0; g < G; ++g) {
+            float acc = 0.0f;
+            for (int64_t e = 0; e < E; ++e) acc += q[g * q_sh + e] * keys[e * ke + s];
+            out[g * S + s] = acc * scale;
+        }
     }
 }
 
-/* acc[g * E + e] += scores[g * S + first + s] * value_s[e] over n values from slot `first`. */
+/* acc[g * E + e] += scores[g * S + first + s] * value_s[e] over n values from slot `first`
+ * (values stored slot-major: a slot's E elements are contiguous). */
 ALWAYS_INLINE void mix_values(const float* values, int64_t value_stride, int64_t n, int64_t first, int64_t S,
-                              int64_t G, const float* scores, float* acc, const int64_t E) {
-    for (int64_t g = 0; g < G; ++g) {
-        const float* w = scores + g * S + first;
-        float* a = acc + g * E;
+                              const float* scores, float* acc, const int64_t E, const int64_t G) {
+    if (E % 16 == 0) {  /* the accumulators stay in registers */
+        v16f sum[G * E / 16];
+        for (int64_t c = 0; c < G * E / 16; ++c) sum[c] = *(const v16f*)(acc + 16 * c);
         for (int64_t s = 0; s < n; ++s) {
             const float* val = values + s * value_stride;
-#pragma omp simd
-            for (int64_t e = 0; e < E; ++e) a[e] += w[s] * val[e];
+            for (int64_t g = 0; g < G; ++g) {
+                const float w = scores[g * S + first + s];
+                for (int64_t c = 0; c < E / 16; ++c) sum[g * E / 16 + c] += w * *(const v16f*)(val + 16 * c);
+            }
+        }
+        for (int64_t c = 0; c < G * E / 16; ++c) *(v16f*)(acc + 16 * c) = sum[c];
+        return;
+    }
+    for (int64_t s = 0; s < n; ++s) {
+        const float* val = values + s * value_stride;
+        for (int64_t g = 0; g < G; ++g) {
+            const float w = scores[g * S + first + s];
+            for (int64_t e = 0; e < E; ++e) acc[g * E + e] += w * val[e];
         }
     }
 }
@@ -94,81 +144,96 @@ ALWAYS_INLINE void mix_values(const float* values, int64_t value_stride, int64_t
 typedef struct {
     int64_t H, K, group;
     const float* q; int64_t q_sb, q_sh;
-    const float* pk; int64_t pk_sp, pk_sk, pk_ss;
+    const float* pk; int64_t pk_sp, pk_sk, pk_se, pk_readable;
     const float* pv; int64_t pv_sp, pv_sk, pv_ss, Sp;
-    const float* k; int64_t k_sb, k_sk, k_ss;
+    const float* k; int64_t k_sb, k_sk, k_se, k_readable;
     const float* v; int64_t v_sb, v_sk, v_ss, U;
     const uint8_t* allowed; int64_t allowed_sb;
     const float* sinks; float scale; float* out;
 } Args;
 
 /* One (row, key/value head) pair: its G query heads over the prefix's and the row's own
- * slots. `scores` holds G * S floats, `acc` G * E. */
-ALWAYS_INLINE void attend_pair(const Args* a, int64_t bk, float* scores, float* acc, const int64_t E) {
-    const int64_t G = a->H / a->K, S = a->Sp + a->U;
+ * slots. `scores` holds G rows of S floats padded to SR (whole vectors), `acc` G * E. */
+ALWAYS_INLINE void attend_pair(const Args* a, int64_t bk, float* scores, float* acc, const int64_t E,
+                               const int64_t G) {
+    const int64_t S = a->Sp + a->U, SR = (S + 15) / 16 * 16;  /* score rows padded to whole vectors */
     const int64_t b = bk / a->K, kh = bk % a->K, p = b / a->group;
     const uint8_t* ok = a->allowed + b * a->allowed_sb;
     const float* qb = a->q + b * a->q_sb + kh * G * a->q_sh;
-    score_keys(qb, a->q_sh, G, a->pk + p * a->pk_sp + kh * a->pk_sk, a->pk_ss, a->Sp, 0, S, a->scale, scores, E);
-    score_keys(qb, a->q_sh, G, a->k + b * a->k_sb + kh * a->k_sk, a->k_ss, a->U, a->Sp, S, a->scale, scores, E);
+    const float* pv = a->pv + p * a->pv_sp + kh * a->pv_sk;
+    const float* v = a->v + b * a->v_sb + kh * a->v_sk;
+    score_keys(qb, a->q_sh, a->pk + p * a->pk_sp + kh * a->pk_sk, a->pk_se, a->Sp, a->pk_readable, 0, SR,
+               a->scale, scores, E, G);
+    score_keys(qb, a->q_sh, a->k + b * a->k_sb + kh * a->k_sk, a->k_se, a->U, a->k_readable, a->Sp, SR,
+               a->scale, scores, E, G);
     for (int64_t g = 0; g < G; ++g) {
-        float* row = scores + g * S;
+        float* row = scores + g * SR;
         const float sink = a->sinks ? a->sinks[kh * G + g] : -INFINITY;
         float best = sink;
         for (int64_t s = 0; s < S; ++s) {
-            if (!ok[s]) row[s] = -INFINITY;
-            if (row[s] > best) best = row[s];
+            row[s] = ok[s] ? row[s] : -INFINITY;
+            best = row[s] > best ? row[s] : best;
         }
-        float total = 0.0f;
-        if (best != -INFINITY) {
-#pragma omp simd reduction(+ : total)
-            for (int64_t s = 0; s < S; ++s) {
-                const float w = exp_f32(row[s] - best);
-                row[s] = w;
-                total += w;
-            }
-            if (a->sinks) total += exp_f32(sink - best);
+        for (int64_t s = S; s < SR; ++s) row[s] = -INFINITY;  /* padding: weight 0 */
+        if (best == -INFINITY) {  /* nothing to attend to: zero weights, zero output */
+            memset(row, 0, sizeof(float) * (size_t)SR);
+            continue;
         }
-        if (total > 0.0f) {
-            const float inv = 1.0f / total;
-#pragma omp simd
-            for (int64_t s = 0; s < S; ++s) row[s] *= inv;
-        } else {  /* nothing to attend to: zero weights, zero output */
-            memset(row, 0, sizeof(float) * (size_t)S);
+        v16f total16 = {0};
+        for (int64_t s = 0; s < SR; s += 16) {
+            const v16f w = exp16(*(v16f*)(row + s) - best);
+            *(v16f*)(row + s) = w;
+            total16 += w;
         }
+        const float total = sum_lanes(total16) + (a->sinks ? exp_one(sink - best) : 0.0f);
+        const float inv = 1.0f / total;
+        for (int64_t s = 0; s < SR; s += 16) *(v16f*)(row + s) *= inv;
     }
     memset(acc, 0, sizeof(float) * (size_t)(G * E));
-    mix_values(a->pv + p * a->pv_sp + kh * a->pv_sk, a->pv_ss, a->Sp, 0, S, G, scores, acc, E);
-    mix_values(a->v + b * a->v_sb + kh * a->v_sk, a->v_ss, a->U, a->Sp, S, G, scores, acc, E);
+    mix_values(pv, a->pv_ss, a->Sp, 0, SR, scores, acc, E, G);
+    mix_values(v, a->v_ss, a->U, a->Sp, SR, scores, acc, E, G);
     memcpy(a->out + (b * a->H + kh * G) * E, acc, sizeof(float) * (size_t)(G * E));
+}
+
+/* The common shapes get loops of a known length (unrolled, accumulators in registers): head
+ * sizes 32..256 with 1, 2, 4 or 8 query heads per key/value head; others run the same code
+ * with run-time bounds. */
+static void attend_any(const Args* a, int64_t bk, float* scores, float* acc, int64_t E, int64_t G) {
+#define FOR_G(E_)                                                 \
+    switch (G) {                                                  \
+        case 1: attend_pair(a, bk, scores, acc, E_, 1); return;   \
+        case 2: attend_pair(a, bk, scores, acc, E_, 2); return;   \
+        case 4: attend_pair(a, bk, scores, acc, E_, 4); return;   \
+        case 8: attend_pair(a, bk, scores, acc, E_, 8); return;   \
+    }
+    switch (E) {
+        case 32: FOR_G(32) break;
+        case 64: FOR_G(64) break;
+        case 128: FOR_G(128) break;
+        case 256: FOR_G(256) break;
+    }
+#undef FOR_G
+    attend_pair(a, bk, scores, acc, E, G);
 }
 
 void posttrain_decode_attention_f32(
     int64_t B, int64_t H, int64_t K, int64_t E, int64_t group,
     const float* q, int64_t q_sb, int64_t q_sh,
-    const float* pk, int64_t pk_sp, int64_t pk_sk, int64_t pk_ss,
+    const float* pk, int64_t pk_sp, int64_t pk_sk, int64_t pk_se, int64_t pk_readable,
     const float* pv, int64_t pv_sp, int64_t pv_sk, int64_t pv_ss, int64_t Sp,
-    const float* k, int64_t k_sb, int64_t k_sk, int64_t k_ss,
+    const float* k, int64_t k_sb, int64_t k_sk, int64_t k_se, int64_t k_readable,
     const float* v, int64_t v_sb, int64_t v_sk, int64_t v_ss, int64_t U,
     const uint8_t* allowed, int64_t allowed_sb, const float* sinks, float scale, float* out) {
-    const Args args = {H, K, group, q, q_sb, q_sh, pk, pk_sp, pk_sk, pk_ss, pv, pv_sp, pv_sk, pv_ss, Sp,
-                       k, k_sb, k_sk, k_ss, v, v_sb, v_sk, v_ss, U, allowed, allowed_sb, sinks, scale, out};
+    const Args args = {H, K, group, q, q_sb, q_sh, pk, pk_sp, pk_sk, pk_se, pk_readable, pv, pv_sp, pv_sk, pv_ss,
+                       Sp, k, k_sb, k_sk, k_se, k_readable, v, v_sb, v_sk, v_ss, U, allowed, allowed_sb, sinks,
+                       scale, out};
     const int64_t G = H / K, S = Sp + U;
 #pragma omp parallel
     {
-        float* scores = (float*)malloc(sizeof(float) * (size_t)(G * S + 1));
+        float* scores = (float*)malloc(sizeof(float) * (size_t)(G * ((S + 15) / 16 * 16) + 16));
         float* acc = (float*)malloc(sizeof(float) * (size_t)(G * E));
 #pragma omp for schedule(static)
-        for (int64_t bk = 0; bk < B * K; ++bk) {
-            /* the common head sizes get loops of a known length: unrolled, no remainder */
-            switch (E) {
-                case 32: attend_pair(&args, bk, scores, acc, 32); break;
-                case 64: attend_pair(&args, bk, scores, acc, 64); break;
-                case 128: attend_pair(&args, bk, scores, acc, 128); break;
-                case 256: attend_pair(&args, bk, scores, acc, 256); break;
-                default: attend_pair(&args, bk, scores, acc, E); break;
-            }
-        }
+        for (int64_t bk = 0; bk < B * K; ++bk) attend_any(&args, bk, scores, acc, E, G);
         free(acc);
         free(scores);
     }
