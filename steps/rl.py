@@ -113,7 +113,8 @@ def round_settings(config: GRPOConfig, tokenizer) -> RoundSettings:
     return RoundSettings(prompts_per_round=g.prompts_per_round, n=g.n, temperature=g.temperature, top_k=g.top_k,
                          top_p=g.top_p, max_new_tokens=g.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer, config),
                          passes=g.passes, steps_per_pass=g.steps_per_pass, row_length=config.pack.row_length,
-                         rows_per_batch=config.train.micro_batch_size, advantage_scale=g.advantage_scale,
+                         rows_per_batch=config.train.micro_batch_size, shared_prompt=g.shared_prompt,
+                         advantage_scale=g.advantage_scale,
                          dynamic_sampling=g.dynamic_sampling, max_draws=g.max_draws, overlong_mask=g.overlong_mask,
                          success_threshold=g.success_threshold, sync_check=g.sync_check, seed=config.seed,
                          allowed=catalogue_trie(config, tokenizer))

@@ -12,7 +12,6 @@ import torch
 from posttrain.config.schema import TrainConfig
 from posttrain.models.registry import build_model, tiny_config
 from posttrain.objectives.grpo import GRPOObjective, kl_estimate, token_logps
-from posttrain.ops.losses import IGNORE_INDEX
 from posttrain.rl.advantages import degenerate_groups, group_advantages
 from posttrain.rl.trajectories import Trajectory, attach_logps, pack_trajectories
 from posttrain.train.trainer import Trainer
@@ -34,40 +33,79 @@ def test_group_advantages_mean_centred_and_std_scaled():
         group_advantages(rewards, scale="rank")
 
 
-def trajectories(seed: int = 0, count: int = 6) -> list[Trajectory]:
+def trajectories(seed: int = 0, count: int = 6, per_prompt: int = 1) -> list[Trajectory]:
+    """`count` trajectories, `per_prompt` consecutive ones sharing each prompt."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for i in range(count):
-        P, C = 3 + i % 4, 2 + (i * 3) % 5
-        ids = torch.randint(2, 100, (P + C,), generator=gen).tolist()
-        out.append(Trajectory(ids[:P], ids[P:], advantage=float(i % 3) - 1.0,
+        P, C = 3 + (i // per_prompt) % 4, 2 + (i * 3) % 5
+        if i % per_prompt == 0:
+            prompt = torch.randint(2, 100, (P,), generator=gen).tolist()
+        completion = torch.randint(2, 100, (C,), generator=gen).tolist()
+        out.append(Trajectory(prompt, completion, advantage=float(i % 3) - 1.0,
                               engine_logps=(-torch.rand(C, generator=gen)).tolist()))
     return out
 
 
-def test_pack_trajectories_layout():
-    trajs = trajectories()
-    batches = pack_trajectories(trajs, row_length=16, rows_per_batch=2, pad_id=PAD)
+def targets_by_sequence(batches):
+    """{trajectory: [(target token, advantage, engine log-prob, predicting position)]} from
+    the batches' target lists, checking each predicting position's context on the way."""
     seen = {}
     for b in batches:
-        for r in range(b["input_ids"].shape[0]):
-            for pos in range(16):
-                s = int(b["seq_ids"][r, pos])
-                if s >= 0:
-                    seen.setdefault(s, []).append((int(b["labels"][r, pos]), float(b["advantages"][r, pos]),
-                                                   float(b["engine_logps"][r, pos])))
-                    # the position predicts the next token of the same document
-                    assert b["doc_ids"][r, pos] == b["doc_ids"][r, pos + 1]
-                    assert b["input_ids"][r, pos + 1] == b["labels"][r, pos]
-                else:
-                    assert b["labels"][r, pos] == IGNORE_INDEX
+        T = b["input_ids"].shape[1]
+        flat_ids, flat_docs = b["input_ids"].reshape(-1), b["doc_ids"].reshape(-1)
+        for m in range(b["target_ids"].numel()):
+            s, at = int(b["target_seq"][m]), int(b["target_pos"][m])
+            seen.setdefault(s, []).append((int(b["target_ids"][m]), float(b["advantages"][m]),
+                                           float(b["engine_logps"][m]), at))
+            assert flat_docs[at] >= 0 and at % T < T - 1
+    return seen
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_pack_trajectories_layout(shared):
+    trajs = trajectories(count=9, per_prompt=3)
+    batches = pack_trajectories(trajs, row_length=16, rows_per_batch=2, pad_id=PAD, shared_prompt=shared)
+    seen = targets_by_sequence(batches)
     assert sorted(seen) == list(range(len(trajs)))
     for i, t in enumerate(trajs):
         assert [x[0] for x in seen[i]] == t.completion_ids
         assert all(x[1] == t.advantage for x in seen[i])
         assert [x[2] for x in seen[i]] == pytest.approx(t.engine_logps)
+    for b in batches:
+        assert ("branch_ids" in b) == shared
+        flat_ids = b["input_ids"].reshape(-1)
+        flat_branch = b["branch_ids"].reshape(-1) if shared else torch.zeros_like(flat_ids)
+        for m in range(b["target_ids"].numel()):
+            at = int(b["target_pos"][m])
+            # the previous token of the completion predicts the next; the prompt's last
+            # position predicts a completion's first token (in a tree, of every completion)
+            if flat_branch[at] == 0 and shared:
+                assert flat_branch[at + 1] == 1
+            else:
+                assert flat_ids[at + 1] == b["target_ids"][m]
     with pytest.raises(ValueError, match="more than the row length"):
-        pack_trajectories(trajs, row_length=8, rows_per_batch=2, pad_id=PAD)
+        pack_trajectories(trajs, row_length=8, rows_per_batch=2, pad_id=PAD, shared_prompt=shared)
+
+
+def test_shared_layout_packs_each_prompt_once_per_tree_and_fills_rows():
+    trajs = trajectories(count=16, per_prompt=8)  # two prompts of 3 and 4 tokens, 8 completions each
+    unshared = pack_trajectories(trajs, 64, 8, PAD)
+    shared = pack_trajectories(trajs, 64, 8, PAD, shared_prompt=True)
+    completion_tokens = sum(len(t.completion_ids) for t in trajs)
+    assert sum(int((b["doc_ids"] >= 0).sum()) for b in unshared) == completion_tokens + 3 * 8 + 4 * 8
+    trunk_tokens = sum(int(((b["branch_ids"] == 0) & (b["doc_ids"] >= 0)).sum()) for b in shared)
+    assert sum(int((b["doc_ids"] >= 0).sum()) for b in shared) == completion_tokens + trunk_tokens
+    assert trunk_tokens <= 2 * (3 + 4)  # each prompt in at most two trees (a group cut to fill a row)
+    rows = sum(b["doc_ids"].shape[0] for b in shared)
+    assert rows == math.ceil((completion_tokens + trunk_tokens) / 64)  # rows filled but for the last
+    # a tree's branches continue the prompt's positions: each starts at P
+    b = shared[0]
+    docs, branch, pos = b["doc_ids"][0], b["branch_ids"][0], b["position_ids"][0]
+    tree = docs == docs[0]
+    P = int(((branch == 0) & tree).sum())
+    for k in range(1, int(branch[tree].max()) + 1):
+        assert int(pos[tree & (branch == k)][0]) == P
 
 
 @pytest.fixture(scope="module")
@@ -76,18 +114,17 @@ def model():
 
 
 def direct_logps(model, batch):
-    """log p of each trained token from the full logits (the naive reference)."""
-    hidden = model(batch["input_ids"], batch["position_ids"], batch["doc_ids"])
-    logits = hidden @ model.output_weight[: model.config.vocab_size].T
-    keep = batch["labels"] != IGNORE_INDEX
-    return torch.log_softmax(logits.float(), -1)[keep].gather(-1, batch["labels"][keep][:, None])[:, 0]
+    """log p of each target from the full logits (the naive reference)."""
+    hidden = model(batch["input_ids"], batch["position_ids"], batch["doc_ids"], batch.get("branch_ids"))
+    logits = hidden.reshape(-1, hidden.shape[-1]) @ model.output_weight[: model.config.vocab_size].T
+    logp = torch.log_softmax(logits.float(), -1)[batch["target_pos"]]
+    return logp.gather(-1, batch["target_ids"][:, None])[:, 0]
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "sequence_sum"])
 def test_loss_and_gradient_match_a_direct_computation(model, aggregation):
     batch = pack_trajectories(trajectories(), 64, 8, PAD)[0]
-    keep = batch["labels"] != IGNORE_INDEX
-    seq = batch["seq_ids"][keep]
+    seq = batch["target_seq"]
     attach_logps(model, [batch], "old_logps")
     batch["old_logps"] = batch["old_logps"] + 0.3 * torch.randn(batch["old_logps"].shape,
                                                                 generator=torch.Generator().manual_seed(1))
@@ -100,12 +137,12 @@ def test_loss_and_gradient_match_a_direct_computation(model, aggregation):
 
     model.zero_grad()
     logp = direct_logps(model, batch)
-    ratio = torch.exp(logp - batch["old_logps"][keep])
-    adv = batch["advantages"][keep]
+    ratio = torch.exp(logp - batch["old_logps"])
+    adv = batch["advantages"]
     pg = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.3) * adv)
     if aggregation == "token_mean":
         w = torch.ones_like(pg)
-        count = int(keep.sum())
+        count = seq.numel()
     elif aggregation == "sequence_sum":
         w = torch.full_like(pg, 1 / 5)
         count = seq.unique().numel()
@@ -128,10 +165,9 @@ def test_loss_and_gradient_match_a_direct_computation(model, aggregation):
 def test_first_pass_ratio_is_one_and_the_gradient_is_the_policy_gradient(model):
     batch = pack_trajectories(trajectories(), 64, 8, PAD)[0]
     out = GRPOObjective(is_correction="none")(model, batch)
-    keep = batch["labels"] != IGNORE_INDEX
-    assert float(out.metric_sums["ratio"]) == pytest.approx(float(keep.sum()))
+    assert float(out.metric_sums["ratio"]) == pytest.approx(float(batch["target_ids"].numel()))
     assert float(out.metric_sums["clip_fraction"]) == 0.0
-    assert float(out.loss_sum.detach()) == pytest.approx(-float(batch["advantages"][keep].sum()), abs=1e-5)
+    assert float(out.loss_sum.detach()) == pytest.approx(-float(batch["advantages"].sum()), abs=1e-5)
 
 
 def test_kl_estimators():
@@ -153,24 +189,23 @@ def test_kl_term_needs_and_uses_the_reference(model):
     out = objective(model, batch)
     assert abs(float(out.metric_sums["kl"])) < 1e-5  # the policy is its own reference here
     batch["ref_logps"] = batch["ref_logps"] - 1.0
-    keep = batch["labels"] != IGNORE_INDEX
-    assert float(objective(model, batch).metric_sums["kl"]) == pytest.approx(float(keep.sum()), rel=1e-4)
+    assert float(objective(model, batch).metric_sums["kl"]) == pytest.approx(float(batch["target_ids"].numel()),
+                                                                             rel=1e-4)
 
 
 def test_importance_sampling_corrections(model):
     batch = pack_trajectories(trajectories(), 64, 8, PAD)[0]
-    keep = batch["labels"] != IGNORE_INDEX
     attach_logps(model, [batch], "old_logps")
     eng = batch["old_logps"].clone()
-    seq = batch["seq_ids"]
+    seq = batch["target_seq"]
     eng[seq == 0] -= 2.0  # the engine found sequence 0 far less likely: IS weight exp(2), capped
     eng[seq == 1] += 0.1
     batch["engine_logps"] = eng
     tis = GRPOObjective(is_correction="token", is_cap=3.0)(model, batch)
-    weights = torch.where(seq[keep] == 0, 3.0, torch.where(seq[keep] == 1, math.exp(-0.1), 1.0))
+    weights = torch.where(seq == 0, 3.0, torch.where(seq == 1, math.exp(-0.1), 1.0))
     assert float(tis.metric_sums["is_weight"]) == pytest.approx(float(weights.sum()), rel=1e-5)
     masked = GRPOObjective(is_correction="sequence_mask", is_cap=3.0)(model, batch)
-    kept = torch.where(seq[keep] == 0, 0.0, 1.0)  # |mean log ratio| 2 > log 3 drops it; 0.1 does not
+    kept = torch.where(seq == 0, 0.0, 1.0)  # |mean log ratio| 2 > log 3 drops it; 0.1 does not
     assert float(masked.metric_sums["is_weight"]) == pytest.approx(float(kept.sum()))
 
 
@@ -199,10 +234,39 @@ def test_sequence_mean_normalises_over_every_micro_batch_of_the_step():
     assert grads[0] == pytest.approx(grads[1], rel=1e-5)
 
 
-def test_token_logps_equal_direct(model):
-    batch = pack_trajectories(trajectories(), 64, 8, PAD)[0]
+@pytest.mark.parametrize("shared", [False, True])
+def test_token_logps_equal_direct(model, shared):
+    batch = pack_trajectories(trajectories(count=8, per_prompt=4), 64, 8, PAD, shared_prompt=shared)[0]
     with torch.no_grad():
         torch.testing.assert_close(token_logps(model, batch), direct_logps(model, batch), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
+def test_shared_prompts_give_the_unshared_loss_and_gradient(model, aggregation):
+    """The tree layout computes each prompt once; its loss, count, metrics and gradient are
+    the unshared layout's (float32, up to summation order)."""
+    trajs = trajectories(count=12, per_prompt=4)
+    objective = GRPOObjective(aggregation=aggregation, is_correction="token")
+    results = []
+    for shared in (False, True):
+        batches = pack_trajectories(trajs, 48, 8, PAD, shared_prompt=shared)
+        attach_logps(model, batches, "old_logps")
+        model.zero_grad()
+        loss, count, metrics = 0.0, 0, {}
+        for batch in batches:
+            batch["old_logps"] = batch["old_logps"] - 0.05 * batch["target_seq"].float()
+            out = objective(model, batch)
+            out.loss_sum.backward()
+            loss, count = loss + float(out.loss_sum.detach()), count + int(out.count)
+            for k, v in out.metric_sums.items():
+                metrics[k] = metrics.get(k, 0.0) + float(v)
+        results.append((loss, count, metrics, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (loss_u, count_u, metrics_u, grads_u), (loss_s, count_s, metrics_s, grads_s) = results
+    assert count_s == count_u and loss_s == pytest.approx(loss_u, rel=1e-5, abs=1e-6)
+    for k in metrics_u:
+        assert metrics_s[k] == pytest.approx(metrics_u[k], rel=1e-5, abs=1e-6), k
+    for n in grads_u:
+        torch.testing.assert_close(grads_s[n], grads_u[n], rtol=1e-4, atol=1e-6)
 
 
 def test_old_logps_recomputed_in_the_trainers_precision_give_ratio_one_under_bf16():

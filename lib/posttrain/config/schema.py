@@ -805,6 +805,9 @@ class GRPOSection:
     success_threshold: float = 1.0
     entropy: bool = True
     engine: Literal["native", "native_actor", "vllm_actor"] = "native"
+    # a prompt's completions trained as one tree document (the prompt once, each completion a
+    # branch): the same loss and gradient, the prompt's tokens computed once instead of n times
+    shared_prompt: bool = True
     # a semantic-ID policy: rollouts and evaluation decode inside the starting model's catalogue
     # (its semantic_ids.json as a trie), so every completion names a real item (native engines)
     constrain_to_catalogue: bool = False

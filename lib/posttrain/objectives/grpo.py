@@ -1,6 +1,6 @@
 """The policy-gradient objective of GRPO-style RL on packed trajectory batches (`posttrain.rl.trajectories`).
 
-Per trained completion token t (labels mark them; every other position is ignored), with
+Per trained completion token t (the batch's targets; every other position is context), with
 `logp` the policy's log-probability now, `old` the trainer's before this batch's update
 (the batch's `old_logps`, or `logp` detached on the first pass over fresh rollouts, when the
 two are equal), `A` the completion's advantage and `r = exp(logp - old)`:
@@ -36,7 +36,6 @@ from __future__ import annotations
 import torch
 
 from posttrain.ops.logprobs import chunked_logprobs
-from posttrain.ops.losses import IGNORE_INDEX
 from posttrain.train.objective import Objective, ObjectiveOutput
 
 AGGREGATIONS = ("token_mean", "sequence_mean", "sequence_sum")
@@ -45,15 +44,14 @@ IS_CORRECTIONS = ("none", "token", "sequence_mask")
 
 
 def token_logps(model: torch.nn.Module, batch: dict, with_entropy: bool = False, vocab_size: int | None = None):
-    """The model's log-probability of every trained token of a trajectory batch, `[M]` float32
-    in the order of `labels != -100` (row-major), differentiable, normalised over the first
-    `vocab_size` token ids (default the model's vocabulary); with `with_entropy` also each
-    position's entropy."""
-    hidden_BTD = model(batch["input_ids"], batch["position_ids"], batch["doc_ids"])
-    keep_BT = batch["labels"] != IGNORE_INDEX
-    return chunked_logprobs(hidden_BTD[keep_BT], model.output_weight, batch["labels"][keep_BT],
-                            vocab_size or model.config.vocab_size, with_entropy=with_entropy,
-                            logit_softcap=getattr(model, "logit_softcap", None))
+    """The model's log-probability of every target of a trajectory batch, `[M]` float32 in
+    the order of `target_ids`, differentiable, normalised over the first `vocab_size` token ids
+    (default the model's vocabulary); with `with_entropy` also each target position's entropy.
+    Tree rows (`branch_ids`, shared prompts) attend by the tree mask."""
+    hidden_BTD = model(batch["input_ids"], batch["position_ids"], batch["doc_ids"], batch.get("branch_ids"))
+    hidden_MD = hidden_BTD.reshape(-1, hidden_BTD.shape[-1]).index_select(0, batch["target_pos"])
+    return chunked_logprobs(hidden_MD, model.output_weight, batch["target_ids"], vocab_size or model.config.vocab_size,
+                            with_entropy=with_entropy, logit_softcap=getattr(model, "logit_softcap", None))
 
 
 def kl_estimate(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -68,10 +66,9 @@ def kl_estimate(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.
 
 class GRPOObjective(Objective):
     """See the module docstring. Batches come from `posttrain.rl.trajectories.pack_trajectories`:
-    `input_ids`, `position_ids`, `doc_ids`, `labels` (`[B, T]` long), `advantages`,
-    `engine_logps` (and `old_logps`, `ref_logps` when present) `[B, T]` float aligned with
-    `labels`, `seq_ids` (`[B, T]` long: the completion a label belongs to, unique in the
-    batch, -1 elsewhere)."""
+    `input_ids`, `position_ids`, `doc_ids` (and `branch_ids`) `[B, T]` long; per target
+    `[M]`: `target_pos`, `target_ids`, `target_seq` (the completion it belongs to, unique in
+    the batch), `advantages`, `engine_logps` (and `old_logps`, `ref_logps` when present)."""
 
     name = "grpo"
     metric_names = ("pg_loss", "kl", "entropy", "clip_fraction", "ratio", "is_weight", "advantage")
@@ -105,16 +102,14 @@ class GRPOObjective(Objective):
         return self.kl_coef > 0
 
     def count(self, batch: dict) -> torch.Tensor:
-        keep_BT = batch["labels"] != IGNORE_INDEX
+        seq_M = batch["target_seq"]
         if self.aggregation == "token_mean":
-            return keep_BT.sum()
-        return torch.unique(batch["seq_ids"][keep_BT]).numel() * torch.ones((), dtype=torch.long,
-                                                                            device=keep_BT.device)
+            return torch.tensor(seq_M.numel(), dtype=torch.long, device=seq_M.device)
+        return torch.unique(seq_M).numel() * torch.ones((), dtype=torch.long, device=seq_M.device)
 
     def token_weights(self, batch: dict) -> torch.Tensor:
-        """`w_t` of every trained token (module docstring), `[M]` float32."""
-        keep_BT = batch["labels"] != IGNORE_INDEX
-        seq_M = batch["seq_ids"][keep_BT]
+        """`w_t` of every target (module docstring), `[M]` float32."""
+        seq_M = batch["target_seq"]
         if self.aggregation == "token_mean":
             return torch.ones(seq_M.shape, dtype=torch.float32, device=seq_M.device)
         if self.aggregation == "sequence_sum":
@@ -123,19 +118,17 @@ class GRPOObjective(Objective):
 
     @staticmethod
     def _sequence_mean_weights(batch: dict) -> torch.Tensor:
-        """`1 / |completion|` for every trained token: sums over them are sums of token means."""
-        seq_M = batch["seq_ids"][batch["labels"] != IGNORE_INDEX]
-        _, inverse_M, counts_S = torch.unique(seq_M, return_inverse=True, return_counts=True)
+        """`1 / |completion|` for every target: sums over them are sums of token means."""
+        _, inverse_M, counts_S = torch.unique(batch["target_seq"], return_inverse=True, return_counts=True)
         return 1.0 / counts_S[inverse_M].float()
 
     def __call__(self, model: torch.nn.Module, batch: dict) -> ObjectiveOutput:
-        keep_BT = batch["labels"] != IGNORE_INDEX
         if self.entropy:
             logp_M, entropy_M = token_logps(model, batch, with_entropy=True)
         else:
             logp_M, entropy_M = token_logps(model, batch), None
-        adv_M = batch["advantages"][keep_BT].float()
-        old_M = batch["old_logps"][keep_BT].float() if "old_logps" in batch else logp_M.detach()
+        adv_M = batch["advantages"].float()
+        old_M = batch["old_logps"].float() if "old_logps" in batch else logp_M.detach()
         w_M = self.token_weights(batch)
 
         ratio_M = torch.exp(logp_M - old_M)
@@ -146,11 +139,11 @@ class GRPOObjective(Objective):
 
         is_M = torch.ones_like(logp_M)
         if self.is_correction != "none":
-            log_ratio_M = old_M - batch["engine_logps"][keep_BT].float()
+            log_ratio_M = old_M - batch["engine_logps"].float()
             if self.is_correction == "token":
                 is_M = torch.exp(log_ratio_M).clamp(max=self.is_cap)
             else:
-                seq_M = batch["seq_ids"][keep_BT]
+                seq_M = batch["target_seq"]
                 _, inverse_M, counts_S = torch.unique(seq_M, return_inverse=True, return_counts=True)
                 mean_S = torch.zeros(counts_S.shape, dtype=torch.float32, device=seq_M.device).index_add(
                     0, inverse_M, log_ratio_M) / counts_S
@@ -161,7 +154,7 @@ class GRPOObjective(Objective):
         if self.needs_reference:
             if "ref_logps" not in batch:
                 raise ValueError("kl_coef > 0 needs the batch's ref_logps (reference log-probabilities)")
-            kl_M = kl_estimate(logp_M, batch["ref_logps"][keep_BT].float(), self.kl_estimator)
+            kl_M = kl_estimate(logp_M, batch["ref_logps"].float(), self.kl_estimator)
             loss_M = loss_M + self.kl_coef * kl_M
         # metrics: the loss's weights, except under sequence_sum, whose 1 / norm_tokens would
         # scale ratios and fractions by length; there each completion's token mean

@@ -84,6 +84,7 @@ class RoundSettings:
     steps_per_pass: int = 1
     row_length: int = 256
     rows_per_batch: int = 8
+    shared_prompt: bool = True  # a prompt's completions packed as one tree (posttrain.rl.trajectories)
     advantage_scale: str = "none"
     dynamic_sampling: bool = True
     max_draws: int = 4
@@ -276,7 +277,7 @@ class RLController:
             # each optimizer step of a pass trains on its own share of the trajectories
             steps = min(s.steps_per_pass, len(trajectories))
             step_batches = [pack_trajectories([trajectories[i] for i in share], s.row_length, s.rows_per_batch,
-                                              self.pad_id, first_seq=int(share[0]))
+                                              self.pad_id, first_seq=int(share[0]), shared_prompt=s.shared_prompt)
                             for share in np.array_split(np.arange(len(trajectories)), steps)]
             batches = [b for group in step_batches for b in group]
             context = self.policy.forward_context
@@ -324,19 +325,13 @@ class RLController:
         token (the batches' `teacher_logps` and `old_logps`), less its mean over the round, joins
         its advantage. Returns the mean per-token reverse KL estimate `student - teacher` (of
         the sampling policy)."""
-        from posttrain.ops.losses import IGNORE_INDEX
-
-        gaps, tokens = [], 0
-        for batch in batches:
-            keep_BT = batch["labels"] != IGNORE_INDEX
-            gaps.append((batch["teacher_logps"] - batch["old_logps"]) * keep_BT)
-            tokens += int(keep_BT.sum())
+        gaps = [batch["teacher_logps"] - batch["old_logps"] for batch in batches]
+        tokens = sum(g.numel() for g in gaps)
         mean_gap = sum(float(g.sum()) for g in gaps) / max(tokens, 1)
-        for batch, gap_BT in zip(batches, gaps):
+        for batch, gap_M in zip(batches, gaps):
             # a constant baseline (the round's mean gap) leaves the gradient's expectation as it
             # is at every position and removes most of its variance
-            keep_BT = batch["labels"] != IGNORE_INDEX
-            batch["advantages"] = batch["advantages"] + self.distill_coef * (gap_BT - mean_gap * keep_BT)
+            batch["advantages"] = batch["advantages"] + self.distill_coef * (gap_M - mean_gap)
         return -mean_gap
 
     def sync_weights(self) -> dict | None:

@@ -1,22 +1,36 @@
-"""Training batches from rollouts: token ids in, packed rows with aligned per-token fields out.
+"""Training batches from rollouts: token ids in, packed rows with per-token target lists out.
 
 A `Trajectory` is what the policy produced for one prompt, as token ids (prompt, then the
 completion exactly as sampled, its stop token included: never re-rendered text), with the
 completion's advantage and the engine's log-prob of each completion token.
-`pack_trajectories` places each trajectory as one document of a fixed-length row (first fit,
-longest first; position ids restart per document, document ids mask attention between them)
-and returns micro-batches of `rows_per_batch` rows:
+`pack_trajectories` places trajectories as documents of fixed-length rows (position ids
+restart per document, document ids mask attention between them) in one of two layouts:
 
-- `input_ids`, `position_ids`, `doc_ids` (`-1` on padding), `labels` (`[B, T]` long): the label
-  at position p is the token at p + 1 when that token belongs to a trained completion, else -100;
-- `advantages`, `engine_logps` (`[B, T]` float32, aligned with `labels`, 0 elsewhere);
-- `seq_ids` (`[B, T]` long): the trajectory's index in the list given (plus `first_seq`), where a
-  label is; -1 elsewhere.
+- shared prompts (`shared_prompt=True`, the default of the controller): the completions of one
+  prompt (consecutive trajectories with the same prompt ids) form a tree document, the prompt
+  once as its trunk and each completion a branch that sees the trunk and itself
+  (`branch_ids`: 0 the trunk, k for the k-th completion; positions continue from the trunk).
+  The n samples of a prompt then pay for its tokens once in the forward and backward, as the
+  rollout engine's prefill does; the loss and gradient are those of the unshared layout (the
+  trunk's activations are the same for every branch; its gradient is the sum of theirs).
+  Trees are cut to fill rows: a group that does not fit a row's free space continues in
+  another tree, its prompt repeated there.
+- unshared (`shared_prompt=False`): each trajectory its own document (first fit, longest first).
 
-`attach_logps(model, batches, key)` adds the model's log-probs of every trained token as a
-further aligned field (`old_logps` before an update, `ref_logps` from a frozen reference).
-The packing depends only on the trajectories' lengths and order: the same rollouts give the
-same batches, bit for bit.
+Micro-batches of `rows_per_batch` rows hold:
+
+- `input_ids`, `position_ids`, `doc_ids` (`-1` on padding) `[B, T]` long, and `branch_ids`
+  `[B, T]` in the shared layout;
+- the trained tokens as flat lists of length M, in row order: `target_pos` (index into the
+  flattened `[B * T]` positions of the one that predicts the token: the trunk's last position
+  predicts the first token of every completion of its tree), `target_ids`, `target_seq` (the
+  trajectory's index in the list given, plus `first_seq`), `advantages` and `engine_logps`
+  (float32).
+
+`attach_logps(model, batches, key)` adds the model's log-prob of every target as a further
+`[M]` field (`old_logps` before an update, `ref_logps` from a frozen reference).
+The packing depends only on the trajectories' lengths, prompts and order: the same rollouts
+give the same batches, bit for bit.
 """
 
 from __future__ import annotations
@@ -29,7 +43,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from posttrain.ops.losses import IGNORE_INDEX
+
+
+# what a forward over a trajectory batch reads (`posttrain.objectives.grpo.token_logps`)
+MODEL_FIELDS = ("input_ids", "position_ids", "doc_ids", "branch_ids", "target_pos", "target_ids")
 
 
 @dataclass
@@ -59,13 +76,50 @@ def _first_fit(lengths: list[int], row_length: int) -> list[list[int]]:
     return rows
 
 
-def pack_trajectories(trajectories: Sequence[Trajectory], row_length: int, rows_per_batch: int,
-                      pad_id: int, first_seq: int = 0) -> list[dict]:
-    """Micro-batches of packed trajectories (module docstring); `seq_ids` number them from
-    `first_seq`. Raises ValueError when one does not fit a row, has an empty completion, or
-    carries a non-finite engine log-prob."""
-    if row_length < 2 or rows_per_batch < 1:
-        raise ValueError(f"need row_length >= 2 and rows_per_batch >= 1, got {row_length}, {rows_per_batch}")
+def _prompt_groups(trajectories: Sequence[Trajectory]) -> list[list[int]]:
+    """Runs of consecutive trajectories with the same prompt ids."""
+    groups: list[list[int]] = []
+    for i, t in enumerate(trajectories):
+        if groups and trajectories[groups[-1][0]].prompt_ids == t.prompt_ids:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _fill_trees(trajectories: Sequence[Trajectory], row_length: int) -> list[list[list[int]]]:
+    """Rows of tree documents (lists of trajectory indices sharing one prompt). Groups go in
+    order, largest first; each tree takes the first row whose free space holds the prompt and
+    the group's next completion, and as many of the group's remaining completions as fit."""
+    groups = _prompt_groups(trajectories)
+    size = [len(trajectories[g[0]].prompt_ids) + sum(len(trajectories[i].completion_ids) for i in g) for g in groups]
+    rows: list[list[list[int]]] = []
+    space: list[int] = []
+    for k in sorted(range(len(groups)), key=lambda k: (-size[k], k)):
+        P = len(trajectories[groups[k][0]].prompt_ids)
+        pending = list(groups[k])
+        while pending:
+            first = len(trajectories[pending[0]].completion_ids)
+            r = next((r for r, free in enumerate(space) if P + first <= free), None)
+            if r is None:
+                rows.append([])
+                space.append(row_length)
+                r = len(rows) - 1
+            room, tree, rest = space[r] - P, [], []
+            for i in pending:
+                C = len(trajectories[i].completion_ids)
+                if C <= room:
+                    tree.append(i)
+                    room -= C
+                else:
+                    rest.append(i)
+            rows[r].append(tree)
+            space[r] = room
+            pending = rest
+    return rows
+
+
+def _check(trajectories: Sequence[Trajectory], row_length: int) -> None:
     for i, t in enumerate(trajectories):
         if not t.completion_ids or not t.prompt_ids:
             raise ValueError(f"trajectory {i} has an empty prompt or completion")
@@ -79,45 +133,77 @@ def pack_trajectories(trajectories: Sequence[Trajectory], row_length: int, rows_
         if not all(math.isfinite(x) for x in t.engine_logps):
             raise ValueError(f"trajectory {i}: a non-finite engine log-prob (the engine must report each sampled "
                              "token's log-prob under the model's own distribution)")
-    rows = _first_fit([len(t) for t in trajectories], row_length)
-    batches = []
-    for start in range(0, len(rows), rows_per_batch):
-        chunk = rows[start:start + rows_per_batch]
-        B = len(chunk)
-        ids = np.full((B, row_length), pad_id, dtype=np.int64)
-        labels = np.full((B, row_length), IGNORE_INDEX, dtype=np.int64)
-        pos = np.zeros((B, row_length), dtype=np.int64)
-        docs = np.full((B, row_length), -1, dtype=np.int64)
-        seq = np.full((B, row_length), -1, dtype=np.int64)
-        adv = np.zeros((B, row_length), dtype=np.float32)
-        eng = np.zeros((B, row_length), dtype=np.float32)
-        for b, members in enumerate(chunk):
-            at = 0
-            for d, i in enumerate(members):
-                t = trajectories[i]
-                P, C = len(t.prompt_ids), len(t.completion_ids)
-                ids[b, at:at + P] = t.prompt_ids
-                ids[b, at + P:at + P + C] = t.completion_ids
-                pos[b, at:at + P + C] = np.arange(P + C)
-                docs[b, at:at + P + C] = d
-                first = at + P - 1  # predicts the first completion token
-                labels[b, first:first + C] = t.completion_ids
-                seq[b, first:first + C] = first_seq + i
-                adv[b, first:first + C] = t.advantage
-                eng[b, first:first + C] = t.engine_logps
-                at += P + C
-        batches.append({"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
-                        "position_ids": torch.from_numpy(pos), "doc_ids": torch.from_numpy(docs),
-                        "seq_ids": torch.from_numpy(seq), "advantages": torch.from_numpy(adv),
-                        "engine_logps": torch.from_numpy(eng)})
-    return batches
+
+
+def pack_trajectories(trajectories: Sequence[Trajectory], row_length: int, rows_per_batch: int,
+                      pad_id: int, first_seq: int = 0, shared_prompt: bool = False) -> list[dict]:
+    """Micro-batches of packed trajectories (module docstring); `target_seq` numbers them from
+    `first_seq`. Raises ValueError when one does not fit a row, has an empty completion, or
+    carries a non-finite engine log-prob."""
+    if row_length < 2 or rows_per_batch < 1:
+        raise ValueError(f"need row_length >= 2 and rows_per_batch >= 1, got {row_length}, {rows_per_batch}")
+    _check(trajectories, row_length)
+    if shared_prompt:
+        rows = _fill_trees(trajectories, row_length)
+    else:
+        rows = [[[i] for i in row] for row in _first_fit([len(t) for t in trajectories], row_length)]
+    return [_write_rows(trajectories, rows[start:start + rows_per_batch], row_length, pad_id, first_seq, shared_prompt)
+            for start in range(0, len(rows), rows_per_batch)]
+
+
+def _write_rows(trajectories: Sequence[Trajectory], rows: list[list[list[int]]], row_length: int, pad_id: int,
+                first_seq: int, with_branches: bool) -> dict:
+    B, T = len(rows), row_length
+    ids = np.full((B, T), pad_id, dtype=np.int64)
+    pos = np.zeros((B, T), dtype=np.int64)
+    docs = np.full((B, T), -1, dtype=np.int64)
+    branches = np.zeros((B, T), dtype=np.int64)
+    target_pos: list[np.ndarray] = []
+    target_ids: list[list[int]] = []
+    target_seq: list[np.ndarray] = []
+    advantages: list[np.ndarray] = []
+    engine_logps: list[list[float]] = []
+    for b, documents in enumerate(rows):
+        at = 0
+        for d, members in enumerate(documents):
+            prompt = trajectories[members[0]].prompt_ids
+            P = len(prompt)
+            ids[b, at:at + P] = prompt
+            pos[b, at:at + P] = np.arange(P)
+            docs[b, at:at + P] = d
+            trunk_last = b * T + at + P - 1  # predicts the first token of every completion
+            at += P
+            for k, i in enumerate(members):
+                completion = trajectories[i].completion_ids
+                C = len(completion)
+                ids[b, at:at + C] = completion
+                pos[b, at:at + C] = np.arange(P, P + C)
+                docs[b, at:at + C] = d
+                branches[b, at:at + C] = k + 1
+                # token 0 from the trunk's last position, token j from the completion's token j - 1
+                target_pos.append(np.concatenate([[trunk_last], b * T + at + np.arange(C - 1)]))
+                target_ids.append(completion)
+                target_seq.append(np.full(C, first_seq + i, dtype=np.int64))
+                advantages.append(np.full(C, trajectories[i].advantage, dtype=np.float32))
+                engine_logps.append(trajectories[i].engine_logps)
+                at += C
+    batch = {"input_ids": torch.from_numpy(ids), "position_ids": torch.from_numpy(pos),
+             "doc_ids": torch.from_numpy(docs),
+             "target_pos": torch.from_numpy(np.concatenate(target_pos).astype(np.int64)),
+             "target_ids": torch.tensor([t for ids_ in target_ids for t in ids_], dtype=torch.long),
+             "target_seq": torch.from_numpy(np.concatenate(target_seq)),
+             "advantages": torch.from_numpy(np.concatenate(advantages)),
+             "engine_logps": torch.tensor([x for xs in engine_logps for x in xs], dtype=torch.float32)}
+    if with_branches:
+        batch["branch_ids"] = torch.from_numpy(branches)
+    return batch
 
 
 @torch.no_grad()
 def attach_logps(model: torch.nn.Module, batches: list[dict], key: str, context: Callable = nullcontext,
                  vocab_size: int | None = None) -> None:
-    """Store `model`'s log-prob of every trained token of each batch under `batch[key]`
-    (`[B, T]` float32 aligned with `labels`, 0 elsewhere), computed under `context()` (the
+    """Store `model`'s log-prob of every target of each batch under `batch[key]` (`[M]`
+    float32, in the order of `target_ids`), computed under `context()` (the
     trainer's `forward_context`: the precision its training forward runs in) and normalised
     over the first `vocab_size` token ids (default the model's vocabulary); the model is left
     in its mode."""
@@ -128,12 +214,8 @@ def attach_logps(model: torch.nn.Module, batches: list[dict], key: str, context:
     device = next(model.parameters()).device
     try:
         for batch in batches:
-            moved = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "position_ids", "doc_ids",
-                                                                         "labels")}
+            moved = {k: v.to(device) for k, v in batch.items() if k in MODEL_FIELDS}
             with context():
-                logp_M = token_logps(model, moved, vocab_size=vocab_size).float().cpu()
-            out = torch.zeros(batch["labels"].shape, dtype=torch.float32)
-            out[batch["labels"] != IGNORE_INDEX] = logp_M
-            batch[key] = out
+                batch[key] = token_logps(model, moved, vocab_size=vocab_size).float().cpu()
     finally:
         model.train(was_training)
