@@ -5,8 +5,10 @@ turn becomes the reference); `tokenize_prompts` renders each prompt with the cha
 generation prompt (token ids: what the engine continues and training packs, never text
 again). `run_task` is one task of the flow's recursive `rl_round` step:
 
-1. build the roles: the policy (`Trainer` over the starting model, `GRPOObjective` from the
-   recipe's `grpo` section), the rollout engine (`native`: a `NativeEngine` over its own copy
+1. build the roles: the policy (a `Trainer` over the starting model, `GRPOObjective` from the
+   recipe's `grpo` section; with `parallel.num_workers > 1` a Ray worker group of that many
+   torch.distributed ranks under `parallel.strategy`, `posttrain.rl.policy.PolicyGroup`, alive
+   for the task), the rollout engine (`native`: a `NativeEngine` over its own copy
    of the weights in this process; `native_actor`: the same in a Ray actor,
    `posttrain.rl.actor.RemoteEngine`), the reward scorer and, with `kl_coef > 0`, the frozen
    reference (the starting model);
@@ -32,6 +34,7 @@ import copy
 import os
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -42,6 +45,7 @@ from posttrain.data.chat import generation_stop_ids, render_prompt
 from posttrain.data.records import ChatRecord, PromptRecord
 from posttrain.objectives.grpo import GRPOObjective
 from posttrain.rl.controller import EngineLost, RLController, RoundResult, RoundSettings, completion_text
+from posttrain.rl.policy import LocalPolicy, PolicyGroup
 from posttrain.rl.rewards import RewardScorer, RewardTerm
 from posttrain.steps.train import maybe_inject_fault, pick_device, training_fingerprint
 from posttrain.steps.train_model import Start, export_trained, load_for_eval, load_start, trained_start_dir
@@ -138,10 +142,11 @@ def total_optimizer_steps(config: GRPOConfig) -> int:
     return config.grpo.rounds * config.grpo.passes * config.grpo.steps_per_pass
 
 
-def build_engine(config: GRPOConfig, model: torch.nn.Module, tokenizer):
+def build_engine(config: GRPOConfig, model: torch.nn.Module | None, tokenizer, start_dir: Path | None = None):
     """The rollout engine role, holding its own copy of the weights (synced by `update_weights`):
-    `grpo.engine` native (in this process), native_actor or vllm_actor (a Ray actor; vLLM gets
-    a GPU of its own on a CUDA machine)."""
+    `grpo.engine` native (in this process: a copy of `model`, or with `model` None the starting
+    model loaded from `start_dir`), native_actor or vllm_actor (a Ray actor; vLLM gets a GPU of
+    its own on a CUDA machine)."""
     if config.grpo.engine in ("native_actor", "vllm_actor"):
         from posttrain.rl.actor import EngineSpec, RemoteEngine
 
@@ -152,6 +157,8 @@ def build_engine(config: GRPOConfig, model: torch.nn.Module, tokenizer):
                             num_gpus=gpus)
     from posttrain.rl.native import NativeEngine
 
+    if model is None:
+        return NativeEngine.from_pretrained(start_dir, tokenizer=tokenizer)
     return NativeEngine(copy.deepcopy(model).eval().requires_grad_(False), tokenizer=tokenizer)
 
 
@@ -187,6 +194,58 @@ def _maybe_kill_engine(engine, next_round: int, restarts: int) -> None:
     ray.kill(engine.actors[0], no_restart=True)
 
 
+def make_policy_rank(config: GRPOConfig, tokenizer, parent: str) -> LocalPolicy:
+    """One rank of the policy's Ray worker group, inside its process group: the starting model
+    on this rank's device under the recipe's `parallel` strategy (FSDP2 by default) and its
+    trainer (`posttrain.rl.policy.PolicyGroup` calls this on every rank)."""
+    from posttrain.parallel.apply import apply_parallelism
+    from posttrain.parallel.mesh import build_device_mesh, dp_group, worker_device
+
+    torch.manual_seed(config.train.seed)
+    model = load_start(config, tokenizer, Start(parent, parent=parent), worker_device())
+    mesh = build_device_mesh(config.parallel)
+    model = apply_parallelism(model, config.parallel, mesh) if mesh is not None else model
+    return LocalPolicy(Trainer(model, config.train, total_optimizer_steps(config), objective=grpo_objective(config),
+                               process_group=dp_group(mesh) if mesh is not None else None))
+
+
+def build_policy(config: GRPOConfig, tokenizer, parent: Path, device: torch.device):
+    """The policy role and the model a rollout engine copies (None for a worker group, whose
+    engines start from the starting model's directory): a `Trainer` in this process with
+    `parallel.num_workers: 1`, else a `PolicyGroup` of that many Ray actors, one rank each,
+    that lives for the task."""
+    workers = config.parallel.num_workers
+    if workers == 1:
+        model = load_start(config, tokenizer, Start(parent, parent=parent), device)
+        return LocalPolicy(Trainer(model, config.train, total_optimizer_steps(config),
+                                   objective=grpo_objective(config))), model
+    from posttrain.train.trainer import training_precision
+
+    gpus = 1 if device.type == "cuda" else 0
+    policy = PolicyGroup(make_policy_rank, (config, tokenizer, str(parent)), workers,
+                         objective=grpo_objective(config), forward_context=partial(training_precision, config.train, device),
+                         reference_dir=str(parent), backend=config.parallel.backend, gpus_per_worker=gpus)
+    print(f"[rl_round] policy: {workers} ranks on Ray ({config.parallel.strategy})")
+    return policy, None
+
+
+def _save_round(policy: LocalPolicy, state_dir: str, fingerprint: dict, round_: int, controller_state: dict,
+                extra: dict) -> str:
+    """A round checkpoint of the policy's trainer and the controller (collective: every rank)."""
+    manager = CheckpointManager(Path(state_dir), every_steps=1, keep_last=2, fingerprint=fingerprint)
+    return str(manager.save(round_, policy.trainer, controller_state, extra=extra))
+
+
+def _load_round(policy: LocalPolicy, state_dir: str, fingerprint: dict, path: str) -> dict:
+    """The controller state of a round checkpoint, its trainer state restored (every rank)."""
+    manager = CheckpointManager(Path(state_dir), every_steps=1, keep_last=2, fingerprint=fingerprint)
+    return manager.load(path, policy.trainer)
+
+
+def _export(policy: LocalPolicy, config: GRPOConfig, tokenizer, parent: str, run_dir: str) -> dict:
+    return export_trained(policy.trainer, config, tokenizer, Start(Path(parent), parent=Path(parent)), Path(run_dir))
+
+
 def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Path, previous: str | None,
              on_round: Callable[[RoundResult], None] | None = None, teacher_spec=None) -> TaskResult:
     """One task of the recursive round step (module docstring). `previous`: the round
@@ -196,8 +255,6 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
     run_dir = Path(run_dir)
     device = pick_device(config.train.device)
     parent = trained_start_dir(config)
-    model = load_start(config, tokenizer, Start(parent, parent=parent), device)
-    trainer = Trainer(model, config.train, total_optimizer_steps(config), objective=grpo_objective(config))
     fingerprint = training_fingerprint(config)
     teacher = None
     if config.grpo.teacher is not None:
@@ -208,25 +265,29 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
         teacher = load_teacher(teacher_spec, device)
         fingerprint["teacher"] = {"reference": teacher_spec.identity["reference"],
                                   "sha256": teacher_spec.identity["sha256"]}
-    manager = CheckpointManager(run_dir / RL_STATE_DIR, every_steps=1, keep_last=2, fingerprint=fingerprint)
+    state_dir = str(run_dir / RL_STATE_DIR)
     reference = None
     if config.grpo.kl_coef > 0:
         from posttrain.models.registry import load_hf_checkpoint
 
         reference = load_hf_checkpoint(parent, device=device).eval().requires_grad_(False)
-    engine = build_engine(config, model, tokenizer)
-    controller = RLController(trainer, engine, reward_scorer(config), prompts.ids, prompts.records,
-                              round_settings(config, tokenizer), tokenizer, tokenizer.pad_token_id, reference=reference,
-                              on_scored=lambda r: maybe_inject_fault(r, run_dir / RL_STATE_DIR), teacher=teacher,
-                              distill_coef=config.grpo.distill_coef,
-                              teacher_vocab=teacher_spec.vocab_size if teacher_spec is not None else None)
-    if previous is not None:
-        controller.load_state_dict(manager.load(previous, trainer))
-        engine.update_weights(trainer.export_weights())
-        print(f"[rl_round] resumed at round {controller.round} from {previous}")
-    results, restarts = [], 0
-    last = min(config.grpo.rounds, controller.round + config.grpo.rounds_per_task)
+    policy, model = build_policy(config, tokenizer, parent, device)
+    engine = None
     try:
+        engine = build_engine(config, model, tokenizer, parent)
+        controller = RLController(policy, engine, reward_scorer(config), prompts.ids, prompts.records,
+                                  round_settings(config, tokenizer), tokenizer, tokenizer.pad_token_id,
+                                  reference=reference, on_scored=lambda r: maybe_inject_fault(r, run_dir / RL_STATE_DIR),
+                                  teacher=teacher, distill_coef=config.grpo.distill_coef,
+                                  teacher_vocab=teacher_spec.vocab_size if teacher_spec is not None else None)
+        if previous is not None:
+            controller.load_state_dict(policy.run(_load_round, state_dir, fingerprint, previous))
+            engine.update_weights(policy.export_weights())
+            print(f"[rl_round] resumed at round {controller.round} from {previous}")
+        elif model is None:  # a worker group: the engine starts from the starting model's directory
+            engine.update_weights(policy.export_weights())
+        results, restarts = [], 0
+        last = min(config.grpo.rounds, controller.round + config.grpo.rounds_per_task)
         while controller.round < last:
             state = controller.state_dict()
             try:
@@ -239,10 +300,10 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
                 print(f"[rl_round] rollout engine failed in round {controller.round + 1} ({lost.__cause__}); "
                       f"restarting it{' and redoing the round' if redo else ' and syncing it'}")
                 engine.close()
-                controller.engine = engine = build_engine(config, model, tokenizer)
+                controller.engine = engine = build_engine(config, model, tokenizer, parent)
                 if redo:
                     controller.load_state_dict(state)
-                    engine.update_weights(trainer.export_weights())
+                    engine.update_weights(policy.export_weights())
                     continue
                 result = lost.result
                 sync = controller.sync_weights()
@@ -258,12 +319,14 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
             if on_round is not None:
                 on_round(result)
             _maybe_kill_engine(engine, controller.round + 1, restarts)
+        checkpoint = policy.run(_save_round, state_dir, fingerprint, controller.round, controller.state_dict(),
+                                {"rounds_in_task": len(results)})
+        done = controller.round >= config.grpo.rounds
+        exported = policy.run(_export, config, tokenizer, str(parent), str(run_dir)) if done else {}
     finally:
-        engine.close()
-    checkpoint = manager.save(controller.round, trainer, controller.state_dict(),
-                              extra={"rounds_in_task": len(results)})
-    done = controller.round >= config.grpo.rounds
-    exported = export_trained(trainer, config, tokenizer, Start(parent, parent=parent), run_dir) if done else {}
+        if engine is not None:
+            engine.close()
+        policy.close()
     return TaskResult(rounds=results, checkpoint=str(checkpoint), rounds_done=controller.round, done=done,
                       checkpoint_dir=exported.get("checkpoint_dir"), base_dir=str(parent),
                       seconds=time.perf_counter() - started, engine_restarts=restarts)

@@ -121,6 +121,19 @@ def direct_logps(model, batch):
     return logp.gather(-1, batch["target_ids"][:, None])[:, 0]
 
 
+def summed_step(model, objective, batches):
+    """`(loss sum, count, metric sums, gradients)` of the objective over `batches` from zeroed grads."""
+    model.zero_grad()
+    loss, count, metrics = 0.0, 0, {}
+    for batch in batches:
+        out = objective(model, batch)
+        out.loss_sum.backward()
+        loss, count = loss + float(out.loss_sum.detach()), count + int(out.count)
+        for k, v in out.metric_sums.items():
+            metrics[k] = metrics.get(k, 0.0) + float(v)
+    return loss, count, metrics, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "sequence_sum"])
 def test_loss_and_gradient_match_a_direct_computation(model, aggregation):
     batch = pack_trajectories(trajectories(), 64, 8, PAD)[0]
@@ -251,16 +264,9 @@ def test_shared_prompts_give_the_unshared_loss_and_gradient(model, aggregation):
     for shared in (False, True):
         batches = pack_trajectories(trajs, 48, 8, PAD, shared_prompt=shared)
         attach_logps(model, batches, "old_logps")
-        model.zero_grad()
-        loss, count, metrics = 0.0, 0, {}
         for batch in batches:
             batch["old_logps"] = batch["old_logps"] - 0.05 * batch["target_seq"].float()
-            out = objective(model, batch)
-            out.loss_sum.backward()
-            loss, count = loss + float(out.loss_sum.detach()), count + int(out.count)
-            for k, v in out.metric_sums.items():
-                metrics[k] = metrics.get(k, 0.0) + float(v)
-        results.append((loss, count, metrics, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        results.append(summed_step(model, objective, batches))
     (loss_u, count_u, metrics_u, grads_u), (loss_s, count_s, metrics_s, grads_s) = results
     assert count_s == count_u and loss_s == pytest.approx(loss_u, rel=1e-5, abs=1e-6)
     for k in metrics_u:
@@ -283,3 +289,23 @@ def test_old_logps_recomputed_in_the_trainers_precision_give_ratio_one_under_bf1
     attach_logps(model, batches, "old_logps", context=trainer.forward_context)
     metrics = trainer.train_step(batches)
     assert metrics["ratio"] == 1.0 and metrics["clip_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("parts", [2, 5])
+def test_rows_split_over_ranks_give_the_whole_batch_loss_and_gradient(model, parts):
+    """What a policy worker group does with a micro-batch (`shard_batches`): its rows split over
+    the ranks, targets re-indexed; more ranks than rows leave some with a padding row and no
+    target. The parts' summed loss, count and gradient are the whole batch's."""
+    from posttrain.rl.trajectories import shard_batches, split_rows
+
+    batch = pack_trajectories(trajectories(count=12, per_prompt=4), 32, 8, PAD, shared_prompt=True)[0]
+    assert batch["input_ids"].shape[0] < 5  # the 5-way split has empty parts
+    objective = GRPOObjective(aggregation="sequence_mean", is_correction="none")
+    whole_loss, whole_count, _, expected = summed_step(model, objective, [batch])
+    pieces = split_rows(batch, parts)
+    assert [len(s) for s in shard_batches([batch, batch], parts)] == [2] * parts
+    loss, count, _, grads = summed_step(model, objective, pieces)
+    assert sum(p["target_ids"].numel() for p in pieces) == batch["target_ids"].numel()
+    assert count == whole_count and loss == pytest.approx(whole_loss, rel=1e-5, abs=1e-6)
+    for n in expected:
+        torch.testing.assert_close(grads[n], expected[n], rtol=1e-4, atol=1e-6)

@@ -132,9 +132,9 @@ def test_resumed_controller_repeats_the_trajectory(task, tmp_path):
     first = make(task, passes=2)
     first.run_round(), first.run_round()
     manager = CheckpointManager(tmp_path, every_steps=1)
-    path = manager.save(first.round, first.policy, first.state_dict())
+    path = manager.save(first.round, first.policy.trainer, first.state_dict())
     resumed = make(task, passes=2)
-    resumed.load_state_dict(manager.load(path, resumed.policy))
+    resumed.load_state_dict(manager.load(path, resumed.policy.trainer))
     resumed.engine.update_weights(resumed.policy.export_weights())
     third = resumed.run_round()
     assert third.round == 3

@@ -38,14 +38,20 @@ from posttrain.parallel.distributed import FAILURE_GRACE_S, WorkerError, failed_
 OBJECT_STORE_BYTES = 512 * 2**20
 
 
+def node_address() -> tuple[str, int]:
+    """The IP of the node this Ray worker runs on and a free port there: a process group's
+    rendezvous, asked of the actor that will be rank 0."""
+    ip = ray.util.get_node_ip_address()
+    return ip, free_port("" if ip not in ("127.0.0.1", "localhost") else ip)
+
+
 class SPMDWorker:
     """One rank. Ray-remote via `ray.remote(SPMDWorker)` (kept undecorated so the class
     itself stays importable and testable)."""
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port on it (asked of rank 0: the rendezvous host)."""
-        ip = ray.util.get_node_ip_address()
-        return ip, free_port("" if ip not in ("127.0.0.1", "localhost") else ip)
+        return node_address()
 
     def run(self, fn: Callable[..., Any], args: tuple, rank: int, world_size: int, master_addr: str,
             master_port: int, backend: str | None) -> Any:

@@ -5,8 +5,9 @@
     result = controller.run_round()          # a RoundResult: rollouts, rewards, metrics
     state = controller.state_dict()          # round, prompt position (JSON-safe; the trainer saves its own)
 
-The controller owns the plan; the roles do the work behind their contracts: the policy is a
-`posttrain.train.trainer.Trainer` (`train_step`, `export_weights`), the rollout engine any
+The controller owns the plan; the roles do the work behind their contracts: the policy a
+`posttrain.rl.policy` role (a `Trainer` in this process, or a Ray worker group of one or more
+torch.distributed ranks that keeps its state across rounds), the rollout engine any
 `RolloutEngine` (in process, or Ray actors through `posttrain.rl.actor.RemoteEngine`), the
 reward a `posttrain.rl.rewards.RewardScorer`, the reference (only when `kl_coef > 0`) a frozen
 model scoring the same batches.
@@ -51,6 +52,7 @@ from posttrain.rl.advantages import degenerate_groups, group_advantages
 from posttrain.rl.engine import Completion, SamplingConfig, request_seed
 from posttrain.rl.rewards import RewardScorer, Scores
 from posttrain.rl.sync import SyncError, check_sync
+from posttrain.rl.policy import as_policy
 from posttrain.rl.trajectories import Trajectory, attach_logps, pack_trajectories
 
 
@@ -181,6 +183,7 @@ class RLController:
                  distill_coef: float = 1.0, teacher_vocab: int | None = None):
         if len(prompts) != len(records):
             raise ValueError(f"{len(prompts)} prompts for {len(records)} records")
+        policy = as_policy(policy)
         objective = policy.objective
         if scorer is None and teacher is None:
             raise ValueError("a controller needs a reward scorer, a teacher, or both")
@@ -197,7 +200,6 @@ class RLController:
         self.probes = [list(p) for p in (probes if probes is not None else self.prompts[:4])]
         self.sampler = PromptSampler(len(self.prompts), settings.seed)
         self.round = 0
-        self._sync_reference = None
         self.on_scored = on_scored
         self.teacher, self.distill_coef, self.teacher_vocab = teacher, float(distill_coef), teacher_vocab
 
@@ -291,7 +293,8 @@ class RLController:
                 times["teacher"] += time.perf_counter() - t
             t = time.perf_counter()
             if s.passes * steps > 1 or self.teacher is not None:  # the log-probs of the policy that sampled
-                attach_logps(self.policy.model, batches, "old_logps", context=context)
+                for batch, logps in zip(batches, self.policy.token_logps(batches)):
+                    batch["old_logps"] = logps
             if self.teacher is not None:
                 reverse_kl = self._add_teacher_advantages(batches)
             for _ in range(s.passes):
@@ -336,14 +339,12 @@ class RLController:
 
     def sync_weights(self) -> dict | None:
         """Push the policy's weights to the engine and (with `sync_check`) verify them."""
-        self.engine.update_weights(self.policy.export_weights())
+        weights = self.policy.export_weights()
+        self.engine.update_weights(weights)
         if not self.settings.sync_check:
             return None
-        if self._sync_reference is None:
-            from posttrain.rl.native import NativeEngine
-
-            self._sync_reference = NativeEngine(self.policy.model)
-        report = check_sync(self.engine, self._sync_reference, self.policy.model, self.probes,
+        reference, recompute = self.policy.sync_reference(weights)
+        report = check_sync(self.engine, reference, recompute, self.probes,
                             max_new_tokens=min(SYNC_PROBE_TOKENS, self.settings.max_new_tokens))
         if not report.ok:
             raise SyncError(f"after the weight update of round {self.round + 1}, {report.mismatched} of "

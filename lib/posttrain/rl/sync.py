@@ -3,8 +3,8 @@
 `recompute_logprobs(model, prompts, completions)` is the trainer's view of sampled tokens:
 each prompt + completion packed as its own document into rows, one forward, the chunked
 log-prob op (`posttrain.ops.logprobs`) at the completion positions (raw model distribution,
-soft-capping included). `check_sync(engine, reference, probes)` runs greedy completions of
-probe prompts through the engine and through a `NativeEngine` holding the same weights:
+soft-capping included). `check_sync(engine, reference, recompute, probes)` runs greedy
+completions of probe prompts through the engine and through a `NativeEngine` holding the same weights:
 they must be equal token for token, and the mean absolute gap between the engine's raw
 log-probs and the recomputed ones is reported (the silent drift RL users see when engine
 and trainer disagree about the numbers).
@@ -12,7 +12,7 @@ and trainer disagree about the numbers).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -69,16 +69,17 @@ def recompute_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     return list(logps_N.float().cpu().split(bounds))
 
 
-def check_sync(engine, reference, model: torch.nn.Module, probes: Sequence[Sequence[int]],
-               max_new_tokens: int = 8) -> SyncReport:
-    """Greedy completions of `probes` by `engine` and by `reference` (a `NativeEngine` over
-    `model`, which holds the weights the engine should have), and the engine's log-prob gap to
-    `model`'s recomputation (module docstring)."""
+def check_sync(engine, reference, recompute: Callable[[list, list], list[torch.Tensor]],
+               probes: Sequence[Sequence[int]], max_new_tokens: int = 8) -> SyncReport:
+    """Greedy completions of `probes` by `engine` and by `reference` (a `NativeEngine` holding
+    the weights the engine should have), and the engine's log-prob gap to the trainer's
+    recomputation `recompute(prompts, completions)` (module docstring; for a model in this
+    process, `functools.partial(recompute_logprobs, model)`)."""
     greedy = SamplingConfig(temperature=0, max_new_tokens=max_new_tokens)
     theirs: list[Completion] = [g[0] for g in engine.generate(probes, greedy)]
     ours: list[Completion] = [g[0] for g in reference.generate(probes, greedy)]
     mismatched = sum(a.token_ids != b.token_ids for a, b in zip(theirs, ours))
-    recomputed = recompute_logprobs(model, probes, [c.token_ids for c in theirs])
+    recomputed = recompute([list(p) for p in probes], [c.token_ids for c in theirs])
     gaps = torch.cat([(torch.tensor(c.raw_logprobs) - r).abs() for c, r in zip(theirs, recomputed)])
     return SyncReport(probes=len(probes), mismatched=mismatched, logprob_gap=float(gaps.mean()) if gaps.numel() else 0.0,
                       logprob_gap_max=float(gaps.max()) if gaps.numel() else 0.0, tokens=int(gaps.numel()))

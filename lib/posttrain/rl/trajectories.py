@@ -219,3 +219,40 @@ def attach_logps(model: torch.nn.Module, batches: list[dict], key: str, context:
                 batch[key] = token_logps(model, moved, vocab_size=vocab_size).float().cpu()
     finally:
         model.train(was_training)
+
+
+def split_rows(batch: dict, parts: int) -> list[dict]:
+    """`parts` batches of consecutive rows of `batch` (as even as the rows allow), each with its
+    own targets (re-indexed to its rows). Targets are listed row by row, so each part's are
+    one run of the list; parts past the last row hold one padding row and no target."""
+    B, T = batch["input_ids"].shape
+    bounds = [B * k // parts for k in range(parts + 1)]
+    row_of = batch["target_pos"] // T
+    out = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi == lo:
+            out.append(_empty_like(batch))
+            continue
+        keep = (row_of >= lo) & (row_of < hi)
+        part = {k: v[lo:hi] for k, v in batch.items() if v.dim() == 2}
+        part.update({k: v[keep] for k, v in batch.items() if v.dim() == 1})
+        part["target_pos"] = part["target_pos"] - lo * T
+        out.append(part)
+    return out
+
+
+def _empty_like(batch: dict) -> dict:
+    """One padding row and no target: a rank with nothing to train still joins the step's
+    collectives."""
+    T = batch["input_ids"].shape[1]
+    part = {k: torch.full((1, T), -1 if k == "doc_ids" else 0, dtype=v.dtype) for k, v in batch.items() if v.dim() == 2}
+    part.update({k: v[:0] for k, v in batch.items() if v.dim() == 1})
+    return part
+
+
+def shard_batches(batches: list[dict], ranks: int) -> list[list[dict]]:
+    """A step's micro-batches dealt out over `ranks`: each batch's rows split over them, so
+    every rank runs as many forwards and backwards as the others (a sharded model's
+    collectives pair them up) on about its share of the rows."""
+    pieces = [split_rows(batch, ranks) for batch in batches]
+    return [[p[r] for p in pieces] for r in range(ranks)]

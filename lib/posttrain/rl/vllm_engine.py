@@ -33,13 +33,14 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from posttrain.rl.engine import Completion, SamplingConfig, check_prompts
-from posttrain.rl.sync import SyncError, SyncReport, check_sync
+from posttrain.rl.sync import SyncError, SyncReport, check_sync, recompute_logprobs
 
 DEFAULT_PROBES = ([1, 2, 3, 4], [5, 9, 17], [42], [7, 7, 7, 7, 7, 7, 8])
 
@@ -168,7 +169,7 @@ class VLLMEngine:
         return self.last_sync
 
     def _check(self) -> SyncReport:
-        report = check_sync(self, self.reference, self.model, self.probes)
+        report = check_sync(self, self.reference, partial(recompute_logprobs, self.model), self.probes)
         self.sync_history.append(report)
         if not report.ok and self.strict_sync:
             raise SyncError(f"vLLM's greedy completions differ from the reference's on {report.mismatched} of "

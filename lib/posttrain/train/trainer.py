@@ -129,6 +129,19 @@ def full_weights_view(model: torch.nn.Module, weights: dict[str, torch.Tensor]) 
                            state_dict=lambda: dict(weights))
 
 
+@contextlib.contextmanager
+def training_precision(cfg: TrainConfig, device: torch.device, resolved_head_precision: str | None = None):
+    """The precision a trainer of `cfg` on `device` runs its forward in (`Trainer.forward_context`):
+    bf16 autocast with `mixed_precision: bf16`, and the output projection's head precision
+    (`resolved_head_precision`, or resolved here as the trainer resolves it). For forwards
+    outside the trainer's process that must match it (an RL controller's reference model)."""
+    if resolved_head_precision is None:
+        resolved_head_precision = resolve_head_precision(cfg.head_precision, cfg.mixed_precision, device)[0]
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16"), \
+            head_precision(matmul_dtype_for(resolved_head_precision)):
+        yield
+
+
 class Trainer:
     """AdamW + warmup/decay schedule + grad clipping + health checks over `model`.
 
@@ -228,16 +241,11 @@ class Trainer:
             return "sdpa"
         return choose_backend(batch["doc_ids"].to(model_device(self.model)), None, batch.get("branch_ids"))[0]
 
-    def _autocast(self, device: torch.device):
-        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.cfg.mixed_precision == "bf16")
-
-    @contextlib.contextmanager
     def forward_context(self):
         """The precision the training forward runs in (bf16 autocast with `mixed_precision: bf16`,
         the output projection's `head_precision`): wrap any other forward that must match it,
         e.g. an RL controller recomputing the policy's log-probs before an update."""
-        with self._autocast(model_device(self.model)), head_precision(matmul_dtype_for(self.head_precision)):
-            yield
+        return training_precision(self.cfg, model_device(self.model), self.head_precision)
 
     def train_step(self, micro_batches: list[dict]) -> dict:
         """One optimizer step over `micro_batches` (dicts of `[B, T]` long tensors).
