@@ -202,7 +202,7 @@ class NativeEngine:
 
     # -------------------------------------------------------------- generate
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         """`sampling.n` completions of each prompt, in the order given (`posttrain.rl.engine`)."""
         if not isinstance(sampling, SamplingConfig):
