@@ -8,10 +8,12 @@ again). `run_task` is one task of the flow's recursive `rl_round` step:
 1. build the roles: the policy (a `Trainer` over the starting model, `GRPOObjective` from the
    recipe's `grpo` section; with `parallel.num_workers > 1` a Ray worker group of that many
    torch.distributed ranks under `parallel.strategy`, `posttrain.rl.policy.PolicyGroup`, alive
-   for the task), the rollout engine (`native`: a `NativeEngine` over its own copy
-   of the weights in this process; `native_actor`: the same in a Ray actor,
-   `posttrain.rl.actor.RemoteEngine`), the reward scorer and, with `kl_coef > 0`, the frozen
-   reference (the starting model);
+   for the task), the rollout engine (`native`: a `NativeEngine` over its own copy of the
+   weights in this process; `native_actor`: the same in a Ray actor,
+   `posttrain.rl.actor.RemoteEngine`), the reward scorer (in process, or `grpo.reward_workers`
+   Ray actors, `posttrain.rl.actor.RemoteRewardScorer`) and, with `kl_coef > 0`, the frozen
+   reference (the starting model; on a Ray actor of its own with `grpo.reference_on_actor`,
+   `posttrain.rl.actor.RemoteReference`);
 2. restore the previous task's round checkpoint (trainer state, controller state: round and
    prompt position), when there is one, and sync the engine to the policy;
 3. run `grpo.rounds_per_task` rounds (fewer at the end); a rollout engine that dies mid-round
@@ -131,11 +133,25 @@ def grpo_objective(config: GRPOConfig) -> GRPOObjective:
                          is_correction=g.is_correction, is_cap=g.is_cap, entropy=g.entropy)
 
 
+def reward_terms(config: GRPOConfig) -> list[RewardTerm]:
+    return [RewardTerm(t.function, t.weight, dict(t.kwargs), t.timeout_s, t.name, t.retry_budget_s)
+            for t in config.grpo.rewards]
+
+
 def reward_scorer(config: GRPOConfig) -> RewardScorer | None:
+    """The reward role in this process (evaluation and `grpo.reward_workers: 0`)."""
     if not config.grpo.rewards:
         return None  # on-policy distillation alone
-    return RewardScorer([RewardTerm(t.function, t.weight, dict(t.kwargs), t.timeout_s, t.name, t.retry_budget_s)
-                         for t in config.grpo.rewards])
+    return RewardScorer(reward_terms(config))
+
+
+def build_reward_role(config: GRPOConfig):
+    """The rounds' reward role: in this process, or `grpo.reward_workers` Ray actors."""
+    if not config.grpo.rewards or config.grpo.reward_workers == 0:
+        return reward_scorer(config)
+    from posttrain.rl.actor import RemoteRewardScorer
+
+    return RemoteRewardScorer(reward_terms(config), num_workers=config.grpo.reward_workers)
 
 
 def total_optimizer_steps(config: GRPOConfig) -> int:
@@ -192,6 +208,32 @@ def _maybe_kill_engine(engine, next_round: int, restarts: int) -> None:
 
     print(f"[rl_round] {KILL_ENGINE_ENV}={next_round}: killing the rollout actor")
     ray.kill(engine.actors[0], no_restart=True)
+
+
+def ray_actors_for_roles(config: GRPOConfig) -> int:
+    """How many one-CPU Ray actors a round task's roles start: the policy's ranks (more than
+    one), a rollout engine actor, the reward workers, a reference actor."""
+    g = config.grpo
+    return ((config.parallel.num_workers if config.parallel.num_workers > 1 else 0)
+            + (1 if g.engine in ("native_actor", "vllm_actor") else 0) + g.reward_workers
+            + (1 if g.kl_coef > 0 and g.reference_on_actor else 0))
+
+
+def start_ray_for_roles(config: GRPOConfig) -> bool:
+    """Start a local Ray sized for every role's actors (each role would otherwise size one for
+    itself alone), unless none is needed or one is running; True when this call started it."""
+    actors = ray_actors_for_roles(config)
+    if actors == 0:
+        return False
+    import ray
+
+    from posttrain.parallel.workers import local_ray_init
+
+    if ray.is_initialized():
+        return False
+    gpus = config.parallel.num_workers if pick_device(config.train.device).type == "cuda" else 0
+    local_ray_init(actors, gpus + (1 if config.grpo.engine == "vllm_actor" and gpus else 0))
+    return True
 
 
 def make_policy_rank(config: GRPOConfig, tokenizer, parent: str) -> LocalPolicy:
@@ -266,16 +308,21 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
         fingerprint["teacher"] = {"reference": teacher_spec.identity["reference"],
                                   "sha256": teacher_spec.identity["sha256"]}
     state_dir = str(run_dir / RL_STATE_DIR)
-    reference = None
-    if config.grpo.kl_coef > 0:
-        from posttrain.models.registry import load_hf_checkpoint
-
-        reference = load_hf_checkpoint(parent, device=device).eval().requires_grad_(False)
+    started_ray = start_ray_for_roles(config)
     policy, model = build_policy(config, tokenizer, parent, device)
-    engine = None
+    engine = scorer = reference = None
     try:
+        if config.grpo.kl_coef > 0 and config.grpo.reference_on_actor:
+            from posttrain.rl.actor import RemoteReference
+
+            reference = RemoteReference(parent, config.train)
+        elif config.grpo.kl_coef > 0:
+            from posttrain.models.registry import load_hf_checkpoint
+
+            reference = load_hf_checkpoint(parent, device=device).eval().requires_grad_(False)
         engine = build_engine(config, model, tokenizer, parent)
-        controller = RLController(policy, engine, reward_scorer(config), prompts.ids, prompts.records,
+        scorer = build_reward_role(config)
+        controller = RLController(policy, engine, scorer, prompts.ids, prompts.records,
                                   round_settings(config, tokenizer), tokenizer, tokenizer.pad_token_id,
                                   reference=reference, on_scored=lambda r: maybe_inject_fault(r, run_dir / RL_STATE_DIR),
                                   teacher=teacher, distill_coef=config.grpo.distill_coef,
@@ -326,7 +373,14 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
     finally:
         if engine is not None:
             engine.close()
+        for role in (scorer, reference):
+            if hasattr(role, "close"):
+                role.close()
         policy.close()
+        if started_ray:
+            import ray
+
+            ray.shutdown()
     return TaskResult(rounds=results, checkpoint=str(checkpoint), rounds_done=controller.round, done=done,
                       checkpoint_dir=exported.get("checkpoint_dir"), base_dir=str(parent),
                       seconds=time.perf_counter() - started, engine_restarts=restarts)

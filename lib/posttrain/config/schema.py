@@ -805,6 +805,11 @@ class GRPOSection:
     success_threshold: float = 1.0
     entropy: bool = True
     engine: Literal["native", "native_actor", "vllm_actor"] = "native"
+    # reward functions in this process (0) or on that many Ray actors (a reward model among the
+    # terms is then loaded in each actor; a worker that dies fails its samples, not the run)
+    reward_workers: int = bounded(0, ge=0)
+    # with kl_coef > 0: the frozen reference in this process, or on a Ray actor of its own
+    reference_on_actor: bool = False
     # a prompt's completions trained as one tree document (the prompt once, each completion a
     # branch): the same loss and gradient, the prompt's tokens computed once instead of n times
     shared_prompt: bool = True

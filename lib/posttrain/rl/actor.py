@@ -1,4 +1,4 @@
-"""A rollout engine as a Ray role: one or several actors behind the same `RolloutEngine` contract.
+"""Rollout engines and reward workers as Ray roles: actors behind the same contracts as in process.
 
     engine = RemoteEngine(EngineSpec("native", model_dir), num_actors=2)
     groups = engine.generate(prompts, SamplingConfig(n=4, seed=7))   # as the local engine would
@@ -15,6 +15,10 @@ the other side), every actor reads the same copy, and each validates it before c
 anything (a `WeightUpdateError` comes back as itself). The controller places the actors
 apart from the trainer with `num_cpus` / `num_gpus` per actor.
 
+`RemoteRewardScorer(terms, num_workers)` is the reward role the same way: the
+`RewardScorer` contract, each actor scoring a contiguous chunk of a batch (a reward model
+named by a term lives in the actors, loaded once each).
+
 Ray: an instance already running is used and left running; otherwise a local one is
 started (`posttrain.parallel.workers.local_ray_init`) and shut down by `close()`.
 """
@@ -22,6 +26,7 @@ started (`posttrain.parallel.workers.local_ray_init`) and shut down by `close()`
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -146,4 +151,136 @@ class RemoteEngine:
             ray.kill(actor)
         self.actors = []
         if self.started_ray:
+            ray.shutdown()
+
+
+class RewardActor:
+    """One reward worker: a `RewardScorer` over the recipe's terms, built in the actor (a reward
+    model named by a term is loaded there, once)."""
+
+    def __init__(self, terms: list):
+        from posttrain.rl.rewards import RewardScorer
+
+        torch.set_num_threads(1)
+        self.scorer = RewardScorer(terms)
+
+    def ready(self) -> bool:
+        return True
+
+    def score(self, completions: list[str], records: list):
+        return self.scorer.score(completions, records)
+
+
+class RemoteRewardScorer:
+    """The reward role as `num_workers` Ray actors, the `RewardScorer` contract in and out:
+    `score(completions, records) -> Scores`. A batch is cut into contiguous chunks, one per
+    worker, scored at once and put back in order. Within a worker a sample whose function
+    raises or hangs fails alone (`RewardScorer`); a worker that dies fails its chunk's samples
+    (counted and reported like any failed reward; the round goes on) and is replaced before the
+    next batch. A broken function (`RewardError`: a wrong count, a value that is not a number)
+    stops the run as it does in process."""
+
+    def __init__(self, terms: Sequence, num_workers: int = 1, num_cpus: float = 1):
+        from posttrain.parallel.workers import local_ray_init
+        from posttrain.rl.rewards import RewardError, RewardScorer
+
+        if num_workers < 1:
+            raise ValueError(f"need at least one reward worker, got {num_workers}")
+        RewardScorer(terms)  # the same checks as in process, before any actor starts
+        self.terms = list(terms)
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:
+            local_ray_init(max(2, int(num_workers * num_cpus + 0.999)), 0)
+        # the functions are named by import path: the actors import them from the driver's path
+        path = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}}
+        self._actor_cls = ray.remote(num_cpus=num_cpus, max_restarts=0, runtime_env=path)(RewardActor)
+        self.actors = [self._actor_cls.remote(self.terms) for _ in range(num_workers)]
+        self.restarts = 0
+        try:  # a worker that cannot start (an import, a reward model that does not load) says so now
+            ray.get([actor.ready.remote() for actor in self.actors])
+        except ray.exceptions.RayActorError as err:
+            self.close()
+            raise RewardError(f"a reward worker failed to start: {err}") from None
+
+    def score(self, completions: list[str], records: list):
+        from posttrain.rl.rewards import RewardError, Scores
+
+        if len(completions) != len(records):
+            raise ValueError(f"{len(completions)} completions for {len(records)} records")
+        n = len(completions)
+        bounds = [n * k // len(self.actors) for k in range(len(self.actors) + 1)]
+        chunks = [(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+        refs = [self.actors[k].score.remote(completions[lo:hi], records[lo:hi]) for k, (lo, hi) in enumerate(chunks)]
+        labels = [t.label for t in self.terms]
+        merged = Scores([], {label: [] for label in labels}, [], [])
+        for k, ((lo, hi), ref) in enumerate(zip(chunks, refs)):
+            try:
+                part = ray.get(ref)
+            except ray.exceptions.RayTaskError as err:
+                if isinstance(err.cause, RewardError):
+                    raise err.cause from None
+                raise
+            except ray.exceptions.RayActorError as err:  # the worker died: its samples fail, it is replaced
+                self.actors[k] = self._actor_cls.remote(self.terms)
+                self.restarts += 1
+                size = hi - lo
+                part = Scores([float("nan")] * size, {label: [float("nan")] * size for label in labels}, [True] * size,
+                              [(i, "reward worker", f"the reward worker died: {type(err).__name__}")
+                               for i in range(size)])
+            merged.rewards.extend(part.rewards)
+            merged.failed.extend(part.failed)
+            for label in labels:
+                merged.terms[label].extend(part.terms[label])
+            merged.errors.extend((i + lo, label, message) for i, label, message in part.errors)
+        return merged
+
+    def close(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+class ReferenceActor:
+    """A frozen model (a checkpoint directory, loaded here) scoring trained tokens."""
+
+    def __init__(self, model_dir: str, train_config, device: str = "cpu"):
+        from posttrain.models.registry import load_hf_checkpoint
+
+        torch.set_num_threads(1)
+        self.model = load_hf_checkpoint(model_dir, device=device).eval().requires_grad_(False)
+        self.train_config, self.device = train_config, torch.device(device)
+
+    def token_logps(self, batches: list[dict], vocab_size: int | None = None) -> list[torch.Tensor]:
+        from posttrain.rl.trajectories import model_token_logps
+        from posttrain.train.trainer import training_precision
+
+        return model_token_logps(self.model, batches, lambda: training_precision(self.train_config, self.device),
+                                 vocab_size)
+
+
+class RemoteReference:
+    """The frozen reference role (KL to the starting model) on a Ray actor: the starting
+    model's directory is loaded there, and `token_logps(batches)` returns each batch's `[M]`
+    log-probs in the training precision of `train_config`, as `attach_logps` computes them in
+    process."""
+
+    def __init__(self, model_dir: str, train_config, num_cpus: float = 1):
+        from posttrain.parallel.workers import local_ray_init
+
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:
+            local_ray_init(2, 0)
+        self.actor = ray.remote(num_cpus=num_cpus)(ReferenceActor).remote(os.fspath(model_dir), train_config)
+
+    def token_logps(self, batches: list[dict], vocab_size: int | None = None) -> list[torch.Tensor]:
+        from posttrain.rl.trajectories import MODEL_FIELDS
+
+        light = [{k: v for k, v in b.items() if k in MODEL_FIELDS} for b in batches]
+        return ray.get(self.actor.token_logps.remote(light, vocab_size))
+
+    def close(self) -> None:
+        ray.kill(self.actor)
+        if self.started_ray and ray.is_initialized():
             ray.shutdown()

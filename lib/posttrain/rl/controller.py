@@ -168,8 +168,9 @@ def completion_text(tokenizer, completion: Completion) -> str:
 
 class RLController:
     """Drives one round at a time (module docstring). `prompts[i]` are the token ids of
-    `records[i]` (a `PromptRecord`: what the reward reads). `reference`: a frozen model, needed
-    when the policy's objective has a KL term. `probes`: prompt ids for the sync check (default
+    `records[i]` (a `PromptRecord`: what the reward reads). `reference`: a frozen model (or a
+    role with `token_logps`, e.g. `posttrain.rl.actor.RemoteReference`), needed when the
+    policy's objective has a KL term. `probes`: prompt ids for the sync check (default
     the first four prompts). `on_scored(round)`: called in the middle of each round, after its
     rollouts are scored and before the update (a fault-injection point for tests).
     `teacher`: on-policy distillation (module docstring), its log-probs normalised over the
@@ -177,7 +178,7 @@ class RLController:
     `scorer` may then be None (every reward 0: the teacher's is the only signal)."""
 
     def __init__(self, policy, engine, scorer: RewardScorer | None, prompts: Sequence[Sequence[int]], records: Sequence,
-                 settings: RoundSettings, tokenizer, pad_id: int, reference: torch.nn.Module | None = None,
+                 settings: RoundSettings, tokenizer, pad_id: int, reference=None,
                  probes: Sequence[Sequence[int]] | None = None,
                  on_scored: Callable[[int], None] | None = None, teacher: torch.nn.Module | None = None,
                  distill_coef: float = 1.0, teacher_vocab: int | None = None):

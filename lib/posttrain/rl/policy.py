@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from posttrain.rl.trajectories import MODEL_FIELDS, shard_batches, split_rows
+from posttrain.rl.trajectories import model_token_logps, shard_batches, split_rows
 
 
 class LocalPolicy:
@@ -61,24 +61,9 @@ class LocalPolicy:
     def train_step(self, batches: list[dict]) -> dict:
         return self.trainer.train_step(batches)
 
-    @torch.no_grad()
     def token_logps(self, batches: list[dict], vocab_size: int | None = None) -> list[torch.Tensor]:
         """Each batch's `[M]` float32 log-probs of its targets (in eval mode, the trainer's precision)."""
-        from posttrain.objectives.grpo import token_logps
-
-        model = self.model
-        was_training = model.training
-        model.eval()
-        device = next(model.parameters()).device
-        try:
-            out = []
-            for batch in batches:
-                moved = {k: v.to(device) for k, v in batch.items() if k in MODEL_FIELDS}
-                with self.forward_context():
-                    out.append(token_logps(model, moved, vocab_size=vocab_size).float().cpu())
-            return out
-        finally:
-            model.train(was_training)
+        return model_token_logps(self.model, batches, self.forward_context, vocab_size)
 
     def export_weights(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.trainer.export_weights())

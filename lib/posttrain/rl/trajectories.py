@@ -200,25 +200,39 @@ def _write_rows(trajectories: Sequence[Trajectory], rows: list[list[list[int]]],
 
 
 @torch.no_grad()
-def attach_logps(model: torch.nn.Module, batches: list[dict], key: str, context: Callable = nullcontext,
-                 vocab_size: int | None = None) -> None:
-    """Store `model`'s log-prob of every target of each batch under `batch[key]` (`[M]`
-    float32, in the order of `target_ids`), computed under `context()` (the
-    trainer's `forward_context`: the precision its training forward runs in) and normalised
-    over the first `vocab_size` token ids (default the model's vocabulary); the model is left
-    in its mode."""
+def model_token_logps(model: torch.nn.Module, batches: list[dict], context: Callable = nullcontext,
+                      vocab_size: int | None = None) -> list[torch.Tensor]:
+    """`model`'s log-prob of every target of each batch (`[M]` float32 on the CPU, in the order
+    of `target_ids`), computed in eval mode under `context()` (the trainer's `forward_context`:
+    the precision its training forward runs in), normalised over the first `vocab_size` token
+    ids (default the model's vocabulary); the model is left in its mode."""
     from posttrain.objectives.grpo import token_logps
 
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     try:
+        out = []
         for batch in batches:
             moved = {k: v.to(device) for k, v in batch.items() if k in MODEL_FIELDS}
             with context():
-                batch[key] = token_logps(model, moved, vocab_size=vocab_size).float().cpu()
+                out.append(token_logps(model, moved, vocab_size=vocab_size).float().cpu())
+        return out
     finally:
         model.train(was_training)
+
+
+def attach_logps(model, batches: list[dict], key: str, context: Callable = nullcontext,
+                 vocab_size: int | None = None) -> None:
+    """Store the log-prob of every target of each batch under `batch[key]` (`model_token_logps`):
+    `model` a module in this process, or a role with `token_logps(batches, vocab_size)` (a
+    policy, a reference on a Ray actor)."""
+    if isinstance(model, torch.nn.Module):
+        logps = model_token_logps(model, batches, context, vocab_size)
+    else:
+        logps = model.token_logps(batches, vocab_size)
+    for batch, values in zip(batches, logps):
+        batch[key] = values
 
 
 def split_rows(batch: dict, parts: int) -> list[dict]:
