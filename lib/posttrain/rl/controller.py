@@ -51,8 +51,8 @@ import torch
 from posttrain.rl.advantages import degenerate_groups, group_advantages
 from posttrain.rl.engine import Completion, SamplingConfig, request_seed
 from posttrain.rl.rewards import RewardScorer, Scores
-from posttrain.rl.sync import SyncError, check_sync
 from posttrain.rl.policy import as_policy
+from posttrain.rl.sync import SyncError, check_sync
 from posttrain.rl.trajectories import Trajectory, attach_logps, pack_trajectories
 
 
@@ -294,8 +294,7 @@ class RLController:
                 times["teacher"] += time.perf_counter() - t
             t = time.perf_counter()
             if s.passes * steps > 1 or self.teacher is not None:  # the log-probs of the policy that sampled
-                for batch, logps in zip(batches, self.policy.token_logps(batches)):
-                    batch["old_logps"] = logps
+                attach_logps(self.policy, batches, "old_logps")
             if self.teacher is not None:
                 reverse_kl = self._add_teacher_advantages(batches)
             for _ in range(s.passes):
