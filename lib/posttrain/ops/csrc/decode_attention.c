@@ -59,12 +59,12 @@ static inline float sum_lanes(v16f x) {
 }
 
 /* Scores of NB blocks of 16 slots from slot s0 (of which `valid` are wanted) for the G query
- * heads: out[g * S + s] = scale * q_g . key_s. Keys are stored slot-minor (element e of slot
+ * heads: out[g * row_stride + s] = scale * q_g . key_s. Keys are stored slot-minor (element e of slot
  * s at keys[e * ke + s]), so 16 slots' elements e are one vector load, and a query element
  * times it is one multiply-add for 16 scores: no sums across a vector's lanes. The NB * G
  * accumulators stay in registers (NB, E and G are compile-time constants). */
 ALWAYS_INLINE void score_blocks(const float* q, int64_t q_sh, const float* keys, int64_t ke, int64_t s0,
-                                int64_t valid, float scale, float* out, int64_t S, const int64_t NB,
+                                int64_t valid, float scale, float* out, int64_t row_stride, const int64_t NB,
                                 const int64_t E, const int64_t G) {
     v16f acc[NB * G];
     for (int64_t i = 0; i < NB * G; ++i) acc[i] = (v16f){0};
@@ -78,7 +78,7 @@ ALWAYS_INLINE void score_blocks(const float* q, int64_t q_sh, const float* keys,
     for (int64_t blk = 0; blk < NB; ++blk) {
         const int64_t at = 16 * blk, m = valid - at < 16 ? valid - at : 16;
         for (int64_t g = 0; g < G; ++g) {
-            float* dst = out + g * S + s0 + at;
+            float* dst = out + g * row_stride + s0 + at;
             if (m == 16) {
                 *(v16f*)dst = acc[blk * G + g] * scale;
             } else {
@@ -88,13 +88,13 @@ ALWAYS_INLINE void score_blocks(const float* q, int64_t q_sh, const float* keys,
     }
 }
 
-/* scores[g * S + first + s] = scale * q_g . key_s for the G query heads of one key/value head
+/* scores[g * row_stride + first + s] = scale * q_g . key_s for the G query heads of one key/value head
  * and n keys from slot `first` (see score_blocks). Runs of CHUNK blocks are scored together,
  * element by element, so each element's row is read in runs of 16 * CHUNK slots. Vector loads
  * may read up to slot `readable` (past n: inside the buffer, the extra lanes are dropped);
  * slots after the last whole vector go one at a time. */
 ALWAYS_INLINE void score_keys(const float* q, int64_t q_sh, const float* keys, int64_t ke, int64_t n,
-                              int64_t readable, int64_t first, int64_t S, float scale, float* scores,
+                              int64_t readable, int64_t first, int64_t row_stride, float scale, float* scores,
                               const int64_t E, const int64_t G) {
     const int64_t CHUNK = G <= 8 ? 8 / G : 1;
     const int64_t rounded_up = (n + 15) / 16 * 16, in_buffer = readable / 16 * 16;
@@ -103,20 +103,21 @@ ALWAYS_INLINE void score_keys(const float* q, int64_t q_sh, const float* keys, i
     float* out = scores + first;
     int64_t s0 = 0;
     for (; vector_slots - s0 >= 16 * CHUNK; s0 += 16 * CHUNK)
-        score_blocks(q, q_sh, keys, ke, s0, covered - s0, scale, out, S, CHUNK, E, G);
-    for (; s0 < vector_slots; s0 += 16) score_blocks(q, q_sh, keys, ke, s0, covered - s0, scale, out, S, 1, E, G);
+        score_blocks(q, q_sh, keys, ke, s0, covered - s0, scale, out, row_stride, CHUNK, E, G);
+    for (; s0 < vector_slots; s0 += 16)
+        score_blocks(q, q_sh, keys, ke, s0, covered - s0, scale, out, row_stride, 1, E, G);
     for (int64_t s = covered; s < n; ++s) {
         for (int64_t g = 0; g < G; ++g) {
             float acc = 0.0f;
             for (int64_t e = 0; e < E; ++e) acc += q[g * q_sh + e] * keys[e * ke + s];
-            out[g * S + s] = acc * scale;
+            out[g * row_stride + s] = acc * scale;
         }
     }
 }
 
-/* acc[g * E + e] += scores[g * S + first + s] * value_s[e] over n values from slot `first`
+/* acc[g * E + e] += scores[g * row_stride + first + s] * value_s[e] over n values from slot `first`
  * (values stored slot-major: a slot's E elements are contiguous). */
-ALWAYS_INLINE void mix_values(const float* values, int64_t value_stride, int64_t n, int64_t first, int64_t S,
+ALWAYS_INLINE void mix_values(const float* values, int64_t value_stride, int64_t n, int64_t first, int64_t row_stride,
                               const float* scores, float* acc, const int64_t E, const int64_t G) {
     if (E % 16 == 0) {  /* the accumulators stay in registers */
         v16f sum[G * E / 16];
@@ -124,7 +125,7 @@ ALWAYS_INLINE void mix_values(const float* values, int64_t value_stride, int64_t
         for (int64_t s = 0; s < n; ++s) {
             const float* val = values + s * value_stride;
             for (int64_t g = 0; g < G; ++g) {
-                const float w = scores[g * S + first + s];
+                const float w = scores[g * row_stride + first + s];
                 for (int64_t c = 0; c < E / 16; ++c) sum[g * E / 16 + c] += w * *(const v16f*)(val + 16 * c);
             }
         }
@@ -134,7 +135,7 @@ ALWAYS_INLINE void mix_values(const float* values, int64_t value_stride, int64_t
     for (int64_t s = 0; s < n; ++s) {
         const float* val = values + s * value_stride;
         for (int64_t g = 0; g < G; ++g) {
-            const float w = scores[g * S + first + s];
+            const float w = scores[g * row_stride + first + s];
             for (int64_t e = 0; e < E; ++e) acc[g * E + e] += w * val[e];
         }
     }
