@@ -231,8 +231,11 @@ def start_ray_for_roles(config: GRPOConfig) -> bool:
 
     if ray.is_initialized():
         return False
-    gpus = config.parallel.num_workers if pick_device(config.train.device).type == "cuda" else 0
-    local_ray_init(actors, gpus + (1 if config.grpo.engine == "vllm_actor" and gpus else 0))
+    gpus = 0
+    if pick_device(config.train.device).type == "cuda":  # a GPU per policy rank on Ray, and one for vLLM
+        gpus = (config.parallel.num_workers if config.parallel.num_workers > 1 else 0) + (
+            1 if config.grpo.engine == "vllm_actor" else 0)
+    local_ray_init(actors, gpus)
     return True
 
 
