@@ -225,18 +225,13 @@ def start_ray_for_roles(config: GRPOConfig) -> bool:
     actors = ray_actors_for_roles(config)
     if actors == 0:
         return False
-    import ray
+    from posttrain.parallel.workers import ensure_local_ray
 
-    from posttrain.parallel.workers import local_ray_init
-
-    if ray.is_initialized():
-        return False
     gpus = 0
     if pick_device(config.train.device).type == "cuda":  # a GPU per policy rank on Ray, and one for vLLM
         gpus = (config.parallel.num_workers if config.parallel.num_workers > 1 else 0) + (
             1 if config.grpo.engine == "vllm_actor" else 0)
-    local_ray_init(actors, gpus)
-    return True
+    return ensure_local_ray(actors, gpus)
 
 
 def make_policy_rank(config: GRPOConfig, tokenizer, parent: str) -> LocalPolicy:
@@ -268,7 +263,8 @@ def build_policy(config: GRPOConfig, tokenizer, parent: Path, device: torch.devi
 
     gpus = 1 if device.type == "cuda" else 0
     policy = PolicyGroup(make_policy_rank, (config, tokenizer, str(parent)), workers,
-                         objective=grpo_objective(config), forward_context=partial(training_precision, config.train, device),
+                         objective=grpo_objective(config),
+                         forward_context=partial(training_precision, config.train, device),
                          reference_dir=str(parent), backend=config.parallel.backend, gpus_per_worker=gpus)
     print(f"[rl_round] policy: {workers} ranks on Ray ({config.parallel.strategy})")
     return policy, None
@@ -327,7 +323,8 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
         scorer = build_reward_role(config)
         controller = RLController(policy, engine, scorer, prompts.ids, prompts.records,
                                   round_settings(config, tokenizer), tokenizer, tokenizer.pad_token_id,
-                                  reference=reference, on_scored=lambda r: maybe_inject_fault(r, run_dir / RL_STATE_DIR),
+                                  reference=reference,
+                                  on_scored=lambda r: maybe_inject_fault(r, run_dir / RL_STATE_DIR),
                                   teacher=teacher, distill_coef=config.grpo.distill_coef,
                                   teacher_vocab=teacher_spec.vocab_size if teacher_spec is not None else None)
         if previous is not None:

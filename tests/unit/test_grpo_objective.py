@@ -11,7 +11,8 @@ import torch
 
 from posttrain.config.schema import TrainConfig
 from posttrain.models.registry import build_model, tiny_config
-from posttrain.objectives.grpo import GRPOObjective, kl_estimate, token_logps
+from posttrain.objectives.grpo import GRPOObjective, kl_estimate
+from posttrain.objectives.targets import target_logps
 from posttrain.rl.advantages import degenerate_groups, group_advantages
 from posttrain.rl.trajectories import Trajectory, attach_logps, pack_trajectories
 from posttrain.train.trainer import Trainer
@@ -248,10 +249,10 @@ def test_sequence_mean_normalises_over_every_micro_batch_of_the_step():
 
 
 @pytest.mark.parametrize("shared", [False, True])
-def test_token_logps_equal_direct(model, shared):
+def test_target_logps_equal_direct(model, shared):
     batch = pack_trajectories(trajectories(count=8, per_prompt=4), 64, 8, PAD, shared_prompt=shared)[0]
     with torch.no_grad():
-        torch.testing.assert_close(token_logps(model, batch), direct_logps(model, batch), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(target_logps(model, batch), direct_logps(model, batch), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])

@@ -4,9 +4,10 @@
 layer's rotated keys and values (`[B, K, S, E]` each, allocated by the first write in that
 layer's dtype; keys stored slot-minor where the fused decode kernel reads them:
 `posttrain.ops.decode_kernel.key_buffer`) and each slot's document id and position
-(`[B, S]`; `-1` marks a slot that holds padding). A forward with `cache=` (`posttrain.models.decoder.DecoderLM.forward`)
-writes its tokens into the next slots of every row and attends over all slots written so
-far: a prompt's prefill fills slots `0..T-1`, each decode step one more slot.
+(`[B, S]`; `-1` marks a slot that holds padding). A forward with `cache=`
+(`posttrain.models.decoder.DecoderLM.forward`) writes its tokens into the next slots of every
+row and attends over all slots written so far: a prompt's prefill fills slots `0..T-1`, each
+decode step one more slot.
 
 Slots are a row's own coordinates: left-padded prompts keep their padding as slots with
 document id -1, which no real token attends to. The mask of a cached forward is

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.objectives.pairs import pair_count, pair_table
-from posttrain.ops.logprobs import chunked_logprobs
+from posttrain.objectives.targets import target_logps
 from posttrain.train.objective import Objective, ObjectiveOutput
 
 LOSS_TYPES = ("sigmoid", "robust", "ipo", "hinge", "simpo")
@@ -42,10 +42,7 @@ REFERENCE_FREE = ("simpo",)
 def response_logps(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """Summed log-probability of each response of a pair batch, `[2K]` float32 (chosen, rejected
     per pair), differentiable through the model."""
-    hidden_BTD = model(batch["input_ids"], batch["position_ids"], batch["doc_ids"], batch["branch_ids"])
-    hidden_MD = hidden_BTD.reshape(-1, hidden_BTD.shape[-1]).index_select(0, batch["target_pos"])
-    logp_M = chunked_logprobs(hidden_MD, model.output_weight, batch["target_ids"], model.config.vocab_size,
-                              logit_softcap=getattr(model, "logit_softcap", None))
+    logp_M = target_logps(model, batch)
     sequences = batch["seq_tokens"].shape[0]
     return torch.zeros(sequences, dtype=logp_M.dtype, device=logp_M.device).index_add(0, batch["target_seq"], logp_M)
 

@@ -35,23 +35,12 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.ops.logprobs import chunked_logprobs
+from posttrain.objectives.targets import target_logps
 from posttrain.train.objective import Objective, ObjectiveOutput
 
 AGGREGATIONS = ("token_mean", "sequence_mean", "sequence_sum")
 KL_ESTIMATORS = ("k1", "k3")
 IS_CORRECTIONS = ("none", "token", "sequence_mask")
-
-
-def token_logps(model: torch.nn.Module, batch: dict, with_entropy: bool = False, vocab_size: int | None = None):
-    """The model's log-probability of every target of a trajectory batch, `[M]` float32 in
-    the order of `target_ids`, differentiable, normalised over the first `vocab_size` token ids
-    (default the model's vocabulary); with `with_entropy` also each target position's entropy.
-    Tree rows (`branch_ids`, shared prompts) attend by the tree mask."""
-    hidden_BTD = model(batch["input_ids"], batch["position_ids"], batch["doc_ids"], batch.get("branch_ids"))
-    hidden_MD = hidden_BTD.reshape(-1, hidden_BTD.shape[-1]).index_select(0, batch["target_pos"])
-    return chunked_logprobs(hidden_MD, model.output_weight, batch["target_ids"], vocab_size or model.config.vocab_size,
-                            with_entropy=with_entropy, logit_softcap=getattr(model, "logit_softcap", None))
 
 
 def kl_estimate(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -124,9 +113,9 @@ class GRPOObjective(Objective):
 
     def __call__(self, model: torch.nn.Module, batch: dict) -> ObjectiveOutput:
         if self.entropy:
-            logp_M, entropy_M = token_logps(model, batch, with_entropy=True)
+            logp_M, entropy_M = target_logps(model, batch, with_entropy=True)
         else:
-            logp_M, entropy_M = token_logps(model, batch), None
+            logp_M, entropy_M = target_logps(model, batch), None
         adv_M = batch["advantages"].float()
         old_M = batch["old_logps"].float() if "old_logps" in batch else logp_M.detach()
         w_M = self.token_weights(batch)

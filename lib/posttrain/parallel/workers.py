@@ -81,6 +81,15 @@ def local_ray_init(num_workers: int, gpus: int) -> None:
     )
 
 
+def ensure_local_ray(num_cpus: float, num_gpus: float = 0) -> bool:
+    """A local Ray for `num_cpus` one-CPU actors (rounded up, at least 2) and `num_gpus` GPUs,
+    unless one is running already; True when this call started it (its caller shuts it down)."""
+    if ray.is_initialized():
+        return False
+    local_ray_init(max(2, int(num_cpus + 0.999)), int(num_gpus + 0.999))
+    return True
+
+
 def _first_failure(pending: dict, results: dict[int, Any], grace_s: float) -> WorkerError:
     """The error of the worker that failed first. Once one rank fails, its peers usually fail
     too (a collective loses its peer); those later errors are symptoms. Wait up to `grace_s`
@@ -110,9 +119,7 @@ def run_workers(
     `timeout_s`: give up (kill the actors, raise TimeoutError) if the job is not done by then."""
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        local_ray_init(num_workers, int(gpus_per_worker * num_workers + 0.999))
+    started_ray = ensure_local_ray(num_workers, gpus_per_worker * num_workers)
     if backend is None:
         backend = "nccl" if gpus_per_worker > 0 else "gloo"
     actor_cls = ray.remote(num_cpus=1, num_gpus=gpus_per_worker)(SPMDWorker)

@@ -20,7 +20,7 @@ apart from the trainer with `num_cpus` / `num_gpus` per actor.
 named by a term lives in the actors, loaded once each).
 
 Ray: an instance already running is used and left running; otherwise a local one is
-started (`posttrain.parallel.workers.local_ray_init`) and shut down by `close()`.
+started (`posttrain.parallel.workers.ensure_local_ray`) and shut down by `close()`.
 """
 
 from __future__ import annotations
@@ -113,11 +113,9 @@ class RemoteEngine:
                  torch_threads: int | None = 1):
         if num_actors < 1:
             raise ValueError(f"num_actors must be >= 1, got {num_actors}")
-        from posttrain.parallel.workers import local_ray_init
+        from posttrain.parallel.workers import ensure_local_ray
 
-        self.started_ray = not ray.is_initialized()
-        if self.started_ray:
-            local_ray_init(max(2, int(num_actors * num_cpus + 0.999)), int(num_actors * num_gpus + 0.999))
+        self.started_ray = ensure_local_ray(num_actors * num_cpus, num_actors * num_gpus)
         actor_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(EngineActor)
         self.actors = [actor_cls.remote(spec, torch_threads) for _ in range(num_actors)]
         self._call(lambda a: a.__ray_ready__.remote())  # surface a failed start here, by its own error
@@ -181,16 +179,14 @@ class RemoteRewardScorer:
     stops the run as it does in process."""
 
     def __init__(self, terms: Sequence, num_workers: int = 1, num_cpus: float = 1):
-        from posttrain.parallel.workers import local_ray_init
+        from posttrain.parallel.workers import ensure_local_ray
         from posttrain.rl.rewards import RewardError, RewardScorer
 
         if num_workers < 1:
             raise ValueError(f"need at least one reward worker, got {num_workers}")
         RewardScorer(terms)  # the same checks as in process, before any actor starts
         self.terms = list(terms)
-        self.started_ray = not ray.is_initialized()
-        if self.started_ray:
-            local_ray_init(max(2, int(num_workers * num_cpus + 0.999)), 0)
+        self.started_ray = ensure_local_ray(num_workers * num_cpus)
         # the functions are named by import path: the actors import them from the driver's path
         path = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}}
         self._actor_cls = ray.remote(num_cpus=num_cpus, max_restarts=0, runtime_env=path)(RewardActor)
@@ -267,11 +263,9 @@ class RemoteReference:
     process."""
 
     def __init__(self, model_dir: str, train_config, num_cpus: float = 1):
-        from posttrain.parallel.workers import local_ray_init
+        from posttrain.parallel.workers import ensure_local_ray
 
-        self.started_ray = not ray.is_initialized()
-        if self.started_ray:
-            local_ray_init(2, 0)
+        self.started_ray = ensure_local_ray(num_cpus)
         self.actor = ray.remote(num_cpus=num_cpus)(ReferenceActor).remote(os.fspath(model_dir), train_config)
 
     def token_logps(self, batches: list[dict], vocab_size: int | None = None) -> list[torch.Tensor]:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from posttrain.rl.trajectories import model_token_logps, shard_batches, split_rows
+from posttrain.rl.trajectories import model_token_logps, shard_batches
 
 
 class LocalPolicy:
@@ -148,14 +148,12 @@ class PolicyGroup:
                  gpus_per_worker: float = 0):
         import ray
 
-        from posttrain.parallel.workers import local_ray_init
+        from posttrain.parallel.workers import ensure_local_ray
 
         if num_workers < 1:
             raise ValueError(f"a policy group needs at least one worker, got {num_workers}")
         self.objective, self.forward_context, self.reference_dir = objective, forward_context, reference_dir
-        self._started_ray = not ray.is_initialized()
-        if self._started_ray:
-            local_ray_init(num_workers + 1, int(gpus_per_worker * num_workers + 0.999))
+        self._started_ray = ensure_local_ray(num_workers, gpus_per_worker * num_workers)
         backend = backend or ("nccl" if gpus_per_worker > 0 else "gloo")
         actor_cls = ray.remote(num_cpus=1, num_gpus=gpus_per_worker)(PolicyRank)
         self._actors = [actor_cls.remote() for _ in range(num_workers)]
@@ -196,9 +194,7 @@ class PolicyGroup:
 
     def token_logps(self, batches: list[dict], vocab_size: int | None = None) -> list[torch.Tensor]:
         """Each batch's rows split over the ranks (every rank takes part in the sharded forward)."""
-        pieces = [split_rows(batch, self.ranks) for batch in batches]
-        per_rank = [([p[r] for p in pieces], vocab_size) for r in range(self.ranks)]
-        results = self._call("token_logps", per_rank)
+        results = self._call("token_logps", [(shard, vocab_size) for shard in shard_batches(batches, self.ranks)])
         return [torch.cat([results[r][i] for r in range(self.ranks)]) for i in range(len(batches))]
 
     def export_weights(self) -> list[tuple[str, torch.Tensor]]:

@@ -45,7 +45,7 @@ import torch
 
 
 
-# what a forward over a trajectory batch reads (`posttrain.objectives.grpo.token_logps`)
+# what a forward over a trajectory batch reads (`posttrain.objectives.targets.target_logps`)
 MODEL_FIELDS = ("input_ids", "position_ids", "doc_ids", "branch_ids", "target_pos", "target_ids")
 
 
@@ -206,7 +206,7 @@ def model_token_logps(model: torch.nn.Module, batches: list[dict], context: Call
     of `target_ids`), computed in eval mode under `context()` (the trainer's `forward_context`:
     the precision its training forward runs in), normalised over the first `vocab_size` token
     ids (default the model's vocabulary); the model is left in its mode."""
-    from posttrain.objectives.grpo import token_logps
+    from posttrain.objectives.targets import target_logps
 
     was_training = model.training
     model.eval()
@@ -216,7 +216,7 @@ def model_token_logps(model: torch.nn.Module, batches: list[dict], context: Call
         for batch in batches:
             moved = {k: v.to(device) for k, v in batch.items() if k in MODEL_FIELDS}
             with context():
-                out.append(token_logps(model, moved, vocab_size=vocab_size).float().cpu())
+                out.append(target_logps(model, moved, vocab_size=vocab_size).float().cpu())
         return out
     finally:
         model.train(was_training)
