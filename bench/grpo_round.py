@@ -1,13 +1,14 @@
 """One GRPO round, ours against TRL's `GRPOTrainer`, side by side in one run (no vLLM on either side).
 
     python bench/grpo_round.py [--quick] [--rounds 5] [--prompts 16] [--n 8] [--new-tokens 16]
-                               [--model DIR]
+                               [--model DIR] [--trl-variants fp32,bf16]
 
 Progress goes to stderr; the LAST stdout line is one JSON object:
 
     {"benchmark": "grpo_round", "baseline": "trl GRPOTrainer ...", "seconds_per_round_ours",
      "seconds_per_round_trl", "ratio_vs_trl" (median), "ratio" {min, median, max, n},
-     "goal": {"ratio_vs_trl": ">= 2"}, "met", "seconds_per_round" {side: spread},
+     "goal": {"ratio_vs_trl": ">= 2"}, "met", "seconds_per_round" {ours, trl (the baseline),
+     trl_fp32, trl_bf16: spread},
      "time_split_ours" {generate, score, reference, update, sync: median seconds}, "model",
      "workload", "settings", "seconds"}
 
@@ -21,7 +22,11 @@ the same exact-answer reward. Ours: `posttrain.rl.controller.RLController` (nati
 engine on its own copy of the weights, sync verified each round; no dynamic sampling, so both
 sides train on every group). TRL 1.16: `GRPOTrainer` with `per_device_train_batch_size` =
 `generation_batch_size` = prompts x n (one generation per step, one step per round),
-`loss_type="dapo"` (token mean), `beta=0`, transformers `generate` with its dynamic cache.
+`loss_type="dapo"` (token mean), `beta=0`, transformers `generate` with its dynamic cache,
+gradient checkpointing off (TRL turns it on by default; a model this small does not need it,
+and it recomputes every forward), once in float32 (`fp32`, ours' precision) and once under
+TRL's default bfloat16 autocast (`bf16`; fast where the CPU has bf16 instructions, emulated
+and slow where it has not): the faster is the baseline.
 A round's time: ours, `run_round`; TRL, from `on_step_begin` to `on_step_end` of its trainer
 (generation, reward, loss and the optimizer step). The first round of each side is a warm-up
 and not counted; ratios pair round i of both sides.
@@ -110,7 +115,7 @@ def run_ours(model_dir: Path, tokenizer, records, args) -> tuple[list[float], li
     return times[1:], metrics[1:]
 
 
-def run_trl(model_dir: Path, tokenizer, records, args, tmp: Path) -> list[float]:
+def run_trl(model_dir: Path, tokenizer, records, args, tmp: Path, bf16: bool) -> list[float]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -129,7 +134,7 @@ def run_trl(model_dir: Path, tokenizer, records, args, tmp: Path) -> list[float]
 
         def on_step_end(self, *_, **__):
             self.times.append(time.perf_counter() - self._start)
-            log(f"trl round {len(self.times) - 1}: {self.times[-1]:.2f}s")
+            log(f"trl round {len(self.times) - 1} ({'bf16' if bf16 else 'fp32'}): {self.times[-1]:.2f}s")
 
     rows = [{"prompt": r.prompt, "answer": r.reference} for r in records]
     batch = args.prompts * args.n
@@ -138,7 +143,8 @@ def run_trl(model_dir: Path, tokenizer, records, args, tmp: Path) -> list[float]
                         loss_type="dapo", learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0,
                         max_steps=args.rounds + 1, logging_steps=1, report_to="none", save_strategy="no",
                         use_cpu=True, shuffle_dataset=False, temperature=1.0, top_k=0, top_p=1.0,
-                        disable_dropout=True, seed=0, dataloader_num_workers=0)
+                        disable_dropout=True, seed=0, dataloader_num_workers=0, bf16=bf16,
+                        gradient_checkpointing=False)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     timer = RoundTimer()
     trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=config, train_dataset=Dataset.from_list(rows),
@@ -156,6 +162,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--row-length", type=int, default=128, help="our packed rows (prompt + completion must fit)")
     parser.add_argument("--model", default=None, help="an HF model directory with its tokenizer (default: random)")
+    parser.add_argument("--trl-variants", default="fp32,bf16",
+                        help="TRL precisions to run (fp32: float32; bf16: its default bfloat16 autocast)")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.prompts, args.n, args.new_tokens = 2, 4, 2, 4
@@ -169,18 +177,25 @@ def main() -> None:
         count = args.prompts * (args.rounds + 1)
         model_dir, tokenizer, records = build_workspace(tmp, "quick" if args.quick else "demo", args.model, count)
         ours, metrics = run_ours(model_dir, tokenizer, records, args)
-        trl = run_trl(model_dir, tokenizer, records, args, tmp)
+        variants = [v for v in args.trl_variants.split(",") if v]
+        if not variants or set(variants) - {"fp32", "bf16"}:
+            parser.error(f"--trl-variants takes fp32 and/or bf16, got {args.trl_variants!r}")
+        trl_runs = {v: run_trl(model_dir, tokenizer, records, args, tmp / v, bf16=v == "bf16") for v in variants}
+    fastest = min(trl_runs, key=lambda v: statistics.median(trl_runs[v]))
+    trl = trl_runs[fastest]
     ratios = [t / o for o, t in zip(ours, trl)]
     split = {k: round(statistics.median(m[f"time_{k}_s"] for m in metrics), 4)
              for k in ("generate", "score", "reference", "teacher", "update", "sync")}
     out = {
         "benchmark": "grpo_round",
-        "baseline": "trl GRPOTrainer 1.16 (transformers generate, dynamic cache, no vLLM)",
+        "baseline": f"trl GRPOTrainer 1.16 ({fastest}, transformers generate, dynamic cache, no vLLM, "
+                    "no gradient checkpointing)",
         "seconds_per_round_ours": round(statistics.median(ours), 4),
         "seconds_per_round_trl": round(statistics.median(trl), 4),
         "ratio_vs_trl": round(statistics.median(ratios), 3), "ratio": spread(ratios, 3),
         "goal": {"ratio_vs_trl": ">= 2"}, "met": {"ratio_vs_trl": statistics.median(ratios) >= 2},
-        "seconds_per_round": {"ours": spread(ours), "trl": spread(trl)},
+        "seconds_per_round": {"ours": spread(ours), "trl": spread(trl),
+                              **{f"trl_{v}": spread(t) for v, t in trl_runs.items()}},
         "time_split_ours": split,
         "model": {"source": args.model or "random qwen3", "shape": "quick" if args.quick else "demo",
                   "dtype": "float32"},

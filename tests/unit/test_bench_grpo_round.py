@@ -28,5 +28,9 @@ def test_quick_bench_prints_the_json_summary_last(flow_pool):
     assert all(key in result for key in REQUIRED), result
     assert result["benchmark"] == "grpo_round" and result["model"]["shape"] == "quick"
     assert result["seconds_per_round"]["ours"]["n"] == result["seconds_per_round"]["trl"]["n"] == 2
+    # the baseline is the faster of TRL in float32 and under its default bf16 autocast
+    per_variant = {v: result["seconds_per_round"][f"trl_{v}"]["median"] for v in ("fp32", "bf16")}
+    assert result["seconds_per_round"]["trl"]["median"] == min(per_variant.values())
+    assert min(per_variant, key=per_variant.get) in result["baseline"]
     assert result["ratio"]["min"] <= result["ratio_vs_trl"] <= result["ratio"]["max"]
     assert set(result["time_split_ours"]) == {"generate", "score", "reference", "teacher", "update", "sync"}

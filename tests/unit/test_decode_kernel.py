@@ -44,9 +44,9 @@ def test_shared_prefix_matches_the_torch_path(H, K, E):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("U,capacity", [(20, 26), (16, 16), (37, 37), (3, 40)])
+@pytest.mark.parametrize("U,capacity", [(20, 26), (16, 16), (37, 37), (3, 40), (8, 8), (9, 12), (7, 8)])
 def test_without_prefix_matches_matmul_attention(U, capacity):
-    """Slot counts around the 16-slot vectors, with and without room past the last slot."""
+    """Slot counts around the vectors of 8 (AVX2) or 16 (AVX-512) slots, with and without room past the last slot."""
     gen = torch.Generator().manual_seed(U)
     q = torch.randn(12, 1, 4, 32, generator=gen).transpose(1, 2)
     k, v = _cache_views(12, 2, U, 32, capacity, gen)

@@ -11,9 +11,9 @@ values and queries head-minor (contiguous in their last dimension).
 Why: a decode step's attention is a matrix-vector product per row against its cached keys. As
 torch ops it is two batched matmuls over thousands of tiny matrices (a sum across vector
 lanes per key), a mask fill and a softmax, each a pass over memory; this reads each key and
-value once, and with keys stored slot-minor one multiply-add scores 16 slots. It computes
-the same function in another summation order (float32 results agree to ~1e-6 relative), and
-its result does not depend on the thread count.
+value once, and with keys stored slot-minor one multiply-add scores a vector of slots (8 with
+AVX2, 16 with AVX-512). It computes the same function in another summation order (float32
+results agree to ~1e-6 relative), and its result does not depend on the thread count.
 
 The C source is compiled at first use with the system compiler (`cc`, or `$CC`) into
 `$POSTTRAIN_KERNEL_DIR` (default `~/.cache/posttrain/kernels`), named by a hash of source and
@@ -113,8 +113,8 @@ def applies(q_BHTE: torch.Tensor, keys: tuple[torch.Tensor, ...], values: tuple[
 
 def key_buffer(B: int, K: int, S: int, E: int, like: torch.Tensor) -> torch.Tensor:
     """An empty `[B, K, S, E]` key buffer for a KV cache, dtype and device of `like`: stored
-    slot-minor (element `e` of consecutive slots contiguous, the layout the kernel reads 16
-    slots at a time) where the kernel will run (float32 on the CPU, the kernel available),
+    slot-minor (element `e` of consecutive slots contiguous, the layout the kernel reads a
+    vector of slots at a time) where the kernel will run (float32 on the CPU, the kernel available),
     else contiguous. Torch ops take either as an ordinary tensor."""
     if like.device.type == "cpu" and like.dtype == torch.float32 and load() is not None:
         return like.new_empty((B, K, E, S)).transpose(-1, -2)

@@ -18,69 +18,77 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* 16 floats as one vector (GCC/Clang vector extensions: one zmm register with AVX-512, two
- * ymm with AVX2), loadable from any float address. */
-typedef float v16f __attribute__((vector_size(64), aligned(4), may_alias));
-typedef int32_t v16i __attribute__((vector_size(64), aligned(4), may_alias));
+/* VW floats as one vector (GCC/Clang vector extensions), loadable from any float address: 16
+ * (one zmm register) with AVX-512, else 8 (one ymm register with AVX2). Wider than the
+ * hardware's registers, GCC lowers these vectors piece by piece through memory, several
+ * times slower (measured on Zen 3: 16 floats on AVX2 made the kernel 2.5x slower than the
+ * torch ops it replaces). */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vecf __attribute__((vector_size(4 * VW), aligned(4), may_alias));
+typedef int32_t veci __attribute__((vector_size(4 * VW), aligned(4), may_alias));
 
-/* exp(x) of 16 floats: x = k*ln2 + r with |r| <= ln2/2, e^r by the classic single-precision
+/* exp(x) of VW floats: x = k*ln2 + r with |r| <= ln2/2, e^r by the classic single-precision
  * polynomial r + r^2 * p(r) + 1 (Cephes' expf coefficients), 2^k through the exponent bits.
  * Relative error about 1e-7; x below -87 (including -inf) gives 0. Written with vector
  * operations because the compiler leaves a loop over a scalar version unvectorised. */
-static inline v16f exp16(v16f x) {
-    const v16i below = x < -87.0f;  /* lanes that underflow: all bits set */
-    const v16f xc = (v16f)(((v16i)x & ~below) | ((v16i)((v16f){0} - 87.0f) & below));
-    const v16f t = xc * 1.44269504088896341f + 0.5f;
-    v16i k = __builtin_convertvector(t, v16i);          /* truncates toward zero */
-    k += (v16i)(__builtin_convertvector(k, v16f) > t); /* ... so step down where that was up: floor */
-    const v16f kf = __builtin_convertvector(k, v16f);
-    const v16f r = xc - kf * 0.693359375f - kf * -2.12194440e-4f;
-    v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+static inline vecf exp_vec(vecf x) {
+    const veci below = x < -87.0f;  /* lanes that underflow: all bits set */
+    const vecf xc = (vecf)(((veci)x & ~below) | ((veci)((vecf){0} - 87.0f) & below));
+    const vecf t = xc * 1.44269504088896341f + 0.5f;
+    veci k = __builtin_convertvector(t, veci);          /* truncates toward zero */
+    k += (veci)(__builtin_convertvector(k, vecf) > t); /* ... so step down where that was up: floor */
+    const vecf kf = __builtin_convertvector(k, vecf);
+    const vecf r = xc - kf * 0.693359375f - kf * -2.12194440e-4f;
+    vecf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const v16f two_k = (v16f)((k + 127) << 23);
-    return (v16f)((v16i)(p * two_k) & ~below);
+    const vecf two_k = (vecf)((k + 127) << 23);
+    return (vecf)((veci)(p * two_k) & ~below);
 }
 
 static inline float exp_one(float x) {
-    return exp16((v16f){0} + x)[0];
+    return exp_vec((vecf){0} + x)[0];
 }
 
 /* The sum of a vector's lanes, as a fixed tree of halves. */
-static inline float sum_lanes(v16f x) {
-    float total = 0.0f, half[8];
-    for (int i = 0; i < 8; ++i) half[i] = x[i] + x[i + 8];
-    for (int i = 0; i < 4; ++i) half[i] += half[i + 4];
-    total = (half[0] + half[2]) + (half[1] + half[3]);
-    return total;
+static inline float sum_lanes(vecf x) {
+    float half[VW];
+    for (int i = 0; i < VW; ++i) half[i] = x[i];
+    for (int width = VW / 2; width >= 1; width /= 2)
+        for (int i = 0; i < width; ++i) half[i] += half[i + width];
+    return half[0];
 }
 
-/* Scores of NB blocks of 16 slots from slot s0 (of which `valid` are wanted) for the G query
+/* Scores of NB blocks of VW slots from slot s0 (of which `valid` are wanted) for the G query
  * heads: out[g * row_stride + s] = scale * q_g . key_s. Keys are stored slot-minor (element e of slot
- * s at keys[e * ke + s]), so 16 slots' elements e are one vector load, and a query element
- * times it is one multiply-add for 16 scores: no sums across a vector's lanes. The NB * G
+ * s at keys[e * ke + s]), so VW slots' elements e are one vector load, and a query element
+ * times it is one multiply-add for VW scores: no sums across a vector's lanes. The NB * G
  * accumulators stay in registers (NB, E and G are compile-time constants). */
 ALWAYS_INLINE void score_blocks(const float* q, int64_t q_sh, const float* keys, int64_t ke, int64_t s0,
                                 int64_t valid, float scale, float* out, int64_t row_stride, const int64_t NB,
                                 const int64_t E, const int64_t G) {
-    v16f acc[NB * G];
-    for (int64_t i = 0; i < NB * G; ++i) acc[i] = (v16f){0};
+    vecf acc[NB * G];
+    for (int64_t i = 0; i < NB * G; ++i) acc[i] = (vecf){0};
     for (int64_t e = 0; e < E; ++e) {
         const float* row = keys + e * ke + s0;
         for (int64_t blk = 0; blk < NB; ++blk) {
-            const v16f kv = *(const v16f*)(row + 16 * blk);
+            const vecf kv = *(const vecf*)(row + VW * blk);
             for (int64_t g = 0; g < G; ++g) acc[blk * G + g] += q[g * q_sh + e] * kv;
         }
     }
     for (int64_t blk = 0; blk < NB; ++blk) {
-        const int64_t at = 16 * blk, m = valid - at < 16 ? valid - at : 16;
+        const int64_t at = VW * blk, m = valid - at < VW ? valid - at : VW;
         for (int64_t g = 0; g < G; ++g) {
             float* dst = out + g * row_stride + s0 + at;
-            if (m == 16) {
-                *(v16f*)dst = acc[blk * G + g] * scale;
+            if (m == VW) {
+                *(vecf*)dst = acc[blk * G + g] * scale;
             } else {
                 for (int64_t j = 0; j < m; ++j) dst[j] = acc[blk * G + g][j] * scale;
             }
@@ -90,21 +98,21 @@ ALWAYS_INLINE void score_blocks(const float* q, int64_t q_sh, const float* keys,
 
 /* scores[g * row_stride + first + s] = scale * q_g . key_s for the G query heads of one key/value head
  * and n keys from slot `first` (see score_blocks). Runs of CHUNK blocks are scored together,
- * element by element, so each element's row is read in runs of 16 * CHUNK slots. Vector loads
+ * element by element, so each element's row is read in runs of VW * CHUNK slots. Vector loads
  * may read up to slot `readable` (past n: inside the buffer, the extra lanes are dropped);
  * slots after the last whole vector go one at a time. */
 ALWAYS_INLINE void score_keys(const float* q, int64_t q_sh, const float* keys, int64_t ke, int64_t n,
                               int64_t readable, int64_t first, int64_t row_stride, float scale, float* scores,
                               const int64_t E, const int64_t G) {
     const int64_t CHUNK = G <= 8 ? 8 / G : 1;
-    const int64_t rounded_up = (n + 15) / 16 * 16, in_buffer = readable / 16 * 16;
+    const int64_t rounded_up = (n + VW - 1) / VW * VW, in_buffer = readable / VW * VW;
     const int64_t vector_slots = rounded_up < in_buffer ? rounded_up : in_buffer;
     const int64_t covered = vector_slots < n ? vector_slots : n;
     float* out = scores + first;
     int64_t s0 = 0;
-    for (; vector_slots - s0 >= 16 * CHUNK; s0 += 16 * CHUNK)
+    for (; vector_slots - s0 >= VW * CHUNK; s0 += VW * CHUNK)
         score_blocks(q, q_sh, keys, ke, s0, covered - s0, scale, out, row_stride, CHUNK, E, G);
-    for (; s0 < vector_slots; s0 += 16)
+    for (; s0 < vector_slots; s0 += VW)
         score_blocks(q, q_sh, keys, ke, s0, covered - s0, scale, out, row_stride, 1, E, G);
     for (int64_t s = covered; s < n; ++s) {
         for (int64_t g = 0; g < G; ++g) {
@@ -119,17 +127,17 @@ ALWAYS_INLINE void score_keys(const float* q, int64_t q_sh, const float* keys, i
  * (values stored slot-major: a slot's E elements are contiguous). */
 ALWAYS_INLINE void mix_values(const float* values, int64_t value_stride, int64_t n, int64_t first, int64_t row_stride,
                               const float* scores, float* acc, const int64_t E, const int64_t G) {
-    if (E % 16 == 0) {  /* the accumulators stay in registers */
-        v16f sum[G * E / 16];
-        for (int64_t c = 0; c < G * E / 16; ++c) sum[c] = *(const v16f*)(acc + 16 * c);
+    if (E % VW == 0) {  /* the accumulators stay in registers */
+        vecf sum[G * E / VW];
+        for (int64_t c = 0; c < G * E / VW; ++c) sum[c] = *(const vecf*)(acc + VW * c);
         for (int64_t s = 0; s < n; ++s) {
             const float* val = values + s * value_stride;
             for (int64_t g = 0; g < G; ++g) {
                 const float w = scores[g * row_stride + first + s];
-                for (int64_t c = 0; c < E / 16; ++c) sum[g * E / 16 + c] += w * *(const v16f*)(val + 16 * c);
+                for (int64_t c = 0; c < E / VW; ++c) sum[g * E / VW + c] += w * *(const vecf*)(val + VW * c);
             }
         }
-        for (int64_t c = 0; c < G * E / 16; ++c) *(v16f*)(acc + 16 * c) = sum[c];
+        for (int64_t c = 0; c < G * E / VW; ++c) *(vecf*)(acc + VW * c) = sum[c];
         return;
     }
     for (int64_t s = 0; s < n; ++s) {
@@ -157,7 +165,7 @@ typedef struct {
  * slots. `scores` holds G rows of S floats padded to SR (whole vectors), `acc` G * E. */
 ALWAYS_INLINE void attend_pair(const Args* a, int64_t bk, float* scores, float* acc, const int64_t E,
                                const int64_t G) {
-    const int64_t S = a->Sp + a->U, SR = (S + 15) / 16 * 16;  /* score rows padded to whole vectors */
+    const int64_t S = a->Sp + a->U, SR = (S + VW - 1) / VW * VW;  /* score rows padded to whole vectors */
     const int64_t b = bk / a->K, kh = bk % a->K, p = b / a->group;
     const uint8_t* ok = a->allowed + b * a->allowed_sb;
     const float* qb = a->q + b * a->q_sb + kh * G * a->q_sh;
@@ -180,15 +188,15 @@ ALWAYS_INLINE void attend_pair(const Args* a, int64_t bk, float* scores, float* 
             memset(row, 0, sizeof(float) * (size_t)SR);
             continue;
         }
-        v16f total16 = {0};
-        for (int64_t s = 0; s < SR; s += 16) {
-            const v16f w = exp16(*(v16f*)(row + s) - best);
-            *(v16f*)(row + s) = w;
-            total16 += w;
+        vecf total_vec = {0};
+        for (int64_t s = 0; s < SR; s += VW) {
+            const vecf w = exp_vec(*(vecf*)(row + s) - best);
+            *(vecf*)(row + s) = w;
+            total_vec += w;
         }
-        const float total = sum_lanes(total16) + (a->sinks ? exp_one(sink - best) : 0.0f);
+        const float total = sum_lanes(total_vec) + (a->sinks ? exp_one(sink - best) : 0.0f);
         const float inv = 1.0f / total;
-        for (int64_t s = 0; s < SR; s += 16) *(v16f*)(row + s) *= inv;
+        for (int64_t s = 0; s < SR; s += VW) *(vecf*)(row + s) *= inv;
     }
     memset(acc, 0, sizeof(float) * (size_t)(G * E));
     mix_values(pv, a->pv_ss, a->Sp, 0, SR, scores, acc, E, G);
@@ -231,7 +239,7 @@ void posttrain_decode_attention_f32(
     const int64_t G = H / K, S = Sp + U;
 #pragma omp parallel
     {
-        float* scores = (float*)malloc(sizeof(float) * (size_t)(G * ((S + 15) / 16 * 16) + 16));
+        float* scores = (float*)malloc(sizeof(float) * (size_t)(G * ((S + VW - 1) / VW * VW) + VW));
         float* acc = (float*)malloc(sizeof(float) * (size_t)(G * E));
 #pragma omp for schedule(static)
         for (int64_t bk = 0; bk < B * K; ++bk) attend_any(&args, bk, scores, acc, E, G);
