@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from posttrain.models import fused_decode
 from posttrain.models.hf_config import FULL, SLIDING
 from posttrain.models.kv_cache import KVCache, LayerKV
 from posttrain.models.layers import GroupedQueryAttention, RMSNorm, RotaryEmbedding, ScaledEmbedding, SwiGLU
@@ -145,6 +146,12 @@ class DecoderLM(nn.Module):
         masks = {w: build_cached_attention_mask(doc_ids_BT, position_ids_BT, cache.doc_ids_BS[:, :end],
                                                 cache.position_ids_BS[:, :end], cache.start, window=w)
                  for w in set(self.layer_windows)}
+        if x_BTD.shape[1] == 1 and all(type(layer) is DecoderBlock for layer in self.layers) \
+                and fused_decode.applies(x_BTD, self.layers, self.norm):  # a decode step: the fused kernels
+            hidden_BD = fused_decode.decode_step(self.layers, cache.layers, x_BTD[:, 0],
+                                                 [rope[t] for t in self.layer_types],
+                                                 [masks[w] for w in self.layer_windows], self.norm)
+            return hidden_BD[:, None]
         for layer, layer_type, window, kv in zip(self.layers, self.layer_types, self.layer_windows, cache.layers):
             x_BTD = layer(x_BTD, *rope[layer_type], masks[window], kv)
         return self.norm(x_BTD)

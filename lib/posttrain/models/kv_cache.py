@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from posttrain.ops.attention import AttentionMask, document_attention, shared_prefix_attention
-from posttrain.ops.decode_kernel import decode_attention, key_buffer
+from posttrain.ops.decode_kernel import decode_attention, decode_attention_step, key_buffer
 from posttrain.ops.sink_attention import sink_attention
 
 
@@ -55,13 +55,36 @@ class LayerKV:
         start, end, offset = cache.start - cache.offset, cache.length - cache.offset, cache.offset
         if end - start != k_BKTE.shape[2]:
             raise ValueError(f"layer cache got {k_BKTE.shape[2]} keys for {end - start} new slots")
-        if self.k_BKSE is None:
-            B, K, _, E = k_BKTE.shape
-            self.k_BKSE = key_buffer(B, K, cache.capacity - offset, E, k_BKTE)
-            self.v_BKSE = v_BKTE.new_empty((B, K, cache.capacity - offset, E))
+        self._allocate(k_BKTE.shape[0], k_BKTE.shape[1], k_BKTE.shape[3], k_BKTE)
         self.k_BKSE[:, :, start:end] = k_BKTE
         self.v_BKSE[:, :, start:end] = v_BKTE
         return self.k_BKSE[:, :, :end], self.v_BKSE[:, :, :end]
+
+    def _allocate(self, B: int, K: int, E: int, like: torch.Tensor) -> None:
+        """The layer's key and value buffers, at its first write (dtype and device of `like`)."""
+        if self.k_BKSE is None:
+            S = self.cache.capacity - self.cache.offset
+            self.k_BKSE = key_buffer(B, K, S, E, like)
+            self.v_BKSE = like.new_empty((B, K, S, E))
+
+    def attend_step(self, q_BX: torch.Tensor, k_BY: torch.Tensor, v_BY: torch.Tensor, cos_BE: torch.Tensor,
+                    sin_BE: torch.Tensor, mask: AttentionMask, scale: float | None, num_kv_heads: int,
+                    q_norm_E: torch.Tensor | None = None, k_norm_E: torch.Tensor | None = None,
+                    eps: float = 0.0) -> torch.Tensor | None:
+        """A single-token step from the raw projections (`q_BX` `[B, H*E]`, `k_BY`, `v_BY`
+        `[B, K*E]`), in the fused kernel (`posttrain.ops.decode_kernel.decode_attention_step`):
+        per-head RMSNorm of q and k (weights given), rotary, the key and value written to the
+        step's slot, attention over every slot; returns `o_BX` `[B, H*E]`, or None (nothing
+        written) where the kernel does not apply: the caller then runs `attend`."""
+        cache = self.cache
+        start, end = cache.start - cache.offset, cache.length - cache.offset
+        if end - start != 1 or mask.dense_B1TT is None:
+            return None
+        B, E = k_BY.shape[0], k_BY.shape[1] // num_kv_heads
+        self._allocate(B, num_kv_heads, E, k_BY)
+        prefix = None if self.prefix_k_PKSE is None else (self.prefix_k_PKSE, self.prefix_v_PKSE)
+        return decode_attention_step(q_BX, k_BY, v_BY, self.k_BKSE[:, :, :end], self.v_BKSE[:, :, :end],
+                                     mask.dense_B1TT, cos_BE, sin_BE, q_norm_E, k_norm_E, eps, scale, None, prefix)
 
     def attend(self, q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, mask: AttentionMask,
                scale: float | None, sinks_H: torch.Tensor | None = None) -> torch.Tensor:

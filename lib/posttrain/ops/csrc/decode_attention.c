@@ -16,55 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-/* VW floats as one vector (GCC/Clang vector extensions), loadable from any float address: 16
- * (one zmm register) with AVX-512, else 8 (one ymm register with AVX2). Wider than the
- * hardware's registers, GCC lowers these vectors piece by piece through memory, several
- * times slower (measured on Zen 3: 16 floats on AVX2 made the kernel 2.5x slower than the
- * torch ops it replaces). */
-#if defined(__AVX512F__)
-#define VW 16
-#else
-#define VW 8
-#endif
-typedef float vecf __attribute__((vector_size(4 * VW), aligned(4), may_alias));
-typedef int32_t veci __attribute__((vector_size(4 * VW), aligned(4), may_alias));
-
-/* exp(x) of VW floats: x = k*ln2 + r with |r| <= ln2/2, e^r by the classic single-precision
- * polynomial r + r^2 * p(r) + 1 (Cephes' expf coefficients), 2^k through the exponent bits.
- * Relative error about 1e-7; x below -87 (including -inf) gives 0. Written with vector
- * operations because the compiler leaves a loop over a scalar version unvectorised. */
-static inline vecf exp_vec(vecf x) {
-    const veci below = x < -87.0f;  /* lanes that underflow: all bits set */
-    const vecf xc = (vecf)(((veci)x & ~below) | ((veci)((vecf){0} - 87.0f) & below));
-    const vecf t = xc * 1.44269504088896341f + 0.5f;
-    veci k = __builtin_convertvector(t, veci);          /* truncates toward zero */
-    k += (veci)(__builtin_convertvector(k, vecf) > t); /* ... so step down where that was up: floor */
-    const vecf kf = __builtin_convertvector(k, vecf);
-    const vecf r = xc - kf * 0.693359375f - kf * -2.12194440e-4f;
-    vecf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const vecf two_k = (vecf)((k + 127) << 23);
-    return (vecf)((veci)(p * two_k) & ~below);
-}
-
-static inline float exp_one(float x) {
-    return exp_vec((vecf){0} + x)[0];
-}
-
-/* The sum of a vector's lanes, as a fixed tree of halves. */
-static inline float sum_lanes(vecf x) {
-    float half[VW];
-    for (int i = 0; i < VW; ++i) half[i] = x[i];
-    for (int width = VW / 2; width >= 1; width /= 2)
-        for (int i = 0; i < width; ++i) half[i] += half[i + width];
-    return half[0];
-}
+#include "vec.h"
 
 /* Scores of NB blocks of VW slots from slot s0 (of which `valid` are wanted) for the G query
  * heads: out[g * row_stride + s] = scale * q_g . key_s. Keys are stored slot-minor (element e of slot
@@ -161,28 +113,46 @@ typedef struct {
     const float* sinks; float scale; float* out;
 } Args;
 
-/* One (row, key/value head) pair: its G query heads over the prefix's and the row's own
- * slots. `scores` holds G rows of S floats padded to SR (whole vectors), `acc` G * E. */
-ALWAYS_INLINE void attend_pair(const Args* a, int64_t bk, float* scores, float* acc, const int64_t E,
-                               const int64_t G) {
+/* Disallowed slots' scores (ok[s] == 0) become -inf; returns the largest score, at least
+ * `floor`. Whole vectors of slots at a time, the last partial one slot by slot. */
+static inline float mask_scores(float* row, const uint8_t* ok, int64_t S, float floor) {
+    const vecf neg_inf = (vecf){0} - INFINITY;
+    vecf best_vec = neg_inf;
+    int64_t s = 0;
+    for (; s + VW <= S; s += VW) {
+        const veci keep = __builtin_convertvector(*(const vbyte*)(ok + s), veci) != 0;
+        const vecf x = (vecf)(((veci)*(vecf*)(row + s) & keep) | ((veci)neg_inf & ~keep));
+        *(vecf*)(row + s) = x;
+        const veci above = x > best_vec;
+        best_vec = (vecf)(((veci)x & above) | ((veci)best_vec & ~above));
+    }
+    float best = floor;
+    for (int i = 0; i < VW; ++i) best = best_vec[i] > best ? best_vec[i] : best;
+    for (; s < S; ++s) {
+        row[s] = ok[s] ? row[s] : -INFINITY;
+        best = row[s] > best ? row[s] : best;
+    }
+    return best;
+}
+
+/* One (row, key/value head) pair: its G query heads (`qb`, head g's elements from qb + g *
+ * q_sh) over the prefix's and the row's own slots. `scores` holds G rows of S floats padded to
+ * SR (whole vectors), `acc` G * E. */
+ALWAYS_INLINE void attend_pair(const Args* a, int64_t bk, const float* qb, int64_t q_sh, float* scores, float* acc,
+                               const int64_t E, const int64_t G) {
     const int64_t S = a->Sp + a->U, SR = (S + VW - 1) / VW * VW;  /* score rows padded to whole vectors */
     const int64_t b = bk / a->K, kh = bk % a->K, p = b / a->group;
     const uint8_t* ok = a->allowed + b * a->allowed_sb;
-    const float* qb = a->q + b * a->q_sb + kh * G * a->q_sh;
     const float* pv = a->pv + p * a->pv_sp + kh * a->pv_sk;
     const float* v = a->v + b * a->v_sb + kh * a->v_sk;
-    score_keys(qb, a->q_sh, a->pk + p * a->pk_sp + kh * a->pk_sk, a->pk_se, a->Sp, a->pk_readable, 0, SR,
+    score_keys(qb, q_sh, a->pk + p * a->pk_sp + kh * a->pk_sk, a->pk_se, a->Sp, a->pk_readable, 0, SR,
                a->scale, scores, E, G);
-    score_keys(qb, a->q_sh, a->k + b * a->k_sb + kh * a->k_sk, a->k_se, a->U, a->k_readable, a->Sp, SR,
+    score_keys(qb, q_sh, a->k + b * a->k_sb + kh * a->k_sk, a->k_se, a->U, a->k_readable, a->Sp, SR,
                a->scale, scores, E, G);
     for (int64_t g = 0; g < G; ++g) {
         float* row = scores + g * SR;
         const float sink = a->sinks ? a->sinks[kh * G + g] : -INFINITY;
-        float best = sink;
-        for (int64_t s = 0; s < S; ++s) {
-            row[s] = ok[s] ? row[s] : -INFINITY;
-            best = row[s] > best ? row[s] : best;
-        }
+        float best = mask_scores(row, ok, S, sink);
         for (int64_t s = S; s < SR; ++s) row[s] = -INFINITY;  /* padding: weight 0 */
         if (best == -INFINITY) {  /* nothing to attend to: zero weights, zero output */
             memset(row, 0, sizeof(float) * (size_t)SR);
@@ -207,13 +177,14 @@ ALWAYS_INLINE void attend_pair(const Args* a, int64_t bk, float* scores, float* 
 /* The common shapes get loops of a known length (unrolled, accumulators in registers): head
  * sizes 32..256 with 1, 2, 4 or 8 query heads per key/value head; others run the same code
  * with run-time bounds. */
-static void attend_any(const Args* a, int64_t bk, float* scores, float* acc, int64_t E, int64_t G) {
-#define FOR_G(E_)                                                 \
-    switch (G) {                                                  \
-        case 1: attend_pair(a, bk, scores, acc, E_, 1); return;   \
-        case 2: attend_pair(a, bk, scores, acc, E_, 2); return;   \
-        case 4: attend_pair(a, bk, scores, acc, E_, 4); return;   \
-        case 8: attend_pair(a, bk, scores, acc, E_, 8); return;   \
+static void attend_any(const Args* a, int64_t bk, const float* qb, int64_t q_sh, float* scores, float* acc,
+                       int64_t E, int64_t G) {
+#define FOR_G(E_)                                                               \
+    switch (G) {                                                                \
+        case 1: attend_pair(a, bk, qb, q_sh, scores, acc, E_, 1); return;       \
+        case 2: attend_pair(a, bk, qb, q_sh, scores, acc, E_, 2); return;       \
+        case 4: attend_pair(a, bk, qb, q_sh, scores, acc, E_, 4); return;       \
+        case 8: attend_pair(a, bk, qb, q_sh, scores, acc, E_, 8); return;       \
     }
     switch (E) {
         case 32: FOR_G(32) break;
@@ -222,7 +193,76 @@ static void attend_any(const Args* a, int64_t bk, float* scores, float* acc, int
         case 256: FOR_G(256) break;
     }
 #undef FOR_G
-    attend_pair(a, bk, scores, acc, E, G);
+    attend_pair(a, bk, qb, q_sh, scores, acc, E, G);
+}
+
+/* What a decode step does before attending, fused (posttrain_decode_attention_step_f32): from
+ * the row's raw projections, each query head and the key head get their RMSNorm (when given)
+ * and rotary embedding; the key and the raw value are written to the row's own slot U - 1. */
+typedef struct {
+    const float* q; int64_t q_sb;  /* head h's E elements at q + b * q_sb + h * E */
+    const float* k; int64_t k_sb;
+    const float* v; int64_t v_sb;
+    const float* q_norm; const float* k_norm; float eps;  /* per-head RMSNorm weights [E], or NULL */
+    const float* cos; const float* sin; int64_t rot_sb;   /* rotary tables, [B, E] */
+    float* k_cache; float* v_cache;                       /* Args.k / Args.v, written at slot U - 1 */
+} Prologue;
+
+/* out = rotary(norm(x)): RMSNorm as the model's (x * (1 / sqrt(mean(x^2) + eps)), then the
+ * weight), rotate-half rotary (out = y * cos + rotate_half(y) * sin). */
+static void norm_rotate(const float* x, const float* weight, float eps, const float* cos_e, const float* sin_e,
+                        float* y, float* out, int64_t E) {
+    if (weight) {
+        float squares = 0.0f;
+        for (int64_t e = 0; e < E; ++e) squares += x[e] * x[e];
+        const float inv_rms = 1.0f / sqrtf(squares / (float)E + eps);
+        for (int64_t e = 0; e < E; ++e) y[e] = weight[e] * (x[e] * inv_rms);
+    } else {
+        memcpy(y, x, sizeof(float) * (size_t)E);
+    }
+    const int64_t half = E / 2;
+    for (int64_t e = 0; e < half; ++e) out[e] = y[e] * cos_e[e] - y[e + half] * sin_e[e];
+    for (int64_t e = half; e < E; ++e) out[e] = y[e] * cos_e[e] + y[e - half] * sin_e[e];
+}
+
+/* The pair's prologue: its G queries into `q_out` (G * E), its key and value into the cache. */
+static void prologue_pair(const Prologue* p, const Args* a, int64_t bk, int64_t E, int64_t G, float* q_out,
+                          float* scratch) {
+    const int64_t b = bk / a->K, kh = bk % a->K, slot = a->U - 1;
+    const float* cos_e = p->cos + b * p->rot_sb;
+    const float* sin_e = p->sin + b * p->rot_sb;
+    float* y = scratch;
+    float* key = scratch + E;
+    for (int64_t g = 0; g < G; ++g)
+        norm_rotate(p->q + b * p->q_sb + (kh * G + g) * E, p->q_norm, p->eps, cos_e, sin_e, y, q_out + g * E, E);
+    norm_rotate(p->k + b * p->k_sb + kh * E, p->k_norm, p->eps, cos_e, sin_e, y, key, E);
+    float* k_slot = p->k_cache + b * a->k_sb + kh * a->k_sk + slot;
+    for (int64_t e = 0; e < E; ++e) k_slot[e * a->k_se] = key[e];
+    memcpy(p->v_cache + b * a->v_sb + kh * a->v_sk + slot * a->v_ss, p->v + b * p->v_sb + kh * E,
+           sizeof(float) * (size_t)E);
+}
+
+static void run_pairs(const Args* a, const Prologue* p, int64_t B, int64_t E, int64_t G) {
+    const int64_t S = a->Sp + a->U;
+#pragma omp parallel
+    {
+        float* scores = (float*)malloc(sizeof(float) * (size_t)(G * ((S + VW - 1) / VW * VW) + VW));
+        float* acc = (float*)malloc(sizeof(float) * (size_t)(G * E));
+        float* queries = p ? (float*)malloc(sizeof(float) * (size_t)(G * E + 2 * E)) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t bk = 0; bk < B * a->K; ++bk) {
+            if (p) {
+                prologue_pair(p, a, bk, E, G, queries, queries + G * E);
+                attend_any(a, bk, queries, E, scores, acc, E, G);
+            } else {
+                attend_any(a, bk, a->q + (bk / a->K) * a->q_sb + (bk % a->K) * G * a->q_sh, a->q_sh, scores, acc,
+                           E, G);
+            }
+        }
+        free(queries);
+        free(acc);
+        free(scores);
+    }
 }
 
 void posttrain_decode_attention_f32(
@@ -236,14 +276,24 @@ void posttrain_decode_attention_f32(
     const Args args = {H, K, group, q, q_sb, q_sh, pk, pk_sp, pk_sk, pk_se, pk_readable, pv, pv_sp, pv_sk, pv_ss,
                        Sp, k, k_sb, k_sk, k_se, k_readable, v, v_sb, v_sk, v_ss, U, allowed, allowed_sb, sinks,
                        scale, out};
-    const int64_t G = H / K, S = Sp + U;
-#pragma omp parallel
-    {
-        float* scores = (float*)malloc(sizeof(float) * (size_t)(G * ((S + VW - 1) / VW * VW) + VW));
-        float* acc = (float*)malloc(sizeof(float) * (size_t)(G * E));
-#pragma omp for schedule(static)
-        for (int64_t bk = 0; bk < B * K; ++bk) attend_any(&args, bk, scores, acc, E, G);
-        free(acc);
-        free(scores);
-    }
+    run_pairs(&args, NULL, B, E, H / K);
+}
+
+/* The same attention, after the prologue: queries, keys and values come raw from the step's
+ * projections (`q_raw`, `k_raw`, `v_raw`: [B, H * E], [B, K * E], [B, K * E] rows), and the
+ * row's newest own slot (U - 1) is written here. */
+void posttrain_decode_attention_step_f32(
+    int64_t B, int64_t H, int64_t K, int64_t E, int64_t group,
+    const float* q_raw, int64_t q_sb, const float* k_raw, int64_t kr_sb, const float* v_raw, int64_t vr_sb,
+    const float* q_norm, const float* k_norm, float eps, const float* cos_t, const float* sin_t, int64_t rot_sb,
+    const float* pk, int64_t pk_sp, int64_t pk_sk, int64_t pk_se, int64_t pk_readable,
+    const float* pv, int64_t pv_sp, int64_t pv_sk, int64_t pv_ss, int64_t Sp,
+    float* k, int64_t k_sb, int64_t k_sk, int64_t k_se, int64_t k_readable,
+    float* v, int64_t v_sb, int64_t v_sk, int64_t v_ss, int64_t U,
+    const uint8_t* allowed, int64_t allowed_sb, const float* sinks, float scale, float* out) {
+    const Args args = {H, K, group, NULL, 0, 0, pk, pk_sp, pk_sk, pk_se, pk_readable, pv, pv_sp, pv_sk, pv_ss,
+                       Sp, k, k_sb, k_sk, k_se, k_readable, v, v_sb, v_sk, v_ss, U, allowed, allowed_sb, sinks,
+                       scale, out};
+    const Prologue pro = {q_raw, q_sb, k_raw, kr_sb, v_raw, vr_sb, q_norm, k_norm, eps, cos_t, sin_t, rot_sb, k, v};
+    run_pairs(&args, &pro, B, E, H / K);
 }

@@ -1,0 +1,150 @@
+"""A dense decoder's fused decode step (`posttrain.models.fused_decode`) and the row kernels it
+is made of (`posttrain.ops.decode_kernel`: `add_rms_norm`, `silu_mul`,
+`decode_attention_step`), each against the torch ops it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from posttrain.config.schema import LoraConfig
+from posttrain.models import fused_decode
+from posttrain.models.layers import RMSNorm, apply_rotary
+from posttrain.models.lora import apply_lora
+from posttrain.models.registry import build_model, tiny_config
+from posttrain.ops import decode_kernel
+from posttrain.ops.attention import _matmul_attention, shared_prefix_attention
+from posttrain.rl.native import left_pad
+
+pytestmark = pytest.mark.skipif(decode_kernel.load() is None, reason="no C compiler for the decode kernels")
+
+
+@pytest.mark.parametrize("D", [128, 20, 7])
+def test_add_rms_norm_matches_the_model_norm(D):
+    gen = torch.Generator().manual_seed(D)
+    norm = RMSNorm(D, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(D, generator=gen) + 0.5)
+    x_BD, delta_BD = torch.randn(9, D, generator=gen), torch.randn(9, D, generator=gen)
+    with torch.no_grad():
+        expected_sum = x_BD + delta_BD
+        expected = norm(expected_sum)
+        got = decode_kernel.add_rms_norm(x_BD, norm.weight, norm.eps, delta_BD)
+        torch.testing.assert_close(x_BD, expected_sum, rtol=0, atol=0)  # the residual sum, in place
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(decode_kernel.add_rms_norm(x_BD, norm.weight, norm.eps), norm(x_BD),
+                                   rtol=1e-6, atol=1e-6)
+
+
+def test_silu_mul_matches_torch_including_extremes():
+    gen = torch.Generator().manual_seed(0)
+    gate_BF, up_BF = torch.randn(5, 37, generator=gen) * 4, torch.randn(5, 37, generator=gen)
+    gate_BF[0, :4] = torch.tensor([-200.0, -90.0, 95.0, 0.0])
+    with torch.no_grad():
+        expected = F.silu(gate_BF) * up_BF
+        got = decode_kernel.silu_mul(gate_BF, up_BF)
+    assert got is gate_BF  # in place
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert torch.isfinite(got).all()
+
+
+def test_row_kernels_decline_what_they_do_not_take():
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert decode_kernel.add_rms_norm(x, torch.ones(8, dtype=torch.bfloat16), 1e-6) is None
+        assert decode_kernel.silu_mul(x, x) is None
+    assert decode_kernel.silu_mul(torch.randn(3, 8), torch.randn(3, 8)) is None  # gradients on
+    with torch.no_grad(), pytest.raises(ValueError, match="weight"):
+        decode_kernel.add_rms_norm(torch.randn(3, 8), torch.ones(7), 1e-6)
+
+
+@pytest.mark.parametrize("with_prefix,qk_norm", [(True, True), (False, True), (True, False)])
+def test_attention_step_matches_norm_rotary_append_attend(with_prefix, qk_norm):
+    """From raw projections: per-head RMSNorm, rotary, the key and value written to the newest
+    slot, attention over prefix and own slots; the same as the torch ops one by one."""
+    B, H, K, E, P, Sp, U = 6, 4, 2, 32, 3, 5, 7
+    gen = torch.Generator().manual_seed(1)
+    q_BX, k_BY, v_BY = (torch.randn(B, n * E, generator=gen) for n in (H, K, K))
+    q_norm, k_norm = RMSNorm(E, 1e-6), RMSNorm(E, 1e-6)
+    with torch.no_grad():
+        q_norm.weight.copy_(torch.rand(E, generator=gen) + 0.5)
+        k_norm.weight.copy_(torch.rand(E, generator=gen) + 0.5)
+    angles_BE = torch.rand(B, E // 2, generator=gen).repeat(1, 2) * 6
+    cos_BE, sin_BE = angles_BE.cos(), angles_BE.sin()
+    k_full = decode_kernel.key_buffer(B, K, U + 3, E, q_BX)
+    k_full.copy_(torch.randn(B, K, U + 3, E, generator=gen))
+    v_full = torch.randn(B, K, U + 3, E, generator=gen)
+    prefix = None
+    if with_prefix:
+        pk = decode_kernel.key_buffer(P, K, Sp, E, q_BX)
+        pk.copy_(torch.randn(P, K, Sp, E, generator=gen))
+        prefix = (pk, torch.randn(P, K, Sp, E, generator=gen))
+    allowed_B1TS = torch.rand(B, 1, 1, (Sp if with_prefix else 0) + U, generator=gen) > 0.3
+    allowed_B1TS[..., -1] = True
+    with torch.no_grad():
+        q_BHE, k_BKE = q_BX.view(B, H, E), k_BY.view(B, K, E)
+        if qk_norm:
+            q_BHE, k_BKE = q_norm(q_BHE), k_norm(k_BKE)
+        q_BH1E = apply_rotary(q_BHE[:, :, None], cos_BE[:, None], sin_BE[:, None])
+        k_BK1E = apply_rotary(k_BKE[:, :, None], cos_BE[:, None], sin_BE[:, None])
+        k_expected, v_expected = k_full[:, :, :U].clone(), v_full[:, :, :U].clone()
+        k_expected[:, :, -1:], v_expected[:, :, -1:] = k_BK1E, v_BY.view(B, K, 1, E)
+        if with_prefix:
+            expected = shared_prefix_attention(q_BH1E, *prefix, k_expected, v_expected, allowed_B1TS, 0.2)
+        else:
+            expected = _matmul_attention(q_BH1E, k_expected, v_expected, allowed_B1TS, 0.2)
+        got = decode_kernel.decode_attention_step(
+            q_BX, k_BY, v_BY, k_full[:, :, :U], v_full[:, :, :U], allowed_B1TS, cos_BE, sin_BE,
+            q_norm.weight if qk_norm else None, k_norm.weight if qk_norm else None, 1e-6, 0.2, prefix=prefix)
+    torch.testing.assert_close(got, expected.reshape(B, H * E), rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(k_full[:, :, :U], k_expected, rtol=1e-6, atol=1e-6)  # the step's slot written
+    torch.testing.assert_close(v_full[:, :, :U], v_expected, rtol=0, atol=0)
+
+
+def _decode_logits(model, fused: bool, monkeypatch) -> torch.Tensor:
+    """Prefill three left-padded prompts, fork each 2 ways, then 6 single-token steps; the
+    logits of every step."""
+    with monkeypatch.context() as patch:
+        if not fused:
+            patch.setattr(fused_decode, "applies", lambda *_: False)
+        gen = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(2, 200, (n,), generator=gen).tolist() for n in (9, 4, 6)]
+        ids, pos, docs = left_pad(prompts, "cpu")
+        steps = []
+        with torch.no_grad():
+            cache = model.new_cache(3, ids.shape[1] + 6)
+            model(ids, pos, docs, cache=cache)
+            cache = cache.fork(2)
+            token_B = torch.randint(2, 200, (6,), generator=gen)
+            position_B = torch.tensor([9, 9, 4, 4, 6, 6])
+            for _ in range(6):
+                hidden = model(token_B[:, None], position_B[:, None], torch.zeros(6, 1, dtype=torch.long), cache=cache)
+                steps.append(model.compute_logits(hidden)[:, 0])
+                token_B, position_B = steps[-1].argmax(-1), position_B + 1
+        return torch.stack(steps)
+
+
+@pytest.mark.parametrize("arch,lora", [("qwen3", False), ("llama", False), ("qwen3", True)])
+def test_fused_step_equals_the_block_by_block_step(arch, lora, monkeypatch):
+    model = build_model(tiny_config(arch, initializer_range=0.2), seed=0).eval()
+    if lora:  # adapters on every linear map: the fused step calls the modules, so they apply
+        apply_lora(model, LoraConfig(rank=4, alpha=8), seed=0)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_b" in name.lower():
+                    param.normal_(0, 0.1)
+    with torch.no_grad():
+        assert fused_decode.applies(torch.zeros(2, 8), model.layers, model.norm)
+    fused, unfused = _decode_logits(model, True, monkeypatch), _decode_logits(model, False, monkeypatch)
+    torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5)
+
+
+def test_blocks_it_does_not_know_take_the_module_path():
+    gemma = build_model(tiny_config("gemma3_text", initializer_range=0.2), seed=0)
+    with torch.no_grad():
+        assert not fused_decode.applies(torch.zeros(2, 8), gemma.layers, gemma.norm)
+    qwen = build_model(tiny_config("qwen3", initializer_range=0.2), seed=0)
+    assert not fused_decode.applies(torch.zeros(2, 8), qwen.layers, qwen.norm)  # gradients on
+    with torch.no_grad():
+        assert not fused_decode.applies(torch.zeros(2, 8, dtype=torch.bfloat16), qwen.layers, qwen.norm)
