@@ -29,7 +29,8 @@ One round (`run_round`):
    shares of the completions;
 6. sync the engine's weights (`update_weights` with the full state dict) and verify it
    (`posttrain.rl.sync.check_sync`: greedy probes equal to a native engine over the policy,
-   and the log-prob gap as a metric); a mismatch raises `SyncError`.
+   or for an in-process native engine bitwise-equal weights, and the log-prob gap as a
+   metric); a mismatch raises `SyncError`.
 An engine that fails (a Ray actor that died) raises `EngineLost`, which says whether the round
 can be redone from its start (it failed while generating) or only the sync is to be redone.
 Metrics: reward mean / std, pass@1 and pass@n (a sample succeeds when its reward reaches

@@ -8,6 +8,13 @@ completions of probe prompts through the engine and through a `NativeEngine` hol
 they must be equal token for token, and the mean absolute gap between the engine's raw
 log-probs and the recomputed ones is reported (the silent drift RL users see when engine
 and trainer disagree about the numbers).
+
+Where both are in-process `NativeEngine`s over the same model class (the CPU default: the
+rollout engine on its own copy of the policy's weights), the reference's decode would repeat
+the engine's computation exactly once their weights are bitwise equal; there the weights are
+compared instead (`verified_by: "weights"`), and only a difference falls back to the two
+decodes (which then name the probes that differ). The engine's own greedy decode and the
+log-prob gap are measured either way.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ class SyncReport:
     logprob_gap: float  # mean |engine raw log-prob - trainer recomputation| over probe tokens
     logprob_gap_max: float
     tokens: int
+    verified_by: str = "greedy"  # "greedy": the reference decoded the probes; "weights": bitwise equal weights
 
     @property
     def ok(self) -> bool:
@@ -69,6 +77,23 @@ def recompute_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     return list(logps_N.float().cpu().split(bounds))
 
 
+def same_native_weights(engine, reference) -> bool:
+    """Whether `engine` and `reference` are in-process native engines over our own model class
+    (not the transformers backend) whose weights are bitwise equal: their greedy decodes are
+    then one computation (module docstring)."""
+    from posttrain.rl.native import NativeEngine
+
+    if not (isinstance(engine, NativeEngine) and isinstance(reference, NativeEngine)):
+        return False
+    if engine.transformers_backend or reference.transformers_backend or engine.model is None \
+            or reference.model is None or type(engine.model) is not type(reference.model):
+        return False
+    mine, theirs = engine.model.state_dict(), reference.model.state_dict()
+    return mine.keys() == theirs.keys() and all(
+        mine[k].dtype == theirs[k].dtype and mine[k].shape == theirs[k].shape and torch.equal(mine[k], theirs[k])
+        for k in mine)
+
+
 def check_sync(engine, reference, recompute: Callable[[list, list], list[torch.Tensor]],
                probes: Sequence[Sequence[int]], max_new_tokens: int = 8) -> SyncReport:
     """Greedy completions of `probes` by `engine` and by `reference` (a `NativeEngine` holding
@@ -77,9 +102,13 @@ def check_sync(engine, reference, recompute: Callable[[list, list], list[torch.T
     process, `functools.partial(recompute_logprobs, model)`)."""
     greedy = SamplingConfig(temperature=0, max_new_tokens=max_new_tokens)
     theirs: list[Completion] = [g[0] for g in engine.generate(probes, greedy)]
-    ours: list[Completion] = [g[0] for g in reference.generate(probes, greedy)]
-    mismatched = sum(a.token_ids != b.token_ids for a, b in zip(theirs, ours))
+    verified_by = "weights" if same_native_weights(engine, reference) else "greedy"
+    mismatched = 0
+    if verified_by == "greedy":
+        ours: list[Completion] = [g[0] for g in reference.generate(probes, greedy)]
+        mismatched = sum(a.token_ids != b.token_ids for a, b in zip(theirs, ours))
     recomputed = recompute([list(p) for p in probes], [c.token_ids for c in theirs])
     gaps = torch.cat([(torch.tensor(c.raw_logprobs) - r).abs() for c, r in zip(theirs, recomputed)])
     return SyncReport(probes=len(probes), mismatched=mismatched, logprob_gap=float(gaps.mean()) if gaps.numel() else 0.0,
-                      logprob_gap_max=float(gaps.max()) if gaps.numel() else 0.0, tokens=int(gaps.numel()))
+                      logprob_gap_max=float(gaps.max()) if gaps.numel() else 0.0, tokens=int(gaps.numel()),
+                      verified_by=verified_by)
