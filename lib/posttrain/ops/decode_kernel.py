@@ -131,16 +131,24 @@ def applies(q_BHTE: torch.Tensor, keys: tuple[torch.Tensor, ...], values: tuple[
 
 def _rows_apply(*tensors: torch.Tensor | None) -> bool:
     """Float32 CPU tensors (None skipped) with a unit stride in the last dimension, gradients
-    off."""
-    given = [t for t in tensors if t is not None]
-    return (not torch.is_grad_enabled()
-            and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in given))
+    off. (Plain loops: this runs several times per layer and decode step.)"""
+    if torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and not (t.is_cpu and t.dtype is torch.float32 and t.stride(-1) == 1):
+            return False
+    return True
 
 
 def _cache_layout(keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]) -> bool:
     """Float32 CPU keys stored slot-minor and values head-minor."""
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (*keys, *values))
-            and all(v.stride(-1) == 1 for v in values) and all(k.stride(-2) == 1 or k.shape[-2] <= 1 for k in keys))
+    for k in keys:
+        if not (k.is_cpu and k.dtype is torch.float32 and (k.stride(-2) == 1 or k.shape[-2] <= 1)):
+            return False
+    for v in values:
+        if not (v.is_cpu and v.dtype is torch.float32 and v.stride(-1) == 1):
+            return False
+    return True
 
 
 def key_buffer(B: int, K: int, S: int, E: int, like: torch.Tensor) -> torch.Tensor:
@@ -153,14 +161,15 @@ def key_buffer(B: int, K: int, S: int, E: int, like: torch.Tensor) -> torch.Tens
     return like.new_empty((B, K, S, E))
 
 
-def _readable_slots(keys_BKSE: torch.Tensor) -> int:
+def _readable_slots(keys_BKSE: torch.Tensor, stride: tuple[int, ...]) -> int:
     """How many slots from a row's first may be read in whole vectors without leaving the
-    keys' storage (slots past the view's own are read and ignored)."""
+    keys' storage (slots past the view's own are read and ignored); `stride` is the keys'."""
     B, K, S, E = keys_BKSE.shape
-    last_row = keys_BKSE.storage_offset() + sum((n - 1) * st for n, st in zip((B, K, E), (
-        keys_BKSE.stride(0), keys_BKSE.stride(1), keys_BKSE.stride(3))))
+    if E == 0:
+        return S
+    last_row = keys_BKSE.storage_offset() + (B - 1) * stride[0] + (K - 1) * stride[1] + (E - 1) * stride[3]
     in_storage = keys_BKSE.untyped_storage().nbytes() // keys_BKSE.element_size() - last_row
-    return max(S, min(keys_BKSE.stride(3), in_storage)) if E > 0 else S
+    return max(S, min(stride[3], in_storage))
 
 
 def _cache_args(k_BKUE: torch.Tensor, v_BKUE: torch.Tensor, prefix_k_PKSE: torch.Tensor, prefix_v_PKSE: torch.Tensor,
@@ -176,11 +185,11 @@ def _cache_args(k_BKUE: torch.Tensor, v_BKUE: torch.Tensor, prefix_k_PKSE: torch
     allowed_BS = allowed_B1TS.reshape(B, Sp + U)
     if allowed_BS.stride(-1) != 1:
         allowed_BS = allowed_BS.contiguous()
-    args = [prefix_k_PKSE.data_ptr(), prefix_k_PKSE.stride(0), prefix_k_PKSE.stride(1), prefix_k_PKSE.stride(3),
-            _readable_slots(prefix_k_PKSE),
-            prefix_v_PKSE.data_ptr(), *prefix_v_PKSE.stride()[:3], Sp,
-            k_BKUE.data_ptr(), k_BKUE.stride(0), k_BKUE.stride(1), k_BKUE.stride(3), _readable_slots(k_BKUE),
-            v_BKUE.data_ptr(), *v_BKUE.stride()[:3], U,
+    pk, pv, k, v = (t.stride() for t in (prefix_k_PKSE, prefix_v_PKSE, k_BKUE, v_BKUE))
+    args = [prefix_k_PKSE.data_ptr(), pk[0], pk[1], pk[3], _readable_slots(prefix_k_PKSE, pk),
+            prefix_v_PKSE.data_ptr(), pv[0], pv[1], pv[2], Sp,
+            k_BKUE.data_ptr(), k[0], k[1], k[3], _readable_slots(k_BKUE, k),
+            v_BKUE.data_ptr(), v[0], v[1], v[2], U,
             allowed_BS.data_ptr(), allowed_BS.stride(0)]
     return args, allowed_BS
 
