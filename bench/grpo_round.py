@@ -167,6 +167,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.prompts, args.n, args.new_tokens = 2, 4, 2, 4
+    variants = [v for v in args.trl_variants.split(",") if v]
+    if not variants or set(variants) - {"fp32", "bf16"}:
+        parser.error(f"--trl-variants takes fp32 and/or bf16, got {args.trl_variants!r}")
     began = time.perf_counter()
     torch.set_num_threads(torch.get_num_threads())
     from transformers.utils import logging as hf_logging
@@ -177,9 +180,6 @@ def main() -> None:
         count = args.prompts * (args.rounds + 1)
         model_dir, tokenizer, records = build_workspace(tmp, "quick" if args.quick else "demo", args.model, count)
         ours, metrics = run_ours(model_dir, tokenizer, records, args)
-        variants = [v for v in args.trl_variants.split(",") if v]
-        if not variants or set(variants) - {"fp32", "bf16"}:
-            parser.error(f"--trl-variants takes fp32 and/or bf16, got {args.trl_variants!r}")
         trl_runs = {v: run_trl(model_dir, tokenizer, records, args, tmp / v, bf16=v == "bf16") for v in variants}
     fastest = min(trl_runs, key=lambda v: statistics.median(trl_runs[v]))
     trl = trl_runs[fastest]

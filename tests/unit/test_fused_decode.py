@@ -102,6 +102,25 @@ def test_attention_step_matches_norm_rotary_append_attend(with_prefix, qk_norm):
     torch.testing.assert_close(v_full[:, :, :U], v_expected, rtol=0, atol=0)
 
 
+def test_attention_step_refuses_inconsistent_inputs_before_touching_memory():
+    B, H, K, E, U = 2, 4, 2, 8, 3
+    q_BX, k_BY, v_BY = torch.randn(B, H * E), torch.randn(B, K * E), torch.randn(B, K * E)
+    k_cache = decode_kernel.key_buffer(B, K, 4, E, q_BX)[:, :, :U]
+    v_cache = torch.zeros(B, K, 4, E)[:, :, :U]
+    cos_BE, sin_BE = torch.ones(B, E), torch.zeros(B, E)
+    allowed = torch.ones(B, 1, 1, U, dtype=torch.bool)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="bool mask"):  # an additive float mask is not a bool one
+            decode_kernel.decode_attention_step(q_BX, k_BY, v_BY, k_cache, v_cache, allowed.float(), cos_BE, sin_BE)
+        with pytest.raises(ValueError, match="head norms"):
+            decode_kernel.decode_attention_step(q_BX, k_BY, v_BY, k_cache, v_cache, allowed, cos_BE, sin_BE,
+                                                torch.ones(E - 1), torch.ones(E))
+        with pytest.raises(ValueError, match="values"):
+            decode_kernel.decode_attention_step(q_BX, k_BY, v_BY, k_cache, v_cache[:, :, :U - 1], allowed, cos_BE,
+                                                sin_BE)
+    assert v_cache.abs().sum() == 0  # nothing written
+
+
 def _decode_logits(model, fused: bool, monkeypatch) -> torch.Tensor:
     """Prefill three left-padded prompts, fork each 2 ways, then 6 single-token steps; the
     logits of every step."""

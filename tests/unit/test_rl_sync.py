@@ -61,3 +61,13 @@ def test_engines_of_other_kinds_are_compared_by_decoding():
     assert not same_native_weights(Wrapped(), reference)
     report = check_sync(Wrapped(), reference, partial(recompute_logprobs, policy), PROBES)
     assert report.ok and report.verified_by == "greedy" and reference.calls == 1
+
+
+def test_other_settings_with_the_same_weights_fall_back_to_decoding():
+    """Bitwise-equal weights under another config (here the rotary base) are not one computation."""
+    policy, engine, reference = _engines()
+    engine.model.config = copy.deepcopy(engine.model.config)
+    engine.model.config.rope_theta = policy.config.rope_theta * 2
+    assert not same_native_weights(engine, reference)
+    report = check_sync(engine, reference, partial(recompute_logprobs, policy), PROBES)
+    assert report.verified_by == "greedy" and reference.calls == 1

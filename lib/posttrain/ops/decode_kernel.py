@@ -177,11 +177,15 @@ def _cache_args(k_BKUE: torch.Tensor, v_BKUE: torch.Tensor, prefix_k_PKSE: torch
     """The kernels' arguments for the prefix's and the row's own keys and values (pointers,
     strides, readable slots, slot counts) and the mask, with the mask as `[B, S]` rows with a
     unit stride (the caller keeps it alive through the call)."""
-    K, U = k_BKUE.shape[1], k_BKUE.shape[2]
+    K, U, E = k_BKUE.shape[1], k_BKUE.shape[2], k_BKUE.shape[3]
     P, Sp = prefix_k_PKSE.shape[0], prefix_k_PKSE.shape[2]
-    if H % K or B % P or allowed_B1TS.shape[-1] != Sp + U:
-        raise ValueError(f"{what} got {H} query heads, keys {tuple(k_BKUE.shape)}, prefix "
-                         f"{tuple(prefix_k_PKSE.shape)} and a mask over {allowed_B1TS.shape[-1]} slots")
+    if (H % K or B % P or k_BKUE.shape[0] != B or v_BKUE.shape != k_BKUE.shape
+            or prefix_v_PKSE.shape != prefix_k_PKSE.shape or prefix_k_PKSE.shape[1] != K
+            or prefix_k_PKSE.shape[3] != E or allowed_B1TS.dtype is not torch.bool
+            or allowed_B1TS.numel() != B * (Sp + U)):
+        raise ValueError(f"{what} got {H} query heads, keys {tuple(k_BKUE.shape)}, values {tuple(v_BKUE.shape)}, "
+                         f"prefix {tuple(prefix_k_PKSE.shape)} / {tuple(prefix_v_PKSE.shape)} and a "
+                         f"{allowed_B1TS.dtype} mask {tuple(allowed_B1TS.shape)} (a bool mask over prefix + own slots)")
     allowed_BS = allowed_B1TS.reshape(B, Sp + U)
     if allowed_BS.stride(-1) != 1:
         allowed_BS = allowed_BS.contiguous()
@@ -243,10 +247,13 @@ def decode_attention_step(q_BX: torch.Tensor, k_BY: torch.Tensor, v_BY: torch.Te
             and _cache_layout((k_BKUE, prefix_k_PKSE), (v_BKUE, prefix_v_PKSE))):
         return None
     if (q_BX.shape != (B, H * E) or k_BY.shape != (B, K * E) or v_BY.shape != (B, K * E)
-            or cos_BE.shape != (B, E) or sin_BE.shape != (B, E) or cos_BE.stride() != sin_BE.stride()):
+            or cos_BE.shape != (B, E) or sin_BE.shape != (B, E) or cos_BE.stride() != sin_BE.stride()
+            or any(w is not None and w.shape != (E,) for w in (q_norm_E, k_norm_E))
+            or (sinks_H is not None and sinks_H.shape != (H,))):
         raise ValueError(f"decode attention step got q {tuple(q_BX.shape)}, k {tuple(k_BY.shape)}, v "
-                         f"{tuple(v_BY.shape)}, rotary {tuple(cos_BE.shape)} / {tuple(sin_BE.shape)} for a cache "
-                         f"of {tuple(k_BKUE.shape)}")
+                         f"{tuple(v_BY.shape)}, rotary {tuple(cos_BE.shape)} / {tuple(sin_BE.shape)}, head norms "
+                         f"{[None if w is None else tuple(w.shape) for w in (q_norm_E, k_norm_E)]}, sinks "
+                         f"{None if sinks_H is None else tuple(sinks_H.shape)} for a cache of {tuple(k_BKUE.shape)}")
     cache_args, _mask = _cache_args(k_BKUE, v_BKUE, prefix_k_PKSE, prefix_v_PKSE, allowed_B1TS, B, H,
                                     "decode attention step")
     norms = [None if w is None else w.contiguous() for w in (q_norm_E, k_norm_E)]

@@ -79,19 +79,24 @@ def recompute_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
 
 def same_native_weights(engine, reference) -> bool:
     """Whether `engine` and `reference` are in-process native engines over our own model class
-    (not the transformers backend) whose weights are bitwise equal: their greedy decodes are
-    then one computation (module docstring)."""
+    (not the transformers backend) with equal configs and soft-capping, on one device, whose
+    weights are bitwise equal: their greedy decodes are then one computation (module
+    docstring)."""
     from posttrain.rl.native import NativeEngine
 
     if not (isinstance(engine, NativeEngine) and isinstance(reference, NativeEngine)):
         return False
-    if engine.transformers_backend or reference.transformers_backend or engine.model is None \
-            or reference.model is None or type(engine.model) is not type(reference.model):
+    mine_model, their_model = engine.model, reference.model
+    if engine.transformers_backend or reference.transformers_backend or mine_model is None \
+            or their_model is None or type(mine_model) is not type(their_model):
         return False
-    mine, theirs = engine.model.state_dict(), reference.model.state_dict()
+    if vars(mine_model.config) != vars(their_model.config) \
+            or getattr(mine_model, "logit_softcap", None) != getattr(their_model, "logit_softcap", None):
+        return False  # the same weights under other settings (rope, eps, windows) decode differently
+    mine, theirs = mine_model.state_dict(), their_model.state_dict()
     return mine.keys() == theirs.keys() and all(
-        mine[k].dtype == theirs[k].dtype and mine[k].shape == theirs[k].shape and torch.equal(mine[k], theirs[k])
-        for k in mine)
+        mine[k].device == theirs[k].device and mine[k].dtype == theirs[k].dtype
+        and mine[k].shape == theirs[k].shape and torch.equal(mine[k], theirs[k]) for k in mine)
 
 
 def check_sync(engine, reference, recompute: Callable[[list, list], list[torch.Tensor]],
