@@ -71,6 +71,26 @@ def test_sinks_match_sink_attention_and_shared_prefix():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("sinks", [False, True])
+def test_masked_heads_of_rows_are_skipped_without_changing_the_result(sinks):
+    """Left padding: row b's slots before `first[b]` are masked (nothing, part of a vector, whole
+    vectors, the whole prefix, into its own slots, everything); the kernel starts at the first
+    allowed slot's vector and must agree with the torch path, and give zeros for an all-masked row."""
+    B, Sp, U = 20, 29, 19
+    q, pk, pv, k, v, allowed = _inputs(B=B, P=4, Sp=Sp, U=U, seed=5)
+    allowed[:] = True
+    first = [0, 1, 3, 7, 8, 9, 15, 16, 17, 24, 28, 29, 31, 32, 33, 40, 41, 45, 47, Sp + U]
+    for b, f in enumerate(first):
+        allowed[b, ..., :f] = False
+    allowed[3, ..., 10] = False  # a hole after the first allowed slot
+    sinks_H = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(4)) if sinks else None
+    with torch.no_grad():
+        expected = shared_prefix_attention(q, pk, pv, k, v, allowed, None, sinks_H)
+        got = decode_kernel.decode_attention(q, k, v, allowed, None, sinks_H, prefix=(pk, pv))
+    torch.testing.assert_close(got[:-1], expected[:-1], rtol=1e-5, atol=2e-6)
+    assert torch.equal(got[-1], torch.zeros_like(got[-1]))
+
+
 def test_a_row_with_nothing_to_attend_to_gives_zeros():
     q, _, _, k, v, allowed = _inputs(Sp=0)
     allowed[2] = False

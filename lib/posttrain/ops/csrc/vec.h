@@ -21,15 +21,10 @@ typedef float vecf __attribute__((vector_size(4 * VW), aligned(4), may_alias));
 typedef int32_t veci __attribute__((vector_size(4 * VW), aligned(4), may_alias));
 typedef uint8_t vbyte __attribute__((vector_size(VW), aligned(1), may_alias));
 
-/* exp(x) of VW floats: x = k*ln2 + r with |r| <= ln2/2, e^r by the classic single-precision
- * polynomial r + r^2 * p(r) + 1 (Cephes' expf coefficients), 2^k through the exponent bits.
- * Relative error about 1e-7; x below -87 (including -inf) gives 0, above 88 +inf. Written with
- * vector operations because the compiler leaves a loop over a scalar version unvectorised. */
-static inline vecf exp_vec(vecf x) {
-    const veci below = x < -87.0f;  /* lanes that underflow: all bits set */
-    const veci above = x > 88.0f;   /* lanes that overflow */
-    const vecf low = (vecf){0} - 87.0f, high = (vecf){0} + 88.0f, inf = (vecf){0} + INFINITY;
-    const vecf xc = (vecf)(((veci)x & ~below & ~above) | ((veci)low & below) | ((veci)high & above));
+/* e^xc for xc in [-87, 88]: xc = k*ln2 + r with |r| <= ln2/2, e^r by the classic
+ * single-precision polynomial r + r^2 * p(r) + 1 (Cephes' expf coefficients), 2^k through the
+ * exponent bits. Relative error about 1e-7. */
+static inline vecf exp_in_range(vecf xc) {
     const vecf t = xc * 1.44269504088896341f + 0.5f;
     veci k = __builtin_convertvector(t, veci);          /* truncates toward zero */
     k += (veci)(__builtin_convertvector(k, vecf) > t); /* ... so step down where that was up: floor */
@@ -41,8 +36,25 @@ static inline vecf exp_vec(vecf x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const vecf two_k = (vecf)((k + 127) << 23);
-    return (vecf)(((veci)(p * two_k) & ~below & ~above) | ((veci)inf & above));
+    return p * (vecf)((k + 127) << 23);
+}
+
+/* exp(x) of VW floats: x below -87 (including -inf) gives 0, above 88 +inf. Written with
+ * vector operations because the compiler leaves a loop over a scalar version unvectorised. */
+static inline vecf exp_vec(vecf x) {
+    const veci below = x < -87.0f;  /* lanes that underflow: all bits set */
+    const veci above = x > 88.0f;   /* lanes that overflow */
+    const vecf low = (vecf){0} - 87.0f, high = (vecf){0} + 88.0f, inf = (vecf){0} + INFINITY;
+    const vecf xc = (vecf)(((veci)x & ~below & ~above) | ((veci)low & below) | ((veci)high & above));
+    return (vecf)(((veci)exp_in_range(xc) & ~below & ~above) | ((veci)inf & above));
+}
+
+/* exp_vec for x <= 0 (a softmax's scores less their maximum): the overflow lanes are left
+ * out. x below -87 (including -inf) gives 0. */
+static inline vecf exp_vec_nonpositive(vecf x) {
+    const veci below = x < -87.0f;
+    const vecf xc = (vecf)(((veci)x & ~below) | ((veci)((vecf){0} - 87.0f) & below));
+    return (vecf)((veci)exp_in_range(xc) & ~below);
 }
 
 static inline float exp_one(float x) {
