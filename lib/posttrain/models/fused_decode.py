@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from posttrain.models.kv_cache import LayerKV
@@ -58,6 +59,15 @@ def _checked(result: torch.Tensor | None, what: str) -> torch.Tensor:
     return result
 
 
+def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)`; a plain `nn.Linear` without hooks of its own as the functional call, skipping
+    the module call's machinery (~5 us a call, 28 calls a step). Anything else (LoRA, a
+    hooked module) through its call."""
+    if type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks):
+        return F.linear(x, module.weight, module.bias)
+    return module(x)
+
+
 def decode_step(blocks: Sequence[nn.Module], kv_layers: Sequence[LayerKV], x_BD: torch.Tensor,
                 rope: Sequence[tuple[torch.Tensor, torch.Tensor]], masks: Sequence[AttentionMask],
                 final_norm: RMSNorm) -> torch.Tensor:
@@ -65,17 +75,22 @@ def decode_step(blocks: Sequence[nn.Module], kv_layers: Sequence[LayerKV], x_BD:
     docstring); `rope[i]` is block i's `(cos_BTE, sin_BTE)` with `T == 1`, `masks[i]` its cached
     mask, `kv_layers[i]` its cache layer. `x_BD` is overwritten. Call only where `applies`."""
     pending_BD = None
+    tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # `[B, E]` rotary tables, sliced once per kind
     for block, kv, (cos_BTE, sin_BTE), mask in zip(blocks, kv_layers, rope, masks):
         attention, mlp = block.attention, block.feed_forward
+        if id(cos_BTE) not in tables:
+            tables[id(cos_BTE)] = (cos_BTE[:, 0], sin_BTE[:, 0])
+        cos_BE, sin_BE = tables[id(cos_BTE)]
         norm = block.attention_norm
         h_BD = _checked(decode_kernel.add_rms_norm(x_BD, norm.weight, norm.eps, pending_BD), "add_rms_norm")
         q_norm, k_norm = attention.q_norm, attention.k_norm
         o_BX = _checked(kv.attend_step(
-            attention.wq(h_BD), attention.wk(h_BD), attention.wv(h_BD), cos_BTE[:, 0], sin_BTE[:, 0], mask,
-            attention.scale, attention.n_kv_heads, None if q_norm is None else q_norm.weight,
+            _linear(attention.wq, h_BD), _linear(attention.wk, h_BD), _linear(attention.wv, h_BD), cos_BE, sin_BE,
+            mask, attention.scale, attention.n_kv_heads, None if q_norm is None else q_norm.weight,
             None if k_norm is None else k_norm.weight, 0.0 if q_norm is None else q_norm.eps), "attend_step")
         norm = block.ffn_norm
-        h_BD = _checked(decode_kernel.add_rms_norm(x_BD, norm.weight, norm.eps, attention.wo(o_BX)), "add_rms_norm")
-        gate_BF = _checked(decode_kernel.silu_mul(mlp.w_gate(h_BD), mlp.w_up(h_BD)), "silu_mul")
-        pending_BD = mlp.w_down(gate_BF)
+        h_BD = _checked(decode_kernel.add_rms_norm(x_BD, norm.weight, norm.eps, _linear(attention.wo, o_BX)),
+                        "add_rms_norm")
+        gate_BF = _checked(decode_kernel.silu_mul(_linear(mlp.w_gate, h_BD), _linear(mlp.w_up, h_BD)), "silu_mul")
+        pending_BD = _linear(mlp.w_down, gate_BF)
     return _checked(decode_kernel.add_rms_norm(x_BD, final_norm.weight, final_norm.eps, pending_BD), "add_rms_norm")
