@@ -1,6 +1,7 @@
 """The fused decode-attention kernel (`posttrain.ops.decode_kernel`) against the torch paths it
 replaces: shared-prefix attention, plain cached attention, sink attention; masks, head sizes
-with and without a vector-length loop, strided cache views; thread-count independence; the
+with and without a vector-length loop, strided cache views; thread-count independence (the
+sampler's too: tests/unit/test_sample_rows.py has the rest of its tests); the
 fallbacks (turned off, a dtype it does not take, a compiler that fails)."""
 
 from __future__ import annotations
@@ -108,18 +109,30 @@ def test_large_scores_do_not_overflow():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_result_does_not_depend_on_the_thread_count():
+def _attention_call():
     q, pk, pv, k, v, allowed = _inputs(B=64, P=8)
+    return lambda: (decode_kernel.decode_attention(q, k, v, allowed, prefix=(pk, pv)),)
+
+
+def _sampler_call():
+    gen = torch.Generator().manual_seed(2)
+    logits_RV, uniforms_R = torch.randn(256, 384, generator=gen), torch.rand(256, generator=gen)
+    return lambda: decode_kernel.sample_rows(logits_RV, 1.0, uniforms_R)
+
+
+@pytest.mark.parametrize("make_call", [_attention_call, _sampler_call], ids=["attention", "sampler"])
+def test_result_does_not_depend_on_the_thread_count(make_call):
+    call = make_call()
     before = torch.get_num_threads()
     try:
         outs = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
             with torch.no_grad():
-                outs.append(decode_kernel.decode_attention(q, k, v, allowed, prefix=(pk, pv)))
+                outs.append(call())
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
 def test_other_dtypes_layouts_gradients_and_queries_fall_back():

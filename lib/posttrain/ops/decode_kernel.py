@@ -22,7 +22,10 @@ write of the key and value into the cache's newest slot (one call instead of ~30
 layer). `add_rms_norm(x_BD, weight_D, eps, delta_BD)` adds a residual in place and returns
 the RMSNorm of the sum; `silu_mul(gate_BF, up_BF)` is SwiGLU's `silu(gate) * up`, in place.
 Each returns None where it does not apply (the caller's torch ops run instead); together they
-make a dense block's decode step (`posttrain.models.fused_decode`).
+make a dense block's decode step (`posttrain.models.fused_decode`). `sample_rows(logits_RV,
+temperature, uniforms_R)` draws one token per row by inverse CDF (`csrc/sample_rows.c`), the
+sampler's unfiltered case (`posttrain.rl.sampling.pick_tokens`) in one call instead of ~10
+torch ops.
 
 The C sources are compiled at first use with the system compiler (`cc`, or `$CC`) into one
 library in `$POSTTRAIN_KERNEL_DIR` (default `~/.cache/posttrain/kernels`), named by a hash of
@@ -46,7 +49,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "decode_attention.c", CSRC / "decode_rows.c")
+SOURCES = (CSRC / "decode_attention.c", CSRC / "decode_rows.c", CSRC / "sample_rows.c")
 HEADERS = (CSRC / "vec.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 _SYMBOL = "posttrain_decode_attention_f32"
@@ -101,6 +104,7 @@ def _build() -> ctypes.CDLL:
         + [ptr, f32, ptr],
         "posttrain_add_rms_norm_f32": [i64, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i64],
         "posttrain_silu_mul_f32": [i64, i64, ptr, i64, ptr, i64],
+        "posttrain_sample_rows_f32": [i64, i64, ptr, i64, f32, ptr, ptr, ptr, ptr, ptr],
     }
     for name, argtypes in signatures.items():
         fn = getattr(library, name)
@@ -296,3 +300,26 @@ def silu_mul(gate_BF: torch.Tensor, up_BF: torch.Tensor) -> torch.Tensor | None:
     B, F = gate_BF.shape
     load().posttrain_silu_mul_f32(B, F, gate_BF.data_ptr(), gate_BF.stride(0), up_BF.data_ptr(), up_BF.stride(0))
     return gate_BF
+
+
+def sample_rows(logits_RV: torch.Tensor, temperature: float,
+                uniforms_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """One token per row of float32 `logits_RV` `[R, V]`, drawn by inverse CDF from
+    `softmax(logits / temperature)` with row r's uniform `uniforms_R[r]` in [0, 1) (the rule of
+    `csrc/sample_rows.c`): `(token_ids_R, logprobs_R, raw_logprobs_R)`, the log-probability
+    of each token under the tempered and under the raw distribution. None where the kernel
+    does not apply (the caller's torch ops run instead)."""
+    if logits_RV.dim() != 2 or load() is None or not _rows_apply(logits_RV, uniforms_R):
+        return None
+    R, V = logits_RV.shape
+    if uniforms_R.shape != (R,) or V == 0 or not temperature > 0:
+        raise ValueError(f"sample_rows got logits {tuple(logits_RV.shape)}, uniforms {tuple(uniforms_R.shape)} "
+                         f"and temperature {temperature} (one uniform per row, a positive temperature)")
+    uniforms_R = uniforms_R.contiguous()  # held here: the call must not outlive a temporary
+    token_ids_R = torch.empty(R, dtype=torch.long)
+    logprobs_R, raw_R = torch.empty(R, dtype=torch.float32), torch.empty(R, dtype=torch.float32)
+    scratch_RV = torch.empty((R, V), dtype=torch.float32)
+    load().posttrain_sample_rows_f32(R, V, logits_RV.data_ptr(), logits_RV.stride(0), float(temperature),
+                                     uniforms_R.data_ptr(), token_ids_R.data_ptr(), logprobs_R.data_ptr(),
+                                     raw_R.data_ptr(), scratch_RV.data_ptr())
+    return token_ids_R, logprobs_R, raw_R
