@@ -81,6 +81,26 @@ def test_cached_forward_equals_the_full_forward(arch_model):
     assert (torch.cat(steps, dim=1) - full)[real].abs().max() < 1e-4
 
 
+def test_decode_steps_read_the_same_rotary_tables_bitwise(arch_model):
+    """A decode step's rotary tables come from per-cache tables of every slot position: bitwise
+    the tables the rotary modules compute for those positions (every layer type), and positions
+    past the cache's slots are computed directly."""
+    _, model, _, _ = arch_model
+    cache = model.new_cache(4, 40)
+    position_ids_BT = torch.tensor([[0], [7], [39], [21]])
+    with torch.no_grad():
+        read = model._slot_rotary_tables(cache, position_ids_BT, torch.float32)
+        again = model._slot_rotary_tables(cache, position_ids_BT.flip(0), torch.float32)
+        computed = model._rotary_tables(position_ids_BT, torch.float32)
+        beyond = model._slot_rotary_tables(cache, torch.tensor([[40]]), torch.float32)
+    assert read.keys() == computed.keys() and len(cache.derived) == 1
+    for layer_type, (cos, sin) in computed.items():
+        assert torch.equal(read[layer_type][0], cos) and torch.equal(read[layer_type][1], sin)
+        assert torch.equal(again[layer_type][0], cos.flip(0))
+    assert torch.equal(beyond[next(iter(beyond))][0], model._rotary_tables(torch.tensor([[40]]), torch.float32)[
+        next(iter(beyond))][0])
+
+
 def test_greedy_equals_transformers_generate_alone_and_batched(arch_model, prompts):
     _, model, _, hf = arch_model
     engine = NativeEngine(model)

@@ -131,6 +131,25 @@ class DecoderLM(nn.Module):
             return {t: self.rotary[t](position_ids_BT, dtype) for t in types}
         return dict.fromkeys(types, self.rotary(position_ids_BT, dtype))
 
+    def _slot_rotary_tables(self, cache: KVCache, position_ids_BT: torch.Tensor, dtype: torch.dtype) -> dict:
+        """`_rotary_tables` for a decode step, read from tables of every position below the
+        cache's capacity (computed once per cache and dtype, kept in `cache.derived`): the
+        same values, one gather instead of ~9 ops a step."""
+        if int(position_ids_BT.max()) >= cache.capacity:  # positions past the slots: compute them
+            return self._rotary_tables(position_ids_BT, dtype)
+        key = ("rotary", dtype)
+        tables = cache.derived.get(key)
+        if tables is None:
+            positions_1P = torch.arange(cache.capacity, device=position_ids_BT.device)[None]
+            tables = {t: (cos_1PE[0], sin_1PE[0]) for t, (cos_1PE, sin_1PE)
+                      in self._rotary_tables(positions_1P, dtype).items()}
+            cache.derived[key] = tables
+        gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # one gather per distinct table
+        for cos_PE, sin_PE in tables.values():
+            if id(cos_PE) not in gathered:
+                gathered[id(cos_PE)] = (cos_PE[position_ids_BT], sin_PE[position_ids_BT])
+        return {t: gathered[id(cos_PE)] for t, (cos_PE, _) in tables.items()}
+
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty KV cache for `batch` rows of up to `capacity` tokens each."""
         return KVCache(len(self.layers), batch, capacity, self.tok_embeddings.weight.device)
@@ -141,7 +160,8 @@ class DecoderLM(nn.Module):
             raise ValueError("a cached forward takes no branch_ids (tree documents are for training)")
         cache.extend(position_ids_BT, doc_ids_BT)
         x_BTD = self.tok_embeddings(input_ids_BT)
-        rope = self._rotary_tables(position_ids_BT, x_BTD.dtype)
+        rope = (self._slot_rotary_tables(cache, position_ids_BT, x_BTD.dtype) if x_BTD.shape[1] == 1
+                else self._rotary_tables(position_ids_BT, x_BTD.dtype))
         end = cache.length
         masks = {w: build_cached_attention_mask(doc_ids_BT, position_ids_BT, cache.doc_ids_BS[:, :end],
                                                 cache.position_ids_BS[:, :end], cache.start, window=w)

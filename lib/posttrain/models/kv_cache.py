@@ -136,6 +136,9 @@ class KVCache:
         self.length = 0  # slots written (including the forward in progress)
         self.offset = 0  # slots held by a shared prefix (after `fork`)
         self.group = 1  # consecutive rows sharing one prefix
+        # tables the model derives from slot positions alone (e.g. rotary angles), keyed by the
+        # model; shared by the caches `fork` and `select` make (same capacity)
+        self.derived: dict = {}
 
     def extend(self, position_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor) -> None:
         """Claim the next `T` slots of every row for a forward of these tokens (called by the
@@ -152,6 +155,7 @@ class KVCache:
     def _empty_like(self, batch: int) -> "KVCache":
         out = KVCache(len(self.layers), batch, self.capacity, self.doc_ids_BS.device)
         out.start, out.length = self.start, self.length
+        out.derived = self.derived
         return out
 
     def fork(self, n: int) -> "KVCache":
