@@ -13,10 +13,11 @@
  * the result does not depend on the number of threads.
  *
  * Memory: with a few hundred rows the cache is far larger than the last-level cache, and every
- * step reads all of it. Each pair asks for the next pair's keys and values (`delta`: their
- * offset from this pair's) line by line as it reads its own, so the next pair's data is on its
- * way while this one computes (measured at 256 rows: ~20% faster; asking for the whole next pair
- * at once gained nothing). A row's left padding, a prompt's masked head, is not read at all. */
+ * step reads all of it. Each pair asks for the next pair's keys (`delta`: their offset from
+ * this pair's) line by line as it reads its own, so they are on their way while this pair
+ * computes (measured at 256 rows: ~20% faster; asking for the whole next pair at once gained
+ * nothing; the values, one contiguous stream a pair, need no help). A row's left padding, a
+ * prompt's masked head, is not read at all. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -84,16 +85,15 @@ ALWAYS_INLINE void score_keys(const float* q, int64_t q_sh, const float* keys, i
 }
 
 /* acc[g * E + e] += scores[g * row_stride + first + s] * value_s[e] over n values from slot `first`
- * (values stored slot-major: a slot's E elements are contiguous); the values `delta` floats
- * further are prefetched (0: none). */
+ * (values stored slot-major: a slot's E elements are contiguous, a stream the hardware
+ * prefetcher follows without help). */
 ALWAYS_INLINE void mix_values(const float* values, int64_t value_stride, int64_t n, int64_t first, int64_t row_stride,
-                              const float* scores, float* acc, const int64_t E, const int64_t G, int64_t delta) {
+                              const float* scores, float* acc, const int64_t E, const int64_t G) {
     if (E % VW == 0) {  /* the accumulators stay in registers */
         vecf sum[G * E / VW];
         for (int64_t c = 0; c < G * E / VW; ++c) sum[c] = *(const vecf*)(acc + VW * c);
         for (int64_t s = 0; s < n; ++s) {
             const float* val = values + s * value_stride;
-            if (delta) for (int64_t at = 0; at < E; at += 16) __builtin_prefetch(val + delta + at);
             for (int64_t g = 0; g < G; ++g) {
                 const float w = scores[g * row_stride + first + s];
                 for (int64_t c = 0; c < E / VW; ++c) sum[g * E / VW + c] += w * *(const vecf*)(val + VW * c);
@@ -184,10 +184,9 @@ ALWAYS_INLINE void attend_pair(const Args* a, int64_t bk, const float* qb, int64
     const float* k = a->k + b * a->k_sb + kh * a->k_sk;
     const float* pv = a->pv + p * a->pv_sp + kh * a->pv_sk;
     const float* v = a->v + b * a->v_sb + kh * a->v_sk;
-    /* the next pair's own keys and values, as offsets from this pair's (0: none) */
+    /* the next pair's own keys, as an offset from this pair's (0: none) */
     const int64_t last = bk + 1 == a->pairs, next_row = kh + 1 == a->K;
     const int64_t kd = last ? 0 : next_row ? a->k_sb - (a->K - 1) * a->k_sk : a->k_sk;
-    const int64_t vd = last ? 0 : next_row ? a->v_sb - (a->K - 1) * a->v_sk : a->v_sk;
     score_keys(qb, q_sh, pk + p0, a->pk_se, a->Sp - p0, a->pk_readable - p0, p0, SR, a->scale, scores, E, G, 0);
     score_keys(qb, q_sh, k + u0, a->k_se, a->U - u0, a->k_readable - u0, a->Sp + u0, SR, a->scale, scores, E, G, kd);
     for (int64_t g = 0; g < G; ++g) {
@@ -210,8 +209,8 @@ ALWAYS_INLINE void attend_pair(const Args* a, int64_t bk, const float* qb, int64
         for (int64_t s = begin; s < SR; s += VW) *(vecf*)(row + s) *= inv;
     }
     memset(acc, 0, sizeof(float) * (size_t)(G * E));
-    mix_values(pv + p0 * a->pv_ss, a->pv_ss, a->Sp - p0, p0, SR, scores, acc, E, G, 0);
-    mix_values(v + u0 * a->v_ss, a->v_ss, a->U - u0, a->Sp + u0, SR, scores, acc, E, G, vd);
+    mix_values(pv + p0 * a->pv_ss, a->pv_ss, a->Sp - p0, p0, SR, scores, acc, E, G);
+    mix_values(v + u0 * a->v_ss, a->v_ss, a->U - u0, a->Sp + u0, SR, scores, acc, E, G);
     memcpy(a->out + (b * a->H + kh * G) * E, acc, sizeof(float) * (size_t)(G * E));
 }
 
