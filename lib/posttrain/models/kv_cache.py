@@ -136,8 +136,8 @@ class KVCache:
         self.length = 0  # slots written (including the forward in progress)
         self.offset = 0  # slots held by a shared prefix (after `fork`)
         self.group = 1  # consecutive rows sharing one prefix
-        # tables the model derives from slot positions alone (e.g. rotary angles), keyed by the
-        # model; shared by the caches `fork` and `select` make (same capacity)
+        # tables the model derives from slot positions alone (its rotary cos/sin), keyed by
+        # kind and dtype; shared by the caches `fork` and `select` make (same capacity)
         self.derived: dict = {}
 
     def extend(self, position_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor) -> None:
