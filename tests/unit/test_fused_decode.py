@@ -159,6 +159,33 @@ def test_fused_step_equals_the_block_by_block_step(arch, lora, monkeypatch):
     torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5)
 
 
+def test_hooked_or_replaced_linear_maps_keep_their_module_call(monkeypatch):
+    """Plain linear maps run as the functional call, but a module with a forward hook, a global
+    hook or a `forward` replaced on the instance still goes through its call in the fused step."""
+    model = build_model(tiny_config("qwen3", initializer_range=0.2), seed=0).eval()
+    plain = _decode_logits(model, True, monkeypatch)
+    calls = []
+    block = model.layers[0]
+    handle = block.attention.wq.register_forward_hook(lambda module, args, out: calls.append("hook") or out * 2)
+    try:
+        hooked = _decode_logits(model, True, monkeypatch)
+    finally:
+        handle.remove()
+    assert calls.count("hook") >= 6 and not torch.allclose(hooked, plain)
+    wq = block.attention.wq
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: calls.append("global") if module is wq else None)
+    try:
+        _decode_logits(model, True, monkeypatch)
+    finally:
+        handle.remove()
+    assert calls.count("global") >= 6  # the prefill's call and each decode step's
+    original = block.feed_forward.w_down.forward
+    monkeypatch.setattr(block.feed_forward.w_down, "forward", lambda x: calls.append("forward") or original(x))
+    _decode_logits(model, True, monkeypatch)
+    assert calls.count("forward") >= 6
+
+
 def test_blocks_it_does_not_know_take_the_module_path():
     gemma = build_model(tiny_config("gemma3_text", initializer_range=0.2), seed=0)
     with torch.no_grad():

@@ -93,10 +93,12 @@ def test_decode_steps_read_the_same_rotary_tables_bitwise(arch_model):
         again = model._slot_rotary_tables(cache, position_ids_BT.flip(0), torch.float32)
         computed = model._rotary_tables(position_ids_BT, torch.float32)
         beyond = model._slot_rotary_tables(cache, torch.tensor([[40]]), torch.float32)
+        forked = model._slot_rotary_tables(cache.fork(2), position_ids_BT.repeat_interleave(2, 0), torch.float32)
     assert read.keys() == computed.keys() and len(cache.derived) == 1
     for layer_type, (cos, sin) in computed.items():
         assert torch.equal(read[layer_type][0], cos) and torch.equal(read[layer_type][1], sin)
         assert torch.equal(again[layer_type][0], cos.flip(0))
+        assert torch.equal(forked[layer_type][1], sin.repeat_interleave(2, 0))
     assert torch.equal(beyond[next(iter(beyond))][0], model._rotary_tables(torch.tensor([[40]]), torch.float32)[
         next(iter(beyond))][0])
 

@@ -4,8 +4,9 @@ Eager torch runs a decode step's layer as ~65 small ops (norms as five ops each,
 rotary as eight, the cache writes, views and copies), each paying a dispatch and a pass over
 memory; at generation's batch sizes that costs as much as the layer's matrix products. Here a
 dense block (`posttrain.models.decoder.DecoderBlock` with `GroupedQueryAttention`, `RMSNorm`
-and `SwiGLU`: Llama and Qwen3) takes one step in 12 calls: its linear maps as the modules'
-own calls (so LoRA adapters apply), the rest in `posttrain.ops.decode_kernel`:
+and `SwiGLU`: Llama and Qwen3) takes one step in 12 calls: its linear maps (a plain
+`nn.Linear` as the functional call; LoRA adapters and hooked modules through their own call),
+the rest in `posttrain.ops.decode_kernel`:
 
     h = add_rms_norm(x, attention_norm, + the previous block's MLP output)
     o = attend_step(wq(h), wk(h), wv(h))   # q/k norm, rotary, cache write, attention
@@ -59,11 +60,16 @@ def _checked(result: torch.Tensor | None, what: str) -> torch.Tensor:
     return result
 
 
+# torch's registries of hooks that every module call runs (`nn.modules.module.register_module_forward_hook`)
+_GLOBAL_HOOKS = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)
+
+
 def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)`; a plain `nn.Linear` without hooks of its own as the functional call, skipping
-    the module call's machinery (~5 us a call, 28 calls a step). Anything else (LoRA, a
-    hooked module) through its call."""
-    if type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks):
+    """`module(x)`; a plain `nn.Linear` (no hooks of its own or global ones, `forward` not
+    replaced on the instance) as the functional call, skipping the module call's machinery
+    (~5 us a call, 28 calls a step). Anything else (LoRA, a hooked module) through its call."""
+    if (type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
+            and "forward" not in module.__dict__ and not (_GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1])):
         return F.linear(x, module.weight, module.bias)
     return module(x)
 

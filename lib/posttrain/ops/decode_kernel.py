@@ -312,7 +312,7 @@ def sample_rows(logits_RV: torch.Tensor, temperature: float,
     if logits_RV.dim() != 2 or load() is None or not _rows_apply(logits_RV, uniforms_R):
         return None
     R, V = logits_RV.shape
-    if uniforms_R.shape != (R,) or V == 0 or not temperature > 0:
+    if uniforms_R.shape != (R,) or V == 0 or not ctypes.c_float(temperature).value > 0:  # as the kernel sees it
         raise ValueError(f"sample_rows got logits {tuple(logits_RV.shape)}, uniforms {tuple(uniforms_R.shape)} "
                          f"and temperature {temperature} (one uniform per row, a positive temperature)")
     uniforms_R = uniforms_R.contiguous()  # held here: the call must not outlive a temporary

@@ -125,8 +125,6 @@ typedef struct {
     const float* sinks; float scale; float* out; int64_t pairs;
 } Args;
 
-/* Disallowed slots' scores (ok[s] == 0) become -inf; returns the largest score, at least
- * `floor`. Whole vectors of slots at a time, the last partial one slot by slot. */
 /* Whether VW mask bytes (0 or 1 each) are all 1. */
 static inline int all_allowed(const uint8_t* ok) {
     for (int i = 0; i < VW; i += 8) {

@@ -4,11 +4,13 @@
  * with the other decode kernels at first use.
  *
  * Row r: raw_i = (x_i - max x) - log(sum_j exp(x_j - max x)) (the model's log-probabilities);
- * with temperature T, y_i = x_i * (1 / T) and logp_i the same of y (logp = raw when T == 1);
+ * with temperature T, y_i = x_i / T and logp_i the same of y (logp = raw when T == 1);
  * p_i = exp(logp_i); total = the sum of p in a fixed order (blocks of VW, each block's lanes
- * summed as a tree, blocks added in order in double); the token is the first i whose running
- * sum, in the same order, exceeds target = min(u_r * total, the float just below total), so
- * a token of positive probability is always found. Rows are split over OpenMP threads when
+ * summed as a tree, blocks added in order in double); target = min(u_r * total, the float
+ * just below total). The token: the block where the running block sums first exceed target,
+ * and in it the first token of positive probability where the running sum, now token by
+ * token, does; where rounding separates the two sums, the next positive token after the block
+ * (the last positive one at worst), so a token of positive probability is always drawn. Rows are split over OpenMP threads when
  * there are enough elements; each row is one thread's in a fixed order, so the result does
  * not depend on the thread count. */
 #include <math.h>
@@ -35,27 +37,27 @@ static inline float row_max(const float* x, int64_t n) {
     return best;
 }
 
-/* log(sum_i exp(x_i * scale - top)), top = max(x) * scale: the log-normaliser of a softmax. */
-static inline float log_normaliser(const float* x, int64_t n, float scale, float top) {
+/* log(sum_i exp(x_i / t - top)), top = max(x) / t: the log-normaliser of a softmax. */
+static inline float log_normaliser(const float* x, int64_t n, float t, float top) {
     vecf sum_vec = {0};
     int64_t i = 0;
-    for (; i + VW <= n; i += VW) sum_vec += exp_vec_nonpositive(*(const vecf*)(x + i) * scale - top);
+    for (; i + VW <= n; i += VW) sum_vec += exp_vec_nonpositive(*(const vecf*)(x + i) / t - top);
     float sum = sum_lanes(sum_vec);
-    for (; i < n; ++i) sum += exp_vec_nonpositive((vecf){0} + (x[i] * scale - top))[0];
+    for (; i < n; ++i) sum += exp_vec_nonpositive((vecf){0} + (x[i] / t - top))[0];
     return logf(sum);
 }
 
-/* p_i = exp(x_i * scale - top - log_z) into `p`; returns their sum in the fixed block order. */
-static inline double probabilities(const float* x, int64_t n, float scale, float top, float log_z, float* p) {
+/* p_i = exp(x_i / t - top - log_z) into `p`; returns their sum in the fixed block order. */
+static inline double probabilities(const float* x, int64_t n, float t, float top, float log_z, float* p) {
     double total = 0.0;
     int64_t i = 0;
     for (; i + VW <= n; i += VW) {
-        const vecf w = exp_vec_nonpositive((*(const vecf*)(x + i) * scale - top) - log_z);
+        const vecf w = exp_vec_nonpositive((*(const vecf*)(x + i) / t - top) - log_z);
         *(vecf*)(p + i) = w;
         total += (double)sum_lanes(w);
     }
     for (; i < n; ++i) {
-        p[i] = exp_vec_nonpositive((vecf){0} + ((x[i] * scale - top) - log_z))[0];
+        p[i] = exp_vec_nonpositive((vecf){0} + ((x[i] / t - top) - log_z))[0];
         total += (double)p[i];
     }
     return total;
@@ -97,15 +99,14 @@ void posttrain_sample_rows_f32(int64_t R, int64_t V, const float* logits, int64_
         float* p = scratch + r * V;
         const float top = row_max(x, V);
         const float raw_z = log_normaliser(x, V, 1.0f, top);
-        const float scale = temperature == 1.0f ? 1.0f : 1.0f / temperature;
-        const float tempered_top = top * scale;
-        const float tempered_z = temperature == 1.0f ? raw_z : log_normaliser(x, V, scale, tempered_top);
-        const double total = probabilities(x, V, scale, tempered_top, tempered_z, p);
+        const float tempered_top = top / temperature;  /* division keeps order: the max of x / t */
+        const float tempered_z = temperature == 1.0f ? raw_z : log_normaliser(x, V, temperature, tempered_top);
+        const double total = probabilities(x, V, temperature, tempered_top, tempered_z, p);
         const double below_total = (double)nextafterf((float)total, 0.0f);
         const double drawn = (double)uniforms[r] * total;
         const int64_t token = search(p, V, drawn < below_total ? drawn : below_total);
         tokens[r] = token;
-        logp[r] = (x[token] * scale - tempered_top) - tempered_z;
+        logp[r] = (x[token] / temperature - tempered_top) - tempered_z;
         raw[r] = (x[token] - top) - raw_z;
     }
 }

@@ -1,5 +1,6 @@
-/* Vector helpers shared by the decode kernels (decode_attention.c, decode_rows.c): float
- * vectors as wide as the CPU's registers, a vectorised exp, a fixed-order lane sum. */
+/* Vector helpers shared by the decode kernels (decode_attention.c, decode_rows.c,
+ * sample_rows.c): float vectors as wide as the CPU's registers, a vectorised exp, a
+ * fixed-order lane sum. */
 #ifndef POSTTRAIN_VEC_H
 #define POSTTRAIN_VEC_H
 #include <math.h>
