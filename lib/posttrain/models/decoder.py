@@ -135,7 +135,8 @@ class DecoderLM(nn.Module):
         """`_rotary_tables` for a decode step, read from tables of every position below the
         cache's capacity (computed once per cache and dtype, kept in `cache.derived`): the
         same values, one gather instead of ~9 ops a step."""
-        if int(position_ids_BT.max()) >= cache.capacity or int(position_ids_BT.min()) < 0:  # outside the table
+        lowest, highest = torch.aminmax(position_ids_BT)
+        if int(highest) >= cache.capacity or int(lowest) < 0:  # outside the table: compute them
             return self._rotary_tables(position_ids_BT, dtype)
         key = ("rotary", dtype, position_ids_BT.device)
         tables = cache.derived.get(key)

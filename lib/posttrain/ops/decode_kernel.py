@@ -104,7 +104,7 @@ def _build() -> ctypes.CDLL:
         + [ptr, f32, ptr],
         "posttrain_add_rms_norm_f32": [i64, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i64],
         "posttrain_silu_mul_f32": [i64, i64, ptr, i64, ptr, i64],
-        "posttrain_sample_rows_f32": [i64, i64, ptr, i64, f32, ptr, ptr, ptr, ptr, ptr],
+        "posttrain_sample_rows_f32": [i64, i64, ptr, i64, f32, ptr, ptr, ptr, ptr],
     }
     for name, argtypes in signatures.items():
         fn = getattr(library, name)
@@ -318,8 +318,7 @@ def sample_rows(logits_RV: torch.Tensor, temperature: float,
     uniforms_R = uniforms_R.contiguous()  # held here: the call must not outlive a temporary
     token_ids_R = torch.empty(R, dtype=torch.long)
     logprobs_R, raw_R = torch.empty(R, dtype=torch.float32), torch.empty(R, dtype=torch.float32)
-    scratch_RV = torch.empty((R, V), dtype=torch.float32)
     load().posttrain_sample_rows_f32(R, V, logits_RV.data_ptr(), logits_RV.stride(0), float(temperature),
                                      uniforms_R.data_ptr(), token_ids_R.data_ptr(), logprobs_R.data_ptr(),
-                                     raw_R.data_ptr(), scratch_RV.data_ptr())
+                                     raw_R.data_ptr())
     return token_ids_R, logprobs_R, raw_R

@@ -156,11 +156,9 @@ static inline float mask_scores(float* row, const uint8_t* ok, int64_t S, float 
             x = (vecf)(((veci)x & keep) | ((veci)neg_inf & ~keep));
             *(vecf*)(row + s) = x;
         }
-        const veci above = x > best_vec;
-        best_vec = (vecf)(((veci)x & above) | ((veci)best_vec & ~above));
+        best_vec = max_vec(best_vec, x);
     }
-    float best = floor;
-    for (int i = 0; i < VW; ++i) best = best_vec[i] > best ? best_vec[i] : best;
+    float best = max_lanes(best_vec, floor);
     for (; s < S; ++s) {
         row[s] = ok[s] ? row[s] : -INFINITY;
         best = row[s] > best ? row[s] : best;
@@ -329,9 +327,8 @@ void posttrain_decode_attention_f32(
     const uint8_t* allowed, int64_t allowed_sb, const float* sinks, float scale, float* out) {
     const Args args = {H, K, group, q, q_sb, q_sh, pk, pk_sp, pk_sk, pk_se, pk_readable, pv, pv_sp, pv_sk, pv_ss,
                        Sp, k, k_sb, k_sk, k_se, k_readable, v, v_sb, v_sk, v_ss, U, allowed, allowed_sb, sinks,
-                       scale, out};
-    Args full = args; full.pairs = B * K;
-    run_pairs(&full, NULL, B, E, H / K);
+                       scale, out, B * K};
+    run_pairs(&args, NULL, B, E, H / K);
 }
 
 /* The same attention, after the prologue: queries, keys and values come raw from the step's
@@ -348,8 +345,7 @@ void posttrain_decode_attention_step_f32(
     const uint8_t* allowed, int64_t allowed_sb, const float* sinks, float scale, float* out) {
     const Args args = {H, K, group, NULL, 0, 0, pk, pk_sp, pk_sk, pk_se, pk_readable, pv, pv_sp, pv_sk, pv_ss,
                        Sp, k, k_sb, k_sk, k_se, k_readable, v, v_sb, v_sk, v_ss, U, allowed, allowed_sb, sinks,
-                       scale, out};
+                       scale, out, B * K};
     const Prologue pro = {q_raw, q_sb, k_raw, kr_sb, v_raw, vr_sb, q_norm, k_norm, eps, cos_t, sin_t, rot_sb, k, v};
-    Args full = args; full.pairs = B * K;
-    run_pairs(&full, &pro, B, E, H / K);
+    run_pairs(&args, &pro, B, E, H / K);
 }

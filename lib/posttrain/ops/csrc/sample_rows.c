@@ -10,11 +10,12 @@
  * just below total). The token: the block where the running block sums first exceed target,
  * and in it the first token of positive probability where the running sum, now token by
  * token, does; where rounding separates the two sums, the next positive token after the block
- * (the last positive one at worst), so a token of positive probability is always drawn. Rows are split over OpenMP threads when
- * there are enough elements; each row is one thread's in a fixed order, so the result does
- * not depend on the thread count. */
+ * (the last positive one at worst), so a token of positive probability is always drawn.
+ * Rows are split over OpenMP threads when there are enough elements; each row is one
+ * thread's in a fixed order, so the result does not depend on the thread count. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "vec.h"
 
@@ -26,12 +27,8 @@ static inline float row_max(const float* x, int64_t n) {
     int64_t i = 0;
     if (n >= VW) {
         vecf best_vec = *(const vecf*)x;
-        for (i = VW; i + VW <= n; i += VW) {
-            const vecf v = *(const vecf*)(x + i);
-            const veci above = v > best_vec;
-            best_vec = (vecf)(((veci)v & above) | ((veci)best_vec & ~above));
-        }
-        for (int l = 0; l < VW; ++l) best = best_vec[l] > best ? best_vec[l] : best;
+        for (i = VW; i + VW <= n; i += VW) best_vec = max_vec(best_vec, *(const vecf*)(x + i));
+        best = max_lanes(best_vec, best);
     }
     for (; i < n; ++i) best = x[i] > best ? x[i] : best;
     return best;
@@ -90,23 +87,27 @@ static inline int64_t search(const float* p, int64_t n, double target) {
     return last_positive;
 }
 
-/* See the file's comment. `scratch` holds R * V floats (the rows' probabilities). */
+/* See the file's comment. Each thread keeps one row's probabilities (V floats) at a time. */
 void posttrain_sample_rows_f32(int64_t R, int64_t V, const float* logits, int64_t l_sr, float temperature,
-                               const float* uniforms, int64_t* tokens, float* logp, float* raw, float* scratch) {
-#pragma omp parallel for schedule(static) if (R * V >= PARALLEL_ELEMENTS)
-    for (int64_t r = 0; r < R; ++r) {
-        const float* x = logits + r * l_sr;
-        float* p = scratch + r * V;
-        const float top = row_max(x, V);
-        const float raw_z = log_normaliser(x, V, 1.0f, top);
-        const float tempered_top = top / temperature;  /* division keeps order: the max of x / t */
-        const float tempered_z = temperature == 1.0f ? raw_z : log_normaliser(x, V, temperature, tempered_top);
-        const double total = probabilities(x, V, temperature, tempered_top, tempered_z, p);
-        const double below_total = (double)nextafterf((float)total, 0.0f);
-        const double drawn = (double)uniforms[r] * total;
-        const int64_t token = search(p, V, drawn < below_total ? drawn : below_total);
-        tokens[r] = token;
-        logp[r] = (x[token] / temperature - tempered_top) - tempered_z;
-        raw[r] = (x[token] - top) - raw_z;
+                               const float* uniforms, int64_t* tokens, float* logp, float* raw) {
+#pragma omp parallel if (R * V >= PARALLEL_ELEMENTS)
+    {
+        float* p = (float*)malloc(sizeof(float) * (size_t)V);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; ++r) {
+            const float* x = logits + r * l_sr;
+            const float top = row_max(x, V);
+            const float raw_z = log_normaliser(x, V, 1.0f, top);
+            const float tempered_top = top / temperature;  /* division keeps order: the max of x / t */
+            const float tempered_z = temperature == 1.0f ? raw_z : log_normaliser(x, V, temperature, tempered_top);
+            const double total = probabilities(x, V, temperature, tempered_top, tempered_z, p);
+            const double below_total = (double)nextafterf((float)total, 0.0f);
+            const double drawn = (double)uniforms[r] * total;
+            const int64_t token = search(p, V, drawn < below_total ? drawn : below_total);
+            tokens[r] = token;
+            logp[r] = (x[token] / temperature - tempered_top) - tempered_z;
+            raw[r] = (x[token] - top) - raw_z;
+        }
+        free(p);
     }
 }

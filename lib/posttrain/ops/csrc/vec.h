@@ -1,6 +1,6 @@
 /* Vector helpers shared by the decode kernels (decode_attention.c, decode_rows.c,
  * sample_rows.c): float vectors as wide as the CPU's registers, a vectorised exp, a
- * fixed-order lane sum. */
+ * fixed-order lane sum, lane-wise and lane maxima. */
 #ifndef POSTTRAIN_VEC_H
 #define POSTTRAIN_VEC_H
 #include <math.h>
@@ -56,6 +56,18 @@ static inline vecf exp_vec_nonpositive(vecf x) {
     const veci below = x < -87.0f;
     const vecf xc = (vecf)(((veci)x & ~below) | ((veci)((vecf){0} - 87.0f) & below));
     return (vecf)((veci)exp_in_range(xc) & ~below);
+}
+
+/* The lane-wise larger of two vectors (the first where they compare unordered). */
+static inline vecf max_vec(vecf a, vecf b) {
+    const veci b_above = b > a;
+    return (vecf)(((veci)b & b_above) | ((veci)a & ~b_above));
+}
+
+/* The largest lane of a vector, or `floor` if that is larger. */
+static inline float max_lanes(vecf x, float floor) {
+    for (int i = 0; i < VW; ++i) floor = x[i] > floor ? x[i] : floor;
+    return floor;
 }
 
 static inline float exp_one(float x) {
