@@ -277,3 +277,26 @@ def test_per_document_attention_gradients_do_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_cached_masks_follow_the_slot_rule_for_every_query_count(window):
+    """`build_cached_attention_mask` against its rule written out (same document, slot not after
+    the query's, position distance below the window), for prefills and for the single-query
+    decode step at the last slot (where the causal part cuts nothing and is skipped)."""
+    from posttrain.ops.attention import build_cached_attention_mask
+
+    gen = torch.Generator().manual_seed(0)
+    B, S = 3, 9
+    key_docs_BS = torch.randint(-1, 2, (B, S), generator=gen)
+    key_positions_BS = torch.arange(S).repeat(B, 1)
+    for start, T in ((0, S), (S - 1, 1), (4, 1), (5, 2)):
+        query_docs_BT, query_positions_BT = key_docs_BS[:, start:start + T], key_positions_BS[:, start:start + T]
+        got = build_cached_attention_mask(query_docs_BT, query_positions_BT, key_docs_BS, key_positions_BS, start,
+                                          window=window).dense_B1TT[:, 0]
+        for b in range(B):
+            for t in range(T):
+                for s in range(S):
+                    rule = (bool(query_docs_BT[b, t] == key_docs_BS[b, s]) and s <= start + t
+                            and (window is None or int(query_positions_BT[b, t] - key_positions_BS[b, s]) < window))
+                    assert bool(got[b, t, s]) == rule, (start, T, b, t, s)

@@ -194,3 +194,65 @@ def test_blocks_it_does_not_know_take_the_module_path():
     assert not fused_decode.applies(torch.zeros(2, 8), qwen.layers, qwen.norm)  # gradients on
     with torch.no_grad():
         assert not fused_decode.applies(torch.zeros(2, 8, dtype=torch.bfloat16), qwen.layers, qwen.norm)
+
+
+@pytest.mark.parametrize("with_prefix,qk_norm", [(True, True), (False, False)])
+def test_prepared_attention_step_is_the_checked_step_bitwise(with_prefix, qk_norm):
+    """`AttentionStepCall` over several steps of one cache layer: the same outputs and cache
+    writes as `decode_attention_step`, bit for bit; it declines what the kernel does not take
+    and refuses a wrong shape or slot count before writing anything."""
+    B, H, K, E, P, Sp, S = 4, 4, 2, 32, 2, 5, 9
+    gen = torch.Generator().manual_seed(2)
+    norms = [torch.rand(E, generator=gen) + 0.5 for _ in range(2)] if qk_norm else [None, None]
+    caches = []
+    for _ in range(2):  # the same starting cache for each side
+        k_BKSE = decode_kernel.key_buffer(B, K, S, E, torch.zeros(1))
+        k_BKSE.copy_(torch.randn(B, K, S, E, generator=torch.Generator().manual_seed(5)))
+        caches.append((k_BKSE, torch.randn(B, K, S, E, generator=torch.Generator().manual_seed(6))))
+    prefix = None
+    if with_prefix:
+        pk = decode_kernel.key_buffer(P, K, Sp, E, torch.zeros(1))
+        pk.copy_(torch.randn(P, K, Sp, E, generator=gen))
+        prefix = (pk, torch.randn(P, K, Sp, E, generator=gen))
+    Sp_used = Sp if with_prefix else 0
+    with torch.no_grad():
+        call = decode_kernel.AttentionStepCall(B, H, *caches[1], prefix, *norms, 1e-6, 0.3)
+        for U in range(1, S + 1):
+            q_BX, k_BY, v_BY = (torch.randn(B, n * E, generator=gen) for n in (H, K, K))
+            angles_BE = torch.rand(B, E // 2, generator=gen).repeat(1, 2) * 6
+            allowed_B1TS = torch.rand(B, 1, 1, Sp_used + U, generator=gen) > 0.3
+            allowed_B1TS[..., -1] = True
+            checked = decode_kernel.decode_attention_step(
+                q_BX, k_BY, v_BY, caches[0][0][:, :, :U], caches[0][1][:, :, :U], allowed_B1TS, angles_BE.cos(),
+                angles_BE.sin(), *norms, 1e-6, 0.3, prefix=prefix)
+            prepared = call(q_BX, k_BY, v_BY, angles_BE.cos(), angles_BE.sin(), allowed_B1TS, U,
+                            torch.empty(B, H * E))
+            assert torch.equal(prepared, checked)
+        assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+        before = [t.clone() for t in caches[1]]
+        rotary = (torch.ones(B, E), torch.zeros(B, E))
+        allowed = torch.ones(B, 1, 1, Sp_used + 3, dtype=torch.bool)
+        out = torch.empty(B, H * E)
+        q_BX, k_BY, v_BY = torch.randn(B, H * E), torch.randn(B, K * E), torch.randn(B, K * E)
+        assert call(q_BX.double(), k_BY, v_BY, *rotary, allowed, 3, out) is None  # not float32: declined
+        with pytest.raises(ValueError, match="expected"):
+            call(q_BX[:, :-1], k_BY, v_BY, *rotary, allowed, 3, out)
+        with pytest.raises(ValueError, match="slot count"):
+            call(q_BX, k_BY, v_BY, *rotary, torch.ones(B, 1, 1, Sp_used + S + 1, dtype=torch.bool), S + 1, out)
+        with pytest.raises(ValueError, match="mask"):
+            call(q_BX, k_BY, v_BY, *rotary, allowed, 4, out)
+        assert all(torch.equal(a, b) for a, b in zip(before, caches[1]))  # nothing written
+
+
+def test_plan_maps_are_the_functional_linear_bitwise_and_see_in_place_updates():
+    for bias in (False, True):
+        linear = torch.nn.Linear(24, 40, bias=bias)
+        linear.requires_grad_(False)
+        plain, module_call = fused_decode._Map(linear), fused_decode._Map(torch.nn.Sequential(linear))
+        plain.buffered = True
+        x_BI = torch.randn(7, 24)
+        assert torch.equal(plain(x_BI), F.linear(x_BI, linear.weight, linear.bias))
+        assert torch.equal(module_call(x_BI), F.linear(x_BI, linear.weight, linear.bias))
+        linear.weight.mul_(2)  # a weight update in place: the next call reads it
+        assert torch.equal(plain(x_BI), F.linear(x_BI, linear.weight, linear.bias))
+        assert plain(x_BI[:3]).shape == (3, 40)  # a smaller batch (rows compacted) gets its own buffer

@@ -168,7 +168,7 @@ class DecoderLM(nn.Module):
                                                 cache.position_ids_BS[:, :end], cache.start, window=w)
                  for w in set(self.layer_windows)}
         if x_BTD.shape[1] == 1 and all(type(layer) is DecoderBlock for layer in self.layers) \
-                and fused_decode.applies(x_BTD, self.layers, self.norm):  # a decode step: the fused kernels
+                and fused_decode.applies(x_BTD, self.layers, self.norm, cache):  # a decode step: the fused kernels
             hidden_BD = fused_decode.decode_step(self.layers, cache.layers, x_BTD[:, 0],
                                                  [rope[t] for t in self.layer_types],
                                                  [masks[w] for w in self.layer_windows], self.norm)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from posttrain.ops.attention import AttentionMask, document_attention, shared_prefix_attention
-from posttrain.ops.decode_kernel import decode_attention, decode_attention_step, key_buffer
+from posttrain.ops.decode_kernel import AttentionStepCall, decode_attention, decode_attention_step, key_buffer
 from posttrain.ops.sink_attention import sink_attention
 
 
@@ -47,6 +47,9 @@ class LayerKV:
         self.v_BKSE: torch.Tensor | None = None
         self.prefix_k_PKSE: torch.Tensor | None = None
         self.prefix_v_PKSE: torch.Tensor | None = None
+        # `attend_step`'s prepared kernel call, valid for the batch, heads, norms and scale in `_step_key`
+        self._step_call: AttentionStepCall | None = None
+        self._step_key: tuple | None = None
 
     def append(self, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this forward's keys and values at the cache's current slots; returns the layer's
@@ -82,9 +85,20 @@ class LayerKV:
             return None
         B, E = k_BY.shape[0], k_BY.shape[1] // num_kv_heads
         self._allocate(B, num_kv_heads, E, k_BY)
+        H = q_BX.shape[1] // E
+        # the prepared call fits while the batch, heads, norm weights (their storage too) and
+        # scale stay; anything else (or gradients on) goes through the checked entry point
+        key = (B, H, 0 if q_norm_E is None else q_norm_E.data_ptr(), 0 if k_norm_E is None else k_norm_E.data_ptr(),
+               eps, scale)
+        if key == self._step_key and not torch.is_grad_enabled():
+            return self._step_call(q_BX, k_BY, v_BY, cos_BE, sin_BE, mask.dense_B1TT, end, q_BX.new_empty(q_BX.shape))
         prefix = None if self.prefix_k_PKSE is None else (self.prefix_k_PKSE, self.prefix_v_PKSE)
-        return decode_attention_step(q_BX, k_BY, v_BY, self.k_BKSE[:, :, :end], self.v_BKSE[:, :, :end],
-                                     mask.dense_B1TT, cos_BE, sin_BE, q_norm_E, k_norm_E, eps, scale, None, prefix)
+        out_BX = decode_attention_step(q_BX, k_BY, v_BY, self.k_BKSE[:, :, :end], self.v_BKSE[:, :, :end],
+                                       mask.dense_B1TT, cos_BE, sin_BE, q_norm_E, k_norm_E, eps, scale, None, prefix)
+        if out_BX is not None:  # the kernel applies: later steps take the prepared call
+            self._step_call = AttentionStepCall(B, H, self.k_BKSE, self.v_BKSE, prefix, q_norm_E, k_norm_E, eps, scale)
+            self._step_key = key
+        return out_BX
 
     def attend(self, q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, mask: AttentionMask,
                scale: float | None, sinks_H: torch.Tensor | None = None) -> torch.Tensor:

@@ -194,9 +194,10 @@ def build_cached_attention_mask(query_doc_ids_BT: torch.Tensor, query_position_i
         raise ValueError(f"unknown attention backend {backend!r} for a KV cache; available: ('sdpa', 'decode')")
     S = key_doc_ids_BS.shape[1]
     device = query_doc_ids_BT.device
-    query_slot_T1 = torch.arange(query_start, query_start + T, device=device)[:, None]
-    causal_TS = torch.arange(S, device=device)[None, :] <= query_slot_T1
-    allowed_BTS = (query_doc_ids_BT[:, :, None] == key_doc_ids_BS[:, None, :]) & causal_TS
+    allowed_BTS = query_doc_ids_BT[:, :, None] == key_doc_ids_BS[:, None, :]
+    if T > 1 or query_start + 1 < S:  # a single query at the last slot sees every slot: nothing to cut
+        query_slot_T1 = torch.arange(query_start, query_start + T, device=device)[:, None]
+        allowed_BTS &= torch.arange(S, device=device)[None, :] <= query_slot_T1
     if window is not None:
         allowed_BTS &= (query_position_ids_BT[:, :, None] - key_position_ids_BS[:, None, :]) < window
     return AttentionMask(backend, dense_B1TT=allowed_BTS[:, None], window=window)

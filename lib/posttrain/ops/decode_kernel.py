@@ -19,7 +19,8 @@ results agree to ~1e-6 relative), and its result does not depend on the thread c
 `decode_attention_step(...)` is the same attention with what precedes it fused in: from the
 step's raw q/k/v projections, the per-head q/k RMSNorm and the rotary embedding, and the
 write of the key and value into the cache's newest slot (one call instead of ~30 torch ops per
-layer). `add_rms_norm(x_BD, weight_D, eps, delta_BD)` adds a residual in place and returns
+layer). `AttentionStepCall` is that call prepared for one cache layer: checked and laid out
+once, then one pointer per step. `add_rms_norm(x_BD, weight_D, eps, delta_BD)` adds a residual in place and returns
 the RMSNorm of the sum; `silu_mul(gate_BF, up_BF)` is SwiGLU's `silu(gate) * up`, in place.
 Each returns None where it does not apply (the caller's torch ops run instead); together they
 make a dense block's decode step (`posttrain.models.fused_decode`). `sample_rows(logits_RV,
@@ -41,6 +42,7 @@ import hashlib
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 import warnings
@@ -54,6 +56,7 @@ HEADERS = (CSRC / "vec.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 _SYMBOL = "posttrain_decode_attention_f32"
 _STEP_SYMBOL = "posttrain_decode_attention_step_f32"
+_PACKED_STEP_SYMBOL = "posttrain_decode_attention_step_packed"
 _library: ctypes.CDLL | None = None
 _failed = False
 
@@ -102,6 +105,7 @@ def _build() -> ctypes.CDLL:
         _SYMBOL: [i64] * 5 + [ptr, i64, i64] + cache_args + [ptr, i64] + [ptr, f32, ptr],
         _STEP_SYMBOL: [i64] * 5 + [ptr, i64] * 3 + [ptr, ptr, f32, ptr, ptr, i64] + cache_args + [ptr, i64]
         + [ptr, f32, ptr],
+        _PACKED_STEP_SYMBOL: [ptr],
         "posttrain_add_rms_norm_f32": [i64, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i64],
         "posttrain_silu_mul_f32": [i64, i64, ptr, i64, ptr, i64],
         "posttrain_sample_rows_f32": [i64, i64, ptr, i64, f32, ptr, ptr, ptr, ptr],
@@ -134,12 +138,12 @@ def applies(q_BHTE: torch.Tensor, keys: tuple[torch.Tensor, ...], values: tuple[
 
 
 def _rows_apply(*tensors: torch.Tensor | None) -> bool:
-    """Float32 CPU tensors (None skipped) with a unit stride in the last dimension, gradients
-    off. (Plain loops: this runs several times per layer and decode step.)"""
+    """Float32 CPU tensors (None skipped) with a unit stride in the last dimension (or at most
+    one element there), gradients off. (Plain loops: this runs several times per layer and decode step.)"""
     if torch.is_grad_enabled():
         return False
     for t in tensors:
-        if t is not None and not (t.is_cpu and t.dtype is torch.float32 and t.stride(-1) == 1):
+        if t is not None and not (t.is_cpu and t.dtype is torch.float32 and (t.stride(-1) == 1 or t.shape[-1] <= 1)):
             return False
     return True
 
@@ -273,19 +277,98 @@ def decode_attention_step(q_BX: torch.Tensor, k_BY: torch.Tensor, v_BY: torch.Te
     return out_BX
 
 
+def _float_bits(x: float) -> int:
+    """The bits of `x` as a float32, as a signed integer (how the packed call carries floats)."""
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+class AttentionStepCall:
+    """`decode_attention_step` for one cache layer, prepared (a decode loop's hot path): what
+    stays fixed while the layer's buffers and the batch do (sizes, the cache's pointers and
+    strides, the shared prefix, head norms, eps, scale) is checked and laid out once, in the
+    argument array of the kernel's packed entry point; each call checks and sets the step's
+    own tensors and slot count, then passes one pointer (~2 us instead of ~40 us of argument
+    checks and conversions). The same kernel, so the same results as `decode_attention_step`.
+
+    The caller keeps `k_BKSE` / `v_BKSE` (the layer's own key and value buffers over all its
+    slots, keys slot-minor), the prefix and the norm weights alive and in place while it uses
+    the call: the array holds their addresses. Raises ValueError where the kernel does not
+    apply (check with `decode_attention_step`'s conditions first)."""
+
+    def __init__(self, B: int, H: int, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor,
+                 prefix: tuple[torch.Tensor, torch.Tensor] | None, q_norm_E: torch.Tensor | None,
+                 k_norm_E: torch.Tensor | None, eps: float, scale: float | None):
+        library = load()
+        prefix_k_PKSE, prefix_v_PKSE = _prefix_parts(k_BKSE, v_BKSE, prefix)
+        _, K, S, E = k_BKSE.shape
+        if (library is None or torch.is_grad_enabled()
+                or not _cache_layout((k_BKSE, prefix_k_PKSE), (v_BKSE, prefix_v_PKSE))
+                or k_BKSE.shape[0] != B or H % max(K, 1) or E % 2 or S < 1
+                or any(w is not None and (w.shape != (E,) or not _rows_apply(w)) for w in (q_norm_E, k_norm_E))):
+            raise ValueError(f"no prepared decode attention for {H} query heads over a cache of "
+                             f"{tuple(k_BKSE.shape)} (float32 CPU, keys slot-minor, norms of {E})")
+        self.B, self.H, self.K, self.E, self.S = B, H, K, E, S
+        self._norms = (q_norm_E, k_norm_E)  # held: the array points at them
+        self._mask_slots = prefix_k_PKSE.shape[2]  # Sp; the mask covers Sp + U slots
+        cache_args, _ = _cache_args(k_BKSE, v_BKSE, prefix_k_PKSE, prefix_v_PKSE,
+                                    torch.ones(B, prefix_k_PKSE.shape[2] + S, dtype=torch.bool), B, H,
+                                    "prepared decode attention")
+        scale = E**-0.5 if scale is None else scale
+        fields = [B, H, K, E, B // prefix_k_PKSE.shape[0], 0, 0, 0, 0, 0, 0,
+                  0 if q_norm_E is None else q_norm_E.data_ptr(), 0 if k_norm_E is None else k_norm_E.data_ptr(),
+                  _float_bits(eps), 0, 0, 0, *[0 if a is None else a for a in cache_args], 0,
+                  _float_bits(scale), 0]
+        self._fields = (ctypes.c_int64 * len(fields))(*fields)
+        self._entry = getattr(library, _PACKED_STEP_SYMBOL)
+
+    def __call__(self, q_BX: torch.Tensor, k_BY: torch.Tensor, v_BY: torch.Tensor, cos_BE: torch.Tensor,
+                 sin_BE: torch.Tensor, allowed_B1TS: torch.Tensor, U: int, out_BX: torch.Tensor) -> torch.Tensor | None:
+        """Attend the step (slot `U - 1` of the own buffers is written, slots `0..U-1` read) and
+        return `out_BX` `[B, H*E]`, which it fills; arguments as `decode_attention_step`'s. None
+        (nothing written) where a tensor is not float32 on the CPU with a unit last stride."""
+        B, HE, KE = self.B, self.H * self.E, self.K * self.E
+        if not 1 <= U <= self.S:
+            raise ValueError(f"prepared decode attention: slot count {U} outside 1..{self.S}")
+        for t, shape in ((q_BX, (B, HE)), (k_BY, (B, KE)), (v_BY, (B, KE)), (cos_BE, (B, self.E)),
+                         (sin_BE, (B, self.E)), (out_BX, (B, HE))):
+            if t.dtype is not torch.float32 or t.stride(-1) != 1 or not t.is_cpu:
+                return None
+            if t.shape != shape:
+                raise ValueError(f"prepared decode attention got a tensor of {tuple(t.shape)}, expected {shape}")
+        allowed_BS = allowed_B1TS.reshape(B, -1)
+        if (allowed_B1TS.dtype is not torch.bool or allowed_BS.shape[1] != self._mask_slots + U
+                or cos_BE.stride() != sin_BE.stride()):
+            raise ValueError(f"prepared decode attention got a {allowed_B1TS.dtype} mask {tuple(allowed_B1TS.shape)} "
+                             f"for {self._mask_slots} + {U} slots, or rotary tables of different strides")
+        if allowed_BS.stride(-1) != 1:
+            allowed_BS = allowed_BS.contiguous()
+        f = self._fields
+        f[5], f[6], f[7], f[8], f[9], f[10] = (q_BX.data_ptr(), q_BX.stride(0), k_BY.data_ptr(), k_BY.stride(0),
+                                               v_BY.data_ptr(), v_BY.stride(0))
+        f[14], f[15], f[16] = cos_BE.data_ptr(), sin_BE.data_ptr(), cos_BE.stride(0)
+        f[36], f[37], f[38], f[41] = U, allowed_BS.data_ptr(), allowed_BS.stride(0), out_BX.data_ptr()
+        self._entry(f)
+        return out_BX
+
+
 def add_rms_norm(x_BD: torch.Tensor, weight_D: torch.Tensor, eps: float,
-                 delta_BD: torch.Tensor | None = None) -> torch.Tensor | None:
+                 delta_BD: torch.Tensor | None = None, out_BD: torch.Tensor | None = None) -> torch.Tensor | None:
     """`x_BD += delta_BD` in place (when given), then the RMSNorm of `x_BD` times `weight_D`
-    (`posttrain.models.layers.RMSNorm` in float32), as a new `[B, D]` tensor; None (nothing
+    (`posttrain.models.layers.RMSNorm` in float32), written to `out_BD` (a contiguous `[B, D]`
+    tensor apart from `x_BD` and `delta_BD`) or a new tensor, and returned; None (nothing
     changed) where the kernel does not apply."""
     if x_BD.dim() != 2 or load() is None or not _rows_apply(x_BD, weight_D, delta_BD):
         return None
     B, D = x_BD.shape
-    if weight_D.shape != (D,) or (delta_BD is not None and delta_BD.shape != (B, D)):
-        raise ValueError(f"add_rms_norm got x {tuple(x_BD.shape)}, weight {tuple(weight_D.shape)} and delta "
-                         f"{None if delta_BD is None else tuple(delta_BD.shape)}")
+    if (weight_D.shape != (D,) or (delta_BD is not None and delta_BD.shape != (B, D))
+            or (out_BD is not None and (out_BD.shape != (B, D) or out_BD.dtype is not torch.float32
+                                        or not out_BD.is_cpu or not out_BD.is_contiguous()))):
+        raise ValueError(f"add_rms_norm got x {tuple(x_BD.shape)}, weight {tuple(weight_D.shape)}, delta "
+                         f"{None if delta_BD is None else tuple(delta_BD.shape)} and out "
+                         f"{None if out_BD is None else tuple(out_BD.shape)} (a contiguous float32 [B, D])")
     weight_D = weight_D.contiguous()  # held here: the call must not outlive a temporary
-    out_BD = torch.empty((B, D), dtype=torch.float32)
+    if out_BD is None:
+        out_BD = torch.empty((B, D), dtype=torch.float32)
     load().posttrain_add_rms_norm_f32(
         B, D, x_BD.data_ptr(), x_BD.stride(0), None if delta_BD is None else delta_BD.data_ptr(),
         0 if delta_BD is None else delta_BD.stride(0), weight_D.data_ptr(), float(eps), out_BD.data_ptr(), D)

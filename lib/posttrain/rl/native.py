@@ -245,8 +245,9 @@ class NativeEngine:
     def _decode_batch(self, batch: _Batch, batch_prompts: list[list[int]], seeds: list[int],
                       sampling: SamplingConfig, steps: int) -> None:
         n, device = sampling.n, self.device
-        uniforms_RS = None if sampling.greedy else row_uniforms(
-            [request_seed(seeds[i], j) for i in batch.prompts for j in range(n)], steps, device)
+        # step-major, so a step's uniforms for every row are one contiguous row
+        uniforms_SR = None if sampling.greedy else row_uniforms(
+            [request_seed(seeds[i], j) for i in batch.prompts for j in range(n)], steps, device).t().contiguous()
         input_ids_BT, position_ids_BT, doc_ids_BT = left_pad(batch_prompts, device)
         logits_LV, state = self._stepper.prefill(input_ids_BT, position_ids_BT, doc_ids_BT,
                                                  capacity=input_ids_BT.shape[1] + steps)
@@ -254,7 +255,10 @@ class NativeEngine:
             state = self._stepper.fork(state, n)
             logits_LV = logits_LV.repeat_interleave(n, dim=0)
         rows_L = torch.arange(len(batch_prompts) * n, device=device)  # the batch's rows, in cache order
+        every_row = True  # rows_L is still every row in order (no compaction yet): plain column writes
         going_L = batch.limit_R > 0
+        all_going = bool(going_L.all())
+        limit_L = batch.limit_R
         position_ids_L = torch.tensor([len(p) for p in batch_prompts], device=device).repeat_interleave(n)
         stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids)), dtype=torch.long, device=device)
         for step in range(steps):
@@ -264,30 +268,39 @@ class NativeEngine:
 
                 allowed_LV = allowed_mask(sampling.allowed, batch.tokens_RS[rows_L, :step].tolist(),
                                           logits_LV.shape[-1], device)
-            token_ids_L, logprobs_L, raw_L = pick_tokens(
-                logits_LV, sampling, None if uniforms_RS is None else uniforms_RS[rows_L, step], allowed_LV)
-            batch.tokens_RS[rows_L, step] = token_ids_L
-            batch.logprobs_RS[rows_L, step] = logprobs_L
-            batch.raw_RS[rows_L, step] = raw_L
+            uniforms_L = None if uniforms_SR is None else (
+                uniforms_SR[step] if every_row else uniforms_SR[step, rows_L])
+            token_ids_L, logprobs_L, raw_L = pick_tokens(logits_LV, sampling, uniforms_L, allowed_LV)
+            if every_row:
+                batch.tokens_RS[:, step], batch.logprobs_RS[:, step], batch.raw_RS[:, step] = \
+                    token_ids_L, logprobs_L, raw_L
+            else:
+                batch.tokens_RS[rows_L, step] = token_ids_L
+                batch.logprobs_RS[rows_L, step] = logprobs_L
+                batch.raw_RS[rows_L, step] = raw_L
             # later assignments win: a stop token over a stop string over the length limit
-            finish_L = torch.full_like(rows_L, GOING)
-            finish_L[step + 1 >= batch.limit_R[rows_L]] = LENGTH
+            finish_L = torch.where(limit_L <= step + 1, LENGTH, GOING)
             if sampling.stop_strings:
                 self._match_stop_strings(batch, rows_L, going_L, step, sampling.stop_strings, finish_L)
-            finish_L[torch.isin(token_ids_L, stop_ids)] = STOP_TOKEN
-            finish_L[~going_L] = GOING  # rows already finished ride along until compaction
+            if stop_ids.numel():
+                finish_L[torch.isin(token_ids_L, stop_ids)] = STOP_TOKEN
+            if not all_going:
+                finish_L[~going_L] = GOING  # rows already finished ride along until compaction
             ended_L = finish_L != GOING
-            batch.finish_R[rows_L[ended_L]] = finish_L[ended_L]
-            batch.length_R[rows_L[ended_L]] = step + 1
-            going_L &= ~ended_L
-            still = int(going_L.sum())
-            if still == 0:
-                break
-            if len(rows_L) - still >= COMPACT_SHARE * len(rows_L):
-                keep_L = going_L.nonzero()[:, 0]
-                state = self._stepper.select(state, keep_L.tolist())
-                rows_L, going_L = rows_L[keep_L], going_L[keep_L]
-                token_ids_L, position_ids_L = token_ids_L[keep_L], position_ids_L[keep_L]
+            if bool(ended_L.any()):
+                all_going = False
+                batch.finish_R[rows_L[ended_L]] = finish_L[ended_L]
+                batch.length_R[rows_L[ended_L]] = step + 1
+                going_L &= ~ended_L
+                still = int(going_L.sum())
+                if still == 0:
+                    break
+                if len(rows_L) - still >= COMPACT_SHARE * len(rows_L):
+                    keep_L = going_L.nonzero()[:, 0]
+                    state = self._stepper.select(state, keep_L.tolist())
+                    rows_L, going_L, limit_L = rows_L[keep_L], going_L[keep_L], limit_L[keep_L]
+                    token_ids_L, position_ids_L = token_ids_L[keep_L], position_ids_L[keep_L]
+                    every_row, all_going = False, True
             logits_LV = self._stepper.decode(state, token_ids_L, position_ids_L)
             position_ids_L = position_ids_L + 1
 

@@ -349,3 +349,21 @@ void posttrain_decode_attention_step_f32(
     const Prologue pro = {q_raw, q_sb, k_raw, kr_sb, v_raw, vr_sb, q_norm, k_norm, eps, cos_t, sin_t, rot_sb, k, v};
     run_pairs(&args, &pro, B, E, H / K);
 }
+
+/* posttrain_decode_attention_step_f32 with its 42 arguments in one array, in the order of its
+ * parameters: pointers as addresses, eps (13) and scale (40) as the bits of a float. A prepared
+ * call (posttrain/ops/decode_kernel.py, AttentionStepCall) keeps the array, sets the few
+ * entries that change from step to step, and passes one pointer. */
+void posttrain_decode_attention_step_packed(const int64_t* f) {
+#define PTR(i) ((float*)(intptr_t)f[i])
+    float eps, scale;
+    const int32_t eps_bits = (int32_t)f[13], scale_bits = (int32_t)f[40];
+    memcpy(&eps, &eps_bits, sizeof eps);
+    memcpy(&scale, &scale_bits, sizeof scale);
+    posttrain_decode_attention_step_f32(
+        f[0], f[1], f[2], f[3], f[4], PTR(5), f[6], PTR(7), f[8], PTR(9), f[10], PTR(11), PTR(12), eps, PTR(14),
+        PTR(15), f[16], PTR(17), f[18], f[19], f[20], f[21], PTR(22), f[23], f[24], f[25], f[26], PTR(27), f[28],
+        f[29], f[30], f[31], PTR(32), f[33], f[34], f[35], f[36], (const uint8_t*)(intptr_t)f[37], f[38], PTR(39),
+        scale, PTR(41));
+#undef PTR
+}
