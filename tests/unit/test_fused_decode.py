@@ -256,3 +256,30 @@ def test_plan_maps_are_the_functional_linear_bitwise_and_see_in_place_updates():
         linear.weight.mul_(2)  # a weight update in place: the next call reads it
         assert torch.equal(plain(x_BI), F.linear(x_BI, linear.weight, linear.bias))
         assert plain(x_BI[:3]).shape == (3, 40)  # a smaller batch (rows compacted) gets its own buffer
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_whole_step_program_gives_the_python_steps_bits(arch, monkeypatch):
+    """The one-call step (`_StepProgram`: sgemm called as torch.mm calls it, then the same
+    kernels) against the fused step's Python path: the same logits, bit for bit, at every
+    step (the program takes over from the second step of a cache)."""
+    if decode_kernel.sgemm_address() is None:
+        pytest.skip("this torch exports no sgemm_")
+    model = build_model(tiny_config(arch, initializer_range=0.2), seed=0).eval()
+    runs = []
+    with monkeypatch.context() as patch:
+        patch.setattr(fused_decode._StepProgram, "run", _counting(fused_decode._StepProgram.run, runs))
+        program = _decode_logits(model, True, monkeypatch)
+    assert sum(runs) == 5  # it ran steps 2..6 (the first prepares the layers' attention calls)
+    with monkeypatch.context() as patch:
+        patch.setattr(fused_decode._StepProgram, "fits", staticmethod(lambda *_: False))
+        python = _decode_logits(model, True, monkeypatch)
+    assert torch.equal(program, python)
+
+
+def _counting(method, calls: list):
+    def counted(*args, **kwargs):
+        out = method(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+    return counted

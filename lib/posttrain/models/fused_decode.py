@@ -20,8 +20,10 @@ At a few hundred rows a step's Python costs as much as its arithmetic, so what t
 from the modules (weights, norms, flags) and the buffers the plain linear maps write are
 gathered once per cache into a `_Plan` (kept in `KVCache.derived`, shared by the caches
 `fork` and `select` make), and each layer's attention goes through a prepared kernel call
-(`LayerKV.attend_step`). Measured at one row (where a step is all overhead): 1.43 -> 0.70 ms
-a step with the decode loop's own savings.
+(`LayerKV.attend_step`). From a cache's second step on, a plain model's whole step is one C
+call (`_StepProgram`: the same sgemm torch's matrix product calls, with the same arguments,
+so the same bits). Measured at one row, where a step is all overhead: 1.43 ms a step before,
+0.70 ms with the plan, 0.51 ms with the program (the decode loop's own savings included).
 
 The same function as `DecoderBlock.forward` in float32, in other summation orders (norm sums,
 the attention's dot products): logits agree to ~1e-6, and greedy decoding matches transformers
@@ -30,6 +32,7 @@ token for token (tests/unit/test_rollout_native.py, tests/unit/test_fused_decode
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import torch
@@ -145,6 +148,16 @@ class _Plan:
         self.blocks, self.final_norm = blocks, final_norm
         self.block_plans = [_BlockPlan(block) for block in blocks]
         self.norm_buffers: dict[int, torch.Tensor] = {}
+        self.programs: dict[int, _StepProgram | None] = {}  # by batch size; None: the Python path
+
+    def program(self, x_BD: torch.Tensor) -> _StepProgram | None:
+        """The whole-step program for this batch size, where it applies."""
+        B = x_BD.shape[0]
+        if B not in self.programs:
+            sgemm = decode_kernel.sgemm_address()
+            fits = sgemm is not None and x_BD.is_contiguous() and _StepProgram.fits(self, x_BD)
+            self.programs[B] = _StepProgram(self, B, x_BD, sgemm) if fits else None
+        return self.programs[B]
 
     def norm_out(self, like_BD: torch.Tensor) -> torch.Tensor:
         """The buffer the blocks' norms write (the input of the next linear maps)."""
@@ -152,6 +165,95 @@ class _Plan:
         out_BD = self.norm_buffers.get(B)
         if out_BD is None:
             out_BD = self.norm_buffers[B] = like_BD.new_empty(like_BD.shape)
+        return out_BD
+
+
+class _StepProgram:
+    """The whole step as one C call (`posttrain_decode_step_f32` in `csrc/decode_step.c`) for
+    `B` rows: an argument array of the blocks' weights and norms (addresses held alive by the
+    plan's weight views), the step's buffers and, per block, its cache layer's prepared
+    attention call, bound to those buffers each step. It calls the same sgemm as `torch.mm`
+    with the same arguments and the same kernels, so a step gives the bits of the Python path
+    (tests/unit/test_fused_decode.py). Built only where every block is plain (unbiased plain
+    `nn.Linear` maps of one shape per kind, contiguous float32 weights) and torch exports its
+    sgemm; elsewhere the Python path runs."""
+
+    HEADER = 20  # csrc/decode_step.c: the header's entries, then PER_LAYER per block
+    PER_LAYER = 12
+
+    def __init__(self, plan: "_Plan", B: int, like_BD: torch.Tensor, sgemm: int):
+        parts = plan.block_plans
+        first = parts[0]
+        D = like_BD.shape[1]
+        HE, KE, F_ = first.wq.weight_T.shape[1], first.wk.weight_T.shape[1], first.w_gate.weight_T.shape[1]
+        new = like_BD.new_empty
+        self.buffers = {name: new((B, width)) for name, width in
+                        (("h", D), ("q", HE), ("k", KE), ("v", KE), ("o", HE), ("proj", D), ("gate", F_),
+                         ("up", F_), ("down", D))}
+        buf = self.buffers
+        final = plan.final_norm.weight
+        header = [len(parts), B, D, HE, KE, F_, sgemm, 0, 0, final.data_ptr(), decode_kernel._float_bits(
+                  plan.final_norm.eps), *(buf[n].data_ptr() for n in ("h", "q", "k", "v", "o", "proj", "gate", "up",
+                                                                         "down"))]
+        layers = []
+        for part in parts:
+            layers += [part.attention_norm.weight.data_ptr(), decode_kernel._float_bits(part.attention_norm.eps),
+                       *(m.weight_T.data_ptr() for m in (part.wq, part.wk, part.wv, part.wo, part.w_gate, part.w_up,
+                                                         part.w_down)),
+                       part.ffn_norm.weight.data_ptr(), decode_kernel._float_bits(part.ffn_norm.eps), 0]
+        fields = header + layers
+        self._fields = (ctypes.c_int64 * len(fields))(*fields)
+        self._entry = decode_kernel.load().posttrain_decode_step_f32
+        self._norm_weights = [final] + [w for part in parts for w in (part.attention_norm.weight, part.ffn_norm.weight)]
+        self.H = [part.wq.weight_T.shape[1] // (part.wk.weight_T.shape[1] // part.n_kv_heads) for part in parts]
+
+    @staticmethod
+    def fits(plan: "_Plan", like_BD: torch.Tensor) -> bool:
+        parts = plan.block_plans
+        if not parts or not all(part.buffered for part in parts):
+            return False
+        first = parts[0]
+        D = like_BD.shape[1]
+        shapes = {"wq": first.wq.weight_T.shape, "wk": first.wk.weight_T.shape, "wv": first.wk.weight_T.shape,
+                  "w_gate": first.w_gate.weight_T.shape, "w_up": first.w_gate.weight_T.shape}
+        for part in parts:
+            maps = {name: getattr(part, name) for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+            if any(m.bias is not None or m.weight_T.dtype is not torch.float32 or not m.weight_T.t().is_contiguous()
+                   for m in maps.values()):
+                return False
+            if any(maps[name].weight_T.shape != shape for name, shape in shapes.items()):
+                return False
+            if (maps["wq"].weight_T.shape[0] != D or maps["wo"].weight_T.shape != (shapes["wq"][1], D)
+                    or maps["w_down"].weight_T.shape != (shapes["w_gate"][1], D)):
+                return False
+            if any(not w.is_contiguous() or w.dtype is not torch.float32
+                   for w in (part.attention_norm.weight, part.ffn_norm.weight)):
+                return False
+        return plan.final_norm.weight.is_contiguous() and plan.final_norm.weight.dtype is torch.float32
+
+    def run(self, x_BD: torch.Tensor, kv_layers: Sequence[LayerKV], plan: "_Plan",
+            rope: Sequence[tuple[torch.Tensor, torch.Tensor]], masks: Sequence[AttentionMask]) -> torch.Tensor | None:
+        """The step's final-normed hidden states (a new `[B, D]` tensor), or None (nothing
+        done) where a layer has no prepared attention call for this step yet."""
+        buf, f = self.buffers, self._fields
+        held = []  # the masks as the kernel reads them, alive until the call returns
+        for index, (part, kv, (cos_BTE, sin_BTE), mask, H) in enumerate(zip(plan.block_plans, kv_layers, rope,
+                                                                            masks, self.H)):
+            q_norm, k_norm = part.q_norm, part.k_norm
+            call = kv.prepared_step(x_BD.shape[0], H, None if q_norm is None else q_norm.weight,
+                                    None if k_norm is None else k_norm.weight, part.head_eps, part.scale)
+            if call is None or mask.dense_B1TT is None:
+                return None
+            cache = kv.cache
+            bound = call.bind(buf["q"], buf["k"], buf["v"], cos_BTE[:, 0], sin_BTE[:, 0], mask.dense_B1TT,
+                              cache.length - cache.offset, buf["o"])
+            if bound is None:
+                return None
+            held.append(bound)
+            f[self.HEADER + index * self.PER_LAYER + self.PER_LAYER - 1] = call.address
+        out_BD = x_BD.new_empty(x_BD.shape)
+        f[7], f[8] = x_BD.data_ptr(), out_BD.data_ptr()
+        self._entry(f)
         return out_BD
 
 
@@ -175,6 +277,11 @@ def decode_step(blocks: Sequence[nn.Module], kv_layers: Sequence[LayerKV], x_BD:
     mask, `kv_layers[i]` its cache layer. `x_BD` is overwritten; the result is a new tensor.
     Call only where `applies`."""
     plan = _plan(blocks, final_norm, kv_layers[0].cache)
+    program = plan.program(x_BD) if x_BD.is_contiguous() else None
+    if program is not None:
+        out_BD = program.run(x_BD, kv_layers, plan, rope, masks)
+        if out_BD is not None:
+            return out_BD
     pending_BD = None
     norm_out_BD = plan.norm_out(x_BD)
     tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # `[B, E]` rotary tables, sliced once per kind

@@ -86,19 +86,33 @@ class LayerKV:
         B, E = k_BY.shape[0], k_BY.shape[1] // num_kv_heads
         self._allocate(B, num_kv_heads, E, k_BY)
         H = q_BX.shape[1] // E
-        # the prepared call fits while the batch, heads, norm weights (their storage too) and
-        # scale stay; anything else (or gradients on) goes through the checked entry point
-        key = (B, H, 0 if q_norm_E is None else q_norm_E.data_ptr(), 0 if k_norm_E is None else k_norm_E.data_ptr(),
-               eps, scale)
-        if key == self._step_key and not torch.is_grad_enabled():
-            return self._step_call(q_BX, k_BY, v_BY, cos_BE, sin_BE, mask.dense_B1TT, end, q_BX.new_empty(q_BX.shape))
+        call = self.prepared_step(B, H, q_norm_E, k_norm_E, eps, scale)
+        if call is not None:
+            return call(q_BX, k_BY, v_BY, cos_BE, sin_BE, mask.dense_B1TT, end, q_BX.new_empty(q_BX.shape))
         prefix = None if self.prefix_k_PKSE is None else (self.prefix_k_PKSE, self.prefix_v_PKSE)
         out_BX = decode_attention_step(q_BX, k_BY, v_BY, self.k_BKSE[:, :, :end], self.v_BKSE[:, :, :end],
                                        mask.dense_B1TT, cos_BE, sin_BE, q_norm_E, k_norm_E, eps, scale, None, prefix)
         if out_BX is not None:  # the kernel applies: later steps take the prepared call
             self._step_call = AttentionStepCall(B, H, self.k_BKSE, self.v_BKSE, prefix, q_norm_E, k_norm_E, eps, scale)
-            self._step_key = key
+            self._step_key = self._prepared_key(B, H, q_norm_E, k_norm_E, eps, scale)
         return out_BX
+
+    @staticmethod
+    def _prepared_key(B: int, H: int, q_norm_E: torch.Tensor | None, k_norm_E: torch.Tensor | None, eps: float,
+                      scale: float | None) -> tuple:
+        # the norm weights by their storage, so weights replaced under the same tensor do not match
+        return (B, H, 0 if q_norm_E is None else q_norm_E.data_ptr(), 0 if k_norm_E is None else k_norm_E.data_ptr(),
+                eps, scale)
+
+    def prepared_step(self, B: int, H: int, q_norm_E: torch.Tensor | None, k_norm_E: torch.Tensor | None,
+                      eps: float, scale: float | None) -> AttentionStepCall | None:
+        """The layer's prepared kernel call (`posttrain.ops.decode_kernel.AttentionStepCall`) for
+        a single-token step of `B` rows with these heads, norms and scale, made by an earlier
+        `attend_step` of this cache; None before that, with gradients on, or when anything it
+        was prepared for changed (then `attend_step` checks everything and prepares anew)."""
+        if self._step_key is None or torch.is_grad_enabled() or self.cache.length - self.cache.start != 1:
+            return None
+        return self._step_call if self._prepared_key(B, H, q_norm_E, k_norm_E, eps, scale) == self._step_key else None
 
     def attend(self, q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, mask: AttentionMask,
                scale: float | None, sinks_H: torch.Tensor | None = None) -> torch.Tensor:

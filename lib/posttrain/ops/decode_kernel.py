@@ -51,13 +51,14 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "decode_attention.c", CSRC / "decode_rows.c", CSRC / "sample_rows.c")
+SOURCES = (CSRC / "decode_attention.c", CSRC / "decode_rows.c", CSRC / "sample_rows.c", CSRC / "decode_step.c")
 HEADERS = (CSRC / "vec.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 _SYMBOL = "posttrain_decode_attention_f32"
 _STEP_SYMBOL = "posttrain_decode_attention_step_f32"
 _PACKED_STEP_SYMBOL = "posttrain_decode_attention_step_packed"
 _library: ctypes.CDLL | None = None
+_sgemm: int | None = None  # sgemm_address(): 0 once looked for and not found
 _failed = False
 
 
@@ -106,6 +107,7 @@ def _build() -> ctypes.CDLL:
         _STEP_SYMBOL: [i64] * 5 + [ptr, i64] * 3 + [ptr, ptr, f32, ptr, ptr, i64] + cache_args + [ptr, i64]
         + [ptr, f32, ptr],
         _PACKED_STEP_SYMBOL: [ptr],
+        "posttrain_decode_step_f32": [ptr],
         "posttrain_add_rms_norm_f32": [i64, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i64],
         "posttrain_silu_mul_f32": [i64, i64, ptr, i64, ptr, i64],
         "posttrain_sample_rows_f32": [i64, i64, ptr, i64, f32, ptr, ptr, ptr, ptr],
@@ -326,6 +328,18 @@ class AttentionStepCall:
         """Attend the step (slot `U - 1` of the own buffers is written, slots `0..U-1` read) and
         return `out_BX` `[B, H*E]`, which it fills; arguments as `decode_attention_step`'s. None
         (nothing written) where a tensor is not float32 on the CPU with a unit last stride."""
+        mask = self.bind(q_BX, k_BY, v_BY, cos_BE, sin_BE, allowed_B1TS, U, out_BX)
+        if mask is None:
+            return None
+        self._entry(self._fields)
+        return out_BX
+
+    def bind(self, q_BX: torch.Tensor, k_BY: torch.Tensor, v_BY: torch.Tensor, cos_BE: torch.Tensor,
+             sin_BE: torch.Tensor, allowed_B1TS: torch.Tensor, U: int, out_BX: torch.Tensor) -> torch.Tensor | None:
+        """Check the step's tensors and set them in the argument array without running it (a
+        whole-step program runs it: `address`); returns the mask as the kernel reads it (keep
+        it alive until the run), or None where a tensor is not float32 on the CPU with a unit
+        last stride (nothing set)."""
         B, HE, KE = self.B, self.H * self.E, self.K * self.E
         if not 1 <= U <= self.S:
             raise ValueError(f"prepared decode attention: slot count {U} outside 1..{self.S}")
@@ -347,8 +361,26 @@ class AttentionStepCall:
                                                v_BY.data_ptr(), v_BY.stride(0))
         f[14], f[15], f[16] = cos_BE.data_ptr(), sin_BE.data_ptr(), cos_BE.stride(0)
         f[36], f[37], f[38], f[41] = U, allowed_BS.data_ptr(), allowed_BS.stride(0), out_BX.data_ptr()
-        self._entry(f)
-        return out_BX
+        return allowed_BS
+
+    @property
+    def address(self) -> int:
+        """The argument array's address (for `posttrain_decode_step_f32`'s plan)."""
+        return ctypes.addressof(self._fields)
+
+
+def sgemm_address() -> int | None:
+    """The address of the BLAS `sgemm_` that torch's CPU matrix product calls (exported by
+    `libtorch_cpu`), or None where torch has none to offer."""
+    global _sgemm
+    if _sgemm is None:
+        _sgemm = 0
+        library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+        try:
+            _sgemm = ctypes.cast(ctypes.CDLL(str(library)).sgemm_, ctypes.c_void_p).value or 0
+        except (OSError, AttributeError):
+            pass
+    return _sgemm or None
 
 
 def add_rms_norm(x_BD: torch.Tensor, weight_D: torch.Tensor, eps: float,
