@@ -204,8 +204,10 @@ class _StepProgram:
         fields = header + layers
         self._fields = (ctypes.c_int64 * len(fields))(*fields)
         self._entry = decode_kernel.load().posttrain_decode_step_f32
+        # the norm weights' storage, held alive for the addresses above (the maps' views hold theirs)
         self._norm_weights = [final] + [w for part in parts for w in (part.attention_norm.weight, part.ffn_norm.weight)]
-        self.H = [part.wq.weight_T.shape[1] // (part.wk.weight_T.shape[1] // part.n_kv_heads) for part in parts]
+        head_size = KE // first.n_kv_heads
+        self.query_heads = [part.wq.weight_T.shape[1] // head_size for part in parts]
 
     @staticmethod
     def fits(plan: "_Plan", like_BD: torch.Tensor) -> bool:
@@ -221,7 +223,8 @@ class _StepProgram:
             if any(m.bias is not None or m.weight_T.dtype is not torch.float32 or not m.weight_T.t().is_contiguous()
                    for m in maps.values()):
                 return False
-            if any(maps[name].weight_T.shape != shape for name, shape in shapes.items()):
+            if part.n_kv_heads != first.n_kv_heads or any(maps[name].weight_T.shape != shape
+                                                          for name, shape in shapes.items()):
                 return False
             if (maps["wq"].weight_T.shape[0] != D or maps["wo"].weight_T.shape != (shapes["wq"][1], D)
                     or maps["w_down"].weight_T.shape != (shapes["w_gate"][1], D)):
@@ -238,7 +241,7 @@ class _StepProgram:
         buf, f = self.buffers, self._fields
         held = []  # the masks as the kernel reads them, alive until the call returns
         for index, (part, kv, (cos_BTE, sin_BTE), mask, H) in enumerate(zip(plan.block_plans, kv_layers, rope,
-                                                                            masks, self.H)):
+                                                                            masks, self.query_heads)):
             q_norm, k_norm = part.q_norm, part.k_norm
             call = kv.prepared_step(x_BD.shape[0], H, None if q_norm is None else q_norm.weight,
                                     None if k_norm is None else k_norm.weight, part.head_eps, part.scale)
