@@ -283,3 +283,37 @@ def _counting(method, calls: list):
         calls.append(out is not None)
         return out
     return counted
+
+
+def test_engine_samples_are_the_same_with_and_without_the_whole_step_program(monkeypatch):
+    """End to end through the native engine: sampled completions with stop tokens (rows finish
+    at different steps, the batch is compacted, later programs run at smaller batch sizes),
+    in one batch and in batches of five rows: the same tokens and log-probs, bit for bit, as
+    the fused step's Python path."""
+    from posttrain.rl.engine import SamplingConfig
+    from posttrain.rl.native import NativeEngine
+
+    model = build_model(tiny_config("qwen3", initializer_range=0.2), seed=0).eval()
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 200, (n,), generator=gen).tolist() for n in (3, 9, 5, 12, 7)]
+    sampling = SamplingConfig(n=4, temperature=1.0, max_new_tokens=24, seed=3, stop_token_ids=(5, 17, 33, 60))
+
+    def run(rows: int) -> list:
+        groups = NativeEngine(model, max_batch_rows=rows).generate(prompts, sampling)
+        return [(c.token_ids, c.logprobs, c.raw_logprobs, c.finish_reason) for g in groups for c in g]
+
+    from posttrain.models.kv_cache import KVCache
+
+    runs, selects = [], []
+    with monkeypatch.context() as patch:
+        patch.setattr(fused_decode._StepProgram, "run", _counting(fused_decode._StepProgram.run, runs))
+        patch.setattr(KVCache, "select", _counting(KVCache.select, selects))
+        with_program = run(64), run(5)
+    assert len(selects) >= 2  # finished rows left the batch
+    with monkeypatch.context() as patch:
+        patch.setattr(fused_decode._StepProgram, "fits", staticmethod(lambda *_: False))
+        python_path = run(64), run(5)
+    if decode_kernel.sgemm_address() is not None:
+        assert sum(runs) > 10
+    assert with_program == python_path
+    assert {reason for *_, reason in with_program[0]} == {"stop_token", "length"}  # rows ended apart
