@@ -190,17 +190,19 @@ class _StepProgram:
         self.buffers = {name: new((B, width)) for name, width in
                         (("h", D), ("q", HE), ("k", KE), ("v", KE), ("o", HE), ("proj", D), ("gate", F_),
                          ("up", F_), ("down", D))}
-        buf = self.buffers
+        buf, bits = self.buffers, decode_kernel.float_bits
         final = plan.final_norm.weight
-        header = [len(parts), B, D, HE, KE, F_, sgemm, 0, 0, final.data_ptr(), decode_kernel._float_bits(
-                  plan.final_norm.eps), *(buf[n].data_ptr() for n in ("h", "q", "k", "v", "o", "proj", "gate", "up",
-                                                                         "down"))]
+        header = [len(parts), B, D, HE, KE, F_, sgemm, 0, 0,  # 7, 8: the step's input and output, set per step
+                  final.data_ptr(), bits(plan.final_norm.eps),
+                  *(buf[n].data_ptr() for n in ("h", "q", "k", "v", "o", "proj", "gate", "up", "down"))]
+        assert len(header) == self.HEADER
         layers = []
         for part in parts:
-            layers += [part.attention_norm.weight.data_ptr(), decode_kernel._float_bits(part.attention_norm.eps),
-                       *(m.weight_T.data_ptr() for m in (part.wq, part.wk, part.wv, part.wo, part.w_gate, part.w_up,
-                                                         part.w_down)),
-                       part.ffn_norm.weight.data_ptr(), decode_kernel._float_bits(part.ffn_norm.eps), 0]
+            maps = (part.wq, part.wk, part.wv, part.wo, part.w_gate, part.w_up, part.w_down)
+            layers += [part.attention_norm.weight.data_ptr(), bits(part.attention_norm.eps),
+                       *(m.weight_T.data_ptr() for m in maps),
+                       part.ffn_norm.weight.data_ptr(), bits(part.ffn_norm.eps),
+                       0]  # the layer's prepared attention call, set per step
         fields = header + layers
         self._fields = (ctypes.c_int64 * len(fields))(*fields)
         self._entry = decode_kernel.load().posttrain_decode_step_f32

@@ -279,7 +279,7 @@ def decode_attention_step(q_BX: torch.Tensor, k_BY: torch.Tensor, v_BY: torch.Te
     return out_BX
 
 
-def _float_bits(x: float) -> int:
+def float_bits(x: float) -> int:
     """The bits of `x` as a float32, as a signed integer (how the packed call carries floats)."""
     return struct.unpack("<i", struct.pack("<f", x))[0]
 
@@ -318,8 +318,8 @@ class AttentionStepCall:
         scale = E**-0.5 if scale is None else scale
         fields = [B, H, K, E, B // prefix_k_PKSE.shape[0], 0, 0, 0, 0, 0, 0,
                   0 if q_norm_E is None else q_norm_E.data_ptr(), 0 if k_norm_E is None else k_norm_E.data_ptr(),
-                  _float_bits(eps), 0, 0, 0, *[0 if a is None else a for a in cache_args], 0,
-                  _float_bits(scale), 0]
+                  float_bits(eps), 0, 0, 0, *[0 if a is None else a for a in cache_args], 0,
+                  float_bits(scale), 0]
         self._fields = (ctypes.c_int64 * len(fields))(*fields)
         self._entry = getattr(library, _PACKED_STEP_SYMBOL)
 
