@@ -242,6 +242,7 @@ class _StepProgram:
         done) where a layer has no prepared attention call for this step yet."""
         buf, f = self.buffers, self._fields
         held = []  # the masks as the kernel reads them, alive until the call returns
+        tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # `[B, E]` rotary tables, sliced once per kind
         for index, (part, kv, (cos_BTE, sin_BTE), mask, H) in enumerate(zip(plan.block_plans, kv_layers, rope,
                                                                             masks, self.query_heads)):
             q_norm, k_norm = part.q_norm, part.k_norm
@@ -249,8 +250,10 @@ class _StepProgram:
                                     None if k_norm is None else k_norm.weight, part.head_eps, part.scale)
             if call is None or mask.dense_B1TT is None:
                 return None
+            if id(cos_BTE) not in tables:
+                tables[id(cos_BTE)] = (cos_BTE[:, 0], sin_BTE[:, 0])
             cache = kv.cache
-            bound = call.bind(buf["q"], buf["k"], buf["v"], cos_BTE[:, 0], sin_BTE[:, 0], mask.dense_B1TT,
+            bound = call.bind(buf["q"], buf["k"], buf["v"], *tables[id(cos_BTE)], mask.dense_B1TT,
                               cache.length - cache.offset, buf["o"])
             if bound is None:
                 return None
@@ -282,7 +285,7 @@ def decode_step(blocks: Sequence[nn.Module], kv_layers: Sequence[LayerKV], x_BD:
     mask, `kv_layers[i]` its cache layer. `x_BD` is overwritten; the result is a new tensor.
     Call only where `applies`."""
     plan = _plan(blocks, final_norm, kv_layers[0].cache)
-    program = plan.program(x_BD) if x_BD.is_contiguous() else None
+    program = plan.program(x_BD)
     if program is not None:
         out_BD = program.run(x_BD, kv_layers, plan, rope, masks)
         if out_BD is not None:

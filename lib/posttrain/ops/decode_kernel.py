@@ -55,7 +55,6 @@ SOURCES = (CSRC / "decode_attention.c", CSRC / "decode_rows.c", CSRC / "sample_r
 HEADERS = (CSRC / "vec.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 _SYMBOL = "posttrain_decode_attention_f32"
-_STEP_SYMBOL = "posttrain_decode_attention_step_f32"
 _PACKED_STEP_SYMBOL = "posttrain_decode_attention_step_packed"
 _library: ctypes.CDLL | None = None
 _sgemm: int | None = None  # sgemm_address(): 0 once looked for and not found
@@ -104,8 +103,6 @@ def _build() -> ctypes.CDLL:
         + [ptr, i64, i64, i64, i64]  # prefix keys, prefix values, own keys, own values
     signatures = {
         _SYMBOL: [i64] * 5 + [ptr, i64, i64] + cache_args + [ptr, i64] + [ptr, f32, ptr],
-        _STEP_SYMBOL: [i64] * 5 + [ptr, i64] * 3 + [ptr, ptr, f32, ptr, ptr, i64] + cache_args + [ptr, i64]
-        + [ptr, f32, ptr],
         _PACKED_STEP_SYMBOL: [ptr],
         "posttrain_decode_step_f32": [ptr],
         "posttrain_add_rms_norm_f32": [i64, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i64],
@@ -264,19 +261,9 @@ def decode_attention_step(q_BX: torch.Tensor, k_BY: torch.Tensor, v_BY: torch.Te
                          f"{tuple(v_BY.shape)}, rotary {tuple(cos_BE.shape)} / {tuple(sin_BE.shape)}, head norms "
                          f"{[None if w is None else tuple(w.shape) for w in (q_norm_E, k_norm_E)]}, sinks "
                          f"{None if sinks_H is None else tuple(sinks_H.shape)} for a cache of {tuple(k_BKUE.shape)}")
-    cache_args, _mask = _cache_args(k_BKUE, v_BKUE, prefix_k_PKSE, prefix_v_PKSE, allowed_B1TS, B, H,
-                                    "decode attention step")
-    norms = [None if w is None else w.contiguous() for w in (q_norm_E, k_norm_E)]
-    sinks = None if sinks_H is None else sinks_H.contiguous()
-    out_BX = torch.empty((B, H * E), dtype=torch.float32)
-    scale = E**-0.5 if scale is None else scale
-    getattr(load(), _STEP_SYMBOL)(
-        B, H, K, E, B // prefix_k_PKSE.shape[0],
-        q_BX.data_ptr(), q_BX.stride(0), k_BY.data_ptr(), k_BY.stride(0), v_BY.data_ptr(), v_BY.stride(0),
-        *(None if w is None else w.data_ptr() for w in norms), float(eps),
-        cos_BE.data_ptr(), sin_BE.data_ptr(), cos_BE.stride(0), *cache_args,
-        None if sinks is None else sinks.data_ptr(), float(scale), out_BX.data_ptr())
-    return out_BX
+    _cache_args(k_BKUE, v_BKUE, prefix_k_PKSE, prefix_v_PKSE, allowed_B1TS, B, H, "decode attention step")
+    call = AttentionStepCall(B, H, k_BKUE, v_BKUE, prefix, q_norm_E, k_norm_E, eps, scale, sinks_H)
+    return call(q_BX, k_BY, v_BY, cos_BE, sin_BE, allowed_B1TS, U, torch.empty((B, H * E), dtype=torch.float32))
 
 
 def float_bits(x: float) -> int:
@@ -290,7 +277,8 @@ class AttentionStepCall:
     strides, the shared prefix, head norms, eps, scale) is checked and laid out once, in the
     argument array of the kernel's packed entry point; each call checks and sets the step's
     own tensors and slot count, then passes one pointer (~2 us instead of ~40 us of argument
-    checks and conversions). The same kernel, so the same results as `decode_attention_step`.
+    checks and conversions). `decode_attention_step` checks its inputs and runs one of these:
+    the kernel's argument layout is written here only.
 
     The caller keeps `k_BKSE` / `v_BKSE` (the layer's own key and value buffers over all its
     slots, keys slot-minor), the prefix and the norm weights alive and in place while it uses
@@ -299,18 +287,19 @@ class AttentionStepCall:
 
     def __init__(self, B: int, H: int, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor,
                  prefix: tuple[torch.Tensor, torch.Tensor] | None, q_norm_E: torch.Tensor | None,
-                 k_norm_E: torch.Tensor | None, eps: float, scale: float | None):
+                 k_norm_E: torch.Tensor | None, eps: float, scale: float | None, sinks_H: torch.Tensor | None = None):
         library = load()
         prefix_k_PKSE, prefix_v_PKSE = _prefix_parts(k_BKSE, v_BKSE, prefix)
         _, K, S, E = k_BKSE.shape
         if (library is None or torch.is_grad_enabled()
                 or not _cache_layout((k_BKSE, prefix_k_PKSE), (v_BKSE, prefix_v_PKSE))
                 or k_BKSE.shape[0] != B or H % max(K, 1) or E % 2 or S < 1
-                or any(w is not None and (w.shape != (E,) or not _rows_apply(w)) for w in (q_norm_E, k_norm_E))):
+                or any(w is not None and (w.shape != (E,) or not _rows_apply(w)) for w in (q_norm_E, k_norm_E))
+                or (sinks_H is not None and (sinks_H.shape != (H,) or not _rows_apply(sinks_H)))):
             raise ValueError(f"no prepared decode attention for {H} query heads over a cache of "
                              f"{tuple(k_BKSE.shape)} (float32 CPU, keys slot-minor, norms of {E})")
         self.B, self.H, self.K, self.E, self.S = B, H, K, E, S
-        self._norms = (q_norm_E, k_norm_E)  # held: the array points at them
+        self._held = (q_norm_E, k_norm_E, sinks_H)  # the array points at them
         self._mask_slots = prefix_k_PKSE.shape[2]  # Sp; the mask covers Sp + U slots
         cache_args, _ = _cache_args(k_BKSE, v_BKSE, prefix_k_PKSE, prefix_v_PKSE,
                                     torch.ones(B, prefix_k_PKSE.shape[2] + S, dtype=torch.bool), B, H,
@@ -318,8 +307,8 @@ class AttentionStepCall:
         scale = E**-0.5 if scale is None else scale
         fields = [B, H, K, E, B // prefix_k_PKSE.shape[0], 0, 0, 0, 0, 0, 0,
                   0 if q_norm_E is None else q_norm_E.data_ptr(), 0 if k_norm_E is None else k_norm_E.data_ptr(),
-                  float_bits(eps), 0, 0, 0, *[0 if a is None else a for a in cache_args], 0,
-                  float_bits(scale), 0]
+                  float_bits(eps), 0, 0, 0, *[0 if a is None else a for a in cache_args],
+                  0 if sinks_H is None else sinks_H.data_ptr(), float_bits(scale), 0]
         self._fields = (ctypes.c_int64 * len(fields))(*fields)
         self._entry = getattr(library, _PACKED_STEP_SYMBOL)
 
