@@ -18,7 +18,7 @@ Progress goes to stderr; the LAST stdout line is one JSON object:
      "pairs_per_s": {variant: {"min", "median", "max", "n"}}, "per_step": {...}, "data": {...},
      "variants": {...}, "settings": {machine, commit, ...}, "seconds"}
 
-Model: our Qwen3 (`posttrain.models.registry.build_model`, seed 0) of `bench/train_step.py`'s
+Model: our Qwen3 (`posttrain.models.architectures.build_model`, seed 0) of `bench/train_step.py`'s
 `lm_head` shape: 4 layers, hidden 128, 4 query / 2 key-value heads of 32, tied embeddings and
 the real Qwen3 vocabulary (151,669; 98% of the parameters are the embedding). It is exported
 with `save_hf_checkpoint` and loaded by `transformers.Qwen3ForCausalLM.from_pretrained(
@@ -273,7 +273,7 @@ def peaks(setup_peak_kib: int | None, baseline_kib: int | None, hwm_reset: bool)
 
 def run_ours(spec: dict, shared: bool) -> dict:
     from posttrain.data.pair_stream import WithReference
-    from posttrain.models.registry import build_model
+    from posttrain.models.architectures import build_model
     from posttrain.objectives.dpo import DPOObjective, reference_logps
     from posttrain.train.trainer import Trainer
 
@@ -562,7 +562,7 @@ def main() -> None:
     k, n_steps = settings["pairs_per_step"], settings["warmup"] + settings["steps"]
 
     from posttrain.data.tokenizer import load_tokenizer
-    from posttrain.models.registry import build_model, save_hf_checkpoint
+    from posttrain.models.architectures import build_model, save_hf_checkpoint
 
     tokenizer = load_tokenizer(str(TOKENIZER_DIR))
     pairs, data_stats = load_pairs(settings["per_source"], settings["row_length"], tokenizer)

@@ -47,7 +47,7 @@ def workspace(tmp: Path, rounds: int, per_task: int) -> Path:
     """A registered tiny starting model and the recipe file; returns the recipe's path."""
     from posttrain.data.demo import build_demo_tokenizer, write_arithmetic_dataset
     from posttrain.data.tokenizer import load_tokenizer
-    from posttrain.models.registry import build_model, save_hf_checkpoint, tiny_config
+    from posttrain.models.architectures import build_model, save_hf_checkpoint, tiny_config
     from posttrain.registry.local import register_model
 
     paths = write_arithmetic_dataset(tmp / "corpus", num_train=200, num_heldout=0, seed=0, max_digits=2)

@@ -66,7 +66,7 @@ def build_workspace(tmp: Path, shape: str, model_dir: str | None, count: int):
     from posttrain.data.demo import build_demo_tokenizer, write_arithmetic_dataset
     from posttrain.data.records import PromptRecord
     from posttrain.data.tokenizer import load_tokenizer
-    from posttrain.models.registry import build_model, save_hf_checkpoint, tiny_config
+    from posttrain.models.architectures import build_model, save_hf_checkpoint, tiny_config
 
     paths = write_arithmetic_dataset(tmp / "data", num_train=max(count, 64), num_heldout=1, seed=0,
                                      min_digits=3, max_digits=3)
@@ -87,7 +87,7 @@ def build_workspace(tmp: Path, shape: str, model_dir: str | None, count: int):
 def run_ours(model_dir: Path, tokenizer, records, args) -> tuple[list[float], list[dict]]:
     from posttrain.config.schema import TrainConfig
     from posttrain.data.chat import end_of_turn_token_ids, render_prompt
-    from posttrain.models.registry import load_hf_checkpoint
+    from posttrain.models.architectures import load_hf_checkpoint
     from posttrain.objectives.grpo import GRPOObjective
     from posttrain.rl.controller import RLController, RoundSettings
     from posttrain.rl.native import NativeEngine

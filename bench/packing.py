@@ -87,7 +87,7 @@ from posttrain.config.schema import TrainConfig
 from posttrain.data.length_stats import LengthStats
 from posttrain.data.packer import PackedRows, StreamPacker, iter_batches
 from posttrain.data.prefetch import PackedBatchPrefetcher
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]

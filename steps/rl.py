@@ -316,7 +316,7 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
 
             reference = RemoteReference(parent, config.train)
         elif config.grpo.kl_coef > 0:
-            from posttrain.models.registry import load_hf_checkpoint
+            from posttrain.models.architectures import load_hf_checkpoint
 
             reference = load_hf_checkpoint(parent, device=device).eval().requires_grad_(False)
         engine = build_engine(config, model, tokenizer, parent)

@@ -112,7 +112,7 @@ def load_teacher(spec: TeacherSpec, device: torch.device | str = "cpu") -> torch
 
         model = load_hf_backend(spec.model_dir, device=device)
     else:
-        from posttrain.models.registry import load_hf_checkpoint
+        from posttrain.models.architectures import load_hf_checkpoint
 
         model = load_hf_checkpoint(spec.model_dir, device=device)
     return freeze_teacher(model.to(device))

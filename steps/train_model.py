@@ -1,12 +1,12 @@
 """The train step's model: what it starts from, how each worker gets it, how it is exported.
 
 Three kinds of recipe `model` section:
-- native, random init (`init: random`): `model.arch` (any of `registry.ARCHITECTURES`) built
+- native, random init (`init: random`): `model.arch` (any of `architectures.ARCHITECTURES`) built
   from the recipe's sizes (`model_config_for`); the starting weights are written once, by the
   driver, to `<run dir>/base` (`prepare_start`), which evaluation uses as the base model
   and every worker of a multi-worker run loads, so all ranks start from the same weights.
-- native, pretrained (`init: pretrained`): a local HF directory or hub id, loaded by our
-  registry (its `model_type` must be registered); or `init_from`: a registry entry
+- native, pretrained (`init: pretrained`): a local HF directory or hub id, loaded by
+  `posttrain.models.architectures` (its `model_type` must be registered); or `init_from`: a registry entry
   (`registry:NAME[:VERSION]`, e.g. the SFT demo's model) or a directory, resolved by
   `posttrain.registry.resolve_model_dir` (what preference recipes start from).
 - `backend: transformers` (`init: pretrained` only): any `AutoModelForCausalLM` through
@@ -38,10 +38,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from posttrain.config.schema import ModelConfig, RecipeConfig, RMConfig, SemanticIDConfig
-from posttrain.models.registry import (build_model, get_architecture, load_hf_checkpoint, replace_dir,
+from posttrain.models.architectures import (build_model, get_architecture, load_hf_checkpoint, replace_dir,
                                        save_hf_checkpoint)
 
-# recipe fields copied into every architecture's config (the rest come from the registry's `tiny`)
+# recipe fields copied into every architecture's config (the rest come from the architecture's `tiny`)
 SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings",
                "tie_word_embeddings", "initializer_range")
@@ -54,7 +54,7 @@ class RecipeModelError(ValueError):
 
 def model_config_for(model: ModelConfig, tokenizer):
     """Our config of `model.arch` for random init: the recipe's sizes, the tokenizer's
-    vocabulary and bos/eos/pad ids, and the registry's `tiny` values for the arch-specific
+    vocabulary and bos/eos/pad ids, and the architecture's `tiny` values for the arch-specific
     fields (experts, sliding window, soft-capping, ...). Per-layer lists of the tiny config
     (`layer_types`, `mlp_only_layers`) are kept only when the layer count is the tiny one;
     otherwise the config class derives its own defaults."""
@@ -276,7 +276,7 @@ def export_trained(trainer, config: RecipeConfig, tokenizer, start: Start, run_d
     rank 0 writes. Returns `{"checkpoint_dir": ..., "adapter_dir": ... or None}` (and a reward
     model's `"sequence_classifier_dir"`)."""
     from posttrain.data.chat import generation_stop_ids
-    from posttrain.models.registry import add_generation_stop_ids
+    from posttrain.models.architectures import add_generation_stop_ids
     from posttrain.train.checkpoint import export_hf_checkpoint
 
     checkpoint_dir, adapter_dir, exported = Path(run_dir) / "checkpoint", None, {}

@@ -25,7 +25,7 @@ class VerificationError(RuntimeError):
 def not_applicable(model_dir: str, backend: str) -> dict | None:
     """The "not applicable" verdict for a transformers-backend export of an architecture we do
     not implement; None when verification applies."""
-    from posttrain.models.registry import ARCHITECTURES
+    from posttrain.models.architectures import ARCHITECTURES
 
     if backend != "transformers":
         return None

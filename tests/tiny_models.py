@@ -11,7 +11,7 @@ def save_tiny_demo_qwen3(tmp: Path, num_hidden_layers: int = 2, corpus_problems:
     arithmetic problems, written to `tmp / "start"` with the tokenizer; returns the directory."""
     from posttrain.data.demo import build_demo_tokenizer, write_arithmetic_dataset
     from posttrain.data.tokenizer import load_tokenizer
-    from posttrain.models.registry import build_model, save_hf_checkpoint, tiny_config
+    from posttrain.models.architectures import build_model, save_hf_checkpoint, tiny_config
 
     paths = write_arithmetic_dataset(tmp / "corpus", num_train=corpus_problems, num_heldout=0, seed=0, max_digits=2)
     tokenizer = load_tokenizer(str(build_demo_tokenizer(tmp / "tokenizer", corpus_paths=[paths["train"]],

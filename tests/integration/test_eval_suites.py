@@ -144,7 +144,7 @@ def test_reward_model_suite_scores_each_models_greedy_answers(tiny_trained, tmp_
     import dataclasses
 
     from posttrain.models.heads import RewardModel, ValueHead, save_with_head
-    from posttrain.models.registry import build_model, tiny_config
+    from posttrain.models.architectures import build_model, tiny_config
     from posttrain.rl.rewards import reward_model
     from posttrain.steps import evaluate
     from posttrain.steps.eval_suites import prompt_and_reference

@@ -63,7 +63,7 @@ def semantic_run(flow_pool):
 def test_codes_become_tokens_of_the_text_model_with_its_old_logits_unchanged(semantic_run):
     from posttrain.data.semantic_ids import SemanticIDs
     from posttrain.data.tokenizer import load_tokenizer
-    from posttrain.models.registry import load_hf_checkpoint
+    from posttrain.models.architectures import load_hf_checkpoint
     from posttrain.registry import resolve_model_dir
 
     run, tmp = semantic_run

@@ -107,7 +107,7 @@ def test_the_registered_directory_alone_serves_next_items(sequence_run):
 
     from posttrain.data.item_vocab import ItemCodec
     from posttrain.eval.next_item import score_cases
-    from posttrain.models.registry import load_hf_checkpoint
+    from posttrain.models.architectures import load_hf_checkpoint
 
     run, _ = sequence_run
     model_dir = run["register"].task.data.model_path

@@ -51,7 +51,7 @@ def test_model_config_for_takes_arch_fields_from_the_registry_and_sizes_from_the
     import dataclasses
 
     from posttrain.config.schema import ModelConfig
-    from posttrain.models.registry import ARCHITECTURES
+    from posttrain.models.architectures import ARCHITECTURES
     from posttrain.steps.train_model import model_config_for
 
     class Tok:

@@ -9,7 +9,7 @@ import transformers
 
 def random_model(config, seed: int = 0):
     """A registered model of `config` with large random weights (`randomize_weights_`), in eval mode."""
-    from posttrain.models.registry import build_model
+    from posttrain.models.architectures import build_model
     from posttrain.verify.logits import randomize_weights_
 
     return randomize_weights_(build_model(config, seed=seed), seed=seed + 1).eval()
@@ -18,7 +18,7 @@ def random_model(config, seed: int = 0):
 def hf_twin(model):
     """transformers' causal LM for `model.config` (eager attention) holding exactly our weights,
     mapped through the architecture's adapter; asserts nothing was left out or unexpected."""
-    from posttrain.models.registry import get_architecture
+    from posttrain.models.architectures import get_architecture
 
     hf_config = transformers.AutoConfig.for_model(**model.config.to_hf_dict())
     hf_config._attn_implementation = "eager"

@@ -16,7 +16,7 @@ from posttrain.data.packer import StreamPacker
 from posttrain.data.prefetch import PackedBatchPrefetcher
 from posttrain.rl.engine import SamplingConfig
 from posttrain.rl.native import PAD_ID, NativeEngine, left_pad
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.ops.attention import (build_attention_mask, document_attention, document_causal_mask, document_runs,
                                     per_document_pays)
 
@@ -191,7 +191,7 @@ def test_tree_mask_lets_each_response_see_the_prompt_and_itself_only():
 def test_a_prefix_shared_row_gives_each_response_the_hidden_states_of_its_own_render(arch):
     """The prompt once and both responses attending to it equals rendering prompt + chosen and
     prompt + rejected separately (sliding windows and attention sinks included)."""
-    from posttrain.models.registry import build_model, tiny_config
+    from posttrain.models.architectures import build_model, tiny_config
 
     model = build_model(tiny_config(arch), seed=0).eval()
     gen = torch.Generator().manual_seed(0)

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from posttrain.models.heads import RewardModel, ValueHead, load_with_head, save_with_head
 from posttrain.models.hf_backend import load_hf_backend
-from posttrain.models.registry import CheckpointError, build_model, load_hf_checkpoint, save_hf_checkpoint, tiny_config
+from posttrain.models.architectures import CheckpointError, build_model, load_hf_checkpoint, save_hf_checkpoint, tiny_config
 
 LIB = Path(__file__).resolve().parents[2] / "lib"
 ARCHS = ["qwen3", "llama"]

@@ -8,7 +8,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from posttrain.models.registry import (
+from posttrain.models.architectures import (
     CheckpointError,
     build_model,
     load_hf_checkpoint,

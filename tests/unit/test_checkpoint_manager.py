@@ -12,7 +12,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from posttrain.config.schema import TrainConfig
-from posttrain.models.registry import build_model, load_hf_checkpoint, save_hf_checkpoint, tiny_config
+from posttrain.models.architectures import build_model, load_hf_checkpoint, save_hf_checkpoint, tiny_config
 from posttrain.train.checkpoint import (
     STAGES,
     CheckpointError,

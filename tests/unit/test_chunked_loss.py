@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.ops.losses import causal_lm_loss, chunked_cross_entropy
 from posttrain.verify.logits import randomize_weights_
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from posttrain.data.packer import iter_batches, pack_samples
-from posttrain.models.registry import build_model, save_hf_checkpoint, tiny_config
+from posttrain.models.architectures import build_model, save_hf_checkpoint, tiny_config
 from posttrain.objectives.distill import DistillObjective, VocabularyMismatch, check_shared_vocabulary
 from posttrain.ops.kd import KD_LOSSES, naive_kd_loss
 from posttrain.ops.losses import IGNORE_INDEX

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from posttrain.data.pair_packer import PairPacker
 from posttrain.data.preference import PairError, fit_pair, pair_layout, render_pair
 from posttrain.data.records import PreferenceRecord
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.objectives.dpo import LOSS_TYPES, DPOObjective, response_logps
 
 PAIRS = [
@@ -236,7 +236,7 @@ def test_pairs_through_the_transformers_fallback_equal_ours_in_the_unshared_layo
     layout (each response after its own prompt copy, documents masked by restarting
     positions) as our model does; a prompt shared by two responses is refused, not mis-masked."""
     from posttrain.models.hf_backend import PackingNotSupported, load_hf_backend
-    from posttrain.models.registry import save_hf_checkpoint
+    from posttrain.models.architectures import save_hf_checkpoint
 
     ours = model_for(tokenizer, seed=2).eval()
     fallback = load_hf_backend(save_hf_checkpoint(ours, tmp_path / "m")).eval()

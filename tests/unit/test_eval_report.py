@@ -8,7 +8,7 @@ import torch
 from posttrain.eval.heldout import evaluate_loss
 from posttrain.eval.metrics import exact_match
 from posttrain.eval.report import COLUMNS, build_comparison_frame, evidently_report_html
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.ops.losses import causal_lm_loss
 
 

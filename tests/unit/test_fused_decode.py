@@ -12,7 +12,7 @@ from posttrain.config.schema import LoraConfig
 from posttrain.models import fused_decode
 from posttrain.models.layers import RMSNorm, apply_rotary
 from posttrain.models.lora import apply_lora
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.ops import decode_kernel
 from posttrain.ops.attention import _matmul_attention, shared_prefix_attention
 from posttrain.rl.native import left_pad

@@ -14,7 +14,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm, Gemma3Text
 
 from posttrain.models.gemma3 import hf_adapter
 from posttrain.models.gemma3.model import Gemma3Config, Gemma3Model, GemmaRMSNorm, ScaledEmbedding, UnsupportedConfigError
-from posttrain.models.registry import (
+from posttrain.models.architectures import (
     ARCHITECTURES,
     CheckpointError,
     build_model,

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from posttrain.models.gpt_oss import hf_adapter
 from posttrain.models.gpt_oss.model import DEFAULT_YARN, GptOssConfig, GptOssModel, UnsupportedConfigError
-from posttrain.models.registry import (
+from posttrain.models.architectures import (
     ARCHITECTURES,
     CheckpointError,
     build_model,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from posttrain.config.schema import TrainConfig
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.objectives.grpo import GRPOObjective, kl_estimate
 from posttrain.objectives.targets import target_logps
 from posttrain.rl.advantages import degenerate_groups, group_advantages

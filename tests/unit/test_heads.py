@@ -22,7 +22,7 @@ from posttrain.models.heads import (
     sequence_scores,
 )
 from posttrain.models.hf_backend import HFCausalLM
-from posttrain.models.registry import CheckpointError, build_model, tiny_config
+from posttrain.models.architectures import CheckpointError, build_model, tiny_config
 from posttrain.ops.losses import IGNORE_INDEX, causal_lm_loss
 from posttrain.train.trainer import Trainer
 from posttrain.verify.logits import randomize_weights_

@@ -16,7 +16,7 @@ from posttrain.models.hf_backend import (
     build_training_model,
     load_hf_backend,
 )
-from posttrain.models.registry import ARCHITECTURES, CheckpointError
+from posttrain.models.architectures import ARCHITECTURES, CheckpointError
 from posttrain.ops.losses import IGNORE_INDEX, causal_lm_loss
 from posttrain.train.trainer import Trainer
 

@@ -13,7 +13,7 @@ import transformers
 
 from posttrain.models.llama import hf_adapter
 from posttrain.models.llama.model import LlamaConfig, LlamaModel, UnsupportedConfigError
-from posttrain.models.registry import ARCHITECTURES, build_model, load_hf_checkpoint, save_hf_checkpoint, tiny_config
+from posttrain.models.architectures import ARCHITECTURES, build_model, load_hf_checkpoint, save_hf_checkpoint, tiny_config
 from posttrain.ops.losses import causal_lm_loss
 from posttrain.verify.__main__ import main as verify_main
 from posttrain.verify.logits import randomize_weights_

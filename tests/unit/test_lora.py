@@ -22,7 +22,7 @@ from posttrain.models.lora import (
     merge_lora,
     merged_state_dict,
 )
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.ops.losses import causal_lm_loss
 from posttrain.train.mfu import LoraSpec
 from posttrain.verify.logits import randomize_weights_

@@ -27,7 +27,7 @@ from posttrain.models.peft_export import (  # noqa: E402
     load_peft_adapter,
     save_peft_adapter,
 )
-from posttrain.models.registry import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
+from posttrain.models.architectures import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from posttrain.train.trainer import Trainer  # noqa: E402
 from posttrain.verify.logits import build_tiny_checkpoint, verify_models  # noqa: E402
 

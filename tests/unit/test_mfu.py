@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import posttrain.models.layers as layers
 from eager_attention import eager_dense_row_attention, eager_document_attention
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.ops.attention import build_attention_mask, document_attention
 from posttrain.ops.losses import causal_lm_loss
 from posttrain.train.mfu import (

@@ -10,7 +10,7 @@ import pytest
 
 import posttrain.models.layers as layers
 from eager_attention import eager_document_attention
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.train.mfu import batch_step_flops, dense_layer_spec, step_flops
 from test_mfu import counted_flops, packed_batch, padded_batch
 

@@ -17,7 +17,7 @@ import pytest
 
 from test_mfu import counted_flops, packed_batch, padded_batch
 
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.train.mfu import batch_step_flops, step_flops
 
 ATTENTION_HEAVY = dict(num_attention_heads=8, head_dim=32)

@@ -19,7 +19,7 @@ import posttrain.models.layers as layers
 from eager_attention import eager_document_attention
 from posttrain.config.schema import LoraConfig
 from posttrain.models.lora import apply_lora, lora_spec
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.ops.losses import causal_lm_loss
 from posttrain.train.mfu import batch_step_flops, doc_lengths_from_doc_ids
 from test_mfu import packed_batch, padded_batch

@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import posttrain.models.layers as layers
 from eager_attention import eager_document_attention
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.ops.losses import causal_lm_loss
 from posttrain.train.mfu import batch_step_flops, dense_layer_spec, step_flops
 from test_mfu import packed_batch, padded_batch

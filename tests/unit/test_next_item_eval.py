@@ -13,7 +13,7 @@ from posttrain.data.records import SequenceRecord
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.eval.next_item import evaluate_next_item, sampled_negatives, score_cases
 from posttrain.eval.ranking import MarkovBaseline, PopularityBaseline, ranking_metrics, summarise
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.steps.sequences import windows
 
 

@@ -4,7 +4,7 @@ import torch
 
 from posttrain.data.chat import TokenizedSample
 from posttrain.data.packer import iter_batches, pack_samples
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.ops.losses import causal_lm_loss
 from posttrain.verify.logits import randomize_weights_
 

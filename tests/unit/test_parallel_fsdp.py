@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from posttrain.config.schema import ParallelConfig, TrainConfig
 from posttrain.models.heads import RewardModel, ValueHead
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.ops.losses import causal_lm_loss
 from posttrain.parallel.apply import apply_parallelism
 from posttrain.parallel.distributed import spawn_local

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.parallel import parallelize_module
 
 from posttrain.config.schema import ParallelConfig
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.ops.losses import causal_lm_loss
 from posttrain.parallel.apply import apply_parallelism
 from posttrain.parallel.distributed import spawn_local

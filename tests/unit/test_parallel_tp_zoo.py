@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from posttrain.config.schema import ParallelConfig
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.parallel.apply import apply_parallelism, reduce_partial_grads
 from posttrain.parallel.distributed import spawn_local
 from posttrain.parallel.mesh import build_device_mesh, dp_group

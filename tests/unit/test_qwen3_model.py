@@ -8,7 +8,7 @@ import transformers
 
 from posttrain.models.qwen3 import hf_adapter
 from posttrain.models.qwen3.model import Qwen3Config, Qwen3Model, UnsupportedConfigError
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.ops.attention import document_causal_mask
 from posttrain.verify.logits import randomize_weights_
 

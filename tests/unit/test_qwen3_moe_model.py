@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from posttrain.models.qwen3_moe import hf_adapter
 from posttrain.models.qwen3_moe.model import Qwen3MoeConfig, Qwen3MoeModel, SparseMoe, UnsupportedConfigError
-from posttrain.models.registry import (
+from posttrain.models.architectures import (
     CheckpointError,
     build_model,
     load_hf_checkpoint,
@@ -367,7 +367,7 @@ def test_lora_on_attention_only():
 def test_fused_parameter_rows_are_checked():
     """The loader's row assembly (registry._FusedParameters) refuses a misfit, a repeated and a
     missing row, naming the tensor or parameter (a consistent adapter never triggers these)."""
-    from posttrain.models.registry import _FusedParameters
+    from posttrain.models.architectures import _FusedParameters
 
     fused = _FusedParameters({"w": (2, 3)}, "cpu")
     with pytest.raises(CheckpointError, match="'e.0' \\(4,\\) does not fit row 0 of 'w'"):

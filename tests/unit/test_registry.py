@@ -16,7 +16,7 @@ import posttrain
 from posttrain.config.schema import TrainConfig
 from posttrain.rl.engine import SamplingConfig
 from posttrain.rl.native import NativeEngine
-from posttrain.models.registry import build_model, save_hf_checkpoint, tiny_config
+from posttrain.models.architectures import build_model, save_hf_checkpoint, tiny_config
 from posttrain.registry.local import list_versions, load_lineage, register_model
 
 

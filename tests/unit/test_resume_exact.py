@@ -13,7 +13,7 @@ from posttrain.config.loader import load_sft_config
 from posttrain.config.schema import PackConfig, SourceConfig, TrainConfig
 from posttrain.data.chat import TokenizedSample
 from posttrain.data.mixture import build_mixer, training_batches
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.train.checkpoint import CheckpointManager
 from posttrain.train.trainer import Trainer
 

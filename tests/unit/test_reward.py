@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from posttrain.config.schema import LoraConfig, TrainConfig
 from posttrain.models.heads import RewardModel, ValueHead, sequence_scores
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.objectives.reward import RewardObjective, pair_scores, score_pairs
 from posttrain.train.trainer import Trainer
 from posttrain.verify.logits import randomize_weights_

@@ -15,7 +15,7 @@ from posttrain.data.chat import end_of_turn_token_ids, render_prompt
 from posttrain.data.demo import build_demo_tokenizer, write_arithmetic_dataset
 from posttrain.data.records import PromptRecord
 from posttrain.data.tokenizer import load_tokenizer
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.objectives.grpo import GRPOObjective
 from posttrain.rl.controller import PromptSampler, RLController, RoundSettings
 from posttrain.rl.native import NativeEngine

@@ -114,7 +114,7 @@ def test_reward_model_scores_prompt_and_answer_as_its_recipe_does(tmp_path):
     from posttrain.data.demo import build_demo_tokenizer
     from posttrain.data.tokenizer import load_tokenizer
     from posttrain.models.heads import RewardModel, ValueHead, save_with_head
-    from posttrain.models.registry import build_model, tiny_config
+    from posttrain.models.architectures import build_model, tiny_config
 
     tokenizer = load_tokenizer(str(build_demo_tokenizer(tmp_path / "tok", texts=["What is 1 + 2? 3 4 5"] * 50,
                                                         vocab_size=256)))

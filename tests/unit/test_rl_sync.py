@@ -10,7 +10,7 @@ from functools import partial
 
 import torch
 
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.rl.native import NativeEngine
 from posttrain.rl.sync import check_sync, recompute_logprobs, same_native_weights
 

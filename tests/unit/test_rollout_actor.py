@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.models.registry import build_model, hf_named_tensors, save_hf_checkpoint, tiny_config
+from posttrain.models.architectures import build_model, hf_named_tensors, save_hf_checkpoint, tiny_config
 from posttrain.rl.actor import EngineSpec, RemoteEngine, from_arrays, to_arrays
 from posttrain.rl.engine import RolloutEngine, SamplingConfig, WeightUpdateError
 from posttrain.rl.native import NativeEngine

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.models.registry import (
+from posttrain.models.architectures import (
     ARCHITECTURES,
     build_model,
     hf_named_tensors,

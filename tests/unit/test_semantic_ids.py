@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from posttrain.data.semantic_ids import SemanticIDs, TokenTrie, assign_semantic_ids, residual_kmeans
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.models.vocab import extend_vocabulary
 from posttrain.rl.constrained import allowed_mask, trie_beam_search
 from posttrain.rl.engine import SamplingConfig

@@ -13,7 +13,7 @@ import pytest
 from posttrain.data.chat import end_of_turn_token_ids, generation_stop_ids
 from posttrain.data.demo import build_demo_tokenizer
 from posttrain.data.records import ChatRecord
-from posttrain.models.registry import add_generation_stop_ids
+from posttrain.models.architectures import add_generation_stop_ids
 from posttrain.verify.skew import check_skew, first_difference, sample_records, serving_stop_ids
 from skew_records import CHATS, records
 

@@ -16,7 +16,7 @@ from posttrain.data.chat import generation_stop_ids
 from posttrain.data.records import PreferenceRecord, PromptRecord
 from posttrain.data.sources import SourceSpec, read_records
 from posttrain.data.tokenizer import load_tokenizer
-from posttrain.models.registry import add_generation_stop_ids
+from posttrain.models.architectures import add_generation_stop_ids
 from posttrain.verify.skew import check_skew
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ import torch
 
 from posttrain.config.schema import TrainConfig
 from posttrain.data.packer import iter_batches, pack_samples
-from posttrain.models.registry import build_model, tiny_config
+from posttrain.models.architectures import build_model, tiny_config
 from posttrain.ops.losses import causal_lm_loss
 from posttrain.train.metrics import MetricsLog, format_step
 from posttrain.train.optim import build_optimizer, lr_lambda

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from posttrain.models.registry import build_model, get_architecture, tiny_config
+from posttrain.models.architectures import build_model, get_architecture, tiny_config
 from posttrain.ops import attention
 from posttrain.ops.attention import build_attention_mask
 from posttrain.train.mfu import PEAK_FLOPS, batch_step_flops, executed_step_flops

@@ -10,7 +10,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from posttrain.models.registry import load_hf_checkpoint
+from posttrain.models.architectures import load_hf_checkpoint
 from posttrain.verify.__main__ import main
 from posttrain.verify.logits import build_tiny_checkpoint, verify_checkpoint, verify_models
 

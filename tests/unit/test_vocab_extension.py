@@ -10,7 +10,7 @@ import transformers
 from safetensors import safe_open
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from posttrain.models.registry import build_model, save_hf_checkpoint, tiny_config
+from posttrain.models.architectures import build_model, save_hf_checkpoint, tiny_config
 from posttrain.models.vocab import extend_vocabulary, semantic_id_tokens
 from posttrain.verify.logits import randomize_weights_, verify_checkpoint
 

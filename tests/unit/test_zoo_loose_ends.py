@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from posttrain.config.schema import LoraConfig
 from posttrain.models.hf_backend import HFCausalLM
 from posttrain.models.lora import apply_lora, has_lora, lora_parameters, merge_lora
-from posttrain.models.registry import (
+from posttrain.models.architectures import (
     SAFETENSORS_INDEX,
     CheckpointError,
     build_model,

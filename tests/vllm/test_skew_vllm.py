@@ -18,7 +18,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 from posttrain.data.chat import generation_stop_ids  # noqa: E402
-from posttrain.models.registry import (add_generation_stop_ids, build_model, save_hf_checkpoint,  # noqa: E402
+from posttrain.models.architectures import (add_generation_stop_ids, build_model, save_hf_checkpoint,  # noqa: E402
                                        tiny_config)
 from posttrain.rl.vllm_engine import chat_llm  # noqa: E402
 from posttrain.verify.skew import check_skew  # noqa: E402

@@ -15,7 +15,7 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
-from posttrain.models.registry import build_model, hf_named_tensors, save_hf_checkpoint, tiny_config  # noqa: E402
+from posttrain.models.architectures import build_model, hf_named_tensors, save_hf_checkpoint, tiny_config  # noqa: E402
 from posttrain.rl.engine import SamplingConfig, WeightUpdateError  # noqa: E402
 from posttrain.rl.native import NativeEngine  # noqa: E402
 from posttrain.rl.vllm_engine import VLLMEngine  # noqa: E402

@@ -13,7 +13,7 @@ A backbone is anything with our model contract: a registered architecture or the
 fallback (`posttrain.models.hf_backend.HFCausalLM`).
 
 On disk (`save_with_head` / `load_with_head`): the backbone as a normal HF checkpoint
-directory (registry.save_hf_checkpoint, or transformers' save_pretrained for the fallback),
+directory (architectures.save_hf_checkpoint, or transformers' save_pretrained for the fallback),
 plus `head.safetensors` (real rows only: the padding is not stored) and `head_config.json`
 (`kind`, sizes, backbone backend) in the same directory. Loading is strict: an unknown,
 missing or wrongly shaped head tensor, or a head whose hidden size is not the backbone's,
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from posttrain.models.registry import (
+from posttrain.models.architectures import (
     CheckpointError,
     get_architecture,
     load_hf_checkpoint,

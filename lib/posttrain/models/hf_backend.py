@@ -276,7 +276,7 @@ def check_loading_info(path_or_id, info: dict) -> None:
     """Refuse a load that left weights at their random initialisation or dropped some:
     transformers only prints a load report for missing, unexpected or misshaped tensors;
     a recipe would then train on partly random weights. Raises `CheckpointError` naming them,
-    as our own loader does (`posttrain.models.registry.load_hf_checkpoint`)."""
+    as our own loader does (`posttrain.models.architectures.load_hf_checkpoint`)."""
     problems = []
     for key, what in (("missing_keys", "missing tensors"), ("unexpected_keys", "unexpected tensors"),
                       ("mismatched_keys", "misshaped tensors")):
@@ -295,7 +295,7 @@ def build_training_model(model_cfg: Any, device: torch.device | str = "cpu") -> 
 
     That backend starts from a pretrained checkpoint only (`init: pretrained`,
     `name_or_path` a local directory or hub id); the native backend is built by
-    `posttrain.models.registry` as before.
+    `posttrain.models.architectures` as before.
     """
     backend = getattr(model_cfg, "backend", "native")
     if backend != "transformers":

@@ -18,7 +18,7 @@ and targeting gate/up/down on such a layer raises `LoraError` naming it.
 
 `merge_lora(model)` folds the adapters into the base weights (`W + scaling * B @ A`) and
 gives back a plain model (every parameter trainable again) that
-`posttrain.models.registry.save_hf_checkpoint` exports. Exports of a model that still holds
+`posttrain.models.architectures.save_hf_checkpoint` exports. Exports of a model that still holds
 adapters (`save_hf_checkpoint`, `Trainer.export_weights`, `export_hf_checkpoint`) write the
 merged weights and leave the model as it is (`merged_state_dict`, or `merge_lora_weights`
 on a gathered full state dict). PEFT adapter export and import live in

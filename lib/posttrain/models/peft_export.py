@@ -41,7 +41,7 @@ from safetensors.torch import save_file
 
 from posttrain.config.schema import LoraConfig
 from posttrain.models.lora import TARGET_MODULES, LoraError, apply_lora, lora_modules
-from posttrain.models.registry import get_architecture
+from posttrain.models.architectures import get_architecture
 from posttrain.models.safetensors_io import open_safetensors, read_tensor
 
 ADAPTER_CONFIG = "adapter_config.json"

@@ -242,7 +242,7 @@ class ReferenceActor:
     """A frozen model (a checkpoint directory, loaded here) scoring trained tokens."""
 
     def __init__(self, model_dir: str, train_config, device: str = "cpu"):
-        from posttrain.models.registry import load_hf_checkpoint
+        from posttrain.models.architectures import load_hf_checkpoint
 
         torch.set_num_threads(1)
         self.model = load_hf_checkpoint(model_dir, device=device).eval().requires_grad_(False)

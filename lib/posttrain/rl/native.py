@@ -193,7 +193,7 @@ class NativeEngine:
 
             model = load_hf_backend(model_dir, dtype=dtype, device=device, probe_packing=False)
         elif backend == "native":
-            from posttrain.models.registry import load_hf_checkpoint
+            from posttrain.models.architectures import load_hf_checkpoint
 
             model = load_hf_checkpoint(model_dir, device=device, dtype=dtype)
         else:
@@ -331,13 +331,13 @@ class NativeEngine:
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace every weight from `(hf_name, tensor)` pairs (the full state dict under Hugging
-        Face names; `posttrain.models.registry.hf_named_tensors` gives one). All are checked
+        Face names; `posttrain.models.architectures.hf_named_tensors` gives one). All are checked
         before any is copied: on `WeightUpdateError` the engine keeps its weights."""
         if self.transformers_backend:
             state = self._transformers_state(named_tensors)
             target = self.model.hf
         else:
-            from posttrain.models.registry import HFTensorImporter, get_architecture
+            from posttrain.models.architectures import HFTensorImporter, get_architecture
 
             config = self.model.config
             dtype = self.model.output_weight.dtype

@@ -14,7 +14,7 @@ shape, so a bad update raises `WeightUpdateError` before vLLM sees anything), th
 them into vLLM through a worker extension (`NamedTensorReload.posttrain_reload`, called with
 `collective_rpc`, which hands the tensors to the model runner's `reload_weights`). Full
 models, tied embeddings (`lm_head.weight` included) and merged LoRA weights
-(`posttrain.models.registry.hf_named_tensors`) all go this way.
+(`posttrain.models.architectures.hf_named_tensors`) all go this way.
 
 Sync is verified, not assumed: after every update (and at start), `posttrain.rl.sync.check_sync`
 compares greedy completions of the probe prompts with the reference's, and reports the mean
@@ -92,7 +92,7 @@ class VLLMEngine:
     def __init__(self, model_dir: str | os.PathLike, dtype: str = "float32", max_model_len: int | None = None,
                  probes: Sequence[Sequence[int]] = DEFAULT_PROBES, strict_sync: bool = True, seed: int = 0,
                  **llm_kwargs: Any):
-        from posttrain.models.registry import load_hf_checkpoint
+        from posttrain.models.architectures import load_hf_checkpoint
         from posttrain.rl.native import NativeEngine
 
         settings_here = engine_settings()

@@ -402,7 +402,7 @@ class Trainer:
         with `cpu_offload` (default) only rank 0 receives the tensors, on CPU, and the other
         ranks yield nothing; without it every rank gets them on its device.
         """
-        from posttrain.models.registry import get_architecture
+        from posttrain.models.architectures import get_architecture
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
         weights = get_model_state_dict(self.model, options=options)

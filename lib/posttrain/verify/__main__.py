@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from posttrain.models.registry import ARCHITECTURES
+from posttrain.models.architectures import ARCHITECTURES
 from posttrain.verify.logits import build_tiny_checkpoint, verify_checkpoint, verify_sequence_classifier
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain.models.registry import build_model, get_architecture, load_hf_checkpoint, save_hf_checkpoint, tiny_config
+from posttrain.models.architectures import build_model, get_architecture, load_hf_checkpoint, save_hf_checkpoint, tiny_config
 
 
 def _random_lengths(total: int, parts: int, gen: torch.Generator) -> list[int]:

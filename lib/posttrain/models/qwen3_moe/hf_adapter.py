@@ -12,7 +12,7 @@ Everything but the MoE layers' MLP is the shared dense-decoder mapping
 Experts are split on disk and fused in memory: `import_tensor` returns
 `(our_name, tensor, j)` for an expert tensor, meaning "row j of the fused parameter", and
 `fused_shapes(config)` gives the fused parameters' shapes, so the loader
-(`registry.load_hf_checkpoint`) preallocates each fused tensor once and copies rows in.
+(`architectures.load_hf_checkpoint`) preallocates each fused tensor once and copies rows in.
 `export_tensors` yields the split tensors (views of the fused rows).
 """
 
