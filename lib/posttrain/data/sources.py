@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from posttrain.data.formats import get_format, get_path, parse_row, resolve_columns
+from posttrain.data.formats import get_format, parse_row, resolve_columns
 from posttrain.data.records import ChatRecord, RecordError, RejectedRow, raw_text
 
 KINDS = ("jsonl", "parquet", "hf", "movielens")
@@ -301,15 +301,6 @@ def iter_rows(spec: SourceSpec) -> Iterator[tuple[str, int, Any]]:
 
 
 # ---------------------------------------------------------------- records
-
-
-_get = get_path  # older name, kept for callers
-
-
-def row_to_messages(obj: Any, spec: SourceSpec) -> list[dict]:
-    """Apply a chat-format spec's field mapping to one decoded row and validate it (`RecordError` if bad)."""
-    (record,) = parse_row("chat", obj, columns=spec.columns, system_prompt=spec.system_prompt)
-    return record.messages
 
 
 def _decode(raw: Any) -> Any:
