@@ -10,6 +10,8 @@ hub id is well formed (`posttrain.config.paths`). All of them fail in one line n
 key, before Metaflow starts the run.
 """
 
+import json
+import os
 import sys
 
 from metaflow import Config, FlowMutator
@@ -44,9 +46,30 @@ def _clean_errors(parse):
     return parser
 
 
+def config_source(name: str, recipe: str) -> str:
+    """Best effort: which file Metaflow was told to read for config `name` (for error messages):
+    `--config NAME PATH` on the command line, else `METAFLOW_FLOW_CONFIG`, else the default."""
+    argv = sys.argv
+    for i, arg in enumerate(argv[:-2]):
+        if arg == "--config" and argv[i + 1] == name:
+            return f"config file {argv[i + 2]}"
+    env = os.environ.get("METAFLOW_FLOW_CONFIG")
+    if env:
+        try:
+            path = json.loads(env).get(name)
+        except (ValueError, AttributeError):
+            path = None
+        if path:
+            return f"config file {path}"
+    if name == "config":
+        return f"config file {loader.default_config(recipe)} (the default)"
+    return f"--config-value {name}"
+
+
 def recipe_parsers(recipe: str) -> tuple:
     """`(parse_config, parse_overrides)` for a recipe's Metaflow `Config`s, errors without tracebacks."""
-    return tuple(_clean_errors(parse) for parse in loader.recipe_parsers(recipe))
+    parsers = loader.recipe_parsers(recipe, config_source=lambda: config_source("config", recipe))
+    return tuple(_clean_errors(parse) for parse in parsers)
 
 
 def recipe_configs(recipe: str, default: str, example_override: str) -> tuple[Config, Config]:

@@ -6,10 +6,11 @@ from pathlib import Path
 import pytest
 
 from posttrain.config import ConfigError, load_sft_config
-from posttrain.config.loader import parse_sft_overrides, sft_config_from_dict
+from posttrain.config.loader import recipe_parsers, sft_config_from_dict
 from posttrain.config.schema import SFTConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "sft"
+_, parse_sft_overrides = recipe_parsers("sft")
 
 
 @pytest.mark.parametrize("name", ["demo.yaml", "tiny.yaml", "qwen3-0.6b.yaml"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,34 +82,17 @@ def default_config(recipe: str) -> str:
     return str(REPO_CONFIG_DIR / recipe / "demo.yaml")
 
 
-def _config_source(name: str, recipe: str = "sft") -> str:
-    """Best effort: which file Metaflow was told to read for config `name` (for error messages)."""
-    argv = sys.argv
-    for i, arg in enumerate(argv[:-2]):
-        if arg == "--config" and argv[i + 1] == name:
-            return f"config file {argv[i + 2]}"
-    env = os.environ.get("METAFLOW_FLOW_CONFIG")
-    if env:
-        try:
-            path = json.loads(env).get(name)
-        except (ValueError, AttributeError):
-            path = None
-        if path:
-            return f"config file {path}"
-    if name == "config":
-        return f"config file {default_config(recipe)} (the default)"
-    return f"--config-value {name}"
-
-
-def recipe_parsers(recipe: str) -> tuple:
-    """The Metaflow `Config` parsers of a recipe: `(parse_config, parse_overrides)`. The first
-    validates the file strictly and returns the full config with defaults filled; the second
-    checks the overrides' key paths, types and ranges against the recipe's schema (they are
-    applied, and cross-field rules checked, when the flow launches: `flows/recipe_configs.py`)."""
+def recipe_parsers(recipe: str, config_source: Callable[[], str] | None = None) -> tuple:
+    """The `Config` parsers of a recipe: `(parse_config, parse_overrides)`. The first validates
+    the file strictly and returns the full config with defaults filled; the second checks the
+    overrides' key paths, types and ranges against the recipe's schema (they are applied, and
+    cross-field rules checked, when the flow launches: `flows/recipe_configs.py`).
+    `config_source()` names the file being parsed in error messages (asked at parse time; the
+    flows pass one that reads Metaflow's command line); without it, "config"."""
     cls = RECIPES[recipe]
 
     def parse_config(text: str) -> dict:
-        source = _config_source("config", recipe)
+        source = config_source() if config_source is not None else "config"
         return to_dict(recipe_config_from_dict(parse_yaml(text, source), recipe, source=source))
 
     def parse_overrides(text: str) -> dict:
@@ -119,9 +102,6 @@ def recipe_parsers(recipe: str) -> tuple:
 
     parse_config.__name__, parse_overrides.__name__ = f"parse_{recipe}_config", f"parse_{recipe}_overrides"
     return parse_config, parse_overrides
-
-
-parse_sft_config, parse_sft_overrides = recipe_parsers("sft")
 
 
 def config_to_yaml(config: Any) -> str:
