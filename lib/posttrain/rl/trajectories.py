@@ -3,19 +3,22 @@
 A `Trajectory` is what the policy produced for one prompt, as token ids (prompt, then the
 completion exactly as sampled, its stop token included: never re-rendered text), with the
 completion's advantage and the engine's log-prob of each completion token.
-`pack_trajectories` places trajectories as documents of fixed-length rows (position ids
-restart per document, document ids mask attention between them) in one of two layouts:
+`pack_trajectories` places trajectories as tree documents of fixed-length rows
+(`posttrain.data.tree_packer`: position ids restart per document, document ids mask attention
+between them; a trajectory's prompt is a tree's trunk, its completion a branch keyed by the
+trajectory's index; rows filled by `fill_rows`, largest tree first) in one of two layouts:
 
 - shared prompts (`shared_prompt=True`, the default of the controller): the completions of one
-  prompt (consecutive trajectories with the same prompt ids) form a tree document, the prompt
-  once as its trunk and each completion a branch that sees the trunk and itself
-  (`branch_ids`: 0 the trunk, k for the k-th completion; positions continue from the trunk).
+  prompt (consecutive trajectories with the same prompt ids) form one tree, the prompt once as
+  its trunk and each completion a branch that sees the trunk and itself (`branch_ids`: 0 the
+  trunk, k for the k-th completion; positions continue from the trunk).
   The n samples of a prompt then pay for its tokens once in the forward and backward, as the
   rollout engine's prefill does; the loss and gradient are those of the unshared layout (the
   trunk's activations are the same for every branch; its gradient is the sum of theirs).
   Trees are cut to fill rows: a group that does not fit a row's free space continues in
   another tree, its prompt repeated there.
-- unshared (`shared_prompt=False`): each trajectory its own document (first fit, longest first).
+- unshared (`shared_prompt=False`): each trajectory a tree of one branch, i.e. its own plain
+  document (first fit, longest first); the batch has no `branch_ids`.
 
 Micro-batches of `rows_per_batch` rows hold:
 
@@ -43,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-
+from posttrain.data.tree_packer import Branch, Tree, TreeRows, fill_rows
 
 # what a forward over a trajectory batch reads (`posttrain.objectives.targets.target_logps`)
 MODEL_FIELDS = ("input_ids", "position_ids", "doc_ids", "branch_ids", "target_pos", "target_ids")
@@ -60,22 +63,6 @@ class Trajectory:
         return len(self.prompt_ids) + len(self.completion_ids)
 
 
-def _first_fit(lengths: list[int], row_length: int) -> list[list[int]]:
-    """Rows of trajectory indices, longest first, each into the first row with room."""
-    rows: list[list[int]] = []
-    space: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        for r, free in enumerate(space):
-            if lengths[i] <= free:
-                rows[r].append(i)
-                space[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            space.append(row_length - lengths[i])
-    return rows
-
-
 def _prompt_groups(trajectories: Sequence[Trajectory]) -> list[list[int]]:
     """Runs of consecutive trajectories with the same prompt ids."""
     groups: list[list[int]] = []
@@ -85,38 +72,6 @@ def _prompt_groups(trajectories: Sequence[Trajectory]) -> list[list[int]]:
         else:
             groups.append([i])
     return groups
-
-
-def _fill_trees(trajectories: Sequence[Trajectory], row_length: int) -> list[list[list[int]]]:
-    """Rows of tree documents (lists of trajectory indices sharing one prompt). Groups go in
-    order, largest first; each tree takes the first row whose free space holds the prompt and
-    the group's next completion, and as many of the group's remaining completions as fit."""
-    groups = _prompt_groups(trajectories)
-    size = [len(trajectories[g[0]].prompt_ids) + sum(len(trajectories[i].completion_ids) for i in g) for g in groups]
-    rows: list[list[list[int]]] = []
-    space: list[int] = []
-    for k in sorted(range(len(groups)), key=lambda k: (-size[k], k)):
-        P = len(trajectories[groups[k][0]].prompt_ids)
-        pending = list(groups[k])
-        while pending:
-            first = len(trajectories[pending[0]].completion_ids)
-            r = next((r for r, free in enumerate(space) if P + first <= free), None)
-            if r is None:
-                rows.append([])
-                space.append(row_length)
-                r = len(rows) - 1
-            room, tree, rest = space[r] - P, [], []
-            for i in pending:
-                C = len(trajectories[i].completion_ids)
-                if C <= room:
-                    tree.append(i)
-                    room -= C
-                else:
-                    rest.append(i)
-            rows[r].append(tree)
-            space[r] = room
-            pending = rest
-    return rows
 
 
 def _check(trajectories: Sequence[Trajectory], row_length: int) -> None:
@@ -143,59 +98,30 @@ def pack_trajectories(trajectories: Sequence[Trajectory], row_length: int, rows_
     if row_length < 2 or rows_per_batch < 1:
         raise ValueError(f"need row_length >= 2 and rows_per_batch >= 1, got {row_length}, {rows_per_batch}")
     _check(trajectories, row_length)
-    if shared_prompt:
-        rows = _fill_trees(trajectories, row_length)
-    else:
-        rows = [[[i] for i in row] for row in _first_fit([len(t) for t in trajectories], row_length)]
-    return [_write_rows(trajectories, rows[start:start + rows_per_batch], row_length, pad_id, first_seq, shared_prompt)
+    groups = _prompt_groups(trajectories) if shared_prompt else [[i] for i in range(len(trajectories))]
+    trees = [Tree(trajectories[group[0]].prompt_ids, [Branch(trajectories[i].completion_ids, key=i) for i in group])
+             for group in groups]
+    rows = fill_rows(trees, row_length)
+    return [_batch(trajectories, rows[start:start + rows_per_batch], row_length, pad_id, first_seq, shared_prompt)
             for start in range(0, len(rows), rows_per_batch)]
 
 
-def _write_rows(trajectories: Sequence[Trajectory], rows: list[list[list[int]]], row_length: int, pad_id: int,
-                first_seq: int, with_branches: bool) -> dict:
-    B, T = len(rows), row_length
-    ids = np.full((B, T), pad_id, dtype=np.int64)
-    pos = np.zeros((B, T), dtype=np.int64)
-    docs = np.full((B, T), -1, dtype=np.int64)
-    branches = np.zeros((B, T), dtype=np.int64)
-    target_pos: list[np.ndarray] = []
-    target_ids: list[list[int]] = []
-    target_seq: list[np.ndarray] = []
-    advantages: list[np.ndarray] = []
-    engine_logps: list[list[float]] = []
-    for b, documents in enumerate(rows):
-        at = 0
-        for d, members in enumerate(documents):
-            prompt = trajectories[members[0]].prompt_ids
-            P = len(prompt)
-            ids[b, at:at + P] = prompt
-            pos[b, at:at + P] = np.arange(P)
-            docs[b, at:at + P] = d
-            trunk_last = b * T + at + P - 1  # predicts the first token of every completion
-            at += P
-            for k, i in enumerate(members):
-                completion = trajectories[i].completion_ids
-                C = len(completion)
-                ids[b, at:at + C] = completion
-                pos[b, at:at + C] = np.arange(P, P + C)
-                docs[b, at:at + C] = d
-                branches[b, at:at + C] = k + 1
-                # token 0 from the trunk's last position, token j from the completion's token j - 1
-                target_pos.append(np.concatenate([[trunk_last], b * T + at + np.arange(C - 1)]))
-                target_ids.append(completion)
-                target_seq.append(np.full(C, first_seq + i, dtype=np.int64))
-                advantages.append(np.full(C, trajectories[i].advantage, dtype=np.float32))
-                engine_logps.append(trajectories[i].engine_logps)
-                at += C
-    batch = {"input_ids": torch.from_numpy(ids), "position_ids": torch.from_numpy(pos),
-             "doc_ids": torch.from_numpy(docs),
-             "target_pos": torch.from_numpy(np.concatenate(target_pos).astype(np.int64)),
-             "target_ids": torch.tensor([t for ids_ in target_ids for t in ids_], dtype=torch.long),
-             "target_seq": torch.from_numpy(np.concatenate(target_seq)),
-             "advantages": torch.from_numpy(np.concatenate(advantages)),
-             "engine_logps": torch.tensor([x for xs in engine_logps for x in xs], dtype=torch.float32)}
+def _batch(trajectories: Sequence[Trajectory], rows: list[list[Tree]], row_length: int, pad_id: int,
+           first_seq: int, with_branches: bool) -> dict:
+    packed = TreeRows.empty(len(rows), row_length, pad_id)
+    for r, trees in enumerate(rows):
+        packed.write(r, trees)
+    tables = packed.tables()
+    which = tables.branch_keys[tables.target_branch]  # each target's trajectory
+    advantages = np.array([trajectories[i].advantage for i in tables.branch_keys.tolist()], dtype=np.float32)
+    engine_logps = [trajectories[i].engine_logps[j] for i, j in zip(which.tolist(), tables.target_token.tolist())]
+    batch = {"input_ids": torch.from_numpy(packed.input_ids), "position_ids": torch.from_numpy(packed.position_ids),
+             "doc_ids": torch.from_numpy(packed.doc_ids), "target_pos": torch.from_numpy(tables.target_pos),
+             "target_ids": torch.from_numpy(tables.target_ids), "target_seq": torch.from_numpy(first_seq + which),
+             "advantages": torch.from_numpy(advantages[tables.target_branch]),
+             "engine_logps": torch.tensor(engine_logps, dtype=torch.float32)}
     if with_branches:
-        batch["branch_ids"] = torch.from_numpy(branches)
+        batch["branch_ids"] = torch.from_numpy(packed.branch_ids)
     return batch
 
 
