@@ -48,7 +48,7 @@ Sides (each run in its own child process, so their peak memory does not mix):
   into rows of `--row-length` (`pair_layout(shared=True)`: prompt once, tree mask, both
   responses continue its positions; `shared=False`: `prompt + chosen`, `prompt + rejected`, the
   prompt twice as TRL does), reference log-probabilities attached from the precomputed table
-  (`WithReference`); the LM head projects only the trained positions (`chunked_logprobs`).
+  (`WithPairTables`); the LM head projects only the trained positions (`chunked_logprobs`).
   The reference is `reference_logps` over each step's pairs packed exactly as the step packs
   them (so at step 1, policy == reference bit for bit and the loss is float32's log 2); its
   time is `ref_seconds`. The timed step includes packing the step's pairs.
@@ -272,7 +272,7 @@ def peaks(setup_peak_kib: int | None, baseline_kib: int | None, hwm_reset: bool)
 
 
 def run_ours(spec: dict, shared: bool) -> dict:
-    from posttrain.data.pair_stream import WithReference
+    from posttrain.data.pair_stream import WithPairTables
     from posttrain.models.architectures import build_model
     from posttrain.objectives.dpo import DPOObjective, reference_logps
     from posttrain.train.trainer import Trainer
@@ -295,7 +295,7 @@ def run_ours(spec: dict, shared: bool) -> dict:
 
     objective = DPOObjective(beta=BETA, loss_type="sigmoid")
     trainer = Trainer(model, train_config(), total_steps=len(steps), objective=objective)
-    stream = WithReference((pack_step(p, L, pad_id, shared) for p in steps), table)
+    stream = WithPairTables((pack_step(p, L, pad_id, shared) for p in steps), table)
     setup_peak_kib, baseline_kib, hwm_reset = _status_kib("VmHWM"), _status_kib("VmRSS"), _reset_high_water()
     losses, seconds, per_step = [], [], []
     for i in range(len(steps)):

@@ -85,7 +85,7 @@ def child(config_path: Path, run_dir: Path, pause_after_step: int | None, pause_
     samples = tokenize.run(data.train, tokenizer, config.tokenizer.chat_template_kwargs, config.data.filters,
                            config.pack).samples
     rows = pack.run(samples, config, tokenizer.pad_token_id).stats.num_rows
-    resume = train.resume_point(config, train.checkpoint_manager(config, run_dir))
+    resume = train_state.resume_point(config, train_state.checkpoint_manager(config, run_dir))
     resume_step = CheckpointManager.info(resume).step if resume is not None else 0
     log = open(step_log, "a", buffering=1) if step_log is not None else None  # line-buffered
 
@@ -208,17 +208,19 @@ def latest_loads(config_path: Path, run_dir: Path) -> tuple[int | None, bool, st
     here, in the parent, the way the train step resumes (fingerprint checked)."""
     from posttrain.config.loader import sft_config_from_dict
     from posttrain.models.architectures import load_hf_checkpoint
-    from posttrain.steps import train
+    from posttrain.objectives.sft import SFTObjective
+    from posttrain.steps import train, train_state
     from posttrain.train.checkpoint import CheckpointManager
     from posttrain.train.trainer import Trainer
 
     config = sft_config_from_dict(json.loads(config_path.read_text()), source=str(config_path))
-    manager = train.checkpoint_manager(config, run_dir)
+    manager = train_state.checkpoint_manager(config, run_dir)
     complete = manager.complete()  # (`latest()` would also clean the temporaries the kill left)
     if not complete:
         return None, True, ""
     try:
-        trainer = Trainer(load_hf_checkpoint(run_dir / "base"), config.train, total_steps=config.train.max_steps)
+        trainer = Trainer(load_hf_checkpoint(run_dir / "base"), config.train, total_steps=config.train.max_steps,
+                          objective=SFTObjective())
         manager.load(complete[-1], trainer)
         return CheckpointManager.info(complete[-1]).step, trainer.step == CheckpointManager.info(complete[-1]).step, ""
     except Exception as exc:  # reported, never fatal: this is what the bench checks

@@ -1,7 +1,7 @@
 """The steps the recipes that train on conversations share (SFT, distillation): ingest chats,
 tokenize them, pack them.
 
-`ChatRecipeFlow` is a `RecipeFlow` whose `ingest` reads chat records and whose `tokenize`
+`ChatRecipeFlow` is a `RecipeFlow` (whose `ingest` reads chat records) whose `tokenize`
 renders each conversation with the tokenizer's chat template (assistant-only loss masks),
 then filters. Each recipe flow defines its own `pack` step (its body `self._pack_samples()`, then
 the recipe's next step: SFT trains, distillation prepares its teacher first). Evaluation is
@@ -15,20 +15,6 @@ from recipe_flow import RecipeFlow
 
 
 class ChatRecipeFlow(RecipeFlow):
-    @card(type="blank", id="ingest")
-    @step
-    def ingest(self):
-        """Read every source into validated chat records; malformed rows are kept aside and counted."""
-        from posttrain.steps import ingest
-
-        result = ingest.run(self.recipe, self.run_dir)
-        self.train_records, self.heldout_records = result.train, result.heldout
-        self.rejected, self.rejected_path, self.data_counts = result.rejected, result.rejected_path, result.counts
-        self.data_fingerprints = result.fingerprints  # each source's size and SHA-256, for the lineage
-        self.data_warnings = result.warnings  # e.g. a source whose every row was rejected
-        cards.ingest_section(current.card["ingest"], self.data_counts, self.rejected, self.data_warnings)
-        self.next(self.tokenize)
-
     @card(type="blank", id="tokenize")
     @step
     def tokenize(self):

@@ -23,17 +23,15 @@ evaluation table with the teacher's row and an evidently report (evaluate), an o
 
 from metaflow import card, current, step
 
-from posttrain.config.loader import DEFAULT_DISTILL_CONFIG
-
 import recipe_cards as cards
 from chat_flow import ChatRecipeFlow
 from recipe_configs import ValidateRecipe, recipe_configs
 
 
-@ValidateRecipe("distill")
+@ValidateRecipe
 class DistillFlow(ChatRecipeFlow):
     RECIPE = "distill"
-    config, overrides = recipe_configs("distill", DEFAULT_DISTILL_CONFIG, '{"distill.temperature": 2.0}')
+    config, overrides = recipe_configs(RECIPE)
 
     @card(type="blank", id="pack")
     @step

@@ -29,21 +29,19 @@ and pass@k curves over all rounds (end).
 
 from metaflow import card, retry, step
 
-from posttrain.config.loader import DEFAULT_GRPO_CONFIG
-
 from recipe_configs import ValidateRecipe, recipe_configs
 from rl_flow import RLRecipeFlow
 
 
-@ValidateRecipe("grpo")
+@ValidateRecipe
 class GRPOFlow(RLRecipeFlow):
-    config, overrides = recipe_configs("grpo", DEFAULT_GRPO_CONFIG, '{"grpo.rounds": 20}')
+    config, overrides = recipe_configs(RLRecipeFlow.RECIPE)
 
     @card(type="blank", id="ingest")
     @step
     def ingest(self):
         """Read every source into prompt records (a chat's last assistant turn is the reference)."""
-        self._ingest_prompts()
+        self._ingest()
         self.next(self.tokenize)
 
     @card(type="blank", id="tokenize")

@@ -20,22 +20,22 @@ since concurrent torch processes on two cores slow each other down far more than
 
 from metaflow import card, current, retry, step
 
-from posttrain.config.loader import DEFAULT_GRPO_SWEEP_CONFIG
+from posttrain.config.loader import default_config
 
 import recipe_cards as cards
 from recipe_configs import ValidateRecipe, recipe_configs
 from rl_flow import RLRecipeFlow
 
 
-@ValidateRecipe("grpo")
+@ValidateRecipe
 class GRPOSweepFlow(RLRecipeFlow):
-    config, overrides = recipe_configs("grpo", DEFAULT_GRPO_SWEEP_CONFIG, '{"grpo.rounds": 20}')
+    config, overrides = recipe_configs(RLRecipeFlow.RECIPE, default_config("grpo", "sweep-demo"))
 
     @card(type="blank", id="ingest")
     @step
     def ingest(self):
         """Read every source into prompt records."""
-        self._ingest_prompts()
+        self._ingest()
         self.next(self.tokenize)
 
     @card(type="blank", id="tokenize")

@@ -1,13 +1,15 @@
-"""The steps the preference-pair recipes share (DPO, reward models): ingest pairs, tokenize
-them, pack them.
+"""The steps the preference-pair recipes share (DPO, reward models, KTO, ORPO): ingest pairs,
+tokenize them, pack them, and for the recipes that score a reference, score it.
 
 `PairRecipeFlow` is a `RecipeFlow` whose `ingest` reads preference records (the demo mines
 them from the starting model's own answers) and whose `tokenize` renders each pair through
 the chat template, prompt once, masks on the responses, fitted to a row (responses cut, never
-the prompt; unusable pairs kept aside with file, line and reason). Each recipe flow defines
-its own `pack` step (one line: `self._pack_pairs()`, then the recipe's next step: DPO scores
-the pairs with its reference first, a reward model trains directly). Evaluation reads the
-held-out pairs, and their prompts with the chosen responses as conversations (`_eval_data`).
+the prompt; unusable pairs kept aside with file, line and reason), then hands the pairs to the
+recipe's spec (`prepare_pairs`: e.g. KTO's split into labelled examples). `pack` goes on to
+`train`. `ScoredPairRecipeFlow` (DPO, KTO: their spec's `scores_reference`) goes from `pack` to
+`reference`, which scores every pair once with the frozen starting model, then to `train`.
+Evaluation reads the held-out pairs, and their prompts with the chosen responses as
+conversations (`_eval_data`).
 """
 
 from metaflow import card, current, step
@@ -17,21 +19,6 @@ from recipe_flow import RecipeFlow
 
 
 class PairRecipeFlow(RecipeFlow):
-    @card(type="blank", id="ingest")
-    @step
-    def ingest(self):
-        """Read every source into validated preference pairs (the demo mines them from the
-        starting model's own answers); malformed rows are kept aside and counted."""
-        from posttrain.steps import ingest
-
-        result = ingest.run(self.recipe, self.run_dir, kind="pairs")
-        self.train_records, self.heldout_records = result.train, result.heldout
-        self.rejected, self.rejected_path, self.data_counts = result.rejected, result.rejected_path, result.counts
-        self.data_fingerprints = result.fingerprints  # each source's size and SHA-256, for the lineage
-        self.data_warnings = result.warnings
-        cards.ingest_section(current.card["ingest"], self.data_counts, self.rejected, self.data_warnings)
-        self.next(self.tokenize)
-
     @card(type="blank", id="tokenize")
     @step
     def tokenize(self):
@@ -42,19 +29,29 @@ class PairRecipeFlow(RecipeFlow):
         from posttrain.data.sources import write_rejected
         from posttrain.steps import tokenize
 
+        from posttrain.recipes import recipe_spec
+
         tokenizer, kw = self._tokenizer(), self.recipe.tokenizer.chat_template_kwargs
-        shared = self.recipe.shared_prompt
+        shared, spec = self.recipe.shared_prompt, recipe_spec(self.recipe)
         train = tokenize.run_pairs(self.train_records, tokenizer, kw, self.recipe.pack, shared)
         first = sum(len(p) for p in train.pairs.values())
         held = tokenize.run_pairs({"heldout": self.heldout_records}, tokenizer, kw, self.recipe.pack, shared,
                                   first_id=first)
-        self.samples, self.heldout_pairs = train.pairs, held.pairs["heldout"]
+        self.samples = spec.prepare_pairs(train.pairs, self.recipe)
+        self.heldout_pairs = held.pairs["heldout"]
         self.tokenize_stats = {**train.stats, "heldout": held.stats["heldout"]}
         self.rejected = self.rejected + train.rejected + held.rejected
         if train.rejected or held.rejected:
             self.rejected_path = str(write_rejected(self.rejected, Path(self.run_dir) / "rejected.jsonl"))
         cards.pairs_section(current.card["tokenize"], self.tokenize_stats)
         self.next(self.pack)
+
+    @card(type="blank", id="pack")
+    @step
+    def pack(self):
+        """One pass over the weighted mixture of pairs, best-fit packed: rows per epoch and efficiency."""
+        self._pack_pairs()
+        self.next(self.train)
 
     def _pack_pairs(self):
         """One pass over the weighted mixture of pairs, best-fit packed: rows per epoch and
@@ -73,3 +70,31 @@ class PairRecipeFlow(RecipeFlow):
 
         chats = [ChatRecord(p.prompt + p.chosen, p.source, p.line) for p in self.heldout_records]
         return EvalData(chats=chats, pairs=list(self.heldout_pairs), pair_records=list(self.heldout_records))
+
+
+class ScoredPairRecipeFlow(PairRecipeFlow):
+    """A pair recipe whose objective reads the frozen starting model's log-probabilities (DPO,
+    KTO): `pack -> reference -> train`."""
+
+    @card(type="blank", id="pack")
+    @step
+    def pack(self):
+        """One pass over the weighted mixture of pairs, best-fit packed: rows per epoch and efficiency."""
+        self._pack_pairs()
+        self.next(self.reference)
+
+    @card(type="blank", id="reference")
+    @step
+    def reference(self):
+        """Score every training and held-out pair once with the frozen starting model (or, for an
+        on-the-fly reference, say that the train step scores each batch)."""
+        from posttrain.steps import reference
+
+        result = reference.run(self.recipe, self._tokenizer(), {**self.samples, "heldout": self.heldout_pairs},
+                               self.run_dir)
+        self.ref_logps, self.reference_dir = result.ref_logps, result.model_dir
+        scored = (f"{len(self.ref_logps) // 2} pairs scored by `{result.model_dir}` in {result.seconds:.1f}s."
+                  if self.ref_logps is not None else
+                  f"On the fly: the train step scores each batch with `{result.model_dir}`.")
+        current.card["reference"].append(cards.Markdown(f"## Reference\n{scored}"))
+        self.next(self.train)

@@ -72,16 +72,19 @@ def recipe_parsers(recipe: str) -> tuple:
     return tuple(_clean_errors(parse) for parse in parsers)
 
 
-def recipe_configs(recipe: str, default: str, example_override: str) -> tuple[Config, Config]:
-    """A recipe flow's two Metaflow `Config`s, `config` (the recipe YAML, `default` unless
-    given) and `overrides` (dotted keys, e.g. `example_override`), with the recipe's parsers:
+def recipe_configs(recipe: str, default: str | None = None) -> tuple[Config, Config]:
+    """A recipe flow's two Metaflow `Config`s, `config` (the recipe YAML; unless given, `default`,
+    else the recipe's embedded demo `configs/<recipe>/demo.yaml`) and `overrides` (dotted keys),
+    with the recipe's parsers:
 
-        config, overrides = recipe_configs("dpo", DEFAULT_DPO_CONFIG, '{"dpo.beta": 0.2}')
+        RECIPE = "dpo"
+        config, overrides = recipe_configs(RECIPE)
     """
     parse_config, parse_overrides = recipe_parsers(recipe)
-    return (Config("config", default=default, parser=parse_config, help=f"{recipe} recipe YAML (see configs/{recipe}/)"),
+    return (Config("config", default=default or loader.default_config(recipe), parser=parse_config,
+                   help=f"{recipe} recipe YAML (see configs/{recipe}/)"),
             Config("overrides", default_value="{}", parser=parse_overrides,
-                   help=f"dotted-key overrides, e.g. '{example_override}'"))
+                   help="dotted-key overrides, e.g. '{\"train.max_steps\": 20}'"))
 
 
 def launching(argv: list[str] | None = None) -> bool:
@@ -92,14 +95,13 @@ def launching(argv: list[str] | None = None) -> bool:
 
 
 class ValidateRecipe(FlowMutator):
-    """The recipe with its overrides, validated (and its paths checked) before the run starts.
-    `@ValidateRecipe` checks an SFT recipe; `@ValidateRecipe("dpo")` another recipe kind."""
-
-    def init(self, recipe: str = "sft"):
-        self.recipe = recipe
+    """The recipe with its overrides, validated (and its paths checked) before the run starts,
+    as the flow's `RECIPE` (a recipe kind) reads it: `@ValidateRecipe` on the flow class."""
 
     def pre_mutate(self, mutable_flow) -> None:
-        if getattr(self, "recipe", "sft") == "grpo" and "step-functions" in sys.argv[1:]:
+        flow_cls = mutable_flow._flow_cls  # the class the mutator decorates: its RECIPE and steps
+        kind = flow_cls.RECIPE
+        if hasattr(flow_cls, "rl_round") and "step-functions" in sys.argv[1:]:
             # Metaflow would say so only after checking AWS Batch for the steps before the round
             raise SchedulerError(
                 "AWS Step Functions cannot run an RL recipe: its rl_round step transitions to itself (a "
@@ -107,8 +109,8 @@ class ValidateRecipe(FlowMutator):
                 "`argo-workflows create` (docs/production.md)")
         configs = dict(mutable_flow.configs)
         try:
-            recipe = loader.recipe_config_from_dict(configs["config"].to_dict(), getattr(self, "recipe", "sft"),
-                                                    source="config", overrides=configs["overrides"].to_dict())
+            recipe = loader.recipe_config_from_dict(configs["config"].to_dict(), kind, source="config",
+                                                    overrides=configs["overrides"].to_dict())
             for i in range(len(getattr(recipe, "sweep", None) or [])):  # a sweep's variants, each in full
                 loader.sweep_variant(recipe, i)
             if launching():

@@ -1,11 +1,12 @@
 """The steps every recipe flow shares: resolve the recipe, train, verify, evaluate, register, summarise.
 
-A recipe flow (`SFTFlow`, `DPOFlow`) subclasses `RecipeFlow`, names its recipe kind
-(`RECIPE`, a key of `posttrain.config.schema.RECIPES`), declares its `config` / `overrides`
-Metaflow `Config`s with that recipe's parsers and its `@ValidateRecipe(kind)` launch check,
-and defines the steps that differ: `ingest`, `tokenize`, `pack` (and e.g. `reference`).
-`start`, `train`, `verify`, the evaluation, `register` and `end` are written once,
-here; each calls one plain function of `posttrain.steps`. `RecipeSteps` holds all of them but
+A recipe flow (`SFTFlow`, `DPOFlow`) subclasses `RecipeFlow`, names its recipe kind once
+(`RECIPE`, the `kind` of its config class and the key of its `posttrain.recipes` spec),
+declares its `config` / `overrides` Metaflow `Config`s from it (`recipe_configs(RECIPE)`) and
+its `@ValidateRecipe` launch check, and defines the steps that differ: `tokenize`, `pack`
+(and e.g. `reference`). `start`, `ingest` (what it reads is the spec's `records`), `train`,
+`verify`, the evaluation, `register` and `end` are written once, here; each calls one plain
+function of `posttrain.steps`. `RecipeSteps` holds all of them but
 `train`: the RL recipe (`GRPOFlow`) builds on it with its own recursive round step. `start` goes
 on to `ingest`; `pack` (or the last recipe step before training) goes on to `train`.
 
@@ -28,6 +29,22 @@ class RecipeSteps(FlowSpec):
     has, the RL recipe included (it trains in its own recursive `rl_round` step instead of `train`)."""
 
     RECIPE = "sft"
+
+    def _ingest(self):
+        """The body of every `ingest` step: every source read into validated records of the kind
+        the recipe's spec names (conversations, pairs, prompts, sequences); malformed rows kept
+        aside and counted, in the `ingest` card. Returns the `IngestResult` (a flow that
+        prepares the records further reads its `train`)."""
+        from posttrain.recipes import recipe_spec
+        from posttrain.steps import ingest
+
+        result = ingest.run(self.recipe, self.run_dir, kind=recipe_spec(self.recipe).records)
+        self.train_records, self.heldout_records = result.train, result.heldout
+        self.rejected, self.rejected_path, self.data_counts = result.rejected, result.rejected_path, result.counts
+        self.data_fingerprints = result.fingerprints  # each source's size and SHA-256, for the lineage
+        self.data_warnings = result.warnings  # e.g. a source whose every row was rejected
+        cards.ingest_section(current.card["ingest"], self.data_counts, self.rejected, self.data_warnings)
+        return result
 
     def _tokenizer(self):
         from posttrain.data.tokenizer import load_tokenizer
@@ -167,7 +184,15 @@ class RecipeSteps(FlowSpec):
 
 
 class RecipeFlow(RecipeSteps):
-    """A recipe trained by the one training loop (`posttrain.steps.train`): its `train` step."""
+    """A recipe trained by the one training loop (`posttrain.steps.train`): its `ingest` and
+    `train` steps."""
+
+    @card(type="blank", id="ingest")
+    @step
+    def ingest(self):
+        """Read every source into validated records; malformed rows are kept aside and counted."""
+        self._ingest()
+        self.next(self.tokenize)
 
     @retry(times=1, minutes_between_retries=0)
     @card(type="blank", id="training", refresh_interval=5)
@@ -189,6 +214,13 @@ class RecipeFlow(RecipeSteps):
                            ref_logps=getattr(self, "ref_logps", None), teacher=getattr(self, "teacher_spec", None))
         self._store_train_result(result)
         self.next(self.verify)
+
+    @card(type="blank", id="pack")
+    @step
+    def pack(self):
+        """One pass over the weighted mixture, best-fit packed: rows per epoch and efficiency."""
+        self._pack_samples()
+        self.next(self.train)
 
     def _pack_samples(self):
         """One pass over the weighted mixture of the token samples, best-fit packed: rows per

@@ -4,7 +4,7 @@ tasks, say what evaluation reads, draw the overview.
 `RLRecipeFlow` is a `RecipeSteps` (start, verify, the evaluation foreach, register, end) whose helpers are the bodies
 of the RL steps; each flow defines the steps themselves (their transitions differ: a sweep
 fans out before its rounds and joins after them), each a thin call of one helper:
-`_ingest_prompts`, `_tokenize_prompts`, `_round_task` (one task of the recursive `rl_round`
+`_ingest` (shared), `_tokenize_prompts`, `_round_task` (one task of the recursive `rl_round`
 step; sets `self.route` to "again" or "done") and `_overview`; `_eval_data` gives the shared
 evaluation foreach the held-out prompts (the `rewards` suite scores them with the recipe's rewards).
 """
@@ -17,17 +17,6 @@ from recipe_flow import RecipeSteps
 
 class RLRecipeFlow(RecipeSteps):
     RECIPE = "grpo"
-
-    def _ingest_prompts(self):
-        """Every source as prompt records (a chat's last assistant turn is the reference)."""
-        from posttrain.steps import ingest
-
-        result = ingest.run(self.recipe, self.run_dir, kind="prompts")
-        self.train_records, self.heldout_records = result.train, result.heldout
-        self.rejected, self.rejected_path, self.data_counts = result.rejected, result.rejected_path, result.counts
-        self.data_fingerprints = result.fingerprints  # each source's size and SHA-256, for the lineage
-        self.data_warnings = result.warnings
-        cards.ingest_section(current.card["ingest"], self.data_counts, self.rejected, self.data_warnings)
 
     def _tokenize_prompts(self):
         """Every prompt as token ids with the chat template's generation prompt; the teacher of

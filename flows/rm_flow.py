@@ -20,25 +20,14 @@ standard error, base (the new head) vs tuned, with an evidently report of the sc
 (evaluate), and an overview with the accuracy and margin curves (end).
 """
 
-from metaflow import card, step
-
-from posttrain.config.loader import DEFAULT_RM_CONFIG
-
 from pair_flow import PairRecipeFlow
 from recipe_configs import ValidateRecipe, recipe_configs
 
 
-@ValidateRecipe("rm")
+@ValidateRecipe
 class RewardModelFlow(PairRecipeFlow):
     RECIPE = "rm"
-    config, overrides = recipe_configs("rm", DEFAULT_RM_CONFIG, '{"rm.margin": 0.5}')
-
-    @card(type="blank", id="pack")
-    @step
-    def pack(self):
-        """One pass over the weighted mixture of pairs, best-fit packed: rows per epoch and efficiency."""
-        self._pack_pairs()
-        self.next(self.train)
+    config, overrides = recipe_configs(RECIPE)
 
 
 if __name__ == "__main__":

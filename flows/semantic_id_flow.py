@@ -20,42 +20,30 @@ every exported model.
 
 from metaflow import card, current, step
 
-from posttrain.config.loader import DEFAULT_SEMANTIC_ID_CONFIG
-
 import recipe_cards as cards
 from chat_flow import ChatRecipeFlow
 from recipe_configs import ValidateRecipe, recipe_configs
 
 
-@ValidateRecipe("semantic_ids")
+@ValidateRecipe
 class SemanticIDFlow(ChatRecipeFlow):
     RECIPE = "semantic_ids"
-    config, overrides = recipe_configs("semantic_ids", DEFAULT_SEMANTIC_ID_CONFIG, '{"semantic_ids.beam_width": 10}')
+    config, overrides = recipe_configs(RECIPE)
 
     @card(type="blank", id="ingest")
     @step
     def ingest(self):
         """Read the histories (or generate the synthetic world), name the items by semantic IDs, add
         the codes to the tokenizer and write the conversations; malformed rows are kept aside."""
-        from posttrain.steps import ingest, semantic
+        from posttrain.steps import semantic
 
-        result = ingest.run(self.recipe, self.run_dir, kind="sequences")
-        self.rejected, self.rejected_path, self.data_counts = result.rejected, result.rejected_path, result.counts
-        self.data_fingerprints, self.data_warnings = result.fingerprints, result.warnings
+        result = self._ingest()
         data = semantic.prepare(result.train, self.recipe, self.run_dir)
         self.train_records, self.heldout_records, self.heldout_cases = data.train, data.heldout, data.cases
         self.train_histories, self.catalogue = data.train_histories, data.catalogue
         self.semantic_ids_path, self.semantic_stats = data.semantic_ids_path, data.stats
-        cards.ingest_section(current.card["ingest"], self.data_counts, self.rejected, self.data_warnings)
         cards.semantic_ids_section(current.card["ingest"], self.semantic_stats, self.heldout_records[:3])
         self.next(self.tokenize)
-
-    @card(type="blank", id="pack")
-    @step
-    def pack(self):
-        """One pass over the weighted mixture, best-fit packed: rows per epoch and efficiency."""
-        self._pack_samples()
-        self.next(self.train)
 
     def _eval_data(self):
         from posttrain.eval.suite_data import EvalData

@@ -23,34 +23,29 @@ shared steps write (`history`, `eval_metrics`, `model_path`, ...).
 
 from metaflow import card, current, step
 
-from posttrain.config.loader import DEFAULT_SEQUENCE_CONFIG
-
 import recipe_cards as cards
 from recipe_configs import ValidateRecipe, recipe_configs
 from recipe_flow import RecipeFlow
 
 
-@ValidateRecipe("sequence")
+@ValidateRecipe
 class SequenceFlow(RecipeFlow):
     RECIPE = "sequence"
-    config, overrides = recipe_configs("sequence", DEFAULT_SEQUENCE_CONFIG, '{"train.max_steps": 50}')
+    config, overrides = recipe_configs(RECIPE)
 
     @card(type="blank", id="ingest")
     @step
     def ingest(self):
         """Read the histories (or generate the synthetic world), split them leave-last-out and build
         the item vocabulary from the training parts; malformed rows are kept aside and counted."""
-        from posttrain.steps import ingest, sequences
+        from posttrain.steps import sequences
 
-        result = ingest.run(self.recipe, self.run_dir, kind="sequences")
-        self.rejected, self.rejected_path, self.data_counts = result.rejected, result.rejected_path, result.counts
-        self.data_fingerprints, self.data_warnings = result.fingerprints, result.warnings
+        result = self._ingest()
         data = sequences.prepare(result.train, self.recipe, self.run_dir)
         self.train_records, self.valid_cases, self.test_cases = data.train, data.valid, data.test
         self.heldout_cases = data.test if self.recipe.sequence.eval_split == "test" else data.valid
         self.catalogue, self.vocabulary = data.catalogue, data.vocabulary
         self.heldout_records = []  # no conversations: the held-out data are next items
-        cards.ingest_section(current.card["ingest"], self.data_counts, self.rejected, self.data_warnings)
         cards.vocabulary_section(current.card["ingest"], self.vocabulary, len(self.test_cases),
                                  data.train_only_users)
         self.next(self.tokenize)
@@ -65,13 +60,6 @@ class SequenceFlow(RecipeFlow):
         self.samples, self.tokenize_stats = result.samples, result.stats
         cards.tokenize_section(current.card["tokenize"], self.tokenize_stats)
         self.next(self.pack)
-
-    @card(type="blank", id="pack")
-    @step
-    def pack(self):
-        """One pass over the weighted mixture, best-fit packed: rows per epoch and efficiency."""
-        self._pack_samples()
-        self.next(self.train)
 
     def _eval_data(self):
         from posttrain.eval.suite_data import EvalData

@@ -32,10 +32,6 @@ evaluation table and an evidently report in a card of its own (evaluate), and an
 the run (end).
 """
 
-from metaflow import card, step
-
-from posttrain.config.loader import DEFAULT_SFT_CONFIG
-
 from chat_flow import ChatRecipeFlow
 from recipe_configs import ValidateRecipe, recipe_configs
 
@@ -43,14 +39,7 @@ from recipe_configs import ValidateRecipe, recipe_configs
 @ValidateRecipe
 class SFTFlow(ChatRecipeFlow):
     RECIPE = "sft"
-    config, overrides = recipe_configs("sft", DEFAULT_SFT_CONFIG, '{"train.max_steps": 20}')
-
-    @card(type="blank", id="pack")
-    @step
-    def pack(self):
-        """One pass over the weighted mixture, best-fit packed: rows per epoch and efficiency."""
-        self._pack_samples()
-        self.next(self.train)
+    config, overrides = recipe_configs(RECIPE)
 
 
 if __name__ == "__main__":

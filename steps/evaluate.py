@@ -20,7 +20,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from posttrain.config.schema import DEFAULT_SUITES, RecipeConfig, SuiteConfig
+from posttrain.config.schema import RecipeConfig, SuiteConfig
 from posttrain.data.records import ChatRecord
 from posttrain.eval.suite_data import EvalData, ModelUnderTest
 
@@ -63,8 +63,8 @@ class EvalResult:
 
 
 def suites_for(config: RecipeConfig) -> list[SuiteConfig]:
-    """`eval.suites`, or the recipe's `DEFAULT_SUITES` when it names none."""
-    return list(config.eval.suites) or [SuiteConfig(kind) for kind in DEFAULT_SUITES[config.kind]]
+    """`eval.suites`, or the recipe's `default_suites` when it names none."""
+    return list(config.eval.suites) or [SuiteConfig(kind) for kind in config.default_suites]
 
 
 def check_heldout(data: EvalData) -> None:
@@ -126,13 +126,13 @@ def run_suite(suite: SuiteConfig, models: list[ModelUnderTest], data: EvalData, 
     """Run one suite on every model; an error it raises is caught, printed with its traceback
     and returned as the result's `error`."""
     from posttrain.steps.eval_suites import SUITES, SuiteContext
-    from posttrain.steps.train import pick_device
-    from posttrain.steps.train_model import load_for_eval
+    from posttrain.parallel.mesh import pick_device
+    from posttrain.recipes import recipe_spec
 
     device = pick_device(config.train.device)
 
     def load(model: ModelUnderTest):
-        return load_for_eval(model.model_dir, config, device, backend=model.backend).eval()
+        return recipe_spec(config).load_model(config, model.model_dir, device, backend=model.backend).eval()
 
     started = time.perf_counter()
     print(f"[evaluate] suite {suite.label!r} ({suite.kind}) on {', '.join(m.label for m in models)}")

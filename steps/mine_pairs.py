@@ -91,7 +91,7 @@ def generate_preference_demo(config, run_dir: Path) -> Path:
     from posttrain.data.tokenizer import load_tokenizer
     from posttrain.models.architectures import load_hf_checkpoint
     from posttrain.steps.paths import generated_directory
-    from posttrain.steps.train_model import trained_start_dir
+    from posttrain.recipes.start import trained_start_dir
 
     generate = config.data.generate
     out_dir = generated_directory(run_dir)

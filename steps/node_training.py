@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:  # torch is imported inside the functions: Metaflow's Runner imports this module
     from posttrain.steps.train import TrainResult
-    from posttrain.steps.train_model import Start
+    from posttrain.recipes import Start
 
 
 class NodeSetupError(RuntimeError):
@@ -37,11 +37,11 @@ def prepare(recipe, tokenizer, run_dir: str) -> Start:
     """Check the recipe and write the starting model once; the returned `Start` (a path, no
     model object) is what every rank loads."""
     from posttrain.steps.train import check_tensor_parallel
-    from posttrain.steps.train_model import prepare_start
+    from posttrain.recipes import recipe_spec
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    start = prepare_start(recipe, tokenizer, run_dir / "base", keep_model=False)
+    start = recipe_spec(recipe).prepare_start(recipe, tokenizer, run_dir / "base", keep_model=False)
     check_tensor_parallel(recipe, start)
     return start
 

@@ -45,12 +45,14 @@ import torch
 from posttrain.config.schema import GRPOConfig
 from posttrain.data.chat import generation_stop_ids, render_prompt
 from posttrain.data.records import ChatRecord, PromptRecord
-from posttrain.objectives.grpo import GRPOObjective
 from posttrain.rl.controller import EngineLost, RLController, RoundResult, RoundSettings, completion_text
 from posttrain.rl.policy import LocalPolicy, PolicyGroup
 from posttrain.rl.rewards import RewardScorer, RewardTerm
-from posttrain.steps.train import maybe_inject_fault, pick_device, training_fingerprint
-from posttrain.steps.train_model import Start, export_trained, load_for_eval, load_start, trained_start_dir
+from posttrain.parallel.mesh import pick_device
+from posttrain.recipes import Start, recipe_spec
+from posttrain.recipes.start import trained_start_dir
+from posttrain.steps.train_state import training_fingerprint
+from posttrain.train.faults import maybe_inject_fault
 from posttrain.train.checkpoint import CheckpointManager
 from posttrain.train.trainer import Trainer
 
@@ -105,7 +107,6 @@ def catalogue_trie(config: GRPOConfig, tokenizer):
         return None
     from posttrain.data.semantic_ids import SemanticIDs
     from posttrain.steps.semantic import SEMANTIC_IDS_FILE
-    from posttrain.steps.train_model import trained_start_dir
 
     path = trained_start_dir(config) / SEMANTIC_IDS_FILE
     if not path.is_file():
@@ -124,13 +125,6 @@ def round_settings(config: GRPOConfig, tokenizer) -> RoundSettings:
                          dynamic_sampling=g.dynamic_sampling, max_draws=g.max_draws, overlong_mask=g.overlong_mask,
                          success_threshold=g.success_threshold, sync_check=g.sync_check, seed=config.seed,
                          allowed=catalogue_trie(config, tokenizer))
-
-
-def grpo_objective(config: GRPOConfig) -> GRPOObjective:
-    g = config.grpo
-    return GRPOObjective(clip_low=g.clip_low, clip_high=g.clip_high, aggregation=g.aggregation,
-                         norm_tokens=g.max_new_tokens, kl_coef=g.kl_coef, kl_estimator=g.kl_estimator,
-                         is_correction=g.is_correction, is_cap=g.is_cap, entropy=g.entropy)
 
 
 def reward_terms(config: GRPOConfig) -> list[RewardTerm]:
@@ -242,10 +236,11 @@ def make_policy_rank(config: GRPOConfig, tokenizer, parent: str) -> LocalPolicy:
     from posttrain.parallel.mesh import build_device_mesh, dp_group, worker_device
 
     torch.manual_seed(config.train.seed)
-    model = load_start(config, tokenizer, Start(parent, parent=parent), worker_device())
+    spec = recipe_spec(config)
+    model = spec.load_start(config, tokenizer, Start(parent, parent=parent), worker_device())
     mesh = build_device_mesh(config.parallel)
     model = apply_parallelism(model, config.parallel, mesh) if mesh is not None else model
-    return LocalPolicy(Trainer(model, config.train, total_optimizer_steps(config), objective=grpo_objective(config),
+    return LocalPolicy(Trainer(model, config.train, total_optimizer_steps(config), objective=spec.objective(config),
                                process_group=dp_group(mesh) if mesh is not None else None))
 
 
@@ -254,16 +249,16 @@ def build_policy(config: GRPOConfig, tokenizer, parent: Path, device: torch.devi
     engines start from the starting model's directory): a `Trainer` in this process with
     `parallel.num_workers: 1`, else a `PolicyGroup` of that many Ray actors, one rank each,
     that lives for the task."""
-    workers = config.parallel.num_workers
+    workers, spec = config.parallel.num_workers, recipe_spec(config)
     if workers == 1:
-        model = load_start(config, tokenizer, Start(parent, parent=parent), device)
+        model = spec.load_start(config, tokenizer, Start(parent, parent=parent), device)
         return LocalPolicy(Trainer(model, config.train, total_optimizer_steps(config),
-                                   objective=grpo_objective(config))), model
+                                   objective=spec.objective(config))), model
     from posttrain.train.trainer import training_precision
 
     gpus = 1 if device.type == "cuda" else 0
     policy = PolicyGroup(make_policy_rank, (config, tokenizer, str(parent)), workers,
-                         objective=grpo_objective(config),
+                         objective=spec.objective(config),
                          forward_context=partial(training_precision, config.train, device),
                          reference_dir=str(parent), backend=config.parallel.backend, gpus_per_worker=gpus)
     print(f"[rl_round] policy: {workers} ranks on Ray ({config.parallel.strategy})")
@@ -284,7 +279,8 @@ def _load_round(policy: LocalPolicy, state_dir: str, fingerprint: dict, path: st
 
 
 def _export(policy: LocalPolicy, config: GRPOConfig, tokenizer, parent: str, run_dir: str) -> dict:
-    return export_trained(policy.trainer, config, tokenizer, Start(Path(parent), parent=Path(parent)), Path(run_dir))
+    return recipe_spec(config).export(policy.trainer, config, tokenizer, Start(Path(parent), parent=Path(parent)),
+                                      Path(run_dir))
 
 
 def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Path, previous: str | None,
@@ -441,7 +437,7 @@ def evaluate_rewards(models: dict[str, str], config: GRPOConfig, tokenizer, reco
 
     out: dict[str, dict] = {}
     for label, model_dir in models.items():
-        model = load_for_eval(model_dir, config, device).eval()
+        model = recipe_spec(config).load_model(config, model_dir, device).eval()
         engine = NativeEngine(model, tokenizer=tokenizer, max_batch_rows=max(config.eval.batch_size, g.eval_samples))
         rewards, failed = score(engine.generate(prompts.ids, greedy))
         finite = [r for r in rewards if math.isfinite(r)]

@@ -144,7 +144,7 @@ def write_session_prompts(config, run_dir: Path) -> Path:
     from posttrain.data.interactions import InteractionWorld, write_world
     from posttrain.data.records import SequenceRecord as Record
     from posttrain.steps.paths import generated_directory
-    from posttrain.steps.train_model import trained_start_dir
+    from posttrain.recipes.start import trained_start_dir
 
     generate = config.data.generate
     start = trained_start_dir(config)

@@ -62,9 +62,9 @@ class TeacherSettings:
 def teacher_settings(config) -> TeacherSettings:
     """The teacher of a distillation recipe (`distill.*`) or of on-policy distillation in an RL
     recipe (`grpo.teacher`, `grpo.teacher_backend`, `grpo.verify_teacher`)."""
-    section = config.distill if isinstance(config, DistillConfig) else config.grpo
-    name = "distill" if isinstance(config, DistillConfig) else "grpo"
-    return TeacherSettings(f"{name}.teacher", section.teacher, section.teacher_backend, section.verify_teacher)
+    section = config.own_section
+    return TeacherSettings(f"{config.section}.teacher", section.teacher, section.teacher_backend,
+                           section.verify_teacher)
 
 
 def resolve_teacher(config) -> Path:
@@ -79,7 +79,7 @@ def resolve_teacher(config) -> Path:
             return Path(resolve_model_dir(ref, registry_dir=config.register.registry_dir))
         except ValueError as err:
             raise TeacherError(f"{settings.key}: {err}") from None
-    from posttrain.steps.train_model import resolve_pretrained
+    from posttrain.recipes.start import resolve_pretrained
 
     try:
         return resolve_pretrained(ref)
@@ -145,8 +145,8 @@ def check_vocabulary(config, tokenizer, teacher_dir: Path, student_vocab: int) -
 
 def student_vocab_size(config, tokenizer) -> int:
     """The rows of the student's output: its starting model's vocabulary, or the tokenizer's
-    size for a random init (`posttrain.steps.train_model.model_config_for`)."""
-    from posttrain.steps.train_model import trained_start_dir
+    size for a random init (`posttrain.recipes.start.model_config_for`)."""
+    from posttrain.recipes.start import trained_start_dir
 
     start = trained_start_dir(config)
     return _model_vocab(start) if start is not None else len(tokenizer)
@@ -173,7 +173,7 @@ def run(config, tokenizer, samples: dict[str, list] | None, run_dir) -> TeacherS
     identity = teacher_identity(teacher_dir, settings.reference)
     print(f"[teacher] identity sha256 {identity['sha256'][:16]}... ({identity['bytes'] / 1e6:.1f} MB of weights)")
     spec = TeacherSpec(str(teacher_dir), settings.backend, vocab, identity, verdict=verdict)
-    if isinstance(config, DistillConfig) and config.distill.cache is not None:
+    if getattr(config.own_section, "cache", None) is not None:  # a distillation recipe's stored top-k
         spec.cache_dir, spec.cache_manifest = _cache(config, spec, samples, Path(run_dir), tokenizer.pad_token_id)
     spec.seconds = time.perf_counter() - started
     return spec
@@ -185,7 +185,7 @@ def _cache(config: DistillConfig, spec: TeacherSpec, samples: dict[str, list], r
                                                     read_manifest)
     from tqdm import tqdm
 
-    from posttrain.steps.train import pick_device
+    from posttrain.parallel.mesh import pick_device
 
     cache, distill = config.distill.cache, config.distill
     directory = Path(cache.directory).expanduser().resolve() if cache.directory else run_dir / "teacher_cache"

@@ -2,7 +2,8 @@
 
 The untrained starting point is exported too (`base/`), so evaluation can compare the
 base and tuned models on the same held-out data. What the model is (architecture, random or
-pretrained, native or transformers backend, LoRA) and how it is exported: `train_model`.
+pretrained, native or transformers backend, LoRA) and how it is exported: the recipe's spec
+(`posttrain.recipes`, generic parts in `posttrain.recipes.start`).
 
 Workers (`parallel` in the recipe): one worker trains in this process; `num_workers: N`
 runs the same loop (`train_loop`) SPMD on N Ray actors with torch.distributed, the model
@@ -16,27 +17,20 @@ the same ones. So the loss trajectory is the same for any worker count and strat
 counts `tp_size` does not divide) are refused before any worker starts.
 Rank 0 writes metrics and the export; every rank takes part in checkpoints.
 
-Checkpoints (`checkpoint` in the recipe, `posttrain.train.checkpoint`): complete training
+Checkpoints (`checkpoint` in the recipe, `posttrain.steps.train_state`): complete training
 state every `checkpoint.every_steps` steps and after the last, under
 `checkpoint.directory` (default `<run dir>/train_state`). On start, training resumes from the
 newest complete checkpoint there, else from `checkpoint.resume_from` when set, and continues
 the exact loss trajectory of an uninterrupted run (same batches, RNG, optimizer, schedule).
-
-Fault injection (tests and benchmarks only): with the environment variable
-`POSTTRAIN_FAULT_AT_STEP=K`, training raises `InjectedFault` right after step K (and after
-step K's checkpoint, if one is due), once per checkpoint directory (a marker file there
-records it, so a retried or resumed task runs through); `POSTTRAIN_FAULT_TIMES=n` makes it
-raise on the first n attempts that reach step K. `POSTTRAIN_FAULT_MODE=kill` SIGKILLs the
-process instead of raising; `kill_flow` SIGKILLs its parent first (the local Metaflow
-runtime that launched the task: the whole run dies, as a lost machine would) and then itself.
+Tests and benchmarks kill or fail a run after a given step through `posttrain.train.faults`.
+What differs between recipes (objective, batch stream, starting model, export) is the
+recipe's spec (`posttrain.recipes`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-import os
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -46,21 +40,13 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from posttrain.config.schema import PAIR_RECIPES, DistillConfig, DPOConfig, RecipeConfig, RMConfig
-from posttrain.config.strict import to_dict
-from posttrain.data.mixture import training_batches
-from posttrain.data.pair_stream import preference_batches
-from posttrain.models.lora import has_lora
-from posttrain.objectives.dpo import DPOObjective, on_the_fly_reference
-from posttrain.objectives.reward import RewardObjective
-from posttrain.objectives.sft import SFTObjective
-from posttrain.ops.precision import resolve_head_precision
-from posttrain.steps.train_model import (RecipeModelError, Start, export_trained, load_for_eval, load_start,
-                                         prepare_start)
-from posttrain.train.checkpoint import CheckpointManager
+from posttrain.config.schema import RecipeConfig
+from posttrain.parallel.mesh import pick_device
+from posttrain.recipes import ObjectiveInputs, RecipeModelError, Start, recipe_spec
+from posttrain.steps.train_state import check_same_teacher, checkpoint_manager, resume_point
+from posttrain.train.faults import maybe_inject_fault
 from posttrain.train.metrics import open_metrics
 from posttrain.train.progress import Progress
-from posttrain.train.objective import Objective
 from posttrain.train.trainer import Trainer
 
 
@@ -78,14 +64,6 @@ class TrainResult:
     sequence_classifier_dir: str | None = None  # a reward model's transformers export (in checkpoint_dir)
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
-    return torch.device(name)
-
-
 def total_steps_for(rows_per_epoch: int, config: RecipeConfig) -> int:
     """`train.max_steps`, or enough steps for `train.epochs` passes over the mixture."""
     train = config.train
@@ -93,24 +71,6 @@ def total_steps_for(rows_per_epoch: int, config: RecipeConfig) -> int:
         return train.max_steps
     rows_per_step = train.micro_batch_size * train.grad_accum_steps
     return max(1, math.ceil(train.epochs * rows_per_epoch / rows_per_step))
-
-
-FAULT_AT_STEP_ENV = "POSTTRAIN_FAULT_AT_STEP"
-FAULT_TIMES_ENV = "POSTTRAIN_FAULT_TIMES"
-FAULT_MODE_ENV = "POSTTRAIN_FAULT_MODE"
-FAULT_MODES = ("raise", "kill", "kill_flow")
-# Settings that do not change the loss trajectory, left out of the checkpoint fingerprint.
-# (activation checkpointing recomputes bit for bit; health thresholds only flag, and the
-# non-finite skip does not depend on them)
-# the sections every recipe has; a subclass's own section (DPOConfig.dpo, RMConfig.rm, ...) is
-# part of what its trajectory depends on
-BASE_SECTIONS = frozenset(f.name for f in dataclasses.fields(RecipeConfig))
-COSMETIC_TRAIN_KEYS = ("device", "log_every", "card_refresh_s", "progress_bar", "tensorboard", "peak_flops",
-                       "activation_checkpointing", "health")
-
-
-class InjectedFault(RuntimeError):
-    """Raised by the `POSTTRAIN_FAULT_AT_STEP` fault-injection hook."""
 
 
 def step_batches(batches: Iterator[dict], config: RecipeConfig, device: torch.device) -> Iterator[list[dict]]:
@@ -127,78 +87,6 @@ def step_batches(batches: Iterator[dict], config: RecipeConfig, device: torch.de
             group = []
 
 
-def training_fingerprint(config: RecipeConfig) -> dict:
-    """The parts of the recipe the loss trajectory depends on (a resumed run must match them)."""
-    full = to_dict(config)
-    train = {k: v for k, v in full["train"].items() if k not in COSMETIC_TRAIN_KEYS}
-    # what the output projection really ran in on this machine (auto, or a CPU without bf16)
-    train["head_precision"] = resolve_head_precision(config.train.head_precision, config.train.mixed_precision,
-                                                     pick_device(config.train.device))[0]
-    recipe = {k: v for k, v in full.items() if k not in BASE_SECTIONS}  # a recipe's own section (dpo, rm, ...)
-    return {"seed": full["seed"], "data": full["data"], "tokenizer": full["tokenizer"], "model": full["model"],
-            "pack": full["pack"], "train": train, **recipe}
-
-
-def checkpoint_manager(config: RecipeConfig, run_dir: Path,
-                       on_stage: Callable[[str, Path], None] | None = None,
-                       teacher_identity: dict | None = None) -> CheckpointManager | None:
-    """The run's checkpoint manager, or None when `checkpoint.enabled` is false. A frozen
-    teacher is never checkpointed; its identity (`teacher_identity`) is part of the fingerprint."""
-    ckpt = config.checkpoint
-    if not ckpt.enabled:
-        return None
-    root = Path(ckpt.directory).expanduser().resolve() if ckpt.directory else Path(run_dir) / "train_state"
-    fingerprint = training_fingerprint(config)
-    if teacher_identity is not None:
-        fingerprint["teacher"] = {"reference": teacher_identity["reference"], "sha256": teacher_identity["sha256"]}
-    return CheckpointManager(root, every_steps=ckpt.every_steps, keep_last=ckpt.keep_last,
-                             fingerprint=fingerprint, on_stage=on_stage)
-
-
-def resume_point(config: RecipeConfig, manager: CheckpointManager | None) -> Path | None:
-    """The newest complete checkpoint of this run, else `checkpoint.resume_from`, else None.
-
-    Under torch.distributed rank 0 decides and broadcasts the path, so every rank loads the
-    same checkpoint even where ranks see a shared directory differently (NFS caching)."""
-    if manager is None:
-        return None
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    chosen: list[str | None] = [None]
-    if not distributed or dist.get_rank() == 0:
-        latest = manager.latest()
-        if latest is None and config.checkpoint.resume_from:
-            latest = manager.resolve(config.checkpoint.resume_from)
-        chosen[0] = str(latest) if latest is not None else None
-    if distributed:
-        dist.broadcast_object_list(chosen, src=0)
-    return Path(chosen[0]) if chosen[0] is not None else None
-
-
-def maybe_inject_fault(step: int, marker_dir: Path) -> None:
-    """The `POSTTRAIN_FAULT_AT_STEP` hook (module docstring); a no-op unless it is set."""
-    at = os.environ.get(FAULT_AT_STEP_ENV)
-    if not at or int(at) != step:
-        return
-    marker = Path(marker_dir) / f"fault_injected_at_step_{step}"
-    fired = int(marker.read_text()) if marker.exists() else 0
-    if fired >= int(os.environ.get(FAULT_TIMES_ENV, "1")):
-        return
-    mode = os.environ.get(FAULT_MODE_ENV, "raise")
-    if mode not in FAULT_MODES:
-        raise ValueError(f"{FAULT_MODE_ENV} must be one of {FAULT_MODES}, got {mode!r}")
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(str(fired + 1))
-    if mode != "raise":
-        import signal
-
-        print(f"[fault] {FAULT_MODE_ENV}={mode}: SIGKILL after step {step}", flush=True)
-        if mode == "kill_flow":
-            os.kill(os.getppid(), signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
-    raise InjectedFault(f"{FAULT_AT_STEP_ENV}={at}: injected failure after step {step} "
-                        f"(attempt {fired + 1}; marker {marker})")
-
-
 @dataclass
 class TrainJob:
     """What the training loop needs, on the driver or on every worker (picklable: Ray sends
@@ -213,73 +101,6 @@ class TrainJob:
     start: Start
     ref_logps: torch.Tensor | None = None
     teacher: object | None = None  # a distillation recipe's `posttrain.steps.teacher.TeacherSpec`
-
-
-def objective_for(config: RecipeConfig) -> Objective:
-    """What the recipe optimises: SFT's token cross-entropy, its `dpo` section's loss, or its
-    `rm` section's Bradley-Terry loss (a distillation recipe's needs its teacher:
-    `distill_objective`)."""
-    if isinstance(config, DPOConfig):
-        dpo = config.dpo
-        return DPOObjective(beta=dpo.beta, loss_type=dpo.loss_type, label_smoothing=dpo.label_smoothing,
-                            sft_weight=dpo.sft_weight, simpo_gamma=dpo.simpo_gamma)
-    if isinstance(config, RMConfig):
-        return RewardObjective(margin=config.rm.margin, centering=config.rm.centering, sft_weight=config.rm.sft_weight)
-    if isinstance(config, DistillConfig):
-        raise RecipeModelError("a distillation recipe's objective needs its teacher: distill_objective(config, spec)")
-    return SFTObjective()
-
-
-def distill_objective(config: DistillConfig, spec, device: torch.device, mesh=None) -> Objective:
-    """The distillation objective against the teacher of `spec` (a `TeacherSpec` from the
-    teacher step): its stored top-k (`distill.cache`), or the teacher itself, loaded frozen on
-    `device` and sharded over `mesh` by the recipe's parallel strategy, as the student is."""
-    from posttrain.objectives.distill import DistillObjective
-    from posttrain.steps.teacher import load_teacher
-
-    if spec is None:
-        raise RecipeModelError("a distillation recipe trains against its teacher: run the teacher step "
-                               "(posttrain.steps.teacher.run) and pass its TeacherSpec as teacher=")
-    d = config.distill
-    settings = dict(loss=d.loss, beta=d.beta, temperature=d.temperature, hard_weight=d.hard_weight)
-    if spec.cache_dir is not None:
-        from posttrain.objectives.teacher_cache import TeacherCache
-
-        cache = TeacherCache.load(spec.cache_dir, top_k=d.cache.top_k, temperature=d.temperature,
-                                  vocab_size=spec.vocab_size, identity=spec.identity)
-        return DistillObjective(spec.vocab_size, cache=cache, **settings)
-    teacher = load_teacher(spec, device)
-    if mesh is not None:
-        from posttrain.parallel.apply import apply_parallelism
-
-        teacher = apply_parallelism(teacher, config.parallel, mesh)
-    return DistillObjective(spec.vocab_size, teacher=teacher, **settings)
-
-
-def check_same_teacher(resume: Path, saved_fingerprint: dict | None, spec) -> None:
-    """Refuse to resume a distillation run against another teacher than the one it trained
-    with, naming both (their identities are in the checkpoint's fingerprint)."""
-    from posttrain.train.checkpoint import CheckpointError
-
-    saved = (saved_fingerprint or {}).get("teacher")
-    if spec is None or saved is None or saved.get("sha256") == spec.identity["sha256"]:
-        return
-    raise CheckpointError(f"{resume} was trained against teacher {saved.get('reference')} (sha256 "
-                          f"{saved.get('sha256', '')[:12]}), but this run's teacher is {spec.identity['reference']} "
-                          f"(sha256 {spec.identity['sha256'][:12]}): resume with the same teacher, or start a new run")
-
-
-def recipe_batches(job: TrainJob, rows_per_rank: int, state: dict | None, rank: int, world_size: int):
-    """The recipe's endless training stream (a context manager with `state_dict()`): packed
-    token rows for SFT, packed pairs for the pair recipes (with the reference's
-    log-probabilities for DPO)."""
-    config, pad_id = job.config, job.tokenizer.pad_token_id
-    if isinstance(config, PAIR_RECIPES):
-        return preference_batches(job.samples, config.data.sources, config.seed, config.pack, pad_id, rows_per_rank,
-                                  ref_logps=job.ref_logps, shared_prompt=config.shared_prompt, state=state,
-                                  rank=rank, world_size=world_size)
-    return training_batches(job.samples, config.data.sources, config.seed, config.pack, pad_id, rows_per_rank,
-                            state=state, rank=rank, world_size=world_size)
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -303,7 +124,8 @@ def train_loop(job: TrainJob, on_step: Callable[[dict], None] | None = None,
     lead = rank == 0
     device = worker_device() if world > 1 else pick_device(config.train.device)
     torch.manual_seed(config.train.seed)
-    model = load_start(config, tokenizer, job.start, device)
+    spec = recipe_spec(config)
+    model = spec.load_start(config, tokenizer, job.start, device)
     num_params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     mesh = build_device_mesh(config.parallel) if world > 1 else None
@@ -318,11 +140,7 @@ def train_loop(job: TrainJob, on_step: Callable[[dict], None] | None = None,
               f"worker(s) ({config.parallel.strategy}); {job.rows_per_epoch} rows per epoch, {total_steps} steps of "
               f"{config.train.micro_batch_size}x{config.train.grad_accum_steps} rows")
 
-    objective = (distill_objective(config, job.teacher, device, mesh) if isinstance(config, DistillConfig)
-                 else objective_for(config))
-    if isinstance(config, DPOConfig) and config.dpo.reference == "on_the_fly" and objective.needs_reference:
-        objective.reference = on_the_fly_reference(model, frozen=None if has_lora(model) else
-                                                   load_for_eval(job.start.source, config, device))
+    objective = spec.objective(config, ObjectiveInputs(model, device, job.start, mesh=mesh, teacher=job.teacher))
     trainer = Trainer(model, config.train, total_steps=total_steps, objective=objective,
                       process_group=dp_group(mesh) if mesh is not None else None)
     manager = checkpoint_manager(config, run_dir, on_checkpoint_stage,
@@ -353,7 +171,8 @@ def train_loop(job: TrainJob, on_step: Callable[[dict], None] | None = None,
             progress = stack.enter_context(Progress(total_steps, config.train.log_every,
                                                     enabled=config.train.progress_bar, initial_step=trainer.step))
         started = time.perf_counter()
-        batches = stack.enter_context(recipe_batches(job, rows_per_rank, data_state, dp_rank, dp_size))
+        batches = stack.enter_context(spec.batches(config, job.samples, tokenizer.pad_token_id, rows_per_rank,
+                                                   data_state, dp_rank, dp_size, ref_logps=job.ref_logps))
         for _, micro_batches in zip(range(total_steps - trainer.step), step_batches(batches, config, device)):
             metrics = trainer.train_step(micro_batches)
             metrics["elapsed_s"] = time.perf_counter() - started  # in this process
@@ -372,7 +191,7 @@ def train_loop(job: TrainJob, on_step: Callable[[dict], None] | None = None,
                 maybe_inject_fault(step, manager.root if manager is not None else run_dir)
 
     elapsed = earlier_s + time.perf_counter() - started  # training only (up to the resume point + now), no export
-    exported = export_trained(trainer, config, tokenizer, job.start, run_dir)
+    exported = spec.export(trainer, config, tokenizer, job.start, run_dir)
     if not lead:
         return None
     history = sinks.records
@@ -449,7 +268,7 @@ def run(config: RecipeConfig, tokenizer, samples: dict[str, list], rows_per_epoc
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     workers = config.parallel.num_workers
-    start = prepare_start(config, tokenizer, run_dir / "base", keep_model=workers == 1)
+    start = recipe_spec(config).prepare_start(config, tokenizer, run_dir / "base", keep_model=workers == 1)
     check_tensor_parallel(config, start)
     job = TrainJob(config, tokenizer, samples, rows_per_epoch, str(run_dir), start, ref_logps, teacher)
     if workers == 1:

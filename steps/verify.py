@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from posttrain.config.schema import RecipeConfig, RMConfig, VerifyConfig
+from posttrain.config.schema import RecipeConfig, VerifyConfig
+from posttrain.recipes import recipe_spec
 from posttrain.verify.logits import verify_checkpoint, verify_sequence_classifier
 from posttrain.verify.skew import SkewError, check_skew
 
@@ -100,7 +101,7 @@ def skew_gate(model_dir: str, tokenizer, records: dict[str, list] | list, config
     report = check_skew(tokenizer, model_dir, flat, template_kwargs=config.tokenizer.chat_template_kwargs,
                         per_source=samples, seed=config.train.seed, open_vllm=vllm_opener(model_dir, mode),
                         vllm_required=mode == "on")
-    if isinstance(config, RMConfig):  # a reward model scores; it is not asked to stop
+    if not recipe_spec(config).stops_generation:  # a reward model scores; it is not asked to stop
         report.missing_stop_ids, report.stop_message = [], None
     print(f"[verify] {report.describe()}")
     if not report.passed:

@@ -18,7 +18,7 @@ import pytest
 import torch  # noqa: F401  (before metaflow's Runner; see `typing_restored`)
 
 from flow_pool import background_flow, run_flow, single_thread_env
-from posttrain.steps.train import FAULT_AT_STEP_ENV, FAULT_MODE_ENV
+from posttrain.train.faults import FAULT_AT_STEP_ENV, FAULT_MODE_ENV
 from test_preference_flows import START_NAME, register_starting_model
 from test_sft_flow import REPO_ROOT, flow_env
 

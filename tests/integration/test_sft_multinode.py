@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from flow_pool import background_flow, run_flow, single_thread_env
-from posttrain.steps.train import FAULT_AT_STEP_ENV
+from posttrain.train.faults import FAULT_AT_STEP_ENV
 from test_sft_flow import REPO_ROOT, flow_env
 from test_sft_parallel import LOSS_TOL, TWO_WORKERS, losses, with_parallel
 

@@ -108,11 +108,12 @@ def test_two_workers_follow_the_one_worker_trajectory(recipe, one_worker, strate
 def test_two_workers_resume_after_a_worker_fails(recipe, one_worker, monkeypatch, strategy):
     from posttrain.parallel.distributed import WorkerError
     from posttrain.steps import train
+    from posttrain.train import faults
 
     work, config, tokenizer, samples, rows = recipe
     config = with_parallel(config, strategy, 2, tp_size=2 if strategy == "tp" else 1)
     run_dir = work / f"faulty-{strategy}"
-    monkeypatch.setenv(train.FAULT_AT_STEP_ENV, "3")  # rank 0 raises after step 3 (checkpoint: step 2)
+    monkeypatch.setenv(faults.FAULT_AT_STEP_ENV, "3")  # rank 0 raises after step 3 (checkpoint: step 2)
     with pytest.raises(WorkerError, match="injected failure after step 3"):
         train.run(config, tokenizer, samples, rows, run_dir)
     seen = []
@@ -125,7 +126,7 @@ def test_two_workers_resume_after_a_worker_fails(recipe, one_worker, monkeypatch
 @pytest.mark.parametrize("case", ["kv heads 1", "lora"])
 def test_tp_recipes_the_plan_cannot_split_are_refused_before_workers_start(tmp_path, case):
     from posttrain.steps import train
-    from posttrain.steps.train_model import RecipeModelError
+    from posttrain.recipes.start import RecipeModelError
 
     overrides, error = {
         "kv heads 1": ({}, "tp_size 2 cannot split.*num_attention_heads=2, num_key_value_heads=1"),

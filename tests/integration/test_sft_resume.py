@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from flow_pool import background_flow, run_flow, single_thread_env
-from posttrain.steps.train import FAULT_AT_STEP_ENV, FAULT_TIMES_ENV
+from posttrain.train.faults import FAULT_AT_STEP_ENV, FAULT_TIMES_ENV
 from test_sft_flow import FLOW, flow_env
 from test_sft_parallel import LOSS_TOL, TWO_WORKERS, losses, with_parallel
 

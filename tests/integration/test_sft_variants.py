@@ -52,7 +52,7 @@ def test_model_config_for_takes_arch_fields_from_the_registry_and_sizes_from_the
 
     from posttrain.config.schema import ModelConfig
     from posttrain.models.architectures import ARCHITECTURES
-    from posttrain.steps.train_model import model_config_for
+    from posttrain.recipes.start import model_config_for
 
     class Tok:
         bos_token_id, eos_token_id, pad_token_id = None, 5, 0
@@ -74,7 +74,7 @@ def test_model_config_for_takes_arch_fields_from_the_registry_and_sizes_from_the
 
 def test_recipe_combinations_the_train_step_cannot_run_are_refused_by_name():
     from posttrain.config.loader import load_sft_config
-    from posttrain.steps.train_model import RecipeModelError, check_model_recipe
+    from posttrain.recipes.start import RecipeModelError, check_model_recipe
 
     hf = {"model.backend": "transformers", "model.init": "pretrained", "model.name_or_path": "some/model"}
     with pytest.raises(RecipeModelError, match="model.lora"):

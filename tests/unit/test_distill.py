@@ -216,7 +216,7 @@ def test_teacher_step_checks_identity_and_errors(tmp_path, demo_tokenizer):
 
 def test_a_resume_against_another_teacher_is_refused_by_name(tmp_path, demo_tokenizer):
     from posttrain.steps import teacher as teacher_step
-    from posttrain.steps.train import check_same_teacher, checkpoint_manager
+    from posttrain.steps.train_state import check_same_teacher, checkpoint_manager
     from posttrain.train.checkpoint import CheckpointError
 
     spec = teacher_step.TeacherSpec("t", "native", VOCAB, {"reference": "registry:big", "sha256": "a" * 64})

@@ -62,7 +62,7 @@ def test_cross_field_rules_of_the_pair_recipes():
 
 
 def test_a_recipe_section_is_part_of_the_training_fingerprint():
-    from posttrain.steps.train import training_fingerprint
+    from posttrain.steps.train_state import training_fingerprint
 
     rm = load_recipe_config(CONFIGS / "rm" / "demo.yaml", "rm")
     assert isinstance(rm, RMConfig) and training_fingerprint(rm)["rm"]["sft_weight"] == 1.0

@@ -14,6 +14,7 @@ from posttrain.config.schema import PackConfig, SourceConfig, TrainConfig
 from posttrain.data.chat import TokenizedSample
 from posttrain.data.mixture import build_mixer, training_batches
 from posttrain.models.architectures import build_model, tiny_config
+from posttrain.objectives.sft import SFTObjective
 from posttrain.train.checkpoint import CheckpointManager
 from posttrain.train.trainer import Trainer
 
@@ -43,7 +44,7 @@ def stream(state=None):
 def trainer(seed: int) -> Trainer:
     torch.manual_seed(seed)
     cfg = TrainConfig(device="cpu", learning_rate=3e-3, warmup_steps=2, grad_accum_steps=ACCUM, micro_batch_size=MICRO)
-    return Trainer(build_model(tiny_config(), seed=seed), cfg, total_steps=TOTAL)
+    return Trainer(build_model(tiny_config(), seed=seed), cfg, total_steps=TOTAL, objective=SFTObjective())
 
 
 def run_steps(trainer: Trainer, batches, steps: int) -> list[float]:
@@ -101,12 +102,12 @@ def tiny_recipe(tmp_path_factory):
 @pytest.mark.slow
 def test_train_step_resumes_after_an_injected_fault(tiny_recipe, tmp_path, monkeypatch, capsys):
     from posttrain.steps import train
+    from posttrain.train import faults
 
     config, tokenizer, tokenized, rows = tiny_recipe
     expected = train.run(config, tokenizer, tokenized, rows, tmp_path / "uninterrupted").history
-
-    monkeypatch.setenv(train.FAULT_AT_STEP_ENV, "3")
-    with pytest.raises(train.InjectedFault, match="after step 3"):
+    monkeypatch.setenv(faults.FAULT_AT_STEP_ENV, "3")
+    with pytest.raises(faults.InjectedFault, match="after step 3"):
         train.run(config, tokenizer, tokenized, rows, tmp_path / "faulty")
     seen = []
     result = train.run(config, tokenizer, tokenized, rows, tmp_path / "faulty", on_step=seen.append)
@@ -146,7 +147,7 @@ def _fsdp_save_and_resume(root: str) -> dict:
     def sharded_trainer(seed: int) -> Trainer:
         torch.manual_seed(seed)
         model = apply_parallelism(build_model(tiny_config(), seed=seed), parallel, mesh)
-        return Trainer(model, cfg, total_steps=4, process_group=dp_group(mesh))
+        return Trainer(model, cfg, total_steps=4, process_group=dp_group(mesh), objective=SFTObjective())
 
     def rows(i: int) -> dict:  # rank-specific rows of step i
         ids = torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(10 * i + rank))

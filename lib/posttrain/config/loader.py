@@ -21,14 +21,6 @@ from posttrain.config.schema import RECIPES, RecipeConfig, SFTConfig
 from posttrain.config.strict import ConfigError, apply_overrides, check_overrides, from_dict, to_dict
 
 REPO_CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
-DEFAULT_SFT_CONFIG = str(REPO_CONFIG_DIR / "sft" / "demo.yaml")
-DEFAULT_DPO_CONFIG = str(REPO_CONFIG_DIR / "dpo" / "demo.yaml")
-DEFAULT_RM_CONFIG = str(REPO_CONFIG_DIR / "rm" / "demo.yaml")
-DEFAULT_DISTILL_CONFIG = str(REPO_CONFIG_DIR / "distill" / "demo.yaml")
-DEFAULT_GRPO_CONFIG = str(REPO_CONFIG_DIR / "grpo" / "demo.yaml")
-DEFAULT_GRPO_SWEEP_CONFIG = str(REPO_CONFIG_DIR / "grpo" / "sweep-demo.yaml")
-DEFAULT_SEQUENCE_CONFIG = str(REPO_CONFIG_DIR / "sequence" / "demo.yaml")
-DEFAULT_SEMANTIC_ID_CONFIG = str(REPO_CONFIG_DIR / "semantic_ids" / "demo.yaml")
 
 
 def parse_yaml(text: str, source: str) -> dict:
@@ -77,9 +69,9 @@ def sft_config_from_dict(data: dict, *, source: str = "<config>", overrides: dic
     return recipe_config_from_dict(data, "sft", source=source, overrides=overrides)
 
 
-def default_config(recipe: str) -> str:
-    """The embedded demo config of a recipe (`configs/<recipe>/demo.yaml`)."""
-    return str(REPO_CONFIG_DIR / recipe / "demo.yaml")
+def default_config(recipe: str, name: str = "demo") -> str:
+    """A config shipped with a recipe, `configs/<recipe>/<name>.yaml` (default: its embedded demo)."""
+    return str(REPO_CONFIG_DIR / recipe / f"{name}.yaml")
 
 
 def recipe_parsers(recipe: str, config_source: Callable[[], str] | None = None) -> tuple:

@@ -39,7 +39,7 @@ class ModelConfig:
     loads `name_or_path` (a local Hugging Face directory or a hub id) and ignores the sizes."""
 
     # random init: the architecture (`posttrain.models.architectures.ARCHITECTURES`), sized by the fields
-    # below, its other fields from the architecture's tiny config (`posttrain.steps.train_model`)
+    # below, its other fields from the architecture's tiny config (`posttrain.recipes.start`)
     arch: Literal["qwen3", "llama", "qwen3_moe", "gemma3_text", "gpt_oss"] = "qwen3"
     # "transformers": train any AutoModelForCausalLM through posttrain.models.hf_backend
     # (init: pretrained only; packed rows only where the model honours restarting position ids)

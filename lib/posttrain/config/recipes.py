@@ -1,18 +1,23 @@
 """The recipes' configs: `RecipeConfig` (what every recipe has) and one subclass per recipe
 with its own section (SFT, DPO, reward model, distillation, GRPO, sequence models, semantic
-IDs); `RECIPES` names them for `posttrain.config.loader`.
+IDs). Each subclass declares what the config layer must know of its recipe as class
+attributes (`RecipeConfig`'s docstring): its name (`kind`), its own section, the evaluation
+suites that apply, whether it starts from a trained model or needs our own model definitions.
+`RECIPES` (name -> class) is derived from those declarations for `posttrain.config.loader`;
+the rest of a recipe (objective, batches, starting model, export) is its `RecipeSpec`
+(`posttrain.recipes`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from posttrain.config.data_sections import VOCABULARY, DataConfig, PackConfig, TokenizerConfig
 from posttrain.config.model_sections import ModelConfig
 from posttrain.config.run_sections import CheckpointConfig, ParallelConfig, TrainConfig
 from posttrain.config.strict import ConfigError, bounded
-from posttrain.config.workflow_sections import SUITE_KINDS, EvalConfig, ProductionConfig, RegisterConfig, VerifyConfig
+from posttrain.config.workflow_sections import EvalConfig, ProductionConfig, RegisterConfig, VerifyConfig
 
 
 @dataclass
@@ -20,7 +25,25 @@ class RecipeConfig:
     """What every recipe has: its data, tokenizer, model, packing, training, verification,
     evaluation, registration, parallelism and checkpoint sections. A recipe is a subclass
     that adds its own section (`DPOConfig.dpo`, ...); `posttrain.config.loader` reads any of
-    them with the same strict rules."""
+    them with the same strict rules.
+
+    A subclass declares, as class attributes (not config keys):
+    - `kind`: the recipe's name (`sft`, `dpo`, ...), its key in `RECIPES` and the folder of its
+      configs (`configs/<kind>/demo.yaml`);
+    - `section`: the key of its own section (`"dpo"` for `DPOConfig.dpo`), None without one;
+    - `suites`: the evaluation suite kinds that apply to it (`python` always does), and
+      `default_suites`, what evaluation runs when `eval.suites` names none;
+    - `starts_from`: for a recipe that starts from a trained model, its name in the error when
+      none is set (None: random init allowed);
+    - `needs_native`: for a recipe that only trains our own model definitions, why (the error
+      for `model.backend: transformers`); None: any backend."""
+
+    kind: ClassVar[str | None] = None
+    section: ClassVar[str | None] = None
+    suites: ClassVar[tuple[str, ...]] = ()
+    default_suites: ClassVar[tuple[str, ...]] = ()
+    starts_from: ClassVar[str | None] = None
+    needs_native: ClassVar[str | None] = None
 
     name: str
     data: DataConfig
@@ -44,12 +67,16 @@ class RecipeConfig:
         if uses_generated and self.data.generate is None:
             raise ConfigError("paths use ${generated} but data.generate is not set")
         self.validate_heldout()
-        kind = self.kind
         for suite in self.eval.suites:
-            if kind is not None and kind not in SUITE_KINDS[suite.kind]:
-                fits = ", ".join(k for k, recipes in SUITE_KINDS.items() if kind in recipes)
-                raise ConfigError(f"eval.suites: kind {suite.kind!r} does not apply to a {kind} recipe "
-                                  f"(its kinds: {fits})")
+            if self.kind is not None and suite.kind != "python" and suite.kind not in self.suites:
+                raise ConfigError(f"eval.suites: kind {suite.kind!r} does not apply to a {self.kind} recipe "
+                                  f"(its kinds: {', '.join(self.suites + ('python',))})")
+        if self.starts_from and self.model.init != "pretrained" and not self.model.init_from:
+            raise ConfigError(f"a {self.starts_from} recipe starts from a trained model: set model.init_from (a "
+                              "registry entry, e.g. registry:sft-demo-arithmetic, or a model directory) or "
+                              "model.init: pretrained")
+        if self.needs_native and self.model.backend != "native":
+            raise ConfigError(f"{self.needs_native}: model.backend must be 'native'")
 
     def validate_heldout(self) -> None:
         """Evaluation needs exactly one held-out set: a source or a fraction of the training data."""
@@ -67,11 +94,6 @@ class RecipeConfig:
         """Whether the run builds its own tokenizer (`tokenizer.name_or_path: ${vocabulary}`)."""
         return self.tokenizer.name_or_path == VOCABULARY
 
-    @property
-    def kind(self) -> str | None:
-        """This recipe's key in `RECIPES` (`sft`, `dpo`, ...), None for a class not listed there."""
-        return next((k for k, cls in RECIPES.items() if type(self) is cls), None)
-
     def model_references(self) -> list[tuple[str, str, bool]]:
         """`(key, reference, hub_id_allowed)` of every model the recipe reads besides its data:
         the starting model (`model.init_from`: a registry entry or a directory), and a recipe's
@@ -79,16 +101,24 @@ class RecipeConfig:
         return [("model.init_from", self.model.init_from, False)] if self.model.init_from is not None else []
 
     @property
+    def own_section(self):
+        """The recipe's own section (`self.dpo` for a DPO recipe), None for a recipe without one."""
+        return getattr(self, self.section) if self.section else None
+
+    @property
     def shared_prompt(self) -> bool:
         """Pair recipes: whether a pair is packed with its prompt once (their section's
         `shared_prompt`); True for recipes without one."""
-        section = getattr(self, "dpo", None) or getattr(self, "rm", None)
-        return True if section is None else section.shared_prompt
+        return getattr(self.own_section, "shared_prompt", True)
 
 
 @dataclass
 class SFTConfig(RecipeConfig):
     """The SFT recipe: data -> tokenize -> pack -> train -> verify -> evaluate -> register."""
+
+    kind = "sft"
+    suites = ("heldout_loss", "task", "reward_model")
+    default_suites = ("heldout_loss", "task")
 
 
 @dataclass
@@ -117,11 +147,14 @@ class DPOConfig(RecipeConfig):
     """The DPO recipe: ingest pairs -> tokenize -> pack -> reference -> train -> verify ->
     evaluate -> register, starting from a model (`model.init_from` or `model.name_or_path`)."""
 
+    kind, section, starts_from = "dpo", "dpo", "DPO"
+    suites = ("heldout_loss", "task", "preference", "reward_model")
+    default_suites = ("heldout_loss", "task", "preference")
+
     dpo: DPOSection = field(default_factory=DPOSection)
 
     def validate(self) -> None:
         super().validate()
-        check_starts_from_trained(self, "DPO")
         if self.model.backend == "transformers" and self.dpo.shared_prompt:
             raise ConfigError("model.backend 'transformers' cannot share a prompt between two responses (tree "
                               "masks): set dpo.shared_prompt: false")
@@ -149,13 +182,11 @@ class RMConfig(RecipeConfig):
     classification) -> evaluate -> register, starting from a model (`model.init_from` or
     `model.name_or_path`) whose LM head is replaced by the value head."""
 
-    rm: RMSection = field(default_factory=RMSection)
+    kind, section, starts_from = "rm", "rm", "reward-model"
+    needs_native = "a reward-model recipe trains our own model definitions"
+    suites = default_suites = ("reward_pairs",)
 
-    def validate(self) -> None:
-        super().validate()
-        check_starts_from_trained(self, "reward-model")
-        if self.model.backend != "native":
-            raise ConfigError("a reward-model recipe trains our own model definitions: model.backend must be 'native'")
+    rm: RMSection = field(default_factory=RMSection)
 
 
 @dataclass
@@ -201,6 +232,10 @@ class DistillConfig(RecipeConfig):
     vocabulary, verify, optionally cache its top-k) -> train the student against it -> verify
     -> evaluate (base, student and teacher) -> register. The student is any model section
     (random init or a starting model)."""
+
+    kind, section = "distill", "distill"
+    suites = ("heldout_loss", "task", "reward_model")
+    default_suites = ("heldout_loss", "task")
 
     distill: DistillSection = field(default_factory=lambda: DistillSection(teacher=""))
 
@@ -312,12 +347,16 @@ class GRPOConfig(RecipeConfig):
     `sweep`: the variants the sweep flow runs as foreach branches (each a mapping of dotted
     overrides of this recipe, e.g. `{train.learning_rate: 6.0e-5}`); the GRPO flow ignores it."""
 
+    kind, section, starts_from = "grpo", "grpo", "GRPO"
+    needs_native = "a GRPO recipe trains our own model definitions"
+    suites = ("heldout_loss", "task", "rewards", "reward_model")
+    default_suites = ("heldout_loss", "task", "rewards")
+
     grpo: GRPOSection = field(default_factory=GRPOSection)
     sweep: list[dict] = field(default_factory=list)  # variants for flows/grpo_sweep_flow.py: dotted overrides
 
     def validate(self) -> None:
         super().validate()
-        check_starts_from_trained(self, "GRPO")
         for i, variant in enumerate(self.sweep):
             if not variant or "sweep" in variant:
                 raise ConfigError(f"sweep[{i}] must be a non-empty mapping of dotted overrides (not of sweep itself)")
@@ -325,8 +364,6 @@ class GRPOConfig(RecipeConfig):
             if fixed:
                 raise ConfigError(f"sweep[{i}] overrides {fixed[0]!r}: the variants of a sweep share its data, prompts, "
                                   "model, tokenizer and teacher; vary optimisation and RL settings only")
-        if self.model.backend != "native":
-            raise ConfigError("a GRPO recipe trains our own model definitions: model.backend must be 'native'")
         if not self.grpo.rewards and self.grpo.teacher is None:
             raise ConfigError("grpo.rewards needs at least one reward function (or grpo.teacher for on-policy "
                               "distillation)")
@@ -337,11 +374,6 @@ class GRPOConfig(RecipeConfig):
         if self.grpo.constrain_to_catalogue and self.grpo.engine == "vllm_actor":
             raise ConfigError("grpo.constrain_to_catalogue decodes inside a trie on the native engine: use engine "
                               "native or native_actor")
-
-    @property
-    def kind(self) -> str | None:
-        """This recipe's key in `RECIPES` (`sft`, `dpo`, ...), None for a class not listed there."""
-        return next((k for k, cls in RECIPES.items() if type(self) is cls), None)
 
     def model_references(self) -> list[tuple[str, str, bool]]:
         teacher = [("grpo.teacher", self.grpo.teacher, True)] if self.grpo.teacher else []
@@ -377,6 +409,10 @@ class SequenceConfig(RecipeConfig):
     vocabulary -> tokenize -> pack -> train (next-item language modelling, usually from scratch)
     -> verify -> evaluate (next-item ranking beside popularity and Markov baselines) -> register."""
 
+    kind, section = "sequence", "sequence"
+    needs_native = "a sequence recipe trains our own model definitions"
+    suites = default_suites = ("next_item",)
+
     tokenizer: TokenizerConfig = field(default_factory=lambda: TokenizerConfig(VOCABULARY))
     sequence: SequenceSection = field(default_factory=SequenceSection)
 
@@ -394,8 +430,6 @@ class SequenceConfig(RecipeConfig):
         if self.data.generate is not None and self.data.generate.task != "interactions":
             raise ConfigError(f"data.generate.task is {self.data.generate.task!r}; a sequence recipe generates "
                               "'interactions'")
-        if self.model.backend != "native":
-            raise ConfigError("a sequence recipe trains our own model definitions: model.backend must be 'native'")
         if self.model.lora is not None:
             raise ConfigError("model.lora: a sequence model learns its item embeddings, which LoRA freezes; "
                               "train every weight")
@@ -447,6 +481,10 @@ class SemanticIDConfig(RecipeConfig):
     travel with every exported model (`semantic_ids.json`). `tokenizer.name_or_path` names the
     starting model's tokenizer; the run writes it with the code tokens to `<run dir>/vocabulary`."""
 
+    kind, section = "semantic_ids", "semantic_ids"
+    needs_native = "a semantic-ID recipe grows our own model definitions' vocabulary"
+    suites = default_suites = ("heldout_loss", "semantic_next_item")
+
     semantic_ids: SemanticIDSection = field(default_factory=SemanticIDSection)
 
     @property
@@ -468,9 +506,6 @@ class SemanticIDConfig(RecipeConfig):
         if self.tokenizer.name_or_path == VOCABULARY:
             raise ConfigError("tokenizer.name_or_path names the starting text model's tokenizer (the codes are added "
                               "to it), e.g. registry:sft-demo-arithmetic; not ${vocabulary}")
-        if self.model.backend != "native":
-            raise ConfigError("a semantic-ID recipe grows our own model definitions' vocabulary: model.backend must "
-                              "be 'native'")
 
     def model_references(self) -> list[tuple[str, str, bool]]:
         compared = ([("semantic_ids.compare_with", self.semantic_ids.compare_with, False)]
@@ -478,14 +513,11 @@ class SemanticIDConfig(RecipeConfig):
         return super().model_references() + compared
 
 
-def check_starts_from_trained(config: RecipeConfig, what: str) -> None:
-    if config.model.init != "pretrained" and not config.model.init_from:
-        raise ConfigError(f"a {what} recipe starts from a trained model: set model.init_from (a registry entry, "
-                          "e.g. registry:sft-demo-arithmetic, or a model directory) or model.init: pretrained")
+def _recipes() -> dict[str, type[RecipeConfig]]:
+    """Every recipe config class declared in this module, by its `kind`."""
+    found = [cls for cls in globals().values()
+             if isinstance(cls, type) and issubclass(cls, RecipeConfig) and cls.kind is not None]
+    return {cls.kind: cls for cls in found}
 
 
-RECIPES = {"sft": SFTConfig, "dpo": DPOConfig, "rm": RMConfig, "distill": DistillConfig, "grpo": GRPOConfig,
-           "sequence": SequenceConfig, "semantic_ids": SemanticIDConfig}
-
-
-PAIR_RECIPES = (DPOConfig, RMConfig)  # recipes trained on preference pairs
+RECIPES: dict[str, type[RecipeConfig]] = _recipes()

@@ -36,8 +36,6 @@ from posttrain.config.run_sections import (  # noqa: F401
 )
 from posttrain.config.workflow_sections import (  # noqa: F401
     VerifyConfig,
-    SUITE_KINDS,
-    DEFAULT_SUITES,
     SuiteConfig,
     EvalConfig,
     RegisterConfig,
@@ -62,9 +60,7 @@ from posttrain.config.recipes import (  # noqa: F401
     SequenceConfig,
     SemanticIDSection,
     SemanticIDConfig,
-    check_starts_from_trained,
     RECIPES,
-    PAIR_RECIPES,
 )
 
 __all__ = [
@@ -83,8 +79,6 @@ __all__ = [
     "ParallelConfig",
     "CheckpointConfig",
     "VerifyConfig",
-    "SUITE_KINDS",
-    "DEFAULT_SUITES",
     "SuiteConfig",
     "EvalConfig",
     "RegisterConfig",
@@ -107,7 +101,5 @@ __all__ = [
     "SequenceConfig",
     "SemanticIDSection",
     "SemanticIDConfig",
-    "check_starts_from_trained",
     "RECIPES",
-    "PAIR_RECIPES",
 ]

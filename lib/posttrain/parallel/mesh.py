@@ -52,3 +52,13 @@ def worker_device() -> torch.device:
     if mesh_device_type() == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def pick_device(name: str) -> torch.device:
+    """The device a recipe's `train.device` names: "auto" is CUDA when there is one, else the
+    CPU; "cuda" without a CUDA device is an error naming the setting."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
+    return torch.device(name)

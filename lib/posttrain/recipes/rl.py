@@ -1,0 +1,25 @@
+"""The on-policy RL recipe: GRPO over rollouts of the policy (`posttrain.rl.controller`)."""
+
+from __future__ import annotations
+
+from posttrain.config.recipes import GRPOConfig
+from posttrain.recipes.spec import ObjectiveInputs, RecipeSpec, register
+
+
+class GRPOSpec(RecipeSpec):
+    """GRPO: prompts in, the policy trained on its own scored completions (clipped surrogate,
+    optional KL to the starting model and importance-sampling correction: `grpo.*`)."""
+
+    config_cls = GRPOConfig
+    records = "prompts"
+
+    def objective(self, config: GRPOConfig, inputs: ObjectiveInputs | None = None):
+        from posttrain.objectives.grpo import GRPOObjective
+
+        g = config.grpo
+        return GRPOObjective(clip_low=g.clip_low, clip_high=g.clip_high, aggregation=g.aggregation,
+                             norm_tokens=g.max_new_tokens, kl_coef=g.kl_coef, kl_estimator=g.kl_estimator,
+                             is_correction=g.is_correction, is_cap=g.is_cap, entropy=g.entropy)
+
+
+register(GRPOSpec())

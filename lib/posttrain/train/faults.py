@@ -1,0 +1,51 @@
+"""Fault injection for tests and benchmarks of resume: a training loop calls
+`maybe_inject_fault(step, marker_dir)` after each step; it does nothing unless the
+environment asks for a fault.
+
+With the environment variable
+`POSTTRAIN_FAULT_AT_STEP=K`, the loop raises `InjectedFault` right after step K (and after
+step K's checkpoint, if one is due), once per checkpoint directory (a marker file there
+records it, so a retried or resumed task runs through); `POSTTRAIN_FAULT_TIMES=n` makes it
+raise on the first n attempts that reach step K. `POSTTRAIN_FAULT_MODE=kill` SIGKILLs the
+process instead of raising; `kill_flow` SIGKILLs its parent first (the local Metaflow
+runtime that launched the task: the whole run dies, as a lost machine would) and then itself.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+FAULT_AT_STEP_ENV = "POSTTRAIN_FAULT_AT_STEP"
+FAULT_TIMES_ENV = "POSTTRAIN_FAULT_TIMES"
+FAULT_MODE_ENV = "POSTTRAIN_FAULT_MODE"
+FAULT_MODES = ("raise", "kill", "kill_flow")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the `POSTTRAIN_FAULT_AT_STEP` fault-injection hook."""
+
+
+def maybe_inject_fault(step: int, marker_dir: Path) -> None:
+    """The `POSTTRAIN_FAULT_AT_STEP` hook (module docstring); a no-op unless it is set."""
+    at = os.environ.get(FAULT_AT_STEP_ENV)
+    if not at or int(at) != step:
+        return
+    marker = Path(marker_dir) / f"fault_injected_at_step_{step}"
+    fired = int(marker.read_text()) if marker.exists() else 0
+    if fired >= int(os.environ.get(FAULT_TIMES_ENV, "1")):
+        return
+    mode = os.environ.get(FAULT_MODE_ENV, "raise")
+    if mode not in FAULT_MODES:
+        raise ValueError(f"{FAULT_MODE_ENV} must be one of {FAULT_MODES}, got {mode!r}")
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(str(fired + 1))
+    if mode != "raise":
+        import signal
+
+        print(f"[fault] {FAULT_MODE_ENV}={mode}: SIGKILL after step {step}", flush=True)
+        if mode == "kill_flow":
+            os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise InjectedFault(f"{FAULT_AT_STEP_ENV}={at}: injected failure after step {step} "
+                        f"(attempt {fired + 1}; marker {marker})")
