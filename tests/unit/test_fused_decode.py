@@ -1,6 +1,8 @@
-"""A dense decoder's fused decode step (`posttrain.models.fused_decode`) and the row kernels it
-is made of (`posttrain.ops.decode_kernel`: `add_rms_norm`, `silu_mul`,
-`decode_attention_step`), each against the torch ops it replaces."""
+"""The `cpu_kernels` decode backend's step: a dense decoder's fused decode step
+(`posttrain.rl.cpu_kernels.fused_step`) and the row kernels it is made of
+(`posttrain.rl.cpu_kernels.kernels`: `add_rms_norm`, `silu_mul`, `decode_attention_step`),
+each against the torch ops it replaces; the whole-step program bitwise against the step's
+Python path, alone and through the native engine."""
 
 from __future__ import annotations
 
@@ -9,15 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.config.schema import LoraConfig
-from posttrain.models import fused_decode
 from posttrain.models.layers import RMSNorm, apply_rotary
 from posttrain.models.lora import apply_lora
 from posttrain.models.architectures import build_model, tiny_config
-from posttrain.ops import decode_kernel
 from posttrain.ops.attention import _matmul_attention, shared_prefix_attention
+from posttrain.rl.cpu_kernels import CpuKernelsDecode, fused_step, kernels
 from posttrain.rl.native import left_pad
 
-pytestmark = pytest.mark.skipif(decode_kernel.load() is None, reason="no C compiler for the decode kernels")
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no C compiler for the decode kernels")
 
 
 @pytest.mark.parametrize("D", [128, 20, 7])
@@ -30,10 +31,10 @@ def test_add_rms_norm_matches_the_model_norm(D):
     with torch.no_grad():
         expected_sum = x_BD + delta_BD
         expected = norm(expected_sum)
-        got = decode_kernel.add_rms_norm(x_BD, norm.weight, norm.eps, delta_BD)
+        got = kernels.add_rms_norm(x_BD, norm.weight, norm.eps, delta_BD)
         torch.testing.assert_close(x_BD, expected_sum, rtol=0, atol=0)  # the residual sum, in place
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(decode_kernel.add_rms_norm(x_BD, norm.weight, norm.eps), norm(x_BD),
+        torch.testing.assert_close(kernels.add_rms_norm(x_BD, norm.weight, norm.eps), norm(x_BD),
                                    rtol=1e-6, atol=1e-6)
 
 
@@ -43,7 +44,7 @@ def test_silu_mul_matches_torch_including_extremes():
     gate_BF[0, :4] = torch.tensor([-200.0, -90.0, 95.0, 0.0])
     with torch.no_grad():
         expected = F.silu(gate_BF) * up_BF
-        got = decode_kernel.silu_mul(gate_BF, up_BF)
+        got = kernels.silu_mul(gate_BF, up_BF)
     assert got is gate_BF  # in place
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     assert torch.isfinite(got).all()
@@ -52,11 +53,11 @@ def test_silu_mul_matches_torch_including_extremes():
 def test_row_kernels_decline_what_they_do_not_take():
     x = torch.randn(3, 8, dtype=torch.bfloat16)
     with torch.no_grad():
-        assert decode_kernel.add_rms_norm(x, torch.ones(8, dtype=torch.bfloat16), 1e-6) is None
-        assert decode_kernel.silu_mul(x, x) is None
-    assert decode_kernel.silu_mul(torch.randn(3, 8), torch.randn(3, 8)) is None  # gradients on
+        assert kernels.add_rms_norm(x, torch.ones(8, dtype=torch.bfloat16), 1e-6) is None
+        assert kernels.silu_mul(x, x) is None
+    assert kernels.silu_mul(torch.randn(3, 8), torch.randn(3, 8)) is None  # gradients on
     with torch.no_grad(), pytest.raises(ValueError, match="weight"):
-        decode_kernel.add_rms_norm(torch.randn(3, 8), torch.ones(7), 1e-6)
+        kernels.add_rms_norm(torch.randn(3, 8), torch.ones(7), 1e-6)
 
 
 @pytest.mark.parametrize("with_prefix,qk_norm", [(True, True), (False, True), (True, False)])
@@ -72,12 +73,12 @@ def test_attention_step_matches_norm_rotary_append_attend(with_prefix, qk_norm):
         k_norm.weight.copy_(torch.rand(E, generator=gen) + 0.5)
     angles_BE = torch.rand(B, E // 2, generator=gen).repeat(1, 2) * 6
     cos_BE, sin_BE = angles_BE.cos(), angles_BE.sin()
-    k_full = decode_kernel.key_buffer(B, K, U + 3, E, q_BX)
+    k_full = kernels.key_buffer(B, K, U + 3, E, q_BX)
     k_full.copy_(torch.randn(B, K, U + 3, E, generator=gen))
     v_full = torch.randn(B, K, U + 3, E, generator=gen)
     prefix = None
     if with_prefix:
-        pk = decode_kernel.key_buffer(P, K, Sp, E, q_BX)
+        pk = kernels.key_buffer(P, K, Sp, E, q_BX)
         pk.copy_(torch.randn(P, K, Sp, E, generator=gen))
         prefix = (pk, torch.randn(P, K, Sp, E, generator=gen))
     allowed_B1TS = torch.rand(B, 1, 1, (Sp if with_prefix else 0) + U, generator=gen) > 0.3
@@ -94,7 +95,7 @@ def test_attention_step_matches_norm_rotary_append_attend(with_prefix, qk_norm):
             expected = shared_prefix_attention(q_BH1E, *prefix, k_expected, v_expected, allowed_B1TS, 0.2)
         else:
             expected = _matmul_attention(q_BH1E, k_expected, v_expected, allowed_B1TS, 0.2)
-        got = decode_kernel.decode_attention_step(
+        got = kernels.decode_attention_step(
             q_BX, k_BY, v_BY, k_full[:, :, :U], v_full[:, :, :U], allowed_B1TS, cos_BE, sin_BE,
             q_norm.weight if qk_norm else None, k_norm.weight if qk_norm else None, 1e-6, 0.2, prefix=prefix)
     torch.testing.assert_close(got, expected.reshape(B, H * E), rtol=1e-5, atol=2e-6)
@@ -105,40 +106,43 @@ def test_attention_step_matches_norm_rotary_append_attend(with_prefix, qk_norm):
 def test_attention_step_refuses_inconsistent_inputs_before_touching_memory():
     B, H, K, E, U = 2, 4, 2, 8, 3
     q_BX, k_BY, v_BY = torch.randn(B, H * E), torch.randn(B, K * E), torch.randn(B, K * E)
-    k_cache = decode_kernel.key_buffer(B, K, 4, E, q_BX)[:, :, :U]
+    k_cache = kernels.key_buffer(B, K, 4, E, q_BX)[:, :, :U]
     v_cache = torch.zeros(B, K, 4, E)[:, :, :U]
     cos_BE, sin_BE = torch.ones(B, E), torch.zeros(B, E)
     allowed = torch.ones(B, 1, 1, U, dtype=torch.bool)
     with torch.no_grad():
         with pytest.raises(ValueError, match="bool mask"):  # an additive float mask is not a bool one
-            decode_kernel.decode_attention_step(q_BX, k_BY, v_BY, k_cache, v_cache, allowed.float(), cos_BE, sin_BE)
+            kernels.decode_attention_step(q_BX, k_BY, v_BY, k_cache, v_cache, allowed.float(), cos_BE, sin_BE)
         with pytest.raises(ValueError, match="head norms"):
-            decode_kernel.decode_attention_step(q_BX, k_BY, v_BY, k_cache, v_cache, allowed, cos_BE, sin_BE,
+            kernels.decode_attention_step(q_BX, k_BY, v_BY, k_cache, v_cache, allowed, cos_BE, sin_BE,
                                                 torch.ones(E - 1), torch.ones(E))
         with pytest.raises(ValueError, match="values"):
-            decode_kernel.decode_attention_step(q_BX, k_BY, v_BY, k_cache, v_cache[:, :, :U - 1], allowed, cos_BE,
+            kernels.decode_attention_step(q_BX, k_BY, v_BY, k_cache, v_cache[:, :, :U - 1], allowed, cos_BE,
                                                 sin_BE)
     assert v_cache.abs().sum() == 0  # nothing written
 
 
 def _decode_logits(model, fused: bool, monkeypatch) -> torch.Tensor:
-    """Prefill three left-padded prompts, fork each 2 ways, then 6 single-token steps; the
-    logits of every step."""
+    """Through the backend: prefill three left-padded prompts, fork each 2 ways, then 6
+    single-token steps (fused, or the model's own forward on the kernels' cache); the logits
+    of every step."""
+    backend = CpuKernelsDecode()
     with monkeypatch.context() as patch:
         if not fused:
-            patch.setattr(fused_decode, "applies", lambda *_: False)
+            patch.setattr(fused_step, "applies", lambda *_: False)
         gen = torch.Generator().manual_seed(3)
         prompts = [torch.randint(2, 200, (n,), generator=gen).tolist() for n in (9, 4, 6)]
         ids, pos, docs = left_pad(prompts, "cpu")
         steps = []
         with torch.no_grad():
-            cache = model.new_cache(3, ids.shape[1] + 6)
+            cache = backend.new_cache(model, 3, ids.shape[1] + 6)
             model(ids, pos, docs, cache=cache)
             cache = cache.fork(2)
             token_B = torch.randint(2, 200, (6,), generator=gen)
             position_B = torch.tensor([9, 9, 4, 4, 6, 6])
             for _ in range(6):
-                hidden = model(token_B[:, None], position_B[:, None], torch.zeros(6, 1, dtype=torch.long), cache=cache)
+                hidden = backend.decode(model, cache, token_B[:, None], position_B[:, None],
+                                        torch.zeros(6, 1, dtype=torch.long))
                 steps.append(model.compute_logits(hidden)[:, 0])
                 token_B, position_B = steps[-1].argmax(-1), position_B + 1
         return torch.stack(steps)
@@ -154,7 +158,7 @@ def test_fused_step_equals_the_block_by_block_step(arch, lora, monkeypatch):
                 if "lora_b" in name.lower():
                     param.normal_(0, 0.1)
     with torch.no_grad():
-        assert fused_decode.applies(torch.zeros(2, 8), model.layers, model.norm)
+        assert fused_step.applies(torch.zeros(2, 8), model.layers, model.norm)
     fused, unfused = _decode_logits(model, True, monkeypatch), _decode_logits(model, False, monkeypatch)
     torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5)
 
@@ -189,11 +193,11 @@ def test_hooked_or_replaced_linear_maps_keep_their_module_call(monkeypatch):
 def test_blocks_it_does_not_know_take_the_module_path():
     gemma = build_model(tiny_config("gemma3_text", initializer_range=0.2), seed=0)
     with torch.no_grad():
-        assert not fused_decode.applies(torch.zeros(2, 8), gemma.layers, gemma.norm)
+        assert not fused_step.applies(torch.zeros(2, 8), gemma.layers, gemma.norm)
     qwen = build_model(tiny_config("qwen3", initializer_range=0.2), seed=0)
-    assert not fused_decode.applies(torch.zeros(2, 8), qwen.layers, qwen.norm)  # gradients on
+    assert not fused_step.applies(torch.zeros(2, 8), qwen.layers, qwen.norm)  # gradients on
     with torch.no_grad():
-        assert not fused_decode.applies(torch.zeros(2, 8, dtype=torch.bfloat16), qwen.layers, qwen.norm)
+        assert not fused_step.applies(torch.zeros(2, 8, dtype=torch.bfloat16), qwen.layers, qwen.norm)
 
 
 @pytest.mark.parametrize("with_prefix,qk_norm", [(True, True), (False, False)])
@@ -206,23 +210,23 @@ def test_prepared_attention_step_is_the_checked_step_bitwise(with_prefix, qk_nor
     norms = [torch.rand(E, generator=gen) + 0.5 for _ in range(2)] if qk_norm else [None, None]
     caches = []
     for _ in range(2):  # the same starting cache for each side
-        k_BKSE = decode_kernel.key_buffer(B, K, S, E, torch.zeros(1))
+        k_BKSE = kernels.key_buffer(B, K, S, E, torch.zeros(1))
         k_BKSE.copy_(torch.randn(B, K, S, E, generator=torch.Generator().manual_seed(5)))
         caches.append((k_BKSE, torch.randn(B, K, S, E, generator=torch.Generator().manual_seed(6))))
     prefix = None
     if with_prefix:
-        pk = decode_kernel.key_buffer(P, K, Sp, E, torch.zeros(1))
+        pk = kernels.key_buffer(P, K, Sp, E, torch.zeros(1))
         pk.copy_(torch.randn(P, K, Sp, E, generator=gen))
         prefix = (pk, torch.randn(P, K, Sp, E, generator=gen))
     Sp_used = Sp if with_prefix else 0
     with torch.no_grad():
-        call = decode_kernel.AttentionStepCall(B, H, *caches[1], prefix, *norms, 1e-6, 0.3)
+        call = kernels.AttentionStepCall(B, H, *caches[1], prefix, *norms, 1e-6, 0.3)
         for U in range(1, S + 1):
             q_BX, k_BY, v_BY = (torch.randn(B, n * E, generator=gen) for n in (H, K, K))
             angles_BE = torch.rand(B, E // 2, generator=gen).repeat(1, 2) * 6
             allowed_B1TS = torch.rand(B, 1, 1, Sp_used + U, generator=gen) > 0.3
             allowed_B1TS[..., -1] = True
-            checked = decode_kernel.decode_attention_step(
+            checked = kernels.decode_attention_step(
                 q_BX, k_BY, v_BY, caches[0][0][:, :, :U], caches[0][1][:, :, :U], allowed_B1TS, angles_BE.cos(),
                 angles_BE.sin(), *norms, 1e-6, 0.3, prefix=prefix)
             prepared = call(q_BX, k_BY, v_BY, angles_BE.cos(), angles_BE.sin(), allowed_B1TS, U,
@@ -248,7 +252,7 @@ def test_plan_maps_are_the_functional_linear_bitwise_and_see_in_place_updates():
     for bias in (False, True):
         linear = torch.nn.Linear(24, 40, bias=bias)
         linear.requires_grad_(False)
-        plain, module_call = fused_decode._Map(linear), fused_decode._Map(torch.nn.Sequential(linear))
+        plain, module_call = fused_step._Map(linear), fused_step._Map(torch.nn.Sequential(linear))
         plain.buffered = True
         x_BI = torch.randn(7, 24)
         assert torch.equal(plain(x_BI), F.linear(x_BI, linear.weight, linear.bias))
@@ -263,16 +267,16 @@ def test_whole_step_program_gives_the_python_steps_bits(arch, monkeypatch):
     """The one-call step (`_StepProgram`: sgemm called as torch.mm calls it, then the same
     kernels) against the fused step's Python path: the same logits, bit for bit, at every
     step (the program takes over from the second step of a cache)."""
-    if decode_kernel.sgemm_address() is None:
+    if kernels.sgemm_address() is None:
         pytest.skip("this torch exports no sgemm_")
     model = build_model(tiny_config(arch, initializer_range=0.2), seed=0).eval()
     runs = []
     with monkeypatch.context() as patch:
-        patch.setattr(fused_decode._StepProgram, "run", _counting(fused_decode._StepProgram.run, runs))
+        patch.setattr(fused_step._StepProgram, "run", _counting(fused_step._StepProgram.run, runs))
         program = _decode_logits(model, True, monkeypatch)
     assert sum(runs) == 5  # it ran steps 2..6 (the first prepares the layers' attention calls)
     with monkeypatch.context() as patch:
-        patch.setattr(fused_decode._StepProgram, "fits", staticmethod(lambda *_: False))
+        patch.setattr(fused_step._StepProgram, "fits", staticmethod(lambda *_: False))
         python = _decode_logits(model, True, monkeypatch)
     assert torch.equal(program, python)
 
@@ -299,21 +303,21 @@ def test_engine_samples_are_the_same_with_and_without_the_whole_step_program(mon
     sampling = SamplingConfig(n=4, temperature=1.0, max_new_tokens=24, seed=3, stop_token_ids=(5, 17, 33, 60))
 
     def run(rows: int) -> list:
-        groups = NativeEngine(model, max_batch_rows=rows).generate(prompts, sampling)
+        groups = NativeEngine(model, max_batch_rows=rows, decode_backend="cpu_kernels").generate(prompts, sampling)
         return [(c.token_ids, c.logprobs, c.raw_logprobs, c.finish_reason) for g in groups for c in g]
 
     from posttrain.models.kv_cache import KVCache
 
     runs, selects = [], []
     with monkeypatch.context() as patch:
-        patch.setattr(fused_decode._StepProgram, "run", _counting(fused_decode._StepProgram.run, runs))
+        patch.setattr(fused_step._StepProgram, "run", _counting(fused_step._StepProgram.run, runs))
         patch.setattr(KVCache, "select", _counting(KVCache.select, selects))
         with_program = run(64), run(5)
     assert len(selects) >= 2  # finished rows left the batch
     with monkeypatch.context() as patch:
-        patch.setattr(fused_decode._StepProgram, "fits", staticmethod(lambda *_: False))
+        patch.setattr(fused_step._StepProgram, "fits", staticmethod(lambda *_: False))
         python_path = run(64), run(5)
-    if decode_kernel.sgemm_address() is not None:
+    if kernels.sgemm_address() is not None:
         assert sum(runs) > 10
     assert with_program == python_path
     assert {reason for *_, reason in with_program[0]} == {"stop_token", "length"}  # rows ended apart

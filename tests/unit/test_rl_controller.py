@@ -1,6 +1,7 @@
 """The RL controller (posttrain.rl.controller): a round's plan on a tiny model with the real demo
 tokenizer and the native engine; dynamic sampling, failed rewards, weight-sync verification,
-and a resumed controller that repeats the uninterrupted trajectory bit for bit."""
+a resumed controller that repeats the uninterrupted trajectory bit for bit, and one restored
+under another decode backend that says so."""
 
 from __future__ import annotations
 
@@ -142,6 +143,28 @@ def test_resumed_controller_repeats_the_trajectory(task, tmp_path):
     assert [m["loss"] for m in third.train_metrics] == [m["loss"] for m in results[2].train_metrics]
     for (name, a), b in zip(straight.policy.model.state_dict().items(), resumed.policy.model.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_a_controller_restored_under_another_decode_backend_warns(task):
+    """The state records what decoded (`posttrain.rl.decode_backends`); restoring it under the
+    same identity is silent, under another one (here the CPU kernels) a warning names both."""
+    import json
+    import warnings
+
+    first = make(task)
+    state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint's JSON holds it
+    assert state["decode"] == first.engine.decode_identity() and state["decode"]["backend"] == "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make(task).load_state_dict(state)
+    from posttrain.rl.cpu_kernels import kernels
+
+    if kernels.load() is None:
+        pytest.skip("no C compiler for the decode kernels")
+    tokenizer = task[0]
+    kernels_engine = NativeEngine(copy.deepcopy(first.policy.model), tokenizer=tokenizer, decode_backend="cpu_kernels")
+    with pytest.warns(RuntimeWarning, match=r"decoded under torch on .*, this resume decodes under cpu_kernels"):
+        make(task, engine=kernels_engine).load_state_dict(state)
 
 
 def test_on_policy_distillation_moves_the_student_toward_the_teacher(task):

@@ -1,7 +1,9 @@
 """The native rollout engine (posttrain.rl.native): greedy output equals transformers' `generate`
 token for token on all five architectures and through the transformers fallback, alone and
 batched; seeded samples are reproducible in any batch; the log-probs it reports equal the
-trainer's recomputation; weight updates apply whole or not at all; bad input is refused."""
+trainer's recomputation; weight updates apply whole or not at all; bad input is refused.
+Those first three hold under both decode backends (`decode_backend`: the torch reference and
+the CPU kernels); the rest run the default (torch)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,16 @@ def tiny(arch: str, seed: int = 3):
     # a larger init spread than the default keeps the argmax away from near-ties, so the
     # comparisons test the implementation rather than float rounding
     return build_model(tiny_config(arch, initializer_range=0.2), seed=seed).eval()
+
+
+@pytest.fixture(params=["torch", "cpu_kernels"])
+def decode_backend(request) -> str:
+    if request.param == "cpu_kernels":
+        from posttrain.rl.cpu_kernels import kernels
+
+        if kernels.load() is None:
+            pytest.skip("no C compiler for the decode kernels")
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -103,16 +115,17 @@ def test_decode_steps_read_the_same_rotary_tables_bitwise(arch_model):
         next(iter(beyond))][0])
 
 
-def test_greedy_equals_transformers_generate_alone_and_batched(arch_model, prompts):
+def test_greedy_equals_transformers_generate_alone_and_batched(arch_model, prompts, decode_backend):
     _, model, _, hf = arch_model
-    engine = NativeEngine(model)
-    assert isinstance(engine, RolloutEngine)
+    engine = NativeEngine(model, decode_backend=decode_backend)
+    assert isinstance(engine, RolloutEngine) and engine.decode_identity()["backend"] == decode_backend
     alone = [token_ids(engine.generate([p], GREEDY))[0] for p in prompts]
     assert len({tuple(o) for o in alone}) > 1  # not degenerate
     theirs_alone = [hf_greedy(hf, [p])[0] for p in prompts]
     assert alone == theirs_alone
     for rows in (3, len(prompts)):
-        assert token_ids(NativeEngine(model, max_batch_rows=rows).generate(prompts, GREEDY)) == alone
+        batched = NativeEngine(model, max_batch_rows=rows, decode_backend=decode_backend).generate(prompts, GREEDY)
+        assert token_ids(batched) == alone
     assert hf_greedy(hf, prompts) == alone  # transformers batched agrees too
 
 
@@ -145,12 +158,12 @@ def test_stop_tokens_end_completions_and_are_kept(prompts):
     assert [(g[0].token_ids, g[0].finish_reason) for g in zero] == [([], "length")] * 2
 
 
-def test_seeded_samples_are_reproducible_in_any_batch(prompts):
+def test_seeded_samples_are_reproducible_in_any_batch(prompts, decode_backend):
     model = tiny("gemma3_text")
     sampling = SamplingConfig(n=4, temperature=1.0, top_k=40, top_p=0.9, max_new_tokens=MAX_NEW, seed=11,
                               stop_token_ids=(EOS, 7, 9))
-    first = NativeEngine(model).generate(prompts, sampling)
-    again = NativeEngine(model, max_batch_rows=5).generate(prompts, sampling)
+    first = NativeEngine(model, decode_backend=decode_backend).generate(prompts, sampling)
+    again = NativeEngine(model, max_batch_rows=5, decode_backend=decode_backend).generate(prompts, sampling)
     as_ids = lambda groups: [[c.token_ids for c in g] for g in groups]  # noqa: E731
     assert as_ids(first) == as_ids(again)
     assert all(len(g) == 4 for g in first)
@@ -174,9 +187,10 @@ def test_top_k_one_is_greedy_and_filters_hold(prompts):
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "gpt_oss"])
-def test_reported_logprobs_equal_the_trainers_recomputation(arch, prompts):
+def test_reported_logprobs_equal_the_trainers_recomputation(arch, prompts, decode_backend):
     model = tiny(arch)
-    groups = NativeEngine(model).generate(prompts, SamplingConfig(n=2, temperature=1.0, max_new_tokens=MAX_NEW, seed=3))
+    groups = NativeEngine(model, decode_backend=decode_backend).generate(
+        prompts, SamplingConfig(n=2, temperature=1.0, max_new_tokens=MAX_NEW, seed=3))
     worst = 0.0
     for prompt, group in zip(prompts, groups):
         # the trainer's view: packed documents, one forward, the chunked log-prob op

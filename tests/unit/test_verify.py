@@ -55,10 +55,7 @@ def test_fails_when_cached_generation_breaks(tiny_dir, monkeypatch):
         return (k_all[:, :, :-1], v_all[:, :, :-1]) if self.cache.start > 0 else (k_all, v_all)
 
     monkeypatch.setattr(kv_cache.LayerKV, "append", forgetful)
-    from posttrain.models import fused_decode
     from posttrain.ops import attention
-
-    monkeypatch.setattr(fused_decode, "applies", lambda *_: False)  # decode steps through `append`
 
     real_mask = attention.build_cached_attention_mask
     monkeypatch.setattr("posttrain.models.decoder.build_cached_attention_mask",

@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttrain.models import fused_decode
 from posttrain.models.hf_config import FULL, SLIDING
 from posttrain.models.kv_cache import KVCache, LayerKV
 from posttrain.models.layers import GroupedQueryAttention, RMSNorm, RotaryEmbedding, ScaledEmbedding, SwiGLU
@@ -151,14 +150,26 @@ class DecoderLM(nn.Module):
                 gathered[id(cos_PE)] = (cos_PE[position_ids_BT], sin_PE[position_ids_BT])
         return {t: gathered[id(cos_PE)] for t, (cos_PE, _) in tables.items()}
 
-    def new_cache(self, batch: int, capacity: int) -> KVCache:
-        """An empty KV cache for `batch` rows of up to `capacity` tokens each."""
-        return KVCache(len(self.layers), batch, capacity, self.tok_embeddings.weight.device)
+    def new_cache(self, batch: int, capacity: int, cache_class: type[KVCache] = KVCache) -> KVCache:
+        """An empty KV cache (`cache_class`: `KVCache` or a subclass) for `batch` rows of up to
+        `capacity` tokens each."""
+        return cache_class(len(self.layers), batch, capacity, self.tok_embeddings.weight.device)
 
     def _cached_forward(self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor,
                         cache: KVCache, branch_ids_BT: torch.Tensor | None) -> torch.Tensor:
         if branch_ids_BT is not None:
             raise ValueError("a cached forward takes no branch_ids (tree documents are for training)")
+        x_BTD, rope, masks = self.cached_inputs(input_ids_BT, position_ids_BT, doc_ids_BT, cache)
+        for layer, (cos_BTE, sin_BTE), mask, kv in zip(self.layers, rope, masks, cache.layers):
+            x_BTD = layer(x_BTD, cos_BTE, sin_BTE, mask, kv)
+        return self.norm(x_BTD)
+
+    def cached_inputs(self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor,
+                      cache: KVCache) -> tuple[torch.Tensor, list, list[AttentionMask]]:
+        """Claim the cache's next slots for these tokens and return what the layers of a cached
+        forward take: the embeddings `x_BTD`, and per layer its rotary tables `(cos_BTE,
+        sin_BTE)` and its cached attention mask (layers of one type share one object). A
+        forward with `cache=` runs the layers on them, then the final norm."""
         cache.extend(position_ids_BT, doc_ids_BT)
         x_BTD = self.tok_embeddings(input_ids_BT)
         rope = (self._slot_rotary_tables(cache, position_ids_BT, x_BTD.dtype) if x_BTD.shape[1] == 1
@@ -167,15 +178,7 @@ class DecoderLM(nn.Module):
         masks = {w: build_cached_attention_mask(doc_ids_BT, position_ids_BT, cache.doc_ids_BS[:, :end],
                                                 cache.position_ids_BS[:, :end], cache.start, window=w)
                  for w in set(self.layer_windows)}
-        if x_BTD.shape[1] == 1 and all(type(layer) is DecoderBlock for layer in self.layers) \
-                and fused_decode.applies(x_BTD, self.layers, self.norm, cache):  # a decode step: the fused kernels
-            hidden_BD = fused_decode.decode_step(self.layers, cache.layers, x_BTD[:, 0],
-                                                 [rope[t] for t in self.layer_types],
-                                                 [masks[w] for w in self.layer_windows], self.norm)
-            return hidden_BD[:, None]
-        for layer, layer_type, window, kv in zip(self.layers, self.layer_types, self.layer_windows, cache.layers):
-            x_BTD = layer(x_BTD, *rope[layer_type], masks[window], kv)
-        return self.norm(x_BTD)
+        return x_BTD, [rope[t] for t in self.layer_types], [masks[w] for w in self.layer_windows]
 
     def compute_logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
         """Full logits `[B, T, vocab_size]` over the real vocabulary, soft-capped when

@@ -23,9 +23,10 @@ Backends (chosen once per forward by `select_backend`, then shared by every laye
 - "decode": a KV cache's single-query steps (`build_cached_attention_mask` with one new token
   per row): the same dense mask, attention as two batched matmuls and a float32 softmax.
   SDPA's CPU kernel is built for blocks of queries and took 1.6 ms per call on one query per
-  row where this takes a fraction (bench/rollout.py); inference only. In float32 on the CPU
-  the KV cache hands these steps to a fused C kernel instead (`posttrain.ops.decode_kernel`:
-  one pass over the keys, one over the values), and this path is its fallback.
+  row where this takes a fraction (bench/rollout.py); inference only. The rollout engine's
+  optional `cpu_kernels` decode backend runs these steps in a fused C kernel instead
+  (`posttrain.rl.cpu_kernels`: one pass over the keys, one over the values); this is the
+  reference.
 - "flex" (future, GPU): FlexAttention with a BlockMask built from the same predicate. It
   slots in by adding a branch to `build_attention_mask` and `document_attention`; CPU has no
   flex backward (DESIGN.md §6), so CPU uses "documents" or "sdpa".

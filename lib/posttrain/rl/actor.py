@@ -94,6 +94,11 @@ class EngineActor:
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         return self.engine.generate(prompts, sampling)
 
+    def decode_identity(self) -> dict | None:
+        from posttrain.rl.decode_backends import engine_identity
+
+        return engine_identity(self.engine)
+
     def update_weights(self, arrays: list[tuple[str, np.ndarray, str]]) -> Any:
         return self.engine.update_weights(from_arrays(arrays))
 
@@ -119,6 +124,14 @@ class RemoteEngine:
         actor_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(EngineActor)
         self.actors = [actor_cls.remote(spec, torch_threads) for _ in range(num_actors)]
         self._call(lambda a: a.__ray_ready__.remote())  # surface a failed start here, by its own error
+        identities = self._call(lambda a: a.decode_identity.remote())
+        self._decode_identity = identities[0] if all(i == identities[0] for i in identities) \
+            else {"backend": "mixed", "actors": identities}
+
+    def decode_identity(self) -> dict | None:
+        """What decodes in the actors (`posttrain.rl.decode_backends`; asked once, at the start):
+        their identity when they agree, else `{"backend": "mixed", "actors": [...]}`."""
+        return self._decode_identity
 
     def _call(self, submit) -> list[Any]:
         try:

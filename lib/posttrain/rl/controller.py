@@ -3,7 +3,8 @@
     controller = RLController(policy=trainer, engine=engine, scorer=scorer, prompts=prompt_ids,
                               records=records, settings=RoundSettings(...), pad_id=tok.pad_token_id)
     result = controller.run_round()          # a RoundResult: rollouts, rewards, metrics
-    state = controller.state_dict()          # round, prompt position (JSON-safe; the trainer saves its own)
+    state = controller.state_dict()          # round, prompt position, decode identity (JSON-safe;
+                                             # the trainer saves its own)
 
 The controller owns the plan; the roles do the work behind their contracts: the policy a
 `posttrain.rl.policy` role (a `Trainer` in this process, or a Ray worker group of one or more
@@ -37,6 +38,11 @@ Metrics: reward mean / std, pass@1 and pass@n (a sample succeeds when its reward
 `success_threshold`), the objective's KL / entropy / clip fraction / IS weight, completion
 lengths, the share of zero-advantage groups, failed rewards, and the time split
 (generate / score / reference / teacher / update / sync).
+
+The state also records what decoded the rollouts (the engine's decode identity:
+`posttrain.rl.decode_backends`): a controller restored under another one (another decode
+backend, CPU type or compiler) warns, naming both, since its samples may then differ from
+the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import numpy as np
 import torch
 
 from posttrain.rl.advantages import degenerate_groups, group_advantages
+from posttrain.rl.decode_backends import check_resume, engine_identity
 from posttrain.rl.engine import Completion, SamplingConfig, request_seed
 from posttrain.rl.rewards import RewardScorer, Scores
 from posttrain.rl.policy import as_policy
@@ -208,11 +215,12 @@ class RLController:
     # ---------------------------------------------------------------- state
 
     def state_dict(self) -> dict:
-        return {"round": self.round, "sampler": self.sampler.state_dict()}
+        return {"round": self.round, "sampler": self.sampler.state_dict(), "decode": engine_identity(self.engine)}
 
     def load_state_dict(self, state: dict) -> None:
         self.round = int(state["round"])
         self.sampler.load_state_dict(state["sampler"])
+        check_resume(state.get("decode"), engine_identity(self.engine))
 
     # ---------------------------------------------------------------- one round
 

@@ -14,6 +14,12 @@ One `generate` call works through the prompts in batches of at most `max_batch_r
    still going. Finished rows ride along until they are a quarter of the batch, then leave it
    (`KVCache.select`), so a long tail does not pay for rows that are done.
 
+The decode backend (`posttrain.rl.decode_backends`, `decode_backend=`) makes the cache, runs a
+decode step of our decoders and picks the tokens: "torch" (the default: the model's cached
+forward and the torch sampler, the reference), "cpu_kernels" (C kernels on the CPU) or
+"auto". `decode_identity()` names what decodes (the backend, CPU or GPU model, the kernels'
+instruction-set baseline), which an RL run records with its checkpoints.
+
 Left padding never changes a row's numbers beyond summation order: greedy output equals
 transformers' `generate` token for token, alone or batched (tests/unit/test_rollout_native.py).
 A completion stops at `max_new_tokens`, or earlier where the prompt plus completion would
@@ -31,6 +37,8 @@ import torch
 from torch import nn
 
 from posttrain.models.safetensors_io import CheckpointError
+from posttrain.rl import decode_backends
+from posttrain.rl.decode_backends import DecodeBackend
 from posttrain.rl.engine import (
     Completion,
     SamplingConfig,
@@ -39,7 +47,7 @@ from posttrain.rl.engine import (
     first_stop_string,
     request_seed,
 )
-from posttrain.rl.sampling import pick_tokens, row_uniforms
+from posttrain.rl.sampling import row_uniforms
 
 PAD_ID = 0  # any valid id: padded positions are masked out
 COMPACT_SHARE = 0.25  # finished rows leave the batch once they are this share of it
@@ -68,19 +76,20 @@ def left_pad(sequences: list[list[int]], device: torch.device | str) -> tuple[to
 
 
 class _DecoderStepper:
-    """Our `DecoderLM` with `posttrain.models.kv_cache.KVCache`."""
+    """Our `DecoderLM` with a KV cache (`posttrain.models.kv_cache.KVCache`), its decode steps
+    through the engine's decode backend."""
 
-    def __init__(self, model: nn.Module):
-        self.model = model
+    def __init__(self, model: nn.Module, backend: DecodeBackend):
+        self.model, self.backend = model, backend
 
     def prefill(self, input_ids_BT, position_ids_BT, doc_ids_BT, capacity: int):
-        cache = self.model.new_cache(input_ids_BT.shape[0], capacity)
+        cache = self.backend.new_cache(self.model, input_ids_BT.shape[0], capacity)
         hidden_BTD = self.model(input_ids_BT, position_ids_BT, doc_ids_BT, cache=cache)
         return self.model.compute_logits(hidden_BTD[:, -1:])[:, 0], cache
 
     def decode(self, cache, token_ids_B, position_ids_B):
         ids_B1, pos_B1 = token_ids_B[:, None], position_ids_B[:, None]
-        hidden_B1D = self.model(ids_B1, pos_B1, torch.zeros_like(ids_B1), cache=cache)
+        hidden_B1D = self.backend.decode(self.model, cache, ids_B1, pos_B1, torch.zeros_like(ids_B1))
         return self.model.compute_logits(hidden_B1D)[:, 0]
 
     def fork(self, cache, n: int):
@@ -168,20 +177,28 @@ class NativeEngine:
 
     `tokenizer` (optional) decodes completions (`Completion.text`) and enables stop strings.
     `context_length` defaults to the model config's `max_position_embeddings`.
+    `decode_backend`: "torch" (default), "cpu_kernels" or "auto" (module docstring); a
+    transformers-backend model runs its own steps, and the backend picks its tokens only.
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any = None, max_batch_rows: int = 256,
-                 context_length: int | None = None):
+                 context_length: int | None = None, decode_backend: str | DecodeBackend = "torch"):
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_rows = max_batch_rows
+        self.device = next(model.parameters()).device
+        self.decode_backend = decode_backends.decode_backend(decode_backend, self.device)
         self.transformers_backend = _is_transformers_backend(model)
-        self._stepper = _TransformersStepper(model) if self.transformers_backend else _DecoderStepper(model)
+        self._stepper = (_TransformersStepper(model) if self.transformers_backend
+                         else _DecoderStepper(model, self.decode_backend))
         self.context_length = context_length or getattr(model.config, "max_position_embeddings", None)
         self.vocab_size = model.config.vocab_size
-        self.device = next(model.parameters()).device
+
+    def decode_identity(self) -> dict:
+        """What decodes (`posttrain.rl.decode_backends.DecodeBackend.identity`)."""
+        return self.decode_backend.identity()
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike, backend: str = "native", device: str = "cpu",
@@ -270,7 +287,8 @@ class NativeEngine:
                                           logits_LV.shape[-1], device)
             uniforms_L = None if uniforms_SR is None else (
                 uniforms_SR[step] if every_row else uniforms_SR[step, rows_L])
-            token_ids_L, logprobs_L, raw_L = pick_tokens(logits_LV, sampling, uniforms_L, allowed_LV)
+            token_ids_L, logprobs_L, raw_L = self.decode_backend.pick_tokens(logits_LV, sampling, uniforms_L,
+                                                                             allowed_LV)
             if every_row:
                 batch.tokens_RS[:, step], batch.logprobs_RS[:, step], batch.raw_RS[:, step] = \
                     token_ids_L, logprobs_L, raw_L

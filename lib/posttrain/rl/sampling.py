@@ -12,10 +12,11 @@ and its own stream, never on the other rows, so a sample is the same in any batc
 keeps the `k` largest logits (ties at the k-th kept); top-p keeps the smallest set of most
 likely tokens whose probability reaches `p` (at least one).
 
-Without filters (no top-k / top-p, no allowed-token mask) on float32 CPU logits the draw runs
-as one fused C call (`posttrain.ops.decode_kernel.sample_rows`), the same rule with its sums
-in another fixed order: it can pick another token than the torch ops only where a row's
-uniform falls within float rounding of a boundary between two tokens.
+This is the reference sampler, in torch ops on any device. A decode backend may draw a
+`plain_draw` (no filter, no allowed-token mask) another way: the `cpu_kernels` backend as one
+C call, the same rule with its sums in another fixed order, which can pick another token than
+these ops only where a row's uniform falls within float rounding of a boundary between two
+tokens (`posttrain.rl.decode_backends`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from collections.abc import Sequence
 
 import torch
 
-from posttrain.ops import decode_kernel
 from posttrain.rl.engine import SamplingConfig
 
 
@@ -52,16 +52,20 @@ def row_uniforms(seeds: Sequence[int], steps: int, device: torch.device | str = 
     return torch.stack(rows).to(device) if rows else torch.empty(0, steps, device=device)
 
 
+def plain_draw(logits_RV: torch.Tensor, sampling: SamplingConfig, uniforms_R: torch.Tensor | None,
+               allowed_RV: torch.Tensor | None = None) -> bool:
+    """Whether `pick_tokens` with these arguments is a plain inverse-CDF draw from
+    `softmax(logits / temperature)`: sampled (not greedy) with one uniform per row, no top-k or
+    top-p filter, no allowed-token mask."""
+    return (allowed_RV is None and not 0 < sampling.top_k < logits_RV.shape[-1] and sampling.top_p >= 1.0
+            and not sampling.greedy and uniforms_R is not None and uniforms_R.shape == logits_RV.shape[:1])
+
+
 def pick_tokens(logits_RV: torch.Tensor, sampling: SamplingConfig, uniforms_R: torch.Tensor | None,
                 allowed_RV: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See the module docstring; `uniforms_R` is ignored (may be None) when `sampling.greedy`.
     `allowed_RV` (bool) restricts each row to its allowed tokens before temperature and the
     filters (constrained decoding); the raw log-probs stay those of the whole vocabulary."""
-    unfiltered = allowed_RV is None and not 0 < sampling.top_k < logits_RV.shape[-1] and sampling.top_p >= 1.0
-    if unfiltered and not sampling.greedy and uniforms_R is not None and uniforms_R.shape == logits_RV.shape[:1]:
-        fused = decode_kernel.sample_rows(logits_RV, sampling.temperature, uniforms_R)
-        if fused is not None:
-            return fused
     raw_logp_RV = torch.log_softmax(logits_RV.float(), dim=-1)
     if allowed_RV is not None:
         logits_RV = logits_RV.float().masked_fill(~allowed_RV, float("-inf"))

@@ -1,4 +1,5 @@
-"""A dense decoder's single-token decode step through the fused CPU kernels.
+"""A dense decoder's single-token decode step through the CPU decode kernels (the
+`cpu_kernels` decode backend's step).
 
 Eager torch runs a decode step's layer as ~65 small ops (norms as five ops each, q/k norms,
 rotary as eight, the cache writes, views and copies), each paying a dispatch and a pass over
@@ -6,7 +7,7 @@ memory; at generation's batch sizes that costs as much as the layer's matrix pro
 dense block (`posttrain.models.decoder.DecoderBlock` with `GroupedQueryAttention`, `RMSNorm`
 and `SwiGLU`: Llama and Qwen3) takes one step in 12 calls: its linear maps (a plain
 `nn.Linear` as the matrix product into a buffer; LoRA adapters and hooked modules through
-their own call), the rest in `posttrain.ops.decode_kernel`:
+their own call), the rest in `posttrain.rl.cpu_kernels.kernels`:
 
     h = add_rms_norm(x, attention_norm, + the previous block's MLP output)
     o = attend_step(wq(h), wk(h), wv(h))   # q/k norm, rotary, cache write, attention
@@ -20,14 +21,14 @@ At a few hundred rows a step's Python costs as much as its arithmetic, so what t
 from the modules (weights, norms, flags) and the buffers the plain linear maps write are
 gathered once per cache into a `_Plan` (kept in `KVCache.derived`, shared by the caches
 `fork` and `select` make), and each layer's attention goes through a prepared kernel call
-(`LayerKV.attend_step`). From a cache's second step on, a plain model's whole step is one C
-call (`_StepProgram`: the same sgemm torch's matrix product calls, with the same arguments,
-so the same bits). Measured at one row, where a step is all overhead: 1.43 ms a step before,
+(`KernelLayerKV.attend_step`: the step runs on a `KernelKVCache`). From a cache's second step
+on, a plain model's whole step is one C call (`_StepProgram`: the same sgemm torch's matrix
+product calls, with the same arguments, so the same bits). Measured at one row, where a step is all overhead: 1.43 ms a step before,
 0.70 ms with the plan, 0.51 ms with the program (the decode loop's own savings included).
 
 The same function as `DecoderBlock.forward` in float32, in other summation orders (norm sums,
 the attention's dot products): logits agree to ~1e-6, and greedy decoding matches transformers
-token for token (tests/unit/test_rollout_native.py, tests/unit/test_fused_decode.py).
+token for token (tests/unit/test_fused_decode.py, tests/unit/test_rollout_native.py).
 """
 
 from __future__ import annotations
@@ -39,14 +40,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttrain.models.kv_cache import KVCache, LayerKV
+from posttrain.models.decoder import DecoderBlock
+from posttrain.models.kv_cache import KVCache
 from posttrain.models.layers import GroupedQueryAttention, RMSNorm, SwiGLU
-from posttrain.ops import decode_kernel
 from posttrain.ops.attention import AttentionMask
+from posttrain.rl.cpu_kernels import kernels
+from posttrain.rl.cpu_kernels.cache import KernelKVCache, KernelLayerKV
 
 
 def block_fusable(block: nn.Module) -> bool:
-    """Whether a `DecoderBlock`'s parts are the dense ones this step knows."""
+    """Whether a block is a `DecoderBlock` with the dense parts this step knows."""
+    if type(block) is not DecoderBlock:
+        return False
     attention = block.attention
     norms = (block.attention_norm, block.ffn_norm)
     head_norms = (attention.q_norm, attention.k_norm) if type(attention) is GroupedQueryAttention else ()
@@ -59,10 +64,10 @@ def block_fusable(block: nn.Module) -> bool:
 def applies(x_BD: torch.Tensor, blocks: Sequence[nn.Module], final_norm: nn.Module,
             cache: KVCache | None = None) -> bool:
     """Whether `decode_step` takes this step: float32 on the CPU without gradients, the kernels
-    built, every block fusable and the final norm an `RMSNorm`. With `cache`, the blocks' check
-    is made once for the cache (and the caches `fork` and `select` make from it)."""
+    built, every block fusable and the final norm an `RMSNorm`; with `cache`, a `KernelKVCache`,
+    and the blocks' check is made once for it (and the caches `fork` and `select` make from it)."""
     if not (x_BD.dtype == torch.float32 and x_BD.device.type == "cpu" and not torch.is_grad_enabled()
-            and decode_kernel.load() is not None):
+            and kernels.load() is not None and (cache is None or isinstance(cache, KernelKVCache))):
         return False
     plan = None if cache is None else cache.derived.get(_PLAN)
     if plan is not None and plan.blocks is blocks and plan.final_norm is final_norm:
@@ -78,7 +83,7 @@ def _checked(result: torch.Tensor | None, what: str) -> torch.Tensor:
 
 # torch's registries of hooks that every module call runs (`nn.modules.module.register_module_forward_hook`)
 _GLOBAL_HOOKS = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)
-_PLAN = "fused_decode_plan"  # the `KVCache.derived` key of a cache's `_Plan`
+_PLAN = "fused_step_plan"  # the `KVCache.derived` key of a cache's `_Plan`
 
 
 def _plain_linear(module: nn.Module) -> bool:
@@ -154,7 +159,7 @@ class _Plan:
         """The whole-step program for this batch size, where it applies."""
         B = x_BD.shape[0]
         if B not in self.programs:
-            sgemm = decode_kernel.sgemm_address()
+            sgemm = kernels.sgemm_address()
             fits = sgemm is not None and x_BD.is_contiguous() and _StepProgram.fits(self, x_BD)
             self.programs[B] = _StepProgram(self, B, x_BD, sgemm) if fits else None
         return self.programs[B]
@@ -190,7 +195,7 @@ class _StepProgram:
         self.buffers = {name: new((B, width)) for name, width in
                         (("h", D), ("q", HE), ("k", KE), ("v", KE), ("o", HE), ("proj", D), ("gate", F_),
                          ("up", F_), ("down", D))}
-        buf, bits = self.buffers, decode_kernel.float_bits
+        buf, bits = self.buffers, kernels.float_bits
         final = plan.final_norm.weight
         header = [len(parts), B, D, HE, KE, F_, sgemm, 0, 0,  # 7, 8: the step's input and output, set per step
                   final.data_ptr(), bits(plan.final_norm.eps),
@@ -205,7 +210,7 @@ class _StepProgram:
                        0]  # the layer's prepared attention call, set per step
         fields = header + layers
         self._fields = (ctypes.c_int64 * len(fields))(*fields)
-        self._entry = decode_kernel.load().posttrain_decode_step_f32
+        self._entry = kernels.load().posttrain_decode_step_f32
         # the norm weights' storage, held alive for the addresses above (the maps' views hold theirs)
         self._norm_weights = [final] + [w for part in parts for w in (part.attention_norm.weight, part.ffn_norm.weight)]
         head_size = KE // first.n_kv_heads
@@ -236,7 +241,7 @@ class _StepProgram:
                 return False
         return plan.final_norm.weight.is_contiguous() and plan.final_norm.weight.dtype is torch.float32
 
-    def run(self, x_BD: torch.Tensor, kv_layers: Sequence[LayerKV], plan: "_Plan",
+    def run(self, x_BD: torch.Tensor, kv_layers: Sequence[KernelLayerKV], plan: "_Plan",
             rope: Sequence[tuple[torch.Tensor, torch.Tensor]], masks: Sequence[AttentionMask]) -> torch.Tensor | None:
         """The step's final-normed hidden states (a new `[B, D]` tensor), or None (nothing
         done) where a layer has no prepared attention call for this step yet."""
@@ -274,10 +279,10 @@ def _plan(blocks: Sequence[nn.Module], final_norm: RMSNorm, cache: KVCache) -> _
 
 def _norm(x_BD: torch.Tensor, norm: RMSNorm, delta_BD: torch.Tensor | None, out_BD: torch.Tensor | None,
           what: str) -> torch.Tensor:
-    return _checked(decode_kernel.add_rms_norm(x_BD, norm.weight, norm.eps, delta_BD, out_BD), what)
+    return _checked(kernels.add_rms_norm(x_BD, norm.weight, norm.eps, delta_BD, out_BD), what)
 
 
-def decode_step(blocks: Sequence[nn.Module], kv_layers: Sequence[LayerKV], x_BD: torch.Tensor,
+def decode_step(blocks: Sequence[nn.Module], kv_layers: Sequence[KernelLayerKV], x_BD: torch.Tensor,
                 rope: Sequence[tuple[torch.Tensor, torch.Tensor]], masks: Sequence[AttentionMask],
                 final_norm: RMSNorm) -> torch.Tensor:
     """The final-normed hidden states `[B, D]` of one token per row through `blocks` (module
@@ -304,6 +309,6 @@ def decode_step(blocks: Sequence[nn.Module], kv_layers: Sequence[LayerKV], x_BD:
             None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight, parts.head_eps),
             "attend_step")
         h_BD = _norm(x_BD, parts.ffn_norm, parts.wo(o_BX), norm_out_BD if parts.buffered else None, "add_rms_norm")
-        gate_BF = _checked(decode_kernel.silu_mul(parts.w_gate(h_BD), parts.w_up(h_BD)), "silu_mul")
+        gate_BF = _checked(kernels.silu_mul(parts.w_gate(h_BD), parts.w_up(h_BD)), "silu_mul")
         pending_BD = parts.w_down(gate_BF)
     return _norm(x_BD, final_norm, pending_BD, None, "add_rms_norm")

@@ -1,5 +1,5 @@
 /* Row-wise float32 operations of a decode step, fused: a residual add with the RMSNorm that
- * follows it, and SwiGLU's silu(gate) * up. posttrain/ops/decode_kernel.py states the contract
+ * follows it, and SwiGLU's silu(gate) * up. posttrain/rl/cpu_kernels/kernels.py states the contract
  * and compiles this file with decode_attention.c at first use.
  *
  * Rows are split over OpenMP threads when there are enough elements to pay for it; each row is

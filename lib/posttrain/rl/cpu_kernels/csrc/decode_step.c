@@ -1,6 +1,6 @@
 /* A dense decoder's whole decode step in one call: every block's norms, linear maps (the BLAS
  * sgemm that torch's matrix product calls, with the same arguments, so the same bits), fused
- * attention and SwiGLU, then the final norm. posttrain/models/fused_decode.py builds the plan
+ * attention and SwiGLU, then the final norm. posttrain/rl/cpu_kernels/fused_step.py builds the plan
  * (StepProgram) and states the contract; this file only runs it.
  *
  * Why: at a few hundred rows, the ~40 Python-level calls of a step (each a dispatch and

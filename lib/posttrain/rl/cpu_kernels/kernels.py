@@ -1,20 +1,22 @@
-"""Fused CPU kernels for a decode step: the KV cache's single-query attention
-(`csrc/decode_attention.c`) and the row-wise operations around it (`csrc/decode_rows.c`).
+"""The C decode kernels of the `cpu_kernels` decode backend: the KV cache's single-query
+attention (`csrc/decode_attention.c`), the row-wise operations around it (`csrc/decode_rows.c`),
+the whole-step call (`csrc/decode_step.c`) and the sampler (`csrc/sample_rows.c`), compiled
+at first use and called through ctypes.
 
 `decode_attention(q_BHTE, k_BKUE, v_BKUE, allowed_B1TS, scale, sinks_H=None, prefix=None)`
 returns `o_BHTE` for `T == 1`, float32, or None where the kernel does not apply (another
-dtype or device, no C compiler): the caller then runs its torch path. `prefix` is
+dtype or device, gradients on): the caller then runs its torch path. `prefix` is
 `(prefix_k_PKSE, prefix_v_PKSE)`, slots shared by groups of `B // P` consecutive rows
 (`posttrain.models.kv_cache.KVCache.fork`); the mask covers the prefix's slots, then the
-row's own. Keys must be stored slot-minor (`key_buffer`, as the KV cache stores them),
-values and queries head-minor (contiguous in their last dimension).
+row's own. Keys must be stored slot-minor (`key_buffer`, as `posttrain.rl.cpu_kernels.cache`
+stores them), values and queries head-minor (contiguous in their last dimension).
 
 Why: a decode step's attention is a matrix-vector product per row against its cached keys. As
 torch ops it is two batched matmuls over thousands of tiny matrices (a sum across vector
 lanes per key), a mask fill and a softmax, each a pass over memory; this reads each key and
 value once, and with keys stored slot-minor one multiply-add scores a vector of slots (8 with
-AVX2, 16 with AVX-512). It computes the same function in another summation order (float32
-results agree to ~1e-6 relative), and its result does not depend on the thread count.
+AVX2). It computes the same function in another summation order (float32 results agree to
+~1e-6 relative), and its result does not depend on the thread count.
 
 `decode_attention_step(...)` is the same attention with what precedes it fused in: from the
 step's raw q/k/v projections, the per-head q/k RMSNorm and the rotary embedding, and the
@@ -23,21 +25,27 @@ layer). `AttentionStepCall` is that call prepared for one cache layer: checked a
 once, then one pointer per step. `add_rms_norm(x_BD, weight_D, eps, delta_BD)` adds a residual in place and returns
 the RMSNorm of the sum; `silu_mul(gate_BF, up_BF)` is SwiGLU's `silu(gate) * up`, in place.
 Each returns None where it does not apply (the caller's torch ops run instead); together they
-make a dense block's decode step (`posttrain.models.fused_decode`). `sample_rows(logits_RV,
+make a dense block's decode step (`posttrain.rl.cpu_kernels.fused_step`). `sample_rows(logits_RV,
 temperature, uniforms_R)` draws one token per row by inverse CDF (`csrc/sample_rows.c`), the
 sampler's unfiltered case (`posttrain.rl.sampling.pick_tokens`) in one call instead of ~10
 torch ops.
 
-The C sources are compiled at first use with the system compiler (`cc`, or `$CC`) into one
-library in `$POSTTRAIN_KERNEL_DIR` (default `~/.cache/posttrain/kernels`), named by a hash of
-sources and flags, and loaded with ctypes; later processes load the cached library. OpenMP threads come
-from the runtime torch has loaded (the same `libgomp.so.1`). `POSTTRAIN_DECODE_KERNEL=0`
-turns the kernels off; a failed build is reported once (a warning) and the torch path is used.
+Build: the C sources are compiled at first use with the system compiler (`cc`, or `$CC`)
+for a fixed instruction-set baseline, never `-march=native`: `-march=x86-64-v3` (AVX2, FMA)
+on x86-64 CPUs that have it, else the compiler's default target (`isa_flags`). So two
+machines with the same baseline and compiler run the same instructions and draw the same
+tokens, whatever their CPU model; `identity()` names what a library was built for (it goes
+into the decode backend's identity, which an RL run records). The library goes to
+`$POSTTRAIN_KERNEL_DIR` (default `~/.cache/posttrain/kernels`), named by a hash of sources,
+compiler and flags, and is loaded with ctypes; later processes load the cached library.
+OpenMP threads come from the runtime torch has loaded (the same `libgomp.so.1`). A failed
+build is reported once (a warning, `failure()` keeps the reason) and every kernel returns None.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -53,45 +61,78 @@ import torch
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "decode_attention.c", CSRC / "decode_rows.c", CSRC / "sample_rows.c", CSRC / "decode_step.c")
 HEADERS = (CSRC / "vec.h",)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+# x86-64-v3 in /proc/cpuinfo's names (`abm` is LZCNT); the v2 features come with them on any such CPU
+X86_64_V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
 _SYMBOL = "posttrain_decode_attention_f32"
 _PACKED_STEP_SYMBOL = "posttrain_decode_attention_step_packed"
 _library: ctypes.CDLL | None = None
 _sgemm: int | None = None  # sgemm_address(): 0 once looked for and not found
-_failed = False
+_failure: str | None = None  # why the build failed (then no second attempt)
 
 
 def kernel_dir() -> Path:
     return Path(os.environ.get("POSTTRAIN_KERNEL_DIR") or Path.home() / ".cache" / "posttrain" / "kernels")
 
 
-def enabled() -> bool:
-    return os.environ.get("POSTTRAIN_DECODE_KERNEL", "1") != "0"
-
-
-def _cpu_flags() -> str:
+def _cpu_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return line
+                return frozenset(line.partition(":")[2].split())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return frozenset()
+
+
+@functools.cache
+def isa_flags() -> tuple[str, ...]:
+    """The instruction-set flags the kernels are compiled with: `-march=x86-64-v3` on an
+    x86-64 CPU with its features, else none (the compiler's default target)."""
+    if platform.machine().lower() in ("x86_64", "amd64") and X86_64_V3 <= _cpu_flags():
+        return ("-march=x86-64-v3",)
+    return ()
+
+
+def flags() -> tuple[str, ...]:
+    return ("-O3", *isa_flags(), "-fopenmp", "-fPIC", "-shared")
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    return compiler
+
+
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return compiler
+    return (done.stdout.splitlines() or [compiler])[0].strip()
+
+
+def identity() -> dict:
+    """What the kernels are built for: the instruction-set flags (`isa`) and the compiler."""
+    try:
+        compiler = _compiler_version(_compiler())
+    except RuntimeError:
+        compiler = None
+    return {"isa": " ".join(isa_flags()) or "compiler default", "compiler": compiler}
 
 
 def _build() -> ctypes.CDLL:
     source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    # -march=native: the library is only valid on this kind of CPU, so its flags name it too
-    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS, _cpu_flags())).encode()).hexdigest()[:16]
-    target = kernel_dir() / f"decode_attention-{digest}.so"
+    compiler = _compiler()
+    key = " ".join((compiler, _compiler_version(compiler), *flags()))
+    digest = hashlib.sha256(source + key.encode()).hexdigest()[:16]
+    target = kernel_dir() / f"decode_kernels-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            done = subprocess.run([compiler, *FLAGS, "-o", str(built), *map(str, SOURCES)], capture_output=True,
+            done = subprocess.run([compiler, *flags(), "-o", str(built), *map(str, SOURCES)], capture_output=True,
                                   text=True)
             if done.returncode != 0:
                 names = ", ".join(path.name for path in SOURCES)
@@ -116,16 +157,21 @@ def _build() -> ctypes.CDLL:
 
 
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None (turned off, or the build failed: warned once)."""
-    global _library, _failed
-    if _library is None and not _failed and enabled():
+    """The compiled kernel library, or None (the build failed: warned once, `failure()` says why)."""
+    global _library, _failure
+    if _library is None and _failure is None:
         try:
             _library = _build()
         except (OSError, RuntimeError) as err:
-            _failed = True
-            warnings.warn(f"posttrain: the fused decode-attention kernel is unavailable ({err}); "
+            _failure = str(err)
+            warnings.warn(f"posttrain: the CPU decode kernels are unavailable ({err}); "
                           "generation uses the torch path", RuntimeWarning, stacklevel=2)
     return _library
+
+
+def failure() -> str | None:
+    """Why the kernels could not be built (None: built, or not tried yet)."""
+    return _failure
 
 
 def applies(q_BHTE: torch.Tensor, keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...],

@@ -1,5 +1,5 @@
 /* Single-query attention over a KV cache, fused: one pass over each row's keys (scores), a
- * float32 softmax, one pass over its values. posttrain/ops/decode_kernel.py states the
+ * float32 softmax, one pass over its values. posttrain/rl/cpu_kernels/kernels.py states the
  * contract and compiles this file at first use.
  *
  * Row b of a decode step attends over Sp slots of a shared prefix (groups of `group`
@@ -352,7 +352,7 @@ void posttrain_decode_attention_step_f32(
 
 /* posttrain_decode_attention_step_f32 with its 42 arguments in one array, in the order of its
  * parameters: pointers as addresses, eps (13) and scale (40) as the bits of a float. A prepared
- * call (posttrain/ops/decode_kernel.py, AttentionStepCall) keeps the array, sets the few
+ * call (posttrain/rl/cpu_kernels/kernels.py, AttentionStepCall) keeps the array, sets the few
  * entries that change from step to step, and passes one pointer. */
 void posttrain_decode_attention_step_packed(const int64_t* f) {
 #define PTR(i) ((float*)(intptr_t)f[i])

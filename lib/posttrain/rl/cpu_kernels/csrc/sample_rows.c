@@ -1,6 +1,6 @@
 /* Inverse-CDF sampling of one token per row from float32 logits, fused: the log-softmax, the
  * tempered distribution, its cumulative sum and the search in a few passes over a row.
- * posttrain/ops/decode_kernel.py (`sample_rows`) states the contract and compiles this file
+ * posttrain/rl/cpu_kernels/kernels.py (`sample_rows`) states the contract and compiles this file
  * with the other decode kernels at first use.
  *
  * Row r: raw_i = (x_i - max x) - log(sum_j exp(x_j - max x)) (the model's log-probabilities);
