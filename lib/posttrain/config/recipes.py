@@ -77,6 +77,9 @@ class RecipeConfig:
                               "model.init: pretrained")
         if self.needs_native and self.model.backend != "native":
             raise ConfigError(f"{self.needs_native}: model.backend must be 'native'")
+        if self.model.backend == "transformers" and getattr(self.own_section, "shared_prompt", False):
+            raise ConfigError("model.backend 'transformers' cannot share a prompt between two responses (tree "
+                              f"masks): set {self.section}.shared_prompt: false")
 
     def validate_heldout(self) -> None:
         """Evaluation needs exactly one held-out set: a source or a fraction of the training data."""
@@ -152,12 +155,6 @@ class DPOConfig(RecipeConfig):
     default_suites = ("heldout_loss", "task", "preference")
 
     dpo: DPOSection = field(default_factory=DPOSection)
-
-    def validate(self) -> None:
-        super().validate()
-        if self.model.backend == "transformers" and self.dpo.shared_prompt:
-            raise ConfigError("model.backend 'transformers' cannot share a prompt between two responses (tree "
-                              "masks): set dpo.shared_prompt: false")
 
 
 @dataclass
