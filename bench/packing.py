@@ -88,6 +88,7 @@ from posttrain.data.length_stats import LengthStats
 from posttrain.data.packer import PackedRows, StreamPacker, iter_batches
 from posttrain.data.prefetch import PackedBatchPrefetcher
 from posttrain.models.architectures import build_model, tiny_config
+from posttrain.objectives.sft import SFTObjective
 from posttrain.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -311,7 +312,8 @@ def throughput(pieces, row_length: int, batch_rows: int, window: int, vocab_size
         raise RuntimeError(f"the sides do not train the same tokens: {tokens} {loss_tokens}")
     config = tiny_config(vocab_size=vocab_size)
     model = build_model(config, seed=0)
-    trainer = Trainer(model, TrainConfig(device="cpu", warmup_steps=0, learning_rate=1e-3), total_steps=10**6)
+    trainer = Trainer(model, TrainConfig(device="cpu", warmup_steps=0, learning_rate=1e-3), total_steps=10**6,
+                      objective=SFTObjective())
     sides = list(steps)
     seconds: dict[str, list[float]] = {side: [] for side in sides}
     for p in range(repeats + 1):

@@ -88,6 +88,7 @@ from posttrain.config.schema import TrainConfig  # noqa: E402
 from posttrain.data.packer import iter_batches, pack_samples  # noqa: E402
 from posttrain.models.qwen3.model import Qwen3Config  # noqa: E402
 from posttrain.models.architectures import build_model, save_hf_checkpoint  # noqa: E402
+from posttrain.objectives.sft import SFTObjective  # noqa: E402
 from posttrain.ops.precision import cpu_bf16_feature  # noqa: E402
 from posttrain.train.trainer import Trainer  # noqa: E402
 
@@ -230,7 +231,8 @@ def build_variants(names: list[str], config: Qwen3Config, cfg: TrainConfig, batc
             bf16 = "_bf16_" in name
             if name.startswith("ours"):
                 trainer = Trainer(build_model(config, seed=0), dataclasses.replace(
-                    cfg, compile=name.endswith("compiled"), mixed_precision="bf16" if bf16 else "no"), total_steps=10**6)
+                    cfg, compile=name.endswith("compiled"), mixed_precision="bf16" if bf16 else "no"), total_steps=10**6,
+                                  objective=SFTObjective())
                 variants.append(Variant(name, lambda i, t=trainer: t.train_step([batches[i]])["loss"]))
             else:
                 model = Qwen3ForCausalLM.from_pretrained(tmp, attn_implementation="sdpa", dtype=torch.float32)

@@ -21,6 +21,7 @@ from posttrain.train.checkpoint import (
     from_json_tree,
     to_json_tree,
 )
+from posttrain.objectives.sft import SFTObjective
 from posttrain.train.trainer import Trainer
 
 T = 16
@@ -28,7 +29,8 @@ T = 16
 
 def make_trainer(seed: int = 0, **config) -> Trainer:
     model = build_model(tiny_config(**config), seed=seed)
-    return Trainer(model, TrainConfig(device="cpu", learning_rate=1e-2, warmup_steps=1), total_steps=20)
+    return Trainer(model, TrainConfig(device="cpu", learning_rate=1e-2, warmup_steps=1), total_steps=20,
+                   objective=SFTObjective())
 
 
 def batch(i: int) -> dict:

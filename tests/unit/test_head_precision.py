@@ -112,14 +112,17 @@ def test_auto_is_bf16_with_bf16_mixed_precision_and_falls_back_on_cpus_without_n
 def test_trainer_runs_the_head_in_bf16_and_reports_it(capsys):
     from test_trainer import T, config, packed_row, tiny_model
 
+    from posttrain.objectives.sft import SFTObjective
     from posttrain.train.trainer import Trainer
 
     batch = packed_row(torch.Generator().manual_seed(0), [T], [T - 1])
-    fp32 = Trainer(tiny_model(), config(), total_steps=3).train_step([batch])
-    bf16 = Trainer(tiny_model(), config(mixed_precision="bf16"), total_steps=3).train_step([batch])
+    fp32 = Trainer(tiny_model(), config(), total_steps=3, objective=SFTObjective()).train_step([batch])
+    bf16 = Trainer(tiny_model(), config(mixed_precision="bf16"), total_steps=3,
+                   objective=SFTObjective()).train_step([batch])
     assert fp32["head_precision"] == "fp32" and bf16["head_precision"] == "bf16"
     assert "[train] output projection: bf16 (CPU " in capsys.readouterr().out
     assert abs(bf16["loss"] - fp32["loss"]) / fp32["loss"] < 1e-2  # bf16 decoder and head
-    head_only = Trainer(tiny_model(), config(head_precision="bf16"), total_steps=3).train_step([batch])
+    head_only = Trainer(tiny_model(), config(head_precision="bf16"), total_steps=3,
+                        objective=SFTObjective()).train_step([batch])
     assert head_only["head_precision"] == "bf16" and abs(head_only["loss"] - fp32["loss"]) / fp32["loss"] < LOSS_REL_TOL
     assert TrainConfig().head_precision == "auto"

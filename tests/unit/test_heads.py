@@ -23,6 +23,7 @@ from posttrain.models.heads import (
 )
 from posttrain.models.hf_backend import HFCausalLM
 from posttrain.models.architectures import CheckpointError, build_model, tiny_config
+from posttrain.objectives.sft import SFTObjective
 from posttrain.ops.losses import IGNORE_INDEX, causal_lm_loss
 from posttrain.train.trainer import Trainer
 from posttrain.verify.logits import randomize_weights_
@@ -102,7 +103,7 @@ def test_value_head_trains(tmp_path):
 
     before = model.head.score.weight.detach().clone()
     cfg = TrainConfig(learning_rate=1e-2, warmup_steps=0, weight_decay=0.0, min_lr_ratio=1.0)
-    trainer = Trainer(model, cfg, total_steps=10, loss_fn=score_loss)
+    trainer = Trainer(model, cfg, total_steps=10, objective=SFTObjective(score_loss))
     losses = [trainer.train_step([batch])["loss"] for _ in range(10)]
     assert not torch.equal(before, model.head.score.weight)
     assert losses[-1] < 0.5 * losses[0], losses
@@ -117,7 +118,7 @@ def test_replaced_head_trains_with_causal_lm_loss_and_round_trips(tmp_path):
     assert model.backbone.config.vocab_size == 250  # inputs keep the backbone's vocabulary
     batch = padded(target_vocab=NEW_VOCAB)
     cfg = TrainConfig(learning_rate=1e-2, warmup_steps=0, weight_decay=0.0, min_lr_ratio=1.0)
-    trainer = Trainer(model, cfg, total_steps=10)
+    trainer = Trainer(model, cfg, total_steps=10, objective=SFTObjective())
     losses = [trainer.train_step([batch])["loss"] for _ in range(10)]
     assert losses[-1] < 0.7 * losses[0], losses
     assert torch.count_nonzero(model.head.weight[NEW_VOCAB:]) == 0  # padding rows get no gradient

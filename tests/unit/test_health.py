@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from posttrain.config.schema import HealthConfig
+from posttrain.objectives.sft import SFTObjective
 from posttrain.ops.losses import causal_lm_loss
 from posttrain.train.health import HealthMonitor, TrainingHealthError
 from posttrain.train.trainer import Trainer
@@ -71,7 +72,7 @@ def test_nonfinite_step_is_skipped_and_leaves_state_untouched(where):
     bad = {3: float("nan")} if where == "loss" else {3: float("inf")}
     loss_fn = Injected(loss=bad) if where == "loss" else Injected(grad=bad)
     trainer = Trainer(tiny_model(), config(learning_rate=1e-3, warmup_steps=2, health=health()), total_steps=10,
-                      loss_fn=loss_fn)
+                      objective=SFTObjective(loss_fn))
     data = batches(5)
     for b in data[:2]:
         assert trainer.train_step([b])["health"] == "ok"
@@ -93,7 +94,7 @@ def test_nonfinite_step_is_skipped_and_leaves_state_untouched(where):
 def test_consecutive_nonfinite_steps_raise_with_a_clear_message():
     loss_fn = Injected(loss={2: float("nan"), 3: float("inf"), 4: float("nan")})
     trainer = Trainer(tiny_model(), config(health=health(max_consecutive_bad_steps=3)), total_steps=10,
-                      loss_fn=loss_fn)
+                      objective=SFTObjective(loss_fn))
     trainer.health.mark_checkpoint("/runs/x/checkpoints/step-1", 1)
     data = batches(4)
     trainer.train_step([data[0]])
@@ -120,7 +121,7 @@ def test_a_good_step_resets_the_bad_streak():
 def test_loss_spike_is_flagged_and_the_step_still_applied():
     loss_fn = Injected(loss={5: 20.0})
     trainer = Trainer(tiny_model(), config(learning_rate=1e-3, health=health(spike_factor=3.0)), total_steps=10,
-                      loss_fn=loss_fn)
+                      objective=SFTObjective(loss_fn))
     data = batches(6)
     flags = [trainer.train_step([b]) for b in data[:4]]
     assert [m["health"] for m in flags] == ["ok"] * 4
@@ -135,7 +136,7 @@ def test_grad_explosion_is_flagged_relative_and_absolute():
     loss_fn = Injected(grad={5: 1000.0})
     # config() turns clipping off (max_grad_norm 1e9), which is also the default floor: set it
     trainer = Trainer(tiny_model(), config(health=health(grad_explosion_factor=10.0, grad_explosion_min_norm=0.0)),
-                      total_steps=10, loss_fn=loss_fn)
+                      total_steps=10, objective=SFTObjective(loss_fn))
     data = batches(6)
     ok = [trainer.train_step([b]) for b in data[:4]]
     assert not any(m["grad_explosion"] for m in ok)
@@ -144,7 +145,8 @@ def test_grad_explosion_is_flagged_relative_and_absolute():
     assert not boom["skipped"] and boom["grad_norm"] > 10 * max(m["grad_norm"] for m in ok)
 
     alert = ok[0]["grad_norm"] / 2
-    absolute = Trainer(tiny_model(), config(health=health(max_grad_norm_alert=alert)), total_steps=10)
+    absolute = Trainer(tiny_model(), config(health=health(max_grad_norm_alert=alert)), total_steps=10,
+                       objective=SFTObjective())
     first = absolute.train_step([data[0]])  # no history needed for the absolute threshold
     assert first["grad_explosion"] and first["health"] == "grad_explosion"
 
@@ -225,7 +227,8 @@ def test_spikes_are_measured_as_rises_so_negative_losses_work():
 
 def test_a_clean_tiny_training_run_flags_nothing():
     """Overfitting a few packed rows: the loss falls towards zero and the gradients shrink."""
-    trainer = Trainer(tiny_model(), config(learning_rate=3e-3, warmup_steps=5, max_grad_norm=1.0), total_steps=150)
+    trainer = Trainer(tiny_model(), config(learning_rate=3e-3, warmup_steps=5, max_grad_norm=1.0), total_steps=150,
+                      objective=SFTObjective())
     data = batches(3)
     history = [trainer.train_step([data[i % 3]]) for i in range(150)]
     assert history[-1]["loss"] < history[0]["loss"] / 5

@@ -17,6 +17,7 @@ from posttrain.models.hf_backend import (
     load_hf_backend,
 )
 from posttrain.models.architectures import ARCHITECTURES, CheckpointError
+from posttrain.objectives.sft import SFTObjective
 from posttrain.ops.losses import IGNORE_INDEX, causal_lm_loss
 from posttrain.train.trainer import Trainer
 
@@ -140,7 +141,7 @@ def test_packed_rows_give_per_document_logits(mistral_dir):
 
 def test_training_steps_reduce_loss_packed_and_padded(mistral_dir):
     model = load_hf_backend(mistral_dir)
-    trainer = Trainer(model, train_config(), total_steps=8)
+    trainer = Trainer(model, train_config(), total_steps=8, objective=SFTObjective())
     packed, _ = packed_row([7, 6, 5], seed=1)
     padded = padded_batch([12, 9], seed=2)
     losses = [trainer.train_step([packed, padded])["loss"] for _ in range(8)]
@@ -158,7 +159,7 @@ def test_model_without_packed_masks_is_detected_and_refused():
     batch = padded_batch([15, 4])
     loss_sum, n = causal_lm_loss(model, batch)
     assert abs(float(loss_sum.detach() / n) - float(hf_loss(model.hf, batch).detach())) <= 1e-5
-    metrics = Trainer(model, train_config(), total_steps=1).train_step([batch])
+    metrics = Trainer(model, train_config(), total_steps=1, objective=SFTObjective()).train_step([batch])
     assert metrics["loss_tokens"] == 14 + 3
 
 
@@ -207,7 +208,7 @@ def test_build_training_model_from_config(mistral_dir):
 
 def test_save_pretrained_round_trip(tmp_path, mistral_dir):
     model = load_hf_backend(mistral_dir)
-    Trainer(model, train_config(), total_steps=1).train_step([padded_batch([10, 8])])
+    Trainer(model, train_config(), total_steps=1, objective=SFTObjective()).train_step([padded_batch([10, 8])])
     model.save_pretrained(tmp_path / "out")
     assert (tmp_path / "out" / "model.safetensors").exists()
     again = load_hf_backend(tmp_path / "out")

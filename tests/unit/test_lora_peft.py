@@ -28,6 +28,7 @@ from posttrain.models.peft_export import (  # noqa: E402
     save_peft_adapter,
 )
 from posttrain.models.architectures import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
+from posttrain.objectives.sft import SFTObjective  # noqa: E402
 from posttrain.train.trainer import Trainer  # noqa: E402
 from posttrain.verify.logits import build_tiny_checkpoint, verify_models  # noqa: E402
 
@@ -75,7 +76,7 @@ def tuned(request, tmp_path_factory):
     base_state = {k: v.clone() for k, v in model.state_dict().items()}
     apply_lora(model, LoraConfig(rank=4, alpha=8.0, targets=ALL_TARGETS), seed=1)
     cfg = TrainConfig(device="cpu", learning_rate=2e-2, warmup_steps=0, weight_decay=0.01, max_grad_norm=10.0)
-    trainer = Trainer(model, cfg, total_steps=4)
+    trainer = Trainer(model, cfg, total_steps=4, objective=SFTObjective())
     batch = padded_batch(seed=0)
     losses = [trainer.train_step([batch])["loss"] for _ in range(4)]
     return arch, base_dir, model, base_state, trainer, losses

@@ -9,7 +9,7 @@ import torch
 
 from posttrain.objectives.sft import SFTObjective
 from posttrain.ops.losses import causal_lm_loss
-from posttrain.train.objective import Objective, ObjectiveOutput, as_objective
+from posttrain.train.objective import Objective, ObjectiveOutput, label_count
 from posttrain.train.trainer import Trainer
 
 from test_trainer import cat_rows, config, packed_row, tiny_model
@@ -55,12 +55,24 @@ def test_a_forward_that_counts_differently_is_refused():
 
 
 def test_the_sft_objective_is_the_plain_loss_function_bit_for_bit():
+    class PlainLoss(Objective):  # the SFT loss function called as it is, normalised by loss tokens
+        name, unit = "plain", "tokens"
+
+        def count(self, batch):
+            return label_count(batch)
+
+        def __call__(self, model, batch):
+            return ObjectiveOutput(*causal_lm_loss(model, batch))
+
     batches = micro_batches()
     a = Trainer(tiny_model(), config(), total_steps=3, objective=SFTObjective())
-    b = Trainer(tiny_model(), config(), total_steps=3, loss_fn=causal_lm_loss)
+    b = Trainer(tiny_model(), config(), total_steps=3, objective=PlainLoss())
     for _ in range(3):
         ma, mb = a.train_step(batches), b.train_step(batches)
         assert ma["loss"] == mb["loss"] and ma["loss_tokens"] == mb["loss_tokens"] == ma["count"]
     assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
-    with pytest.raises(TypeError, match="expected an Objective"):
-        as_objective(3)
+
+
+def test_the_trainer_takes_an_objective_not_a_loss_function():
+    with pytest.raises(TypeError, match=r"objective must be an Objective \(a loss function: SFTObjective"):
+        Trainer(tiny_model(), config(), total_steps=3, objective=causal_lm_loss)

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from posttrain.config.schema import ParallelConfig, TrainConfig
 from posttrain.models.heads import RewardModel, ValueHead
 from posttrain.models.architectures import build_model, tiny_config
-from posttrain.ops.losses import causal_lm_loss
+from posttrain.objectives.sft import SFTObjective
 from posttrain.parallel.apply import apply_parallelism
 from posttrain.parallel.distributed import spawn_local
 from posttrain.parallel.mesh import build_device_mesh, dp_group
@@ -86,7 +86,7 @@ def objective_for(head: bool, distill: bool = False, teacher_plan=None):
         teacher = teacher_plan(teacher) if teacher_plan is not None else teacher
         return DistillObjective(teacher.config.vocab_size, teacher=teacher, loss="jsd", temperature=2.0,
                                 hard_weight=0.3)
-    return value_regression if head else causal_lm_loss
+    return SFTObjective(value_regression) if head else SFTObjective()
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -150,7 +150,8 @@ def dcp_round_trip(directory: str) -> dict:
 
     def sharded_trainer(seed: int) -> Trainer:
         model = apply_parallelism(build_model(tiny_config("qwen3"), seed=seed), config, mesh)
-        return Trainer(model, train_config(1e-8), total_steps=10, process_group=dp_group(mesh))
+        return Trainer(model, train_config(1e-8), total_steps=10, process_group=dp_group(mesh),
+                       objective=SFTObjective())
 
     saved = sharded_trainer(seed=0)
     saved.train_step([rank_rows(global_batch(seed=0), dist.get_rank(), world)])

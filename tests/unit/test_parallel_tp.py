@@ -15,6 +15,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from posttrain.config.schema import ParallelConfig
 from posttrain.models.architectures import build_model, tiny_config
+from posttrain.objectives.sft import SFTObjective
 from posttrain.ops.losses import causal_lm_loss
 from posttrain.parallel.apply import apply_parallelism
 from posttrain.parallel.distributed import spawn_local
@@ -83,7 +84,7 @@ def trainer_steps(case: str) -> tuple[list[dict], dict[str, torch.Tensor], dict]
     config = ParallelConfig(strategy=strategy, num_workers=2, dp_size=dp, tp_size=tp)
     mesh = build_device_mesh(config)
     model = apply_parallelism(tiny_model(dtype), config, mesh)
-    trainer = Trainer(model, train_config(eps), total_steps=10, process_group=dp_group(mesh))
+    trainer = Trainer(model, train_config(eps), total_steps=10, process_group=dp_group(mesh), objective=SFTObjective())
     assert trainer.grad_sync == "none" and trainer.world_size == dp
     dp_rank = mesh["dp"].get_local_rank()
     metrics = [trainer.train_step([rank_rows(global_batch(seed=s), dp_rank, dp)]) for s in range(STEPS)]
@@ -152,7 +153,7 @@ def one_process() -> dict[str, tuple[list[dict], dict[str, torch.Tensor]]]:
     out = {}
     for name, (dtype, eps, _, _) in DTYPES.items():
         model = tiny_model(dtype)
-        trainer = Trainer(model, train_config(eps), total_steps=10, process_group=None)
+        trainer = Trainer(model, train_config(eps), total_steps=10, process_group=None, objective=SFTObjective())
         out[name] = [trainer.train_step([global_batch(seed=s)]) for s in range(STEPS)], full_state(model)
     return out
 

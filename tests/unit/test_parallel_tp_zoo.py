@@ -24,6 +24,7 @@ from posttrain.parallel.plans import (
     decoder_block_plan,
     localize_heads,
 )
+from posttrain.objectives.sft import SFTObjective
 from posttrain.train.trainer import Trainer
 
 from test_parallel_fsdp import full_state, global_batch, train_config
@@ -58,7 +59,7 @@ def trainer_step(case: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """One fp64 Trainer step over the whole global batch (tp peers read the same rows)."""
     arch, strategy = case.split(" ")
     model, mesh = sharded_model(arch, strategy, torch.float64)
-    trainer = Trainer(model, train_config(1e-8), total_steps=10, process_group=dp_group(mesh))
+    trainer = Trainer(model, train_config(1e-8), total_steps=10, process_group=dp_group(mesh), objective=SFTObjective())
     return trainer.train_step([global_batch(seed=0)]), full_state(model)
 
 
@@ -170,7 +171,7 @@ def one_process() -> dict[str, tuple[dict, dict[str, torch.Tensor]]]:
     out = {}
     for arch in ARCHS:
         model = zoo_model(arch, torch.float64)
-        trainer = Trainer(model, train_config(1e-8), total_steps=10, process_group=None)
+        trainer = Trainer(model, train_config(1e-8), total_steps=10, process_group=None, objective=SFTObjective())
         out[arch] = trainer.train_step([global_batch(seed=0)]), full_state(model)
     return out
 

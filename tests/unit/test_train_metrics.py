@@ -10,6 +10,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from posttrain.objectives.sft import SFTObjective
 from posttrain.train.metrics import MetricsLog, MetricsSinks, open_metrics
 from posttrain.train.progress import Progress
 from posttrain.train.tensorboard import TensorBoardLog, scalars
@@ -37,7 +38,8 @@ def test_scalars_keep_numbers_and_bools_only():
 
 def test_tensorboard_event_files_hold_the_trainer_scalars(tmp_path):
     gen = torch.Generator().manual_seed(0)
-    trainer = Trainer(tiny_model(), config(learning_rate=1e-3, peak_flops=1e12), total_steps=3)
+    trainer = Trainer(tiny_model(), config(learning_rate=1e-3, peak_flops=1e12), total_steps=3,
+                      objective=SFTObjective())
     board = TensorBoardLog(tmp_path / "tb")
     history = []
     for _ in range(3):

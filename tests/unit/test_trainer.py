@@ -14,6 +14,7 @@ import torch
 from posttrain.config.schema import TrainConfig
 from posttrain.data.packer import iter_batches, pack_samples
 from posttrain.models.architectures import build_model, tiny_config
+from posttrain.objectives.sft import SFTObjective
 from posttrain.ops.losses import causal_lm_loss
 from posttrain.train.metrics import MetricsLog, format_step
 from posttrain.train.optim import build_optimizer, lr_lambda
@@ -73,8 +74,8 @@ def test_accumulation_of_uneven_micro_batches_equals_one_batch(uneven_micro_batc
 
     model_acc = tiny_model(torch.float64)
     model_one = copy.deepcopy(model_acc)
-    trainer_acc = Trainer(model_acc, config(), total_steps=10)
-    trainer_one = Trainer(model_one, config(), total_steps=10)
+    trainer_acc = Trainer(model_acc, config(), total_steps=10, objective=SFTObjective())
+    trainer_one = Trainer(model_one, config(), total_steps=10, objective=SFTObjective())
 
     m_acc = trainer_acc.train_step(uneven_micro_batches)
     m_one = trainer_one.train_step([cat_rows(uneven_micro_batches)])
@@ -93,7 +94,7 @@ def test_loss_is_per_token_mean_over_step(uneven_micro_batches):
     with torch.no_grad():
         sums = [causal_lm_loss(model, b) for b in uneven_micro_batches]
     expected = sum(float(s) for s, _ in sums) / sum(int(n) for _, n in sums)
-    metrics = Trainer(model, config(), total_steps=10).train_step(uneven_micro_batches)
+    metrics = Trainer(model, config(), total_steps=10, objective=SFTObjective()).train_step(uneven_micro_batches)
     assert metrics["loss"] == pytest.approx(expected, abs=1e-9)
     real = sum(int((b["doc_ids"] >= 0).sum()) for b in uneven_micro_batches)
     assert metrics["tokens"] == real < sum(b["doc_ids"].numel() for b in uneven_micro_batches)
@@ -109,7 +110,8 @@ def test_loss_falls_when_overfitting_a_few_packed_rows():
     assert stats.num_rows >= 2 and stats.num_samples == len(samples)
     micro_batches = list(iter_batches(rows, batch_size=1))[:2]
     torch.manual_seed(0)
-    trainer = Trainer(tiny_model(), config(learning_rate=3e-3, warmup_steps=2, max_grad_norm=1.0), total_steps=40)
+    trainer = Trainer(tiny_model(), config(learning_rate=3e-3, warmup_steps=2, max_grad_norm=1.0), total_steps=40,
+                      objective=SFTObjective())
     losses = [trainer.train_step(micro_batches)["loss"] for _ in range(40)]
     assert all(math.isfinite(x) for x in losses)
     assert losses[0] > 5.0  # about ln(250) at init
@@ -136,7 +138,7 @@ def test_trainer_reports_the_lr_it_used():
     gen = torch.Generator().manual_seed(0)
     batch = packed_row(gen, [T], [T - 1])
     cfg = config(learning_rate=1e-3, warmup_steps=2, min_lr_ratio=0.0)
-    trainer = Trainer(tiny_model(), cfg, total_steps=5)
+    trainer = Trainer(tiny_model(), cfg, total_steps=5, objective=SFTObjective())
     lrs = [trainer.train_step([batch])["lr"] for _ in range(5)]
     assert lrs == pytest.approx([1e-3 * lr_lambda(s, 5, 2, 0.0) for s in range(5)])
     assert lrs[0] == pytest.approx(0.5e-3) and lrs[1] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(0.0)
@@ -152,14 +154,15 @@ def test_grad_clipping_is_reported_and_applied():
     true_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()])).item()
 
     max_norm = 1e-3
-    trainer = Trainer(model, config(max_grad_norm=max_norm), total_steps=3)
+    trainer = Trainer(model, config(max_grad_norm=max_norm), total_steps=3, objective=SFTObjective())
     metrics = trainer.train_step([batch])
     assert metrics["grad_norm"] == pytest.approx(true_norm, rel=1e-6)
     assert metrics["grad_clipped"] is True and true_norm > max_norm
     clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
     assert clipped == pytest.approx(max_norm, rel=1e-4)
 
-    unclipped = Trainer(copy.deepcopy(reference), config(max_grad_norm=1e9), total_steps=3).train_step([batch])
+    unclipped = Trainer(copy.deepcopy(reference), config(max_grad_norm=1e9), total_steps=3,
+                        objective=SFTObjective()).train_step([batch])
     assert unclipped["grad_clipped"] is False
 
 
@@ -180,16 +183,16 @@ def test_resume_is_exact(tmp_path):
     batches = [packed_row(gen, [12, 10], [11, 4]) for _ in range(4)]
     cfg = config(learning_rate=1e-3, warmup_steps=1, max_grad_norm=1.0)
 
-    straight = Trainer(tiny_model(), cfg, total_steps=4)
+    straight = Trainer(tiny_model(), cfg, total_steps=4, objective=SFTObjective())
     expected = [straight.train_step([b])["loss"] for b in batches]
 
-    first = Trainer(tiny_model(), cfg, total_steps=4)
+    first = Trainer(tiny_model(), cfg, total_steps=4, objective=SFTObjective())
     for b in batches[:2]:
         first.train_step([b])
     torch.save(first.state_dict(), tmp_path / "state.pt")
     draws = (torch.rand(3), np.random.rand(3), random.random())
 
-    resumed = Trainer(tiny_model(seed=123), cfg, total_steps=4)
+    resumed = Trainer(tiny_model(seed=123), cfg, total_steps=4, objective=SFTObjective())
     resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
     assert torch.equal(torch.rand(3), draws[0])  # RNG states restored too
     assert (np.random.rand(3) == draws[1]).all() and random.random() == draws[2]
@@ -202,7 +205,7 @@ def test_step_without_loss_tokens_raises():
     gen = torch.Generator().manual_seed(0)
     batch = packed_row(gen, [T], [0])
     with pytest.raises(ValueError, match="nothing to train on.*counts 0 tokens"):
-        Trainer(tiny_model(), config(), total_steps=2).train_step([batch])
+        Trainer(tiny_model(), config(), total_steps=2, objective=SFTObjective()).train_step([batch])
 
 
 def test_metrics_log_and_progress_line(tmp_path):

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from posttrain.objectives.sft import SFTObjective
 from posttrain.train.trainer import Trainer
 
 from test_trainer import T, cat_rows, config, packed_row, tiny_model
@@ -31,7 +32,8 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         model = tiny_model(torch.float64)
-        trainer = Trainer(model, train_config(), total_steps=10)  # default group, grad_sync auto
+        trainer = Trainer(model, train_config(), total_steps=10,
+                          objective=SFTObjective())  # default group, grad_sync auto
         assert trainer.grad_sync == "allreduce_sum" and trainer.world_size == 2
         metrics = [trainer.train_step(rank_micro_batches(s)[rank]) for s in range(STEPS)]
         exported = dict(trainer.export_weights())
@@ -46,7 +48,7 @@ def test_two_ranks_equal_one_process_over_all_micro_batches(tmp_path):
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
     model = tiny_model(torch.float64)
-    single = Trainer(model, train_config(), total_steps=10, process_group=None)
+    single = Trainer(model, train_config(), total_steps=10, process_group=None, objective=SFTObjective())
     assert single.world_size == 1 and single.grad_sync == "none"
     expected = []
     for s in range(STEPS):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from posttrain.models.architectures import build_model, get_architecture, tiny_config
+from posttrain.objectives.sft import SFTObjective
 from posttrain.ops import attention
 from posttrain.ops.attention import build_attention_mask
 from posttrain.train.mfu import PEAK_FLOPS, batch_step_flops, executed_step_flops
@@ -37,7 +38,8 @@ def test_linear_schedule_endpoints():
 
 
 def test_trainer_uses_the_configured_schedule(batches):
-    trainer = Trainer(tiny_model(), config(learning_rate=1e-3, lr_schedule="linear", min_lr_ratio=0.0), total_steps=3)
+    trainer = Trainer(tiny_model(), config(learning_rate=1e-3, lr_schedule="linear", min_lr_ratio=0.0), total_steps=3,
+                      objective=SFTObjective())
     lrs = [trainer.train_step([b])["lr"] for b in batches]
     assert lrs == pytest.approx([1e-3, 0.5e-3, 0.0])
 
@@ -46,8 +48,8 @@ def test_activation_checkpointing_gives_the_same_gradients(batches):
     plain = tiny_model(torch.float64)
     ckpt = copy.deepcopy(plain)
     names = [n for n, _ in plain.named_parameters()]
-    m_plain = Trainer(plain, config(), total_steps=5).train_step(batches)
-    trainer = Trainer(ckpt, config(activation_checkpointing=True), total_steps=5)
+    m_plain = Trainer(plain, config(), total_steps=5, objective=SFTObjective()).train_step(batches)
+    trainer = Trainer(ckpt, config(activation_checkpointing=True), total_steps=5, objective=SFTObjective())
     assert [n for n, _ in ckpt.named_parameters()] == names  # applied from outside, names unchanged
     m_ckpt = trainer.train_step(batches)
     assert m_ckpt["loss"] == m_plain["loss"]
@@ -64,8 +66,8 @@ def test_activation_checkpointing_gives_the_same_gradients(batches):
 def test_bf16_autocast_keeps_fp32_master_weights(batches):
     fp32 = tiny_model()
     bf16 = copy.deepcopy(fp32)
-    m32 = Trainer(fp32, config(learning_rate=1e-3), total_steps=5).train_step(batches)
-    trainer = Trainer(bf16, config(learning_rate=1e-3, mixed_precision="bf16"), total_steps=5)
+    m32 = Trainer(fp32, config(learning_rate=1e-3), total_steps=5, objective=SFTObjective()).train_step(batches)
+    trainer = Trainer(bf16, config(learning_rate=1e-3, mixed_precision="bf16"), total_steps=5, objective=SFTObjective())
     m16 = trainer.train_step(batches)
     assert m16["loss"] == pytest.approx(m32["loss"], rel=2e-2)
     assert m16["loss"] != m32["loss"]  # it did run in bf16
@@ -73,7 +75,7 @@ def test_bf16_autocast_keeps_fp32_master_weights(batches):
     states = [s for s in trainer.optimizer.state.values()]
     assert states and all(s["exp_avg"].dtype == torch.float32 for s in states)
     with pytest.raises(ValueError, match="float32 master weights"):
-        Trainer(tiny_model(torch.bfloat16), config(mixed_precision="bf16"), total_steps=5)
+        Trainer(tiny_model(torch.bfloat16), config(mixed_precision="bf16"), total_steps=5, objective=SFTObjective())
 
 
 @pytest.mark.slow
@@ -81,8 +83,8 @@ def test_compiled_blocks_match_eager(batches, monkeypatch):
     monkeypatch.setattr(attention, "PER_DOCUMENT_CALL_PAIRS", 0)  # tiny rows: per document all the same
     eager = tiny_model()
     compiled = copy.deepcopy(eager)
-    m_eager = Trainer(eager, config(learning_rate=1e-3), total_steps=5)
-    m_comp = Trainer(compiled, config(learning_rate=1e-3, compile=True), total_steps=5)
+    m_eager = Trainer(eager, config(learning_rate=1e-3), total_steps=5, objective=SFTObjective())
+    m_comp = Trainer(compiled, config(learning_rate=1e-3, compile=True), total_steps=5, objective=SFTObjective())
     # CPU per-document attention: a loop the compiled blocks call outside their graphs
     assert all(build_attention_mask(b["doc_ids"]).backend == "documents" for b in batches[:2])
     for batch in batches[:2]:
@@ -93,7 +95,7 @@ def test_compiled_blocks_match_eager(batches, monkeypatch):
 @pytest.mark.parametrize("tied", [True, False])
 def test_export_weights_gives_every_hf_tensor(tied):
     model = build_model(tiny_config(tie_word_embeddings=tied), seed=0)
-    trainer = Trainer(model, config(), total_steps=2)
+    trainer = Trainer(model, config(), total_steps=2, objective=SFTObjective())
     exported = dict(trainer.export_weights())
     shapes = get_architecture("qwen3").adapter.hf_shapes(model.config)
     assert set(exported) == set(shapes) | {"lm_head.weight"}
@@ -107,7 +109,7 @@ def test_export_weights_gives_every_hf_tensor(tied):
 
 def test_mfu_from_configured_peak(batches):
     peak = 1e12
-    trainer = Trainer(tiny_model(), config(peak_flops=peak), total_steps=5)
+    trainer = Trainer(tiny_model(), config(peak_flops=peak), total_steps=5, objective=SFTObjective())
     metrics = trainer.train_step(batches)
     flops = sum(batch_step_flops(trainer.model.config, b).total for b in batches)
     assert metrics["mfu"] == pytest.approx(flops / metrics["step_time_s"] / peak, rel=1e-2)
@@ -115,20 +117,21 @@ def test_mfu_from_configured_peak(batches):
                    for b in batches)
     assert metrics["hfu"] == pytest.approx(executed / metrics["step_time_s"] / peak, rel=1e-2)
     assert metrics["hfu"] >= metrics["mfu"]
-    named = Trainer(tiny_model(), config(peak_flops="a100/fp32"), total_steps=5).train_step(batches)
+    named = Trainer(tiny_model(), config(peak_flops="a100/fp32"), total_steps=5,
+                    objective=SFTObjective()).train_step(batches)
     assert named["mfu"] == pytest.approx(flops / named["step_time_s"] / PEAK_FLOPS["a100/fp32"], rel=1e-2)
-    assert "mfu" not in Trainer(tiny_model(), config(), total_steps=5).train_step(batches)
+    assert "mfu" not in Trainer(tiny_model(), config(), total_steps=5, objective=SFTObjective()).train_step(batches)
 
 
 def test_state_dict_is_keyed_by_parameter_name_and_carries_health(batches, tmp_path):
-    trainer = Trainer(tiny_model(), config(), total_steps=5)
+    trainer = Trainer(tiny_model(), config(), total_steps=5, objective=SFTObjective())
     trainer.train_step(batches[:1])
     state = trainer.state_dict()
     names = {n for n, _ in trainer.model.named_parameters()}
     assert set(state["model"]) == names and set(state["optimizer"]["state"]) == names
     assert state["health"]["losses"] and state["step"] == 1
     torch.save(state, tmp_path / "s.pt")
-    other = Trainer(tiny_model(seed=9), config(), total_steps=5)
+    other = Trainer(tiny_model(seed=9), config(), total_steps=5, objective=SFTObjective())
     other.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
     assert other.health.state_dict() == trainer.health.state_dict()
     assert other.train_step(batches[1:2])["loss"] == trainer.train_step(batches[1:2])["loss"]
@@ -136,9 +139,9 @@ def test_state_dict_is_keyed_by_parameter_name_and_carries_health(batches, tmp_p
 
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="grad_sync"):
-        Trainer(tiny_model(), config(), total_steps=2, grad_sync="mean")
+        Trainer(tiny_model(), config(), total_steps=2, grad_sync="mean", objective=SFTObjective())
     with pytest.raises(ValueError, match="layers"):
-        Trainer(torch.nn.Linear(2, 2), config(activation_checkpointing=True), total_steps=2)
+        Trainer(torch.nn.Linear(2, 2), config(activation_checkpointing=True), total_steps=2, objective=SFTObjective())
 
 
 def test_train_config_fields_load_and_validate():

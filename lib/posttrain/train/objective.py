@@ -14,16 +14,14 @@ batch holding them all, whatever the unit. It never fakes a count: `count(batch)
 the count the forward reports (checked every step).
 
 Recipes implement objectives in `posttrain.objectives` (one module each); this module holds
-only the contract, so the trainer depends on no recipe. `as_objective` adapts the older
-`loss_fn(model, batch) -> (loss_sum, num_loss_tokens)` callables (the SFT loss
-`posttrain.ops.losses.causal_lm_loss`) to it.
+only the contract, so the trainer depends on no recipe. A plain
+`loss_fn(model, batch) -> (loss_sum, num_loss_tokens)` is an objective through
+`posttrain.objectives.sft.SFTObjective(loss_fn)`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
-
 import torch
 
 from posttrain.ops.losses import IGNORE_INDEX
@@ -67,31 +65,3 @@ class Objective:
 def label_count(batch: dict) -> torch.Tensor:
     """Positions that carry a label (`labels != -100`), as a 0-d long tensor on the batch's device."""
     return (batch["labels"] != IGNORE_INDEX).sum()
-
-
-class LossFnObjective(Objective):
-    """A `loss_fn(model, batch) -> (loss_sum, num_loss_tokens)` summing its loss over the
-    positions with a label, as an objective normalised by those loss tokens."""
-
-    unit = "tokens"
-
-    def __init__(self, loss_fn: Callable[[torch.nn.Module, dict], tuple[torch.Tensor, torch.Tensor | int]],
-                 name: str = "causal_lm"):
-        self.loss_fn = loss_fn
-        self.name = name
-
-    def count(self, batch: dict) -> torch.Tensor:
-        return label_count(batch)
-
-    def __call__(self, model: torch.nn.Module, batch: dict) -> ObjectiveOutput:
-        loss_sum, num_loss_tokens = self.loss_fn(model, batch)
-        return ObjectiveOutput(loss_sum, num_loss_tokens)
-
-
-def as_objective(objective_or_loss_fn) -> Objective:
-    """An `Objective` as it is; a plain loss function wrapped by `LossFnObjective`."""
-    if isinstance(objective_or_loss_fn, Objective):
-        return objective_or_loss_fn
-    if callable(objective_or_loss_fn):
-        return LossFnObjective(objective_or_loss_fn)
-    raise TypeError(f"expected an Objective or a loss_fn(model, batch), got {type(objective_or_loss_fn).__name__}")

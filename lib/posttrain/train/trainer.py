@@ -68,14 +68,12 @@ from posttrain.config.schema import TrainConfig
 from posttrain.models.blocks import decoder_blocks
 from posttrain.models.lora import lora_spec, merge_lora_weights
 from posttrain.ops.attention import choose_backend, keep_per_document_loop_out_of_compiled_graphs
-from posttrain.ops.losses import causal_lm_loss
 from posttrain.ops.precision import head_precision, matmul_dtype_for, resolve_head_precision
 from posttrain.parallel.grad_norm import clip_grads_with_norm_, total_grad_norm
 from posttrain.train.health import HealthMonitor
-from posttrain.train.objective import Objective, as_objective
+from posttrain.train.objective import Objective
 from posttrain.train.optim import build_optimizer, build_scheduler
 
-LossFn = Callable[[torch.nn.Module, dict], tuple[torch.Tensor, torch.Tensor | int]]
 DEFAULT_GROUP = "default"
 GRAD_SYNCS = ("auto", "none", "allreduce_sum")
 
@@ -146,19 +144,19 @@ class Trainer:
     """AdamW + warmup/decay schedule + grad clipping + health checks over `model`.
 
     `total_steps` is the length of the schedule (it reaches `min_lr_ratio` on the last step).
-    `objective`: an `Objective` (`posttrain.train.objective`), or a plain
-    `loss_fn(model, batch) -> (loss_sum, num_loss_tokens)` summing (not averaging) its loss over
-    the positions where `labels != -100` (default: the SFT loss, `causal_lm_loss`); the count a
-    forward reports is checked against the objective's own count. `loss_fn=` is the older
-    keyword for the same argument.
+    `objective`: an `Objective` (`posttrain.train.objective`; SFT's is
+    `posttrain.objectives.sft.SFTObjective()`); the count a forward reports is checked against
+    the objective's own count.
     `process_group`: the data-parallel group (default: the default group when
     torch.distributed is initialised; None: no cross-rank reduction). `grad_sync`: see the
     module docstring. Build the trainer after the model is on its device and sharded.
     """
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, total_steps: int,
-                 objective: Objective | LossFn = causal_lm_loss, process_group=DEFAULT_GROUP, grad_sync: str = "auto",
-                 *, loss_fn: LossFn | None = None):
+                 objective: Objective, process_group=DEFAULT_GROUP, grad_sync: str = "auto"):
+        if not isinstance(objective, Objective):
+            raise TypeError(f"objective must be an Objective (a loss function: SFTObjective(loss_fn)), "
+                            f"got {type(objective).__name__}")
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ValueError("DistributedDataParallel averages gradients; pass the plain model "
                              "(grad_sync='allreduce_sum' sums them as the per-token loss needs)")
@@ -167,7 +165,7 @@ class Trainer:
         self.model = model
         self.cfg = cfg
         self.total_steps = total_steps
-        self.objective = as_objective(loss_fn if loss_fn is not None else objective)
+        self.objective = objective
         self.group = resolve_group(process_group)
         self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
         if grad_sync == "auto":
