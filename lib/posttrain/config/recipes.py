@@ -158,6 +158,29 @@ class DPOConfig(RecipeConfig):
 
 
 @dataclass
+class ORPOSection:
+    """Odds-ratio preference optimisation (`posttrain.objectives.orpo`, Hong et al. 2024): per
+    pair, the chosen response's mean NLL plus `odds_ratio_weight` (the paper's lambda, TRL's
+    `beta`) times `-log s(log odds(chosen) - log odds(rejected))` of the responses' mean token
+    probabilities; no reference model. `shared_prompt`: pack each pair with its prompt once."""
+
+    odds_ratio_weight: float = bounded(0.1, ge=0)
+    shared_prompt: bool = True
+
+
+@dataclass
+class ORPOConfig(RecipeConfig):
+    """The ORPO recipe: ingest pairs -> tokenize -> pack -> train -> verify -> evaluate ->
+    register, starting from a model (`model.init_from` or `model.name_or_path`)."""
+
+    kind, section, starts_from = "orpo", "orpo", "ORPO"
+    suites = ("heldout_loss", "task", "preference", "reward_model")
+    default_suites = ("heldout_loss", "task", "preference")
+
+    orpo: ORPOSection = field(default_factory=ORPOSection)
+
+
+@dataclass
 class RMSection:
     """Reward modelling (`posttrain.objectives.reward`): Bradley-Terry on a scalar value head
     over the starting model's hidden states, `-log s(s_c - s_r - margin) + centering *
