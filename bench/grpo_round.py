@@ -2,6 +2,7 @@
 
     python bench/grpo_round.py [--quick] [--rounds 5] [--prompts 16] [--n 8] [--new-tokens 16]
                                [--model DIR] [--trl-variants fp32,bf16]
+                               [--decode-backend cpu_kernels|torch|auto]
 
 Progress goes to stderr; the LAST stdout line is one JSON object:
 
@@ -9,8 +10,8 @@ Progress goes to stderr; the LAST stdout line is one JSON object:
      "seconds_per_round_trl", "ratio_vs_trl" (median), "ratio" {min, median, max, n},
      "goal": {"ratio_vs_trl": ">= 2"}, "met", "seconds_per_round" {ours, trl (the baseline),
      trl_fp32, trl_bf16: spread},
-     "time_split_ours" {generate, score, reference, update, sync: median seconds}, "model",
-     "workload", "settings", "seconds"}
+     "time_split_ours" {generate, score, reference, update, sync: median seconds},
+     "decode_backend" (our engine's decode identity), "model", "workload", "settings", "seconds"}
 
 The same on both sides: the model (`--model`, an HF directory; default a random Qwen3 of the
 SFT demo's shape, 4 layers, hidden 128, with the demo tokenizer, seed 0: it rarely emits the
@@ -19,7 +20,8 @@ problems rendered with the chat template, `--prompts` per round, in the same ord
 samples per prompt at temperature 1, `--new-tokens` new tokens at most, one optimizer step
 per round (one pass), no KL term (no reference model), token-mean loss, AdamW at lr 2e-5,
 the same exact-answer reward. Ours: `posttrain.rl.controller.RLController` (native KV-cache
-engine on its own copy of the weights, sync verified each round; no dynamic sampling, so both
+engine on its own copy of the weights under `--decode-backend`, default `cpu_kernels`, the C
+fast path the recorded figures measured; sync verified each round; no dynamic sampling, so both
 sides train on every group). TRL 1.16: `GRPOTrainer` with `per_device_train_batch_size` =
 `generation_batch_size` = prompts x n (one generation per step, one step per round),
 `loss_type="dapo"` (token mean), `beta=0`, transformers `generate` with its dynamic cache,
@@ -84,7 +86,7 @@ def build_workspace(tmp: Path, shape: str, model_dir: str | None, count: int):
     return Path(model_dir), tokenizer, records
 
 
-def run_ours(model_dir: Path, tokenizer, records, args) -> tuple[list[float], list[dict]]:
+def run_ours(model_dir: Path, tokenizer, records, args) -> tuple[list[float], list[dict], dict]:
     from posttrain.config.schema import TrainConfig
     from posttrain.data.chat import end_of_turn_token_ids, render_prompt
     from posttrain.models.architectures import load_hf_checkpoint
@@ -97,7 +99,7 @@ def run_ours(model_dir: Path, tokenizer, records, args) -> tuple[list[float], li
     model = load_hf_checkpoint(model_dir)
     cfg = TrainConfig(learning_rate=LR, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0, lr_schedule="linear")
     trainer = Trainer(model, cfg, args.rounds + 1, objective=GRPOObjective(aggregation="token_mean"))
-    engine = NativeEngine(copy.deepcopy(model), tokenizer=tokenizer)
+    engine = NativeEngine(copy.deepcopy(model), tokenizer=tokenizer, decode_backend=args.decode_backend)
     prompts = [render_prompt(tokenizer, r.prompt) for r in records]
     settings = RoundSettings(prompts_per_round=args.prompts, n=args.n, max_new_tokens=args.new_tokens,
                              stop_token_ids=tuple(end_of_turn_token_ids(tokenizer)), row_length=args.row_length,
@@ -112,7 +114,7 @@ def run_ours(model_dir: Path, tokenizer, records, args) -> tuple[list[float], li
         metrics.append(result.metrics)
         log(f"ours round {r}: {times[-1]:.2f}s (generate {result.metrics['time_generate_s']:.2f}s, "
             f"update {result.metrics['time_update_s']:.2f}s)")
-    return times[1:], metrics[1:]
+    return times[1:], metrics[1:], engine.decode_identity()
 
 
 def run_trl(model_dir: Path, tokenizer, records, args, tmp: Path, bf16: bool) -> list[float]:
@@ -164,6 +166,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="an HF model directory with its tokenizer (default: random)")
     parser.add_argument("--trl-variants", default="fp32,bf16",
                         help="TRL precisions to run (fp32: float32; bf16: its default bfloat16 autocast)")
+    parser.add_argument("--decode-backend", choices=("cpu_kernels", "torch", "auto"), default="cpu_kernels")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.prompts, args.n, args.new_tokens = 2, 4, 2, 4
@@ -179,7 +182,7 @@ def main() -> None:
         tmp = Path(tmp)
         count = args.prompts * (args.rounds + 1)
         model_dir, tokenizer, records = build_workspace(tmp, "quick" if args.quick else "demo", args.model, count)
-        ours, metrics = run_ours(model_dir, tokenizer, records, args)
+        ours, metrics, decode = run_ours(model_dir, tokenizer, records, args)
         trl_runs = {v: run_trl(model_dir, tokenizer, records, args, tmp / v, bf16=v == "bf16") for v in variants}
     fastest = min(trl_runs, key=lambda v: statistics.median(trl_runs[v]))
     trl = trl_runs[fastest]
@@ -197,6 +200,7 @@ def main() -> None:
         "seconds_per_round": {"ours": spread(ours), "trl": spread(trl),
                               **{f"trl_{v}": spread(t) for v, t in trl_runs.items()}},
         "time_split_ours": split,
+        "decode_backend": decode,
         "model": {"source": args.model or "random qwen3", "shape": "quick" if args.quick else "demo",
                   "dtype": "float32"},
         "workload": {"prompts_per_round": args.prompts, "n": args.n, "max_new_tokens": args.new_tokens,

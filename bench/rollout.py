@@ -4,13 +4,14 @@ one run.
 
     python bench/rollout.py [--quick] [--repeats N] [--prompts 32] [--n 8] [--new-tokens 128]
                             [--vocab demo|qwen3] [--hf-variants dynamic,static] [--no-vllm]
+                            [--decode-backend cpu_kernels|torch|auto]
 
 Progress goes to stderr; the LAST stdout line is one JSON object:
 
     {"benchmark": "rollout", "baseline": <fastest transformers variant>, "tokens_per_s_native",
      "tokens_per_s_hf", "ratio_vs_hf" (median), "ratio" {min, median, max, n}, "goal": {"ratio_vs_hf": ">= 3"},
-     "met", "tokens_per_s" {side: spread}, "ratio_vs_vllm" (when measured), "model", "workload",
-     "settings", "seconds"}
+     "met", "tokens_per_s" {side: spread}, "ratio_vs_vllm" (when measured), "decode_backend" (the
+     native engine's decode identity), "model", "workload", "settings", "seconds"}
 
 Workload (the same on every side): `--prompts` prompts of mixed length (uniform 8..64 tokens,
 seed 0), `--n` samples each, exactly `--new-tokens` new tokens per sample (no stop token, so
@@ -26,7 +27,8 @@ transformers loads the same float32 weights.
 
 Sides, one after another in this process, `--repeats` rounds in rotating order:
 - `native`: `posttrain.rl.native.NativeEngine` (one batch: the prompts' prefill once, forked
-  to `n` rows each, finished rows leave the batch);
+  to `n` rows each, finished rows leave the batch) under `--decode-backend` (default
+  `cpu_kernels`, the C fast path the recorded figures measured; `torch`: the reference);
 - `hf_dynamic` / `hf_static`: `model.generate(do_sample=True, top_k=0, num_return_sequences=n)`
   on the left-padded batch of all prompts, with the default dynamic cache or
   `cache_implementation="static"`; the faster is the baseline;
@@ -86,11 +88,11 @@ def make_prompts(count: int, vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def run_native(model_dir: Path, prompts, n: int, new_tokens: int) -> float:
+def run_native(model_dir: Path, prompts, n: int, new_tokens: int, decode_backend: str) -> float:
     from posttrain.rl.engine import SamplingConfig
     from posttrain.rl.native import NativeEngine
 
-    engine = NativeEngine.from_pretrained(model_dir, max_batch_rows=len(prompts) * n)
+    engine = NativeEngine.from_pretrained(model_dir, max_batch_rows=len(prompts) * n, decode_backend=decode_backend)
     sampling = SamplingConfig(n=n, temperature=1.0, max_new_tokens=new_tokens, seed=0)
     start = time.perf_counter()
     out = engine.generate(prompts, sampling)
@@ -175,6 +177,7 @@ def main() -> None:
                         help="demo: the SFT demo's shape; small: 2 layers, hidden 64")
     parser.add_argument("--hf-variants", default="dynamic,static")
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--decode-backend", choices=("cpu_kernels", "torch", "auto"), default="cpu_kernels")
     args = parser.parse_args()
     if args.quick:
         args.prompts, args.n, args.new_tokens, args.repeats = 4, 2, 16, 1
@@ -191,12 +194,12 @@ def main() -> None:
         sides = ["native"] + [f"hf_{v}" for v in args.hf_variants.split(",") if v]
         rates: dict[str, list[float]] = {s: [] for s in sides}
         for side in sides:  # warm-up: first calls pay for lazy initialisation
-            (run_native(model_dir, prompts[:2], 1, 4) if side == "native"
+            (run_native(model_dir, prompts[:2], 1, 4, args.decode_backend) if side == "native"
              else run_hf(hf, prompts[:2], 1, 4, side.removeprefix("hf_")))
         for r in range(args.repeats):
             for side in sides[r % len(sides):] + sides[:r % len(sides)]:
-                rate = (run_native(model_dir, prompts, args.n, args.new_tokens) if side == "native"
-                        else run_hf(hf, prompts, args.n, args.new_tokens, side.removeprefix("hf_")))
+                rate = (run_native(model_dir, prompts, args.n, args.new_tokens, args.decode_backend)
+                        if side == "native" else run_hf(hf, prompts, args.n, args.new_tokens, side.removeprefix("hf_")))
                 rates[side].append(rate)
                 log(f"round {r + 1}: {side} {rate:,.0f} tokens/s")
         vllm = None if args.no_vllm else run_vllm(model_dir, prompts, args.n, args.new_tokens, args.repeats)
@@ -214,7 +217,10 @@ def main() -> None:
         out["tokens_per_s"]["vllm_cpu"] = spread(vllm, 1)
         out["tokens_per_s_vllm"] = round(statistics.median(vllm), 1)
         out["ratio_vs_vllm"] = round(statistics.median(rates["native"]) / statistics.median(vllm), 3)
+    from posttrain.rl.decode_backends import decode_backend
+
     out.update({
+        "decode_backend": decode_backend(args.decode_backend, "cpu").identity(),
         "model": {"arch": "qwen3", "shape": "quick" if args.quick else args.model,
                   **SHAPES["quick" if args.quick else args.model], "vocab_size": vocab, "dtype": "float32"},
         "workload": {"prompts": args.prompts, "n": args.n, "new_tokens": args.new_tokens, "temperature": 1.0,
