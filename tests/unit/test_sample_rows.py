@@ -67,7 +67,8 @@ def test_the_backend_takes_it_only_without_filters(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     logits_RV, uniforms_R = torch.randn(12, 50, generator=gen), torch.rand(12, generator=gen)
     with torch.no_grad():
-        fused = backend.pick_tokens(logits_RV, SamplingConfig(temperature=0.8, top_k=50), uniforms_R)  # k = V: no filter
+        unfiltered = SamplingConfig(temperature=0.8, top_k=50)  # top-k = V: no filter
+        fused = backend.pick_tokens(logits_RV, unfiltered, uniforms_R)
         assert len(calls) == 1
         for filtered in (SamplingConfig(top_k=5), SamplingConfig(top_p=0.9), SamplingConfig(temperature=0.0)):
             backend.pick_tokens(logits_RV, filtered, uniforms_R)

@@ -142,8 +142,9 @@ def identity_differences(saved: dict | None, current: dict) -> list[str]:
 
 def check_resume(saved: dict | None, current: dict | None, strict: bool = False) -> str | None:
     """Compare the decode identity a checkpoint recorded (`saved`; None: none recorded) with the
-    one a resume runs under (`current`; None: an engine that reports none). The same: None. Different: a message naming both (warned as a
-    `RuntimeWarning` and returned), or with `strict` (a bitwise resume) `DecodeBackendChanged`."""
+    one a resume runs under (`current`; None: an engine that reports none). The same: None.
+    Different: a message naming both (warned as a `RuntimeWarning` and returned), or with
+    `strict` (a bitwise resume) `DecodeBackendChanged`."""
     if saved is None:
         return None
     current = current or {}

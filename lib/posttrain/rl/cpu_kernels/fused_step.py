@@ -23,8 +23,9 @@ gathered once per cache into a `_Plan` (kept in `KVCache.derived`, shared by the
 `fork` and `select` make), and each layer's attention goes through a prepared kernel call
 (`KernelLayerKV.attend_step`: the step runs on a `KernelKVCache`). From a cache's second step
 on, a plain model's whole step is one C call (`_StepProgram`: the same sgemm torch's matrix
-product calls, with the same arguments, so the same bits). Measured at one row, where a step is all overhead: 1.43 ms a step before,
-0.70 ms with the plan, 0.51 ms with the program (the decode loop's own savings included).
+product calls, with the same arguments, so the same bits). Measured at one row, where a step
+is all overhead: 1.43 ms a step before, 0.70 ms with the plan, 0.51 ms with the program (the
+decode loop's own savings included).
 
 The same function as `DecoderBlock.forward` in float32, in other summation orders (norm sums,
 the attention's dot products): logits agree to ~1e-6, and greedy decoding matches transformers
