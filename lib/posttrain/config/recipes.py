@@ -158,6 +158,38 @@ class DPOConfig(RecipeConfig):
 
 
 @dataclass
+class KTOSection:
+    """Kahneman-Tversky optimisation (`posttrain.objectives.kto`, Ethayarajh et al. 2024):
+    completions labelled desirable or undesirable, each scored against the frozen starting
+    model (`r = log pi - log ref`) relative to a reference point `z0` (the mean of `r` over
+    other examples' completions placed after each prompt, at least 0): a desirable one loses
+    `desirable_weight * (1 - s(beta (r - z0)))`, an undesirable one `undesirable_weight *
+    (1 - s(beta (z0 - r)))`. Preference pairs are split into one desirable and one undesirable
+    example each (`posttrain.data.unpaired`; the paper advises weights with `desirable_weight *
+    n_desirable / (undesirable_weight * n_undesirable)` in [1, 4/3]; split pairs give n_d = n_u).
+    The reference scores every example once (the flow's `reference` step). `shared_prompt`: pack
+    each example's two branches with its prompt once."""
+
+    beta: float = bounded(0.1, gt=0)
+    desirable_weight: float = bounded(1.0, ge=0)
+    undesirable_weight: float = bounded(1.0, ge=0)
+    shared_prompt: bool = True
+
+
+@dataclass
+class KTOConfig(RecipeConfig):
+    """The KTO recipe: ingest pairs -> tokenize (split into labelled examples) -> pack ->
+    reference -> train -> verify -> evaluate -> register, starting from a model
+    (`model.init_from` or `model.name_or_path`)."""
+
+    kind, section, starts_from = "kto", "kto", "KTO"
+    suites = ("heldout_loss", "task", "preference", "reward_model")
+    default_suites = ("heldout_loss", "task", "preference")
+
+    kto: KTOSection = field(default_factory=KTOSection)
+
+
+@dataclass
 class ORPOSection:
     """Odds-ratio preference optimisation (`posttrain.objectives.orpo`, Hong et al. 2024): per
     pair, the chosen response's mean NLL plus `odds_ratio_weight` (the paper's lambda, TRL's

@@ -1,0 +1,120 @@
+"""KTO's data: labelled completions as pair-packed trees, each with a mismatched second branch.
+
+    trees, labels = split_pairs_for_kto(pairs, seed=0)   # two trees per preference pair
+    tree, truncated = fit_kto_tree(tree, row_length)      # the mismatched branch cut first
+
+KTO (Ethayarajh et al. 2024) trains on single completions labelled desirable or undesirable,
+and takes its reference point from completions placed after prompts they do not answer. Here
+each example is a tree of the pair packer (`posttrain.data.preference`): a `PairSample` whose
+prompt is the example's prompt, whose first branch (the `chosen_*` fields) is its labelled
+completion, trained, and whose second branch (the `rejected_*` fields) is another example's
+completion, token ids and loss mask copied as they are, scored but never trained
+(`posttrain.objectives.kto`). The trees pack, fit, and get reference log-probabilities
+exactly as preference pairs do; the label of each tree is a table by pair id.
+
+Everything here works on tokenized samples; nothing is rendered again. Which completion goes
+after which prompt is a seeded derangement (`mismatch`) that never places a completion after
+a prompt with the same token ids as its own (so two pairs of one prompt never lend each
+other their completions).
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+import numpy as np
+
+from posttrain.data.preference import PairError, PairSample
+
+
+def mismatch(prompt_keys: Sequence[Hashable], seed: int | Sequence[int]) -> list[int]:
+    """`partner[i]`: the example whose completion goes after example `i`'s prompt, a seeded
+    permutation with `prompt_keys[partner[i]] != prompt_keys[i]` for every `i` (and so
+    `partner[i] != i`). Raises ValueError when no such permutation exists: when more than half
+    of the examples share one prompt (one example alone included).
+
+    Construction: the examples in a seeded random order, grouped by prompt (groups in the order
+    they first appear), then each takes the completion `g` places further along, cyclically,
+    with `g` the largest group's size. A group is a run of at most `g` consecutive places, and
+    `g <= n - g`, so the place `g` further on is outside the run both ways round."""
+    n = len(prompt_keys)
+    if n == 0:
+        return []
+    groups: dict[Hashable, list[int]] = {}
+    for i in np.random.default_rng(seed).permutation(n).tolist():
+        groups.setdefault(prompt_keys[i], []).append(i)
+    shift = max(len(g) for g in groups.values())
+    if 2 * shift > n:
+        raise ValueError(f"{shift} of {n} examples share one prompt: no completion of another prompt is left "
+                         "for each of them (KTO's reference point needs mismatched completions)")
+    order = [i for group in groups.values() for i in group]
+    partner = [0] * n
+    for k, i in enumerate(order):
+        partner[i] = order[(k + shift) % n]
+    return partner
+
+
+def mismatched_trees(prompts: Sequence[list[int]], completions: Sequence[tuple[list[int], list[int]]],
+                     pair_ids: Sequence[int], seed: int | Sequence[int], sources: Sequence[str] | None = None,
+                     lines: Sequence[int] | None = None) -> list[PairSample]:
+    """Tree `i`: `prompts[i]`, then `completions[i]` (`(ids, mask)`, the labelled branch), then
+    the completion `mismatch` lends it (ids and mask copied), with pair id `pair_ids[i]`
+    (`sources`/`lines` carried for error reports). The building block for labelled
+    completions from any source."""
+    n = len(prompts)
+    if not len(completions) == len(pair_ids) == n:
+        raise ValueError(f"{n} prompts, {len(completions)} completions and {len(pair_ids)} pair ids")
+    partner = mismatch([tuple(p) for p in prompts], seed)
+    trees = []
+    for i in range(n):
+        (ids, mask), (other_ids, other_mask) = completions[i], completions[partner[i]]
+        trees.append(PairSample(list(prompts[i]), list(ids), list(mask), list(other_ids), list(other_mask),
+                                int(pair_ids[i]), sources[i] if sources else "", lines[i] if lines else -1))
+    return trees
+
+
+def split_pairs_for_kto(pairs: Sequence[PairSample], seed: int) -> tuple[list[PairSample], list[bool]]:
+    """Each preference pair `p` (prompt, chosen, rejected) as two KTO trees: `(prompt, chosen,
+    another pair's chosen)`, desirable, with pair id `2 * p.pair_id`, and `(prompt, rejected,
+    another pair's rejected)`, undesirable, with pair id `2 * p.pair_id + 1`; chosen lend to
+    chosen and rejected to rejected, each by its own seeded `mismatch`. With the pairs
+    numbered `0..N-1` the trees are `0..2N-1`; pairs numbered across sources and held-out
+    sets stay apart (`posttrain.steps.tokenize.run_pairs` numbers them all).
+
+    Returns the trees (pair `k`'s two in list order) and `labels`, True for desirable, indexed
+    by tree pair id (`labels[id] == (id % 2 == 0)`, length `2 * (largest pair id + 1)`; the
+    KTO objective's `kto_desirable` table). The trees may need `fit_kto_tree` before packing.
+    """
+    ids = [p.pair_id for p in pairs]
+    if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise ValueError("split_pairs_for_kto needs pairs with distinct non-negative pair ids")
+    prompts = [p.prompt_ids for p in pairs]
+    sources, lines = [p.source for p in pairs], [p.line for p in pairs]
+    desirable = mismatched_trees(prompts, [(p.chosen_ids, p.chosen_mask) for p in pairs],
+                                 [2 * i for i in ids], [seed, 0], sources, lines)
+    undesirable = mismatched_trees(prompts, [(p.rejected_ids, p.rejected_mask) for p in pairs],
+                                   [2 * i + 1 for i in ids], [seed, 1], sources, lines)
+    trees = [tree for both in zip(desirable, undesirable) for tree in both]
+    labels = [k % 2 == 0 for k in range(2 * (max(ids, default=-1) + 1))]
+    return trees, labels
+
+
+def fit_kto_tree(tree: PairSample, row_length: int, shared: bool = True) -> tuple[PairSample, bool]:
+    """`(tree, truncated)`: the tree as it fits one row of `row_length` tokens in its layout
+    (`posttrain.data.preference.pair_layout`). Unlike `fit_pair`, which cuts the longer
+    response first, the mismatched branch is cut first (it only estimates the reference
+    point), down to its first trained token; only then the labelled completion. The prompt
+    stays whole; raises `PairError` when it leaves no room for a trained token of each branch."""
+    P, C, R = len(tree.prompt_ids), len(tree.chosen_ids), len(tree.rejected_ids)
+    budget = row_length - (P if shared else 2 * P)  # tokens left for both branches
+    if C + R <= budget:
+        return tree, False
+    first_c, first_r = (m.index(1) + 1 if 1 in m else 0 for m in (tree.chosen_mask, tree.rejected_mask))
+    if budget < first_c + first_r:
+        raise PairError(f"the prompt ({P} tokens) leaves no room for both branches of a KTO tree in a row of "
+                        f"{row_length} ({'shared' if shared else 'unshared'} layout); raise pack.row_length")
+    keep_r = max(first_r, min(R, budget - C))
+    keep_c = min(C, budget - keep_r)
+    return PairSample(tree.prompt_ids, tree.chosen_ids[:keep_c], tree.chosen_mask[:keep_c],
+                      tree.rejected_ids[:keep_r], tree.rejected_mask[:keep_r], tree.pair_id, tree.source,
+                      tree.line), True
