@@ -76,11 +76,12 @@ def resume_point(config: RecipeConfig, manager: CheckpointManager | None) -> Pat
 def check_same_teacher(resume: Path, saved_fingerprint: dict | None, spec) -> None:
     """Refuse to resume a distillation run against another teacher than the one it trained
     with, naming both (their identities are in the checkpoint's fingerprint)."""
-    from posttrain.train.checkpoint import CheckpointError
+    from posttrain.train.checkpoint import TrainingCheckpointError
 
     saved = (saved_fingerprint or {}).get("teacher")
     if spec is None or saved is None or saved.get("sha256") == spec.identity["sha256"]:
         return
-    raise CheckpointError(f"{resume} was trained against teacher {saved.get('reference')} (sha256 "
-                          f"{saved.get('sha256', '')[:12]}), but this run's teacher is {spec.identity['reference']} "
-                          f"(sha256 {spec.identity['sha256'][:12]}): resume with the same teacher, or start a new run")
+    raise TrainingCheckpointError(
+        f"{resume} was trained against teacher {saved.get('reference')} (sha256 {saved.get('sha256', '')[:12]}), "
+        f"but this run's teacher is {spec.identity['reference']} (sha256 {spec.identity['sha256'][:12]}): resume "
+        f"with the same teacher, or start a new run")

@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from posttrain.models.heads import RewardModel, ValueHead, load_with_head, save_with_head
 from posttrain.models.hf_backend import load_hf_backend
-from posttrain.models.architectures import CheckpointError, build_model, load_hf_checkpoint, save_hf_checkpoint, tiny_config
+from posttrain.models.architectures import (HFCheckpointError, build_model, load_hf_checkpoint, save_hf_checkpoint,
+                                            tiny_config)
 
 LIB = Path(__file__).resolve().parents[2] / "lib"
 ARCHS = ["qwen3", "llama"]
@@ -100,7 +101,7 @@ def test_broken_checkpoint_names_the_tensor(tmp_path, model_type, tied, sharded,
     out = save(model_type, tied, sharded, tmp_path / "ckpt")
     change, message = CASES[case]
     edit(out, change)
-    with pytest.raises(CheckpointError, match=message):
+    with pytest.raises(HFCheckpointError, match=message):
         load_hf_checkpoint(out)
 
 
@@ -108,7 +109,7 @@ def test_broken_checkpoint_names_the_tensor(tmp_path, model_type, tied, sharded,
 def test_untied_checkpoint_without_lm_head(tmp_path, model_type):
     out = save(model_type, tied=False, sharded=True, path=tmp_path / "ckpt")
     edit(out, delete("lm_head.weight"))
-    with pytest.raises(CheckpointError, match=r"missing.*'lm_head\.weight'"):
+    with pytest.raises(HFCheckpointError, match=r"missing.*'lm_head\.weight'"):
         load_hf_checkpoint(out)
 
 
@@ -116,18 +117,18 @@ def test_untied_checkpoint_without_lm_head(tmp_path, model_type):
 def test_tied_checkpoint_with_wrong_shape_redundant_head(tmp_path, model_type):
     out = save(model_type, tied=True, sharded=False, path=tmp_path / "ckpt")
     edit(out, add("lm_head.weight", torch.zeros(200, 64)))
-    with pytest.raises(CheckpointError, match=r"'lm_head\.weight'.*\(200, 64\).*\(250, 64\)"):
+    with pytest.raises(HFCheckpointError, match=r"'lm_head\.weight'.*\(200, 64\).*\(250, 64\)"):
         load_hf_checkpoint(out)
 
 
 def test_qk_norms_are_required_by_qwen3_and_unknown_to_llama(tmp_path):
     qwen3 = save("qwen3", tied=False, sharded=False, path=tmp_path / "qwen3")
     edit(qwen3, delete("model.layers.1.self_attn.k_norm.weight"))
-    with pytest.raises(CheckpointError, match=r"missing.*model\.layers\.1\.self_attn\.k_norm\.weight"):
+    with pytest.raises(HFCheckpointError, match=r"missing.*model\.layers\.1\.self_attn\.k_norm\.weight"):
         load_hf_checkpoint(qwen3)
     llama = save("llama", tied=False, sharded=False, path=tmp_path / "llama")
     edit(llama, add("model.layers.0.self_attn.q_norm.weight", torch.ones(16)))
-    with pytest.raises(CheckpointError, match=r"unexpected.*model\.layers\.0\.self_attn\.q_norm\.weight"):
+    with pytest.raises(HFCheckpointError, match=r"unexpected.*model\.layers\.0\.self_attn\.q_norm\.weight"):
         load_hf_checkpoint(llama)
 
 
@@ -140,7 +141,7 @@ def test_many_missing_tensors_are_listed_with_a_count(tmp_path, model_type):
             del tensors[name]
 
     edit(out, drop_layer_1)
-    with pytest.raises(CheckpointError, match=r"missing tensors \['model\.layers\.1\..*\(and \d+ more\)"):
+    with pytest.raises(HFCheckpointError, match=r"missing tensors \['model\.layers\.1\..*\(and \d+ more\)"):
         load_hf_checkpoint(out)
 
 
@@ -151,7 +152,7 @@ def test_index_naming_a_tensor_its_shard_lacks(tmp_path, model_type):
     index = json.loads(index_path.read_text())
     index["weight_map"]["model.layers.0.mlp.gate_proj.bias"] = index["weight_map"]["model.norm.weight"]
     index_path.write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.gate_proj\.bias"):
+    with pytest.raises(HFCheckpointError, match=r"model\.layers\.0\.mlp\.gate_proj\.bias"):
         load_hf_checkpoint(out)
 
 
@@ -162,7 +163,7 @@ def test_index_naming_a_missing_shard_file(tmp_path):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     gone = sorted(set(index["weight_map"].values()))[1]
     (out / gone).unlink()
-    with pytest.raises((CheckpointError, FileNotFoundError), match=re.escape(gone)):
+    with pytest.raises((HFCheckpointError, FileNotFoundError), match=re.escape(gone)):
         load_hf_checkpoint(out)
 
 
@@ -194,17 +195,17 @@ def test_a_corrupt_safetensors_file_is_a_checkpoint_error_naming_it(tmp_path, ho
     out = save("qwen3", tied=True, sharded=False, path=tmp_path / "ckpt")
     (weights,) = out.glob("*.safetensors")
     corrupt_header(weights, how)
-    with pytest.raises(CheckpointError, match=re.escape(str(weights))):
+    with pytest.raises(HFCheckpointError, match=re.escape(str(weights))):
         load_hf_checkpoint(out)
 
 
 def test_a_malformed_config_or_index_is_a_checkpoint_error_naming_it(tmp_path):
     out = save("qwen3", tied=True, sharded=True, path=tmp_path / "ckpt")
     (out / "model.safetensors.index.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="model.safetensors.index.json is not valid JSON"):
+    with pytest.raises(HFCheckpointError, match="model.safetensors.index.json is not valid JSON"):
         load_hf_checkpoint(out)
     (out / "config.json").unlink()
-    with pytest.raises(CheckpointError, match="config.json is missing"):
+    with pytest.raises(HFCheckpointError, match="config.json is missing"):
         load_hf_checkpoint(out)
 
 
@@ -232,10 +233,10 @@ def test_the_transformers_backend_refuses_a_checkpoint_with_missing_or_extra_ten
         tensors = load_file(broken / "model.safetensors")
         change(tensors)
         save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
-        with pytest.raises(CheckpointError, match=re.escape(named)):
+        with pytest.raises(HFCheckpointError, match=re.escape(named)):
             load_hf_backend(broken)
     corrupt_header(tmp_path / "missing" / "model.safetensors", "length")
-    with pytest.raises(CheckpointError, match="transformers cannot load it"):
+    with pytest.raises(HFCheckpointError, match="transformers cannot load it"):
         load_hf_backend(tmp_path / "missing")
 
 

@@ -9,7 +9,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from posttrain.models.architectures import (
-    CheckpointError,
+    HFCheckpointError,
     build_model,
     load_hf_checkpoint,
     save_hf_checkpoint,
@@ -142,7 +142,7 @@ def test_wrong_shape_names_tensor(broken):
     out, tensors = broken
     tensors["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(16, 64)
     rewrite(out, tensors)
-    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*\(16, 64\).*\(32, 64\)"):
+    with pytest.raises(HFCheckpointError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*\(16, 64\).*\(32, 64\)"):
         load_hf_checkpoint(out)
 
 
@@ -150,7 +150,7 @@ def test_missing_tensor_names_tensor(broken):
     out, tensors = broken
     del tensors["model.layers.0.mlp.up_proj.weight"]
     rewrite(out, tensors)
-    with pytest.raises(CheckpointError, match=r"missing.*model\.layers\.0\.mlp\.up_proj\.weight"):
+    with pytest.raises(HFCheckpointError, match=r"missing.*model\.layers\.0\.mlp\.up_proj\.weight"):
         load_hf_checkpoint(out)
 
 
@@ -158,7 +158,7 @@ def test_unknown_tensor_names_tensor(broken):
     out, tensors = broken
     tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
     rewrite(out, tensors)
-    with pytest.raises(CheckpointError, match=r"unexpected.*model\.layers\.0\.self_attn\.q_proj\.bias"):
+    with pytest.raises(HFCheckpointError, match=r"unexpected.*model\.layers\.0\.self_attn\.q_proj\.bias"):
         load_hf_checkpoint(out)
 
 
@@ -169,7 +169,7 @@ def test_index_disagreeing_with_shard_is_an_error(tmp_path):
     index["weight_map"]["model.norm.weight"] = "model-00001-of-{:05d}.safetensors".format(
         len(set(index["weight_map"].values())))
     index_path.write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match="model.norm.weight"):
+    with pytest.raises(HFCheckpointError, match="model.norm.weight"):
         load_hf_checkpoint(out)
 
 
@@ -182,7 +182,7 @@ def test_tied_checkpoint_with_redundant_lm_head(tmp_path):
     assert torch.equal(load_hf_checkpoint(out).output_weight, model.output_weight)
     tensors["lm_head.weight"][0, 0] += 1.0
     rewrite(out, tensors)
-    with pytest.raises(CheckpointError, match="lm_head.weight"):
+    with pytest.raises(HFCheckpointError, match="lm_head.weight"):
         load_hf_checkpoint(out)
 
 
@@ -190,7 +190,7 @@ def test_refuses_pickle_checkpoints(tmp_path):
     out = save_hf_checkpoint(random_model(tied=True), tmp_path / "ckpt")
     as_single_file(out)
     (out / "pytorch_model.bin").write_bytes(b"not unpickled")
-    with pytest.raises(CheckpointError, match="safetensors only"):
+    with pytest.raises(HFCheckpointError, match="safetensors only"):
         load_hf_checkpoint(out)
 
 

@@ -15,7 +15,7 @@ from posttrain.config.schema import TrainConfig
 from posttrain.models.architectures import build_model, load_hf_checkpoint, save_hf_checkpoint, tiny_config
 from posttrain.train.checkpoint import (
     STAGES,
-    CheckpointError,
+    TrainingCheckpointError,
     CheckpointManager,
     export_hf_checkpoint,
     from_json_tree,
@@ -132,7 +132,7 @@ def test_a_crafted_metadata_pickle_is_refused_before_it_runs(tmp_path):
             return (os.system, (f"touch {marker}",))
 
     (path / ".metadata").write_bytes(pickle.dumps(Payload()))
-    with pytest.raises(CheckpointError, match=r"(posix|os)\.system, which a DCP checkpoint never holds"):
+    with pytest.raises(TrainingCheckpointError, match=r"(posix|os)\.system, which a DCP checkpoint never holds"):
         CheckpointManager(tmp_path, every_steps=1).load(path, make_trainer())
     assert not marker.exists()
 
@@ -178,17 +178,17 @@ def test_should_save_every_n_steps_and_at_the_end():
 
 def test_wrong_or_incomplete_checkpoints_fail_clearly(tmp_path):
     manager = CheckpointManager(tmp_path / "ckpt", every_steps=1, fingerprint={"model": {"hidden_size": 64}})
-    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+    with pytest.raises(TrainingCheckpointError, match="no complete checkpoint"):
         manager.load("latest", make_trainer())
     path = manager.save(1, trained(1), None)
     (tmp_path / "half").mkdir()
-    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+    with pytest.raises(TrainingCheckpointError, match="not a complete checkpoint"):
         manager.load(tmp_path / "half", make_trainer())
 
     other = CheckpointManager(tmp_path / "ckpt", every_steps=1, fingerprint={"model": {"hidden_size": 32}})
-    with pytest.raises(CheckpointError, match="changed: model.hidden_size"):
+    with pytest.raises(TrainingCheckpointError, match="changed: model.hidden_size"):
         other.load(path, make_trainer())
-    with pytest.raises(CheckpointError, match="'model.*' is float32\\[.*\\] in the checkpoint but float32\\["):
+    with pytest.raises(TrainingCheckpointError, match="'model.*' is float32\\[.*\\] in the checkpoint but float32\\["):
         manager.load(path, make_trainer(intermediate_size=48))
 
 

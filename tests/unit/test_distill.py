@@ -217,14 +217,14 @@ def test_teacher_step_checks_identity_and_errors(tmp_path, demo_tokenizer):
 def test_a_resume_against_another_teacher_is_refused_by_name(tmp_path, demo_tokenizer):
     from posttrain.steps import teacher as teacher_step
     from posttrain.steps.train_state import check_same_teacher, checkpoint_manager
-    from posttrain.train.checkpoint import CheckpointError
+    from posttrain.train.checkpoint import TrainingCheckpointError
 
     spec = teacher_step.TeacherSpec("t", "native", VOCAB, {"reference": "registry:big", "sha256": "a" * 64})
     manager = checkpoint_manager(_recipe(tmp_path, "registry:big"), tmp_path, teacher_identity=spec.identity)
     assert manager.fingerprint["teacher"] == {"reference": "registry:big", "sha256": "a" * 64}
     check_same_teacher(tmp_path, manager.fingerprint, spec)  # the same teacher resumes
     other = dataclasses.replace(spec, identity={"reference": "registry:other", "sha256": "b" * 64})
-    with pytest.raises(CheckpointError, match=r"trained against teacher registry:big .* this run's teacher is "
+    with pytest.raises(TrainingCheckpointError, match=r"trained against teacher registry:big .* this run's teacher is "
                                               r"registry:other"):
         check_same_teacher(tmp_path, manager.fingerprint, other)
 

@@ -16,7 +16,7 @@ from posttrain.models.gemma3 import hf_adapter
 from posttrain.models.gemma3.model import Gemma3Config, Gemma3Model, GemmaRMSNorm, ScaledEmbedding, UnsupportedConfigError
 from posttrain.models.architectures import (
     ARCHITECTURES,
-    CheckpointError,
+    HFCheckpointError,
     build_model,
     load_hf_checkpoint,
     save_hf_checkpoint,
@@ -334,7 +334,7 @@ def _rewrite_checkpoint(path, edit):
 def test_bad_checkpoint_names_the_tensor(tmp_path, edit, message):
     out = save_hf_checkpoint(random_model(tiny_config(ARCH)), tmp_path / "ckpt")
     _rewrite_checkpoint(out, edit)
-    with pytest.raises(CheckpointError, match=message.replace(".", r"\.")):
+    with pytest.raises(HFCheckpointError, match=message.replace(".", r"\.")):
         load_hf_checkpoint(out)
 
 

@@ -27,7 +27,7 @@ from posttrain.models.gpt_oss import hf_adapter
 from posttrain.models.gpt_oss.model import DEFAULT_YARN, GptOssConfig, GptOssModel, UnsupportedConfigError
 from posttrain.models.architectures import (
     ARCHITECTURES,
-    CheckpointError,
+    HFCheckpointError,
     build_model,
     load_hf_checkpoint,
     save_hf_checkpoint,
@@ -347,7 +347,7 @@ def _rewrite_single_file(ckpt, edit):
 def test_bad_checkpoints_name_the_tensor(tmp_path, edit, match):
     ckpt = build_tiny_checkpoint("gpt_oss", tmp_path / "ckpt")
     _rewrite_single_file(ckpt, edit)
-    with pytest.raises(CheckpointError, match=match):
+    with pytest.raises(HFCheckpointError, match=match):
         load_hf_checkpoint(ckpt)
 
 

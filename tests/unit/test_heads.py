@@ -22,7 +22,7 @@ from posttrain.models.heads import (
     sequence_scores,
 )
 from posttrain.models.hf_backend import HFCausalLM
-from posttrain.models.architectures import CheckpointError, build_model, tiny_config
+from posttrain.models.architectures import HFCheckpointError, build_model, tiny_config
 from posttrain.objectives.sft import SFTObjective
 from posttrain.ops.losses import IGNORE_INDEX, causal_lm_loss
 from posttrain.train.trainer import Trainer
@@ -158,7 +158,7 @@ def test_head_wrong_shape_names_tensor(saved_rm):
     out, tensors = saved_rm
     tensors["score.weight"] = torch.zeros(1, 32)
     save_file(tensors, out / "head.safetensors")
-    with pytest.raises(CheckpointError, match=r"score\.weight.*\(1, 32\).*\(1, 64\)"):
+    with pytest.raises(HFCheckpointError, match=r"score\.weight.*\(1, 32\).*\(1, 64\)"):
         load_with_head(out)
 
 
@@ -166,7 +166,7 @@ def test_head_missing_tensor_names_tensor(saved_rm):
     out, tensors = saved_rm
     del tensors["score.bias"]
     save_file(tensors, out / "head.safetensors")
-    with pytest.raises(CheckpointError, match=r"missing.*score\.bias"):
+    with pytest.raises(HFCheckpointError, match=r"missing.*score\.bias"):
         load_with_head(out)
 
 
@@ -174,7 +174,7 @@ def test_head_unknown_tensor_names_tensor(saved_rm):
     out, tensors = saved_rm
     tensors["score.extra"] = torch.zeros(3)
     save_file(tensors, out / "head.safetensors")
-    with pytest.raises(CheckpointError, match=r"unexpected.*score\.extra"):
+    with pytest.raises(HFCheckpointError, match=r"unexpected.*score\.extra"):
         load_with_head(out)
 
 
@@ -182,13 +182,13 @@ def test_head_config_errors(saved_rm):
     out, _ = saved_rm
     config = json.loads((out / "head_config.json").read_text())
     (out / "head_config.json").write_text(json.dumps({**config, "hidden_size": 32}))
-    with pytest.raises(CheckpointError, match="hidden_size 32.*64"):
+    with pytest.raises(HFCheckpointError, match="hidden_size 32.*64"):
         load_with_head(out)
     (out / "head_config.json").write_text(json.dumps({**config, "kind": "policy"}))
-    with pytest.raises(CheckpointError, match="unknown head kind 'policy'"):
+    with pytest.raises(HFCheckpointError, match="unknown head kind 'policy'"):
         load_with_head(out)
     (out / "head_config.json").unlink()
-    with pytest.raises(CheckpointError, match="no head_config.json"):
+    with pytest.raises(HFCheckpointError, match="no head_config.json"):
         load_with_head(out)
 
 

@@ -16,7 +16,7 @@ from posttrain.models.hf_backend import (
     build_training_model,
     load_hf_backend,
 )
-from posttrain.models.architectures import ARCHITECTURES, CheckpointError
+from posttrain.models.architectures import ARCHITECTURES, HFCheckpointError
 from posttrain.objectives.sft import SFTObjective
 from posttrain.ops.losses import IGNORE_INDEX, causal_lm_loss
 from posttrain.train.trainer import Trainer
@@ -194,7 +194,7 @@ def test_lm_head_bias_is_refused():
 def test_pickle_only_checkpoint_is_not_loaded(tmp_path, mistral_dir):
     (tmp_path / "config.json").write_bytes((mistral_dir / "config.json").read_bytes())
     (tmp_path / "pytorch_model.bin").write_bytes(b"never unpickled")
-    with pytest.raises(CheckpointError, match="transformers cannot load it.*safetensors"):
+    with pytest.raises(HFCheckpointError, match="transformers cannot load it.*safetensors"):
         load_hf_backend(tmp_path)
 
 

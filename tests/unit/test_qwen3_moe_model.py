@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from posttrain.models.qwen3_moe import hf_adapter
 from posttrain.models.qwen3_moe.model import Qwen3MoeConfig, Qwen3MoeModel, SparseMoe, UnsupportedConfigError
 from posttrain.models.architectures import (
-    CheckpointError,
+    HFCheckpointError,
     build_model,
     load_hf_checkpoint,
     save_hf_checkpoint,
@@ -247,7 +247,7 @@ EXPERT = "model.layers.1.mlp.experts.6.gate_proj.weight"
 def test_broken_checkpoint_names_tensor(checkpoint, change, message):
     out, file = checkpoint
     _rewrite(file, change)
-    with pytest.raises(CheckpointError, match=message):
+    with pytest.raises(HFCheckpointError, match=message):
         load_hf_checkpoint(out)
 
 
@@ -370,16 +370,16 @@ def test_fused_parameter_rows_are_checked():
     from posttrain.models.architectures import _FusedParameters
 
     fused = _FusedParameters({"w": (2, 3)}, "cpu")
-    with pytest.raises(CheckpointError, match="'e.0' \\(4,\\) does not fit row 0 of 'w'"):
+    with pytest.raises(HFCheckpointError, match="'e.0' \\(4,\\) does not fit row 0 of 'w'"):
         fused.copy_row("e.0", "w", torch.zeros(4), 0)
-    with pytest.raises(CheckpointError, match="'e.5' .* row 5"):
+    with pytest.raises(HFCheckpointError, match="'e.5' .* row 5"):
         fused.copy_row("e.5", "w", torch.zeros(3), 5)
-    with pytest.raises(CheckpointError, match="not a fused parameter"):
+    with pytest.raises(HFCheckpointError, match="not a fused parameter"):
         fused.copy_row("e.0", "v", torch.zeros(3), 0)
     fused.copy_row("e.1", "w", torch.ones(3, dtype=torch.bfloat16), 1)
-    with pytest.raises(CheckpointError, match="'e.1b' fills row 1 of 'w' a second time"):
+    with pytest.raises(HFCheckpointError, match="'e.1b' fills row 1 of 'w' a second time"):
         fused.copy_row("e.1b", "w", torch.ones(3), 1)
-    with pytest.raises(CheckpointError, match="'w' has no tensor for rows \\[0\\]"):
+    with pytest.raises(HFCheckpointError, match="'w' has no tensor for rows \\[0\\]"):
         fused.complete()
     fused.copy_row("e.0", "w", torch.full((3,), 2.0), 0)
     w = fused.complete()["w"]

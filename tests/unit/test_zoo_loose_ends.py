@@ -20,7 +20,7 @@ from posttrain.models.hf_backend import HFCausalLM
 from posttrain.models.lora import apply_lora, has_lora, lora_parameters, merge_lora
 from posttrain.models.architectures import (
     SAFETENSORS_INDEX,
-    CheckpointError,
+    HFCheckpointError,
     build_model,
     load_hf_checkpoint,
     replace_dir,
@@ -53,7 +53,7 @@ def test_missing_shard_names_file_and_its_tensors(tmp_path):
     gone = files[1]
     (path / gone).unlink()
     held = sorted(n for n, f in weight_map.items() if f == gone)
-    with pytest.raises(CheckpointError) as err:
+    with pytest.raises(HFCheckpointError) as err:
         load_hf_checkpoint(path)
     message = str(err.value)
     assert gone in message and "missing" in message and held[0] in message
@@ -81,7 +81,7 @@ def test_gpt_oss_mxfp4_tensors_are_explained_without_quantization_config(tmp_pat
         "model.layers.0.mlp.experts.gate_up_proj_scales": torch.zeros(4, 64, 2, dtype=torch.uint8),
     }})
     assert "quantization_config" not in json.loads((path / "config.json").read_text())
-    with pytest.raises(CheckpointError, match=f"MXFP4-quantized tensor '{blocks}'.*dequantize"):
+    with pytest.raises(HFCheckpointError, match=f"MXFP4-quantized tensor '{blocks}'.*dequantize"):
         load_hf_checkpoint(path)
 
 
@@ -89,7 +89,7 @@ def test_adapter_without_hook_keeps_the_generic_message(tmp_path):
     path = save_hf_checkpoint(random_model(tiny_config("qwen3")), tmp_path / "ckpt")
     stray = "model.layers.0.mlp.experts.gate_up_proj_blocks"
     _with_tensors_replaced(path, {"model.norm.weight": {"model.norm.weight": torch.ones(64), stray: torch.zeros(2)}})
-    with pytest.raises(CheckpointError, match=f"unexpected tensor '{stray}'"):
+    with pytest.raises(HFCheckpointError, match=f"unexpected tensor '{stray}'"):
         load_hf_checkpoint(path)
 
 
@@ -146,7 +146,7 @@ def test_weights_view_with_lora_factors_is_refused(tmp_path):
     model = apply_lora(random_model(tiny_config("qwen3")), LoraConfig(rank=2, alpha=2.0, targets=["q"]))
     weights = dict(model.state_dict())
     view = SimpleNamespace(config=model.config, named_parameters=lambda: iter(weights.items()))
-    with pytest.raises(CheckpointError, match="lora_A.*merge_lora"):
+    with pytest.raises(HFCheckpointError, match="lora_A.*merge_lora"):
         save_hf_checkpoint(view, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
 

@@ -44,7 +44,7 @@ from posttrain.models.qwen3 import hf_adapter as qwen3_adapter
 from posttrain.models.qwen3.model import Qwen3Config, Qwen3Model
 from posttrain.models.qwen3_moe import hf_adapter as qwen3_moe_adapter
 from posttrain.models.qwen3_moe.model import Qwen3MoeConfig, Qwen3MoeModel
-from posttrain.models.safetensors_io import CheckpointError, open_safetensors, read_json, read_tensor
+from posttrain.models.safetensors_io import HFCheckpointError, open_safetensors, read_json, read_tensor
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SINGLE_SAFETENSORS = "model.safetensors"
@@ -118,7 +118,7 @@ ARCHITECTURES: dict[str, Architecture] = {
 
 def get_architecture(model_type: str | None) -> Architecture:
     if model_type not in ARCHITECTURES:
-        raise CheckpointError(f"unsupported model_type {model_type!r}; registered: {sorted(ARCHITECTURES)}")
+        raise HFCheckpointError(f"unsupported model_type {model_type!r}; registered: {sorted(ARCHITECTURES)}")
     return ARCHITECTURES[model_type]
 
 
@@ -147,7 +147,7 @@ def _shard_files(path: Path) -> dict[str, list[str] | None]:
     if index_file.exists():
         index = read_json(index_file)
         if not isinstance(index.get("weight_map"), dict):
-            raise CheckpointError(f"{index_file} has no 'weight_map' mapping")
+            raise HFCheckpointError(f"{index_file} has no 'weight_map' mapping")
         weight_map: dict[str, str] = index["weight_map"]
         files: dict[str, list[str]] = {}
         for name, file in weight_map.items():
@@ -155,7 +155,7 @@ def _shard_files(path: Path) -> dict[str, list[str] | None]:
         for file, names in files.items():
             if not (path / file).is_file():
                 more = f" (and {len(names) - 5} more)" if len(names) > 5 else ""
-                raise CheckpointError(
+                raise HFCheckpointError(
                     f"shard {file!r} named by {path / SAFETENSORS_INDEX} is missing; the index assigns it "
                     f"{len(names)} tensors: {sorted(names)[:5]}{more}"
                 )
@@ -163,8 +163,8 @@ def _shard_files(path: Path) -> dict[str, list[str] | None]:
     if (path / SINGLE_SAFETENSORS).exists():
         return {SINGLE_SAFETENSORS: None}
     if any(path.glob("*.bin")) or any(path.glob("*.pt")):
-        raise CheckpointError(f"{path} holds only pickle weights (*.bin/*.pt); we load safetensors only")
-    raise CheckpointError(f"{path} has neither {SAFETENSORS_INDEX} nor {SINGLE_SAFETENSORS}")
+        raise HFCheckpointError(f"{path} holds only pickle weights (*.bin/*.pt); we load safetensors only")
+    raise HFCheckpointError(f"{path} has neither {SAFETENSORS_INDEX} nor {SINGLE_SAFETENSORS}")
 
 
 def load_hf_checkpoint(
@@ -173,7 +173,7 @@ def load_hf_checkpoint(
     """Load an HF-format checkpoint directory (config.json + safetensors) into our model.
 
     Strict: an unknown tensor, a missing one, a wrong shape, a tensor listed twice or in the
-    wrong shard raises `CheckpointError` naming the tensor. Tensors are cast to `dtype`
+    wrong shard raises `HFCheckpointError` naming the tensor. Tensors are cast to `dtype`
     (float32 by default; None keeps the stored dtype) and placed on `device`.
     """
     path = Path(path)
@@ -189,7 +189,7 @@ def load_hf_checkpoint(
             names = list(f.keys())
             if indexed is not None and set(names) != set(indexed):
                 stray = sorted(set(names) ^ set(indexed))
-                raise CheckpointError(f"{file} does not hold what {SAFETENSORS_INDEX} says: tensors {stray[:5]}")
+                raise HFCheckpointError(f"{file} does not hold what {SAFETENSORS_INDEX} says: tensors {stray[:5]}")
             for name in names:
                 importer.check_name(name, where=file)
                 importer.add(name, read_tensor(f, name, path / file), where=file)
@@ -204,7 +204,7 @@ class HFTensorImporter:
     a rollout engine's `update_weights`).
 
     `add(hf_name, tensor, where)` per tensor (`where` names its source in errors), then
-    `finish(where) -> {our name: tensor}`. Raises `CheckpointError` naming the tensor for an
+    `finish(where) -> {our name: tensor}`. Raises `HFCheckpointError` naming the tensor for an
     unknown or repeated name, a wrong shape, a missing tensor, or a redundant tensor (a tied
     `lm_head.weight`) that differs from its twin. Tensors are cast to `dtype` (None keeps
     theirs) and placed on `device`.
@@ -223,16 +223,17 @@ class HFTensorImporter:
     def check_name(self, name: str, where: str) -> None:
         """Raise for a name seen before or one the model has no place for (before reading it)."""
         if name in self.seen:
-            raise CheckpointError(f"tensor {name!r} appears twice in {where}")
+            raise HFCheckpointError(f"tensor {name!r} appears twice in {where}")
         if name not in self.expected and name not in self.redundant:
-            raise CheckpointError(_unexpected_message(self.arch, name, where, self.config))
+            raise HFCheckpointError(_unexpected_message(self.arch, name, where, self.config))
 
     def add(self, name: str, tensor: torch.Tensor, where: str) -> None:
         self.check_name(name, where)
         self.seen.add(name)
         want = self.expected.get(name, self.expected.get(self.redundant.get(name)))
         if tuple(tensor.shape) != tuple(want):
-            raise CheckpointError(f"tensor {name!r} in {where} has shape {tuple(tensor.shape)}, expected {tuple(want)}")
+            raise HFCheckpointError(f"tensor {name!r} in {where} has shape {tuple(tensor.shape)}, expected "
+                                    f"{tuple(want)}")
         if self.dtype is not None:
             tensor = tensor.to(self.dtype)
         if name in self.redundant or name in self.redundant.values():
@@ -249,10 +250,10 @@ class HFTensorImporter:
         missing = sorted(set(self.expected) - self.seen)
         if missing:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-            raise CheckpointError(f"{where} is missing tensors {missing[:5]}{more}")
+            raise HFCheckpointError(f"{where} is missing tensors {missing[:5]}{more}")
         for name, twin in self.redundant.items():
             if name in self.extra and not torch.equal(self.extra[name], self.extra[twin]):
-                raise CheckpointError(f"tensor {name!r} must equal {twin!r} for this config but differs")
+                raise HFCheckpointError(f"tensor {name!r} must equal {twin!r} for this config but differs")
         self.state.update(self.fused.complete())
         return self.state
 
@@ -280,14 +281,14 @@ class _FusedParameters:
 
     def copy_row(self, hf_name: str, our_name: str, row: torch.Tensor, index: int) -> None:
         if our_name not in self.shapes:
-            raise CheckpointError(f"tensor {hf_name!r} maps to {our_name!r}, which is not a fused parameter")
+            raise HFCheckpointError(f"tensor {hf_name!r} maps to {our_name!r}, which is not a fused parameter")
         shape = self.shapes[our_name]
         if not 0 <= index < shape[0] or tuple(row.shape) != tuple(shape[1:]):
-            raise CheckpointError(
+            raise HFCheckpointError(
                 f"tensor {hf_name!r} {tuple(row.shape)} does not fit row {index} of {our_name!r} {tuple(shape)}"
             )
         if index in self.rows[our_name]:
-            raise CheckpointError(f"tensor {hf_name!r} fills row {index} of {our_name!r} a second time")
+            raise HFCheckpointError(f"tensor {hf_name!r} fills row {index} of {our_name!r} a second time")
         if our_name not in self.tensors:
             self.tensors[our_name] = torch.empty(shape, dtype=row.dtype, device=self.device)
         self.tensors[our_name][index].copy_(row)
@@ -298,7 +299,7 @@ class _FusedParameters:
         for name, shape in self.shapes.items():
             if len(self.rows[name]) != shape[0]:
                 unfilled = sorted(set(range(shape[0])) - self.rows[name])
-                raise CheckpointError(f"fused parameter {name!r} has no tensor for rows {unfilled[:5]}")
+                raise HFCheckpointError(f"fused parameter {name!r} has no tensor for rows {unfilled[:5]}")
         return self.tensors
 
 
@@ -348,7 +349,7 @@ def _mergeable(model: Any) -> Any:
         return _WeightsView(model.config, merged_state_dict(model)) if has_lora(model) else model
     factors = [n for n, _ in model.named_parameters() if n.endswith((".lora_A", ".lora_B"))]
     if factors:
-        raise CheckpointError(
+        raise HFCheckpointError(
             f"these weights hold LoRA factors ({factors[0]!r}, ...) without the modules that say how to merge "
             "them; call posttrain.models.lora.merge_lora(model) first, or pass the model itself"
         )
@@ -405,7 +406,7 @@ def save_hf_checkpoint(
     merged (`merged_state_dict`: `W + scaling * B @ A`; the model itself is left as it is), so
     transformers loads what the adapted model computes. A weights view (an object with
     `config` and `named_parameters` but no modules) holding `lora_A`/`lora_B` tensors cannot
-    be merged here and raises `CheckpointError`.
+    be merged here and raises `HFCheckpointError`.
     """
     config = model.config
     arch = get_architecture(config.model_type)

@@ -17,7 +17,7 @@ directory (architectures.save_hf_checkpoint, or transformers' save_pretrained fo
 plus `head.safetensors` (real rows only: the padding is not stored) and `head_config.json`
 (`kind`, sizes, backbone backend) in the same directory. Loading is strict: an unknown,
 missing or wrongly shaped head tensor, or a head whose hidden size is not the backbone's,
-raises `CheckpointError` naming it. The directory is written next to its target and
+raises `HFCheckpointError` naming it. The directory is written next to its target and
 renamed into place.
 
 `export_sequence_classifier(reward_model, path)` writes a reward model the way transformers
@@ -43,7 +43,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from posttrain.models.architectures import (
-    CheckpointError,
+    HFCheckpointError,
     get_architecture,
     load_hf_checkpoint,
     replace_dir,
@@ -261,8 +261,8 @@ def _build_head(head_config: dict[str, Any], path: Path) -> ValueHead | Replaced
         if kind == ReplacedHead.kind:
             return ReplacedHead(int(head_config["hidden_size"]), int(head_config["vocab_size"]))
     except KeyError as err:
-        raise CheckpointError(f"{path / HEAD_CONFIG}: kind {kind!r} needs the field {err.args[0]!r}") from None
-    raise CheckpointError(f"{path / HEAD_CONFIG}: unknown head kind {kind!r} (expected 'value' or 'replaced')")
+        raise HFCheckpointError(f"{path / HEAD_CONFIG}: kind {kind!r} needs the field {err.args[0]!r}") from None
+    raise HFCheckpointError(f"{path / HEAD_CONFIG}: unknown head kind {kind!r} (expected 'value' or 'replaced')")
 
 
 def _read_head_tensors(head: nn.Module, file: Path, device, dtype) -> dict[str, torch.Tensor]:
@@ -273,16 +273,17 @@ def _read_head_tensors(head: nn.Module, file: Path, device, dtype) -> dict[str, 
     with open_safetensors(file, device) as f:
         for name in f.keys():
             if name not in expected:
-                raise CheckpointError(f"unexpected tensor {name!r} in {file.name}; a {head.kind} head has {sorted(expected)}")
+                raise HFCheckpointError(f"unexpected tensor {name!r} in {file.name}; a {head.kind} head has "
+                                        f"{sorted(expected)}")
             tensor = read_tensor(f, name, file)
             if tuple(tensor.shape) != expected[name]:
-                raise CheckpointError(
+                raise HFCheckpointError(
                     f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, expected {expected[name]}"
                 )
             tensors[name] = tensor if dtype is None else tensor.to(dtype)
     missing = sorted(set(expected) - set(tensors))
     if missing:
-        raise CheckpointError(f"{file.name} is missing tensors {missing}")
+        raise HFCheckpointError(f"{file.name} is missing tensors {missing}")
     return tensors
 
 
@@ -292,7 +293,7 @@ def load_with_head(
     """Load what `save_with_head` wrote: backbone (strict, safetensors only) plus head (strict)."""
     path = Path(path)
     if not (path / HEAD_CONFIG).exists():
-        raise CheckpointError(f"{path} has no {HEAD_CONFIG}: not a checkpoint with a custom head")
+        raise HFCheckpointError(f"{path} has no {HEAD_CONFIG}: not a checkpoint with a custom head")
     head_config = json.loads((path / HEAD_CONFIG).read_text())
     if head_config.get("backbone", "native") == "transformers":
         from posttrain.models.hf_backend import load_hf_backend
@@ -302,12 +303,12 @@ def load_with_head(
         backbone = load_hf_checkpoint(path, device=device, dtype=dtype)
     head = _build_head(head_config, path)
     if head_config["hidden_size"] != _hidden_size(backbone):
-        raise CheckpointError(
+        raise HFCheckpointError(
             f"{path / HEAD_CONFIG}: head hidden_size {head_config['hidden_size']} but the backbone's is "
             f"{_hidden_size(backbone)}"
         )
     if not (path / HEAD_WEIGHTS).exists():
-        raise CheckpointError(f"{path} has {HEAD_CONFIG} but no {HEAD_WEIGHTS}")
+        raise HFCheckpointError(f"{path} has {HEAD_CONFIG} but no {HEAD_WEIGHTS}")
     head.load_stored(_read_head_tensors(head, path / HEAD_WEIGHTS, device, dtype))
     return RewardModel(backbone, head) if isinstance(head, ValueHead) else ReplacedHeadLM(backbone, head)
 

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttrain.models.safetensors_io import CheckpointError
+from posttrain.models.safetensors_io import HFCheckpointError
 
 BACKENDS = ("native", "transformers")
 # config attributes that make transformers change the logits after lm_head in ways we do not
@@ -267,7 +267,7 @@ def load_hf_backend(
             ignore_mismatched_sizes=True,  # so misshaped tensors come back by name (refused below)
         )
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:  # unreadable or corrupt files
-        raise CheckpointError(f"{path_or_id}: transformers cannot load it: {str(err).splitlines()[0]}") from None
+        raise HFCheckpointError(f"{path_or_id}: transformers cannot load it: {str(err).splitlines()[0]}") from None
     check_loading_info(path_or_id, info)
     return HFCausalLM(hf_model.to(device), probe_packing=probe_packing)
 
@@ -275,7 +275,7 @@ def load_hf_backend(
 def check_loading_info(path_or_id, info: dict) -> None:
     """Refuse a load that left weights at their random initialisation or dropped some:
     transformers only prints a load report for missing, unexpected or misshaped tensors;
-    a recipe would then train on partly random weights. Raises `CheckpointError` naming them,
+    a recipe would then train on partly random weights. Raises `HFCheckpointError` naming them,
     as our own loader does (`posttrain.models.architectures.load_hf_checkpoint`)."""
     problems = []
     for key, what in (("missing_keys", "missing tensors"), ("unexpected_keys", "unexpected tensors"),
@@ -287,7 +287,7 @@ def check_loading_info(path_or_id, info: dict) -> None:
     if info.get("error_msgs"):
         problems.append(f"errors {list(info['error_msgs'])[:3]}")
     if problems:
-        raise CheckpointError(f"checkpoint {path_or_id} does not match its config: " + "; ".join(problems))
+        raise HFCheckpointError(f"checkpoint {path_or_id} does not match its config: " + "; ".join(problems))
 
 
 def build_training_model(model_cfg: Any, device: torch.device | str = "cpu") -> HFCausalLM:

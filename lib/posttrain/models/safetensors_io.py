@@ -3,7 +3,7 @@
 Every read of model weights goes through here: `open_safetensors` opens a file (its header
 is parsed and checked by safetensors on open), `read_tensor` reads one tensor. Whatever goes
 wrong (a truncated file, a corrupt header, offsets past the end, an unreadable file) is raised
-as `CheckpointError` naming the file and, when known, the tensor; never the raw
+as `HFCheckpointError` naming the file and, when known, the tensor; never the raw
 `SafetensorError`, which names neither. Safetensors holds tensors only: nothing is unpickled.
 """
 
@@ -18,18 +18,21 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 
-class CheckpointError(ValueError):
-    """A checkpoint directory does not match the model its config.json describes, or cannot be read."""
+class HFCheckpointError(ValueError):
+    """A Hugging Face model directory (config.json and safetensors weights, an optional head)
+    that cannot be read, does not match the model its config.json describes, or cannot be
+    saved as one. A training checkpoint that cannot be resumed is
+    `posttrain.train.checkpoint.TrainingCheckpointError`."""
 
 
 @contextmanager
 def open_safetensors(path: str | Path, device: torch.device | str = "cpu") -> Iterator:
     """`safe_open(path)` as a context manager; a file safetensors cannot open raises
-    `CheckpointError` naming it."""
+    `HFCheckpointError` naming it."""
     try:
         handle = safe_open(str(path), framework="pt", device=str(device))
     except (SafetensorError, OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: not a readable safetensors file: {err}") from None
+        raise HFCheckpointError(f"{path}: not a readable safetensors file: {err}") from None
     with handle as f:
         yield f
 
@@ -39,18 +42,18 @@ def read_tensor(f, name: str, path: str | Path) -> torch.Tensor:
     try:
         return f.get_tensor(name)
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise CheckpointError(f"{path}: tensor {name!r} cannot be read: {err}") from None
+        raise HFCheckpointError(f"{path}: tensor {name!r} cannot be read: {err}") from None
 
 
 def read_json(path: str | Path) -> dict:
     """A checkpoint's JSON file (config.json, an index); a missing or malformed one raises
-    `CheckpointError` naming it."""
+    `HFCheckpointError` naming it."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing") from None
+        raise HFCheckpointError(f"{path} is missing") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path} is not valid JSON: {err}") from None
+        raise HFCheckpointError(f"{path} is not valid JSON: {err}") from None
     if not isinstance(data, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, got {type(data).__name__}")
+        raise HFCheckpointError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data

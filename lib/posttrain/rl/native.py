@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttrain.models.safetensors_io import CheckpointError
+from posttrain.models.safetensors_io import HFCheckpointError
 from posttrain.rl import decode_backends
 from posttrain.rl.decode_backends import DecodeBackend
 from posttrain.rl.engine import (
@@ -364,7 +364,7 @@ class NativeEngine:
                 for name, tensor in named_tensors:
                     importer.add(name, tensor.detach(), where="the weight update")
                 state = importer.finish(where="the weight update")
-            except CheckpointError as err:
+            except HFCheckpointError as err:
                 raise WeightUpdateError(str(err)) from None
             target = self.model
         # strict for ours (the importer yields every parameter); a tied transformers model lists

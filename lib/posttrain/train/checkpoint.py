@@ -61,8 +61,10 @@ TMP_PREFIX = ".tmp-"
 STAGES = ("tensors_written", "state_written")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, or does not fit what it is loaded into."""
+class TrainingCheckpointError(RuntimeError):
+    """A training checkpoint (model, optimizer, RNG and data state) that cannot be written or
+    resumed: missing, incomplete, or not fitting the run it is loaded into. A model directory
+    that cannot be read is `posttrain.models.safetensors_io.HFCheckpointError`."""
 
 
 # ---------------------------------------------------------------------------------- JSON codec
@@ -79,7 +81,7 @@ def to_json_tree(obj: Any, path: str, tensors: dict[str, torch.Tensor] | None) -
             return {"__tensor_data__": {"dtype": str(obj.dtype).removeprefix("torch."), "shape": list(obj.shape),
                                         "values": obj.detach().cpu().flatten().tolist()}}
         if path in tensors:
-            raise CheckpointError(f"two tensors of the training state flatten to the same key {path!r}")
+            raise TrainingCheckpointError(f"two tensors of the training state flatten to the same key {path!r}")
         tensors[path] = obj
         return {"__tensor__": path}
     if obj is None or isinstance(obj, (bool, int, float, str)):
@@ -187,8 +189,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         allowed = _METADATA_GLOBALS.get(module, set())
         if allowed is None or name in allowed:
             return super().find_class(module, name)
-        raise CheckpointError(f"checkpoint .metadata names {module}.{name}, which a DCP checkpoint never holds: "
-                              f"{_REFUSED}")
+        raise TrainingCheckpointError(f"checkpoint .metadata names {module}.{name}, which a DCP checkpoint never "
+                                      f"holds: {_REFUSED}")
 
 
 class SafeMetadataReader(FileSystemReader):
@@ -199,7 +201,7 @@ class SafeMetadataReader(FileSystemReader):
         with self.fs.create_stream(path, "rb") as metadata_file:
             metadata = _MetadataUnpickler(metadata_file).load()
         if not isinstance(metadata, Metadata):
-            raise CheckpointError(f"{path} does not hold DCP metadata")
+            raise TrainingCheckpointError(f"{path} does not hold DCP metadata")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -218,7 +220,7 @@ def _dcp(function: Callable, tensors: dict[str, torch.Tensor], path: Path) -> No
         except CheckpointException as err:  # DCP flattens the reader's error into text per rank
             refused = [str(e) for e in err.failures.values() if _REFUSED in str(e)]
             if refused:
-                raise CheckpointError(f"{path}: {refused[0]}") from None
+                raise TrainingCheckpointError(f"{path}: {refused[0]}") from None
             raise
 
 
@@ -318,7 +320,7 @@ class CheckpointManager:
         try:
             meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise CheckpointError(f"{path} is not a complete checkpoint: {META_FILE} is missing") from None
+            raise TrainingCheckpointError(f"{path} is not a complete checkpoint: {META_FILE} is missing") from None
         return CheckpointInfo(path=path, step=int(meta["step"]), world_size=int(meta["world_size"]),
                               fingerprint=meta.get("fingerprint"), extra=from_json_tree(meta.get("extra") or {}))
 
@@ -374,15 +376,16 @@ class CheckpointManager:
 
     def resolve(self, path_or_latest: str | os.PathLike) -> Path:
         """`"latest"` -> the newest complete checkpoint under the root; a path -> that path,
-        which must be a complete checkpoint. Raises CheckpointError otherwise."""
+        which must be a complete checkpoint. Raises TrainingCheckpointError otherwise."""
         if str(path_or_latest) == "latest":
             path = self.latest()
             if path is None:
-                raise CheckpointError(f"no complete checkpoint under {self.root}")
+                raise TrainingCheckpointError(f"no complete checkpoint under {self.root}")
             return path
         path = Path(path_or_latest)
         if not self.is_complete(path):
-            raise CheckpointError(f"{path} is not a complete checkpoint (needs {META_FILE} and {DCP_METADATA_FILE})")
+            raise TrainingCheckpointError(f"{path} is not a complete checkpoint (needs {META_FILE} and "
+                                          f"{DCP_METADATA_FILE})")
         return path
 
     def load(self, path_or_latest: str | os.PathLike, trainer) -> Any:
@@ -392,17 +395,20 @@ class CheckpointManager:
         path = self.resolve(path_or_latest)
         meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
         if meta.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(f"{path}: format version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
+            raise TrainingCheckpointError(f"{path}: format version {meta.get('format_version')!r}, expected "
+                                          f"{FORMAT_VERSION}")
         if self.fingerprint is not None and meta.get("fingerprint") is not None \
                 and meta["fingerprint"] != self.fingerprint:
             changed = config_differences(meta["fingerprint"], self.fingerprint)
-            raise CheckpointError(f"{path} was written with a different configuration; changed: {', '.join(changed)}")
+            raise TrainingCheckpointError(f"{path} was written with a different configuration; changed: "
+                                          f"{', '.join(changed)}")
         rank, world_size = _rank(), _world_size()
         if meta["world_size"] != world_size:
-            raise CheckpointError(f"{path} was written by {meta['world_size']} ranks, loading with {world_size}")
+            raise TrainingCheckpointError(f"{path} was written by {meta['world_size']} ranks, loading with "
+                                          f"{world_size}")
         rank_file = path / f"rank_{rank:05d}.json"
         if not rank_file.is_file():
-            raise CheckpointError(f"{path} has no {rank_file.name} (RNG and data position of rank {rank})")
+            raise TrainingCheckpointError(f"{path} has no {rank_file.name} (RNG and data position of rank {rank})")
 
         template: dict[str, torch.Tensor] = {}
         current = dict(trainer.state_dict())
@@ -431,14 +437,15 @@ class CheckpointManager:
                 targets[key] = torch.empty(spec["shape"], dtype=dtype)
                 continue
             if list(have.shape) != spec["shape"] or have.dtype != dtype:
-                raise CheckpointError(f"{path}: tensor {key!r} is {spec['dtype']}{spec['shape']} in the checkpoint "
-                                      f"but {str(have.dtype).removeprefix('torch.')}{list(have.shape)} in the trainer")
+                have_as = f"{str(have.dtype).removeprefix('torch.')}{list(have.shape)}"
+                raise TrainingCheckpointError(f"{path}: tensor {key!r} is {spec['dtype']}{spec['shape']} in the "
+                                              f"checkpoint but {have_as} in the trainer")
             targets[key] = have
         extra = sorted(set(template) - set(specs))
         model_extra = [k for k in extra if k.startswith("model.")]
         if model_extra:
-            raise CheckpointError(f"{path}: the checkpoint has no tensor for {', '.join(model_extra[:5])}"
-                                  + (f" (+{len(model_extra) - 5} more)" if len(model_extra) > 5 else ""))
+            raise TrainingCheckpointError(f"{path}: the checkpoint has no tensor for {', '.join(model_extra[:5])}"
+                                          + (f" (+{len(model_extra) - 5} more)" if len(model_extra) > 5 else ""))
         return targets
 
 
