@@ -156,20 +156,22 @@ def build_engine(config: GRPOConfig, model: torch.nn.Module | None, tokenizer, s
     """The rollout engine role, holding its own copy of the weights (synced by `update_weights`):
     `grpo.engine` native (in this process: a copy of `model`, or with `model` None the starting
     model loaded from `start_dir`), native_actor or vllm_actor (a Ray actor; vLLM gets a GPU of
-    its own on a CUDA machine)."""
+    its own on a CUDA machine). The native engines decode with `grpo.decode_backend`."""
+    backend = config.grpo.decode_backend
     if config.grpo.engine in ("native_actor", "vllm_actor"):
         from posttrain.rl.actor import EngineSpec, RemoteEngine
 
         kind = "vllm" if config.grpo.engine == "vllm_actor" else "native"
         gpus = 1 if kind == "vllm" and pick_device(config.train.device).type == "cuda" else 0
+        kwargs = {"decode_backend": backend} if kind == "native" else {}
         # the actor starts from the starting model; the task syncs it to the policy before use
-        return RemoteEngine(EngineSpec(kind=kind, model_dir=str(trained_start_dir(config))), num_actors=1,
-                            num_gpus=gpus)
+        return RemoteEngine(EngineSpec(kind=kind, model_dir=str(trained_start_dir(config)), kwargs=kwargs),
+                            num_actors=1, num_gpus=gpus)
     from posttrain.rl.native import NativeEngine
 
     if model is None:
-        return NativeEngine.from_pretrained(start_dir, tokenizer=tokenizer)
-    return NativeEngine(copy.deepcopy(model).eval().requires_grad_(False), tokenizer=tokenizer)
+        return NativeEngine.from_pretrained(start_dir, tokenizer=tokenizer, decode_backend=backend)
+    return NativeEngine(copy.deepcopy(model).eval().requires_grad_(False), tokenizer=tokenizer, decode_backend=backend)
 
 
 @dataclass

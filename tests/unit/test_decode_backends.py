@@ -119,3 +119,21 @@ def test_a_resume_under_another_identity_says_so():
     with pytest.warns(RuntimeWarning, match="reports no decode identity"):
         check_resume(torch_cpu, None)
     assert describe(kernels_cpu) == "cpu_kernels (-march=x86-64-v3) on AMD EPYC"
+
+
+def test_the_grpo_recipe_chooses_the_native_engines_backend():
+    """`grpo.decode_backend` (default torch) goes to the native engines; vLLM refuses any other."""
+    from posttrain.config.loader import default_config, load_recipe_config
+    from posttrain.config.strict import ConfigError
+
+    path = default_config("grpo")
+    assert load_recipe_config(path, "grpo").grpo.decode_backend == "torch"
+    assert load_recipe_config(path, "grpo", overrides={"grpo.decode_backend": "auto"}).grpo.decode_backend == "auto"
+    with pytest.raises(ConfigError, match="grpo.decode_backend"):
+        load_recipe_config(path, "grpo", overrides={"grpo.decode_backend": "cpu_kernels", "grpo.engine": "vllm_actor"})
+    from posttrain.models.architectures import build_model, tiny_config
+    from posttrain.steps.rl import build_engine
+
+    model = build_model(tiny_config("qwen3"), seed=0)
+    engine = build_engine(load_recipe_config(path, "grpo"), model, tokenizer=None)
+    assert engine.decode_identity()["backend"] == "torch" and engine.model is not model

@@ -372,6 +372,9 @@ class GRPOSection:
     success_threshold: float = 1.0
     entropy: bool = True
     engine: Literal["native", "native_actor", "vllm_actor"] = "native"
+    # how the native engines decode (`posttrain.rl.decode_backends`): torch (the reference),
+    # cpu_kernels (C kernels, CPU only) or auto (cpu_kernels on the CPU where they build)
+    decode_backend: Literal["torch", "cpu_kernels", "auto"] = "torch"
     # reward functions in this process (0) or on that many Ray actors (a reward model among the
     # terms is then loaded in each actor; a worker that dies fails its samples, not the run)
     reward_workers: int = bounded(0, ge=0)
@@ -426,6 +429,9 @@ class GRPOConfig(RecipeConfig):
         if self.grpo.constrain_to_catalogue and self.grpo.engine == "vllm_actor":
             raise ConfigError("grpo.constrain_to_catalogue decodes inside a trie on the native engine: use engine "
                               "native or native_actor")
+        if self.grpo.decode_backend != "torch" and self.grpo.engine == "vllm_actor":
+            raise ConfigError("grpo.decode_backend chooses how the native engines decode; vLLM decodes its own way: "
+                              "leave it 'torch' with engine vllm_actor")
 
     def model_references(self) -> list[tuple[str, str, bool]]:
         teacher = [("grpo.teacher", self.grpo.teacher, True)] if self.grpo.teacher else []
