@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
 from posttrain.config.schema import RecipeConfig
+from posttrain.parallel import distributed
 from posttrain.parallel.mesh import pick_device
 from posttrain.recipes import ObjectiveInputs, RecipeModelError, Start, recipe_spec
 from posttrain.steps.train_state import check_same_teacher, checkpoint_manager, resume_point
@@ -103,12 +103,6 @@ class TrainJob:
     teacher: object | None = None  # a distillation recipe's `posttrain.steps.teacher.TeacherSpec`
 
 
-def _rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def train_loop(job: TrainJob, on_step: Callable[[dict], None] | None = None,
                on_checkpoint_stage: Callable[[str, Path], None] | None = None) -> TrainResult | None:
     """The training loop of one rank (SPMD: every worker runs it; one worker runs it in
@@ -120,7 +114,7 @@ def train_loop(job: TrainJob, on_step: Callable[[dict], None] | None = None,
     from posttrain.parallel.mesh import build_device_mesh, dp_group, dp_rank_and_size, worker_device
 
     config, tokenizer, run_dir = job.config, job.tokenizer, Path(job.run_dir)
-    rank, world = _rank_and_world()
+    rank, world = distributed.rank(), distributed.world_size()
     lead = rank == 0
     device = worker_device() if world > 1 else pick_device(config.train.device)
     torch.manual_seed(config.train.seed)

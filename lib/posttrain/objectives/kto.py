@@ -46,6 +46,7 @@ import torch.distributed as dist
 from posttrain.config.recipes import KTOSection
 from posttrain.objectives.dpo import response_logps
 from posttrain.objectives.pairs import pair_count
+from posttrain.parallel.distributed import world_size
 from posttrain.train.objective import Objective, ObjectiveOutput
 
 LABEL_FIELD = "kto_desirable"
@@ -79,8 +80,7 @@ class KTOObjective(Objective):
         totals = torch.stack([mismatched_rewards.detach().sum().double(),
                               torch.tensor(mismatched_rewards.numel(), dtype=torch.float64,
                                            device=mismatched_rewards.device)])
-        if self.sync_ranks and dist.is_available() and dist.is_initialized() \
-                and dist.get_world_size(self.process_group) > 1:
+        if self.sync_ranks and world_size(self.process_group) > 1:
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.process_group)
         mean = totals[0] / totals[1].clamp(min=1)  # no tree anywhere: 0
         return mean.clamp(min=0).to(mismatched_rewards.dtype)

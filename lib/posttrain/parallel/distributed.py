@@ -4,6 +4,10 @@
 group (gloo on CPU, NCCL when CUDA is present, unless `backend` says otherwise);
 `shutdown_distributed()` leaves it. `free_port()` picks a TCP port for the rendezvous.
 
+`is_distributed()`, `rank()`, `world_size()` and `barrier()` are what code that runs both in
+one process and on SPMD ranks asks (rank 0 and a world of one outside a process group): the
+one place that checks whether torch.distributed is initialised.
+
 `spawn_local(fn, world_size, *args)` runs `fn(*args)` on `world_size` fresh local
 processes (multiprocessing "spawn"), each with the process group initialised, and returns
 the per-rank results in rank order. A rank that raises makes `spawn_local` raise
@@ -43,6 +47,27 @@ class WorkerError(RuntimeError):
         super().__init__(f"worker rank {rank} failed:\n{worker_traceback}")
         self.rank = rank
         self.worker_traceback = worker_traceback
+
+
+def is_distributed() -> bool:
+    """Whether this process is a rank of an initialised torch.distributed process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank(group=None) -> int:
+    """This process's rank in `group` (default: the world); 0 outside a process group."""
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+def world_size(group=None) -> int:
+    """The ranks of `group` (default: the world); 1 outside a process group."""
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for outside a process group)."""
+    if is_distributed():
+        dist.barrier()
 
 
 def default_backend() -> str:

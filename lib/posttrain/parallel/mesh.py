@@ -7,13 +7,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from posttrain.config.schema import ParallelConfig
+from posttrain.parallel.distributed import is_distributed
 
 MESH_DIMS = ("dp", "tp")
 
 
 def mesh_device_type() -> str:
     """"cuda" where the process group runs on NCCL, else "cpu"."""
-    return "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+    return "cuda" if is_distributed() and dist.get_backend() == "nccl" else "cpu"
 
 
 def build_device_mesh(config: ParallelConfig, device_type: str | None = None) -> DeviceMesh | None:
@@ -23,7 +24,7 @@ def build_device_mesh(config: ParallelConfig, device_type: str | None = None) ->
     config.validate()
     if config.strategy == "none":
         return None
-    if not dist.is_initialized():
+    if not is_distributed():
         raise RuntimeError(f"strategy {config.strategy!r} needs torch.distributed initialised first")
     world = dist.get_world_size()
     if world != config.num_workers:

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from posttrain.config.recipes import DPOConfig, RMConfig
+from posttrain.parallel.distributed import barrier
 from posttrain.recipes import start as model_start
 from posttrain.recipes.spec import ObjectiveInputs, PairRecipeSpec, register
 from posttrain.recipes.start import RecipeModelError, Start
@@ -100,7 +101,7 @@ class RewardModelSpec(PairRecipeSpec):
             export_sequence_classifier(model, classifier_dir, pad_token_id=tokenizer.pad_token_id)
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(classifier_dir))
-        model_start.barrier()
+        barrier()
         model_start.finish_export(self, config, tokenizer, checkpoint_dir, Path(run_dir))
         return {"checkpoint_dir": str(checkpoint_dir), "adapter_dir": None,
                 "sequence_classifier_dir": str(classifier_dir)}

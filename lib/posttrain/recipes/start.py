@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from posttrain.config.recipes import RecipeConfig
 from posttrain.config.model_sections import ModelConfig
+from posttrain.parallel.distributed import barrier, rank
 from posttrain.models.architectures import (build_model, get_architecture, load_hf_checkpoint, replace_dir,
                                             save_hf_checkpoint)
 
@@ -166,15 +166,6 @@ def ready_to_train(model: torch.nn.Module, config: RecipeConfig, tokenizer, star
 
         apply_lora(model, config.model.lora, seed=config.train.seed)
     return model
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def unsharded_copy(spec, trainer, config: RecipeConfig, start: Start) -> torch.nn.Module | None:

@@ -69,6 +69,7 @@ from posttrain.models.blocks import decoder_blocks
 from posttrain.models.lora import lora_spec, merge_lora_weights
 from posttrain.ops.attention import choose_backend, keep_per_document_loop_out_of_compiled_graphs
 from posttrain.ops.precision import head_precision, matmul_dtype_for, resolve_head_precision
+from posttrain.parallel.distributed import is_distributed, world_size
 from posttrain.parallel.grad_norm import clip_grads_with_norm_, total_grad_norm
 from posttrain.train.health import HealthMonitor
 from posttrain.train.objective import Objective
@@ -113,7 +114,7 @@ def resolve_group(process_group):
     """The data-parallel group: the default group when `process_group` is `DEFAULT_GROUP` and
     torch.distributed is initialised, else None (single process)."""
     if process_group == DEFAULT_GROUP:
-        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        return dist.group.WORLD if is_distributed() else None
     return process_group
 
 
@@ -339,7 +340,7 @@ class Trainer:
             metrics["loss_tokens"] = total_count
         if self.peak_flops is not None:
             # every process of the job computed this step (dp x tp devices), not just the dp group
-            devices = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            devices = world_size()
             metrics["mfu"] = flops / step_time / (self.peak_flops * devices)
             metrics["hfu"] = executed / step_time / (self.peak_flops * devices)  # what the kernels execute
         return metrics
