@@ -1,6 +1,6 @@
 """Pack: one pass over the weighted mixture of sources, best-fit into fixed-length rows.
 
-Training packs on the fly (`posttrain.data.mixture.training_batches`); this step packs one
+Training packs on the fly (`posttrain.data.training_stream.training_batches`); this step packs one
 pass up front so its rows and statistics (efficiency, rows per epoch, samples per source)
 can be inspected before any compute is spent, and so the trainer knows an epoch's length.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain.config.schema import RecipeConfig
-from posttrain.data.mixture import build_mixer, pack_one_pass
 from posttrain.data.packer import PackedRows, PackStats
+from posttrain.data.training_stream import build_mixer, pack_one_pass
 
 
 @dataclass

@@ -12,7 +12,7 @@ import torch
 from posttrain.config.loader import load_sft_config
 from posttrain.config.schema import PackConfig, SourceConfig, TrainConfig
 from posttrain.data.chat import TokenizedSample
-from posttrain.data.mixture import build_mixer, training_batches
+from posttrain.data.training_stream import build_mixer, training_batches
 from posttrain.models.architectures import build_model, tiny_config
 from posttrain.objectives.sft import SFTObjective
 from posttrain.train.checkpoint import CheckpointManager

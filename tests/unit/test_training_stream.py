@@ -7,7 +7,7 @@ import torch
 
 from posttrain.config.schema import PackConfig, SourceConfig
 from posttrain.data.chat import TokenizedSample
-from posttrain.data.mixture import build_mixer, pack_one_pass, training_batches
+from posttrain.data.training_stream import build_mixer, pack_one_pass, training_batches
 
 
 def samples(n: int, seed: int, low: int, high: int) -> list[TokenizedSample]:

@@ -1,7 +1,8 @@
 """Weighted, deterministic, exactly resumable mixing of several sources.
 
 `Mixer(sources, weights=None, caps=None, seed=0)` is an endless iterator of
-`(source_name, item)`:
+`(source_name, item)` (`posttrain.data.training_stream` builds one from a recipe's sources and
+packs what it yields):
 
 - Which source: smooth weighted round-robin over the weights (default 1.0 each). Every
   step each source's credit grows by its weight and the source with the most credit (the

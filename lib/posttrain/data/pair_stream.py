@@ -6,7 +6,7 @@ prefetcher, with each batch's reference log-probabilities attached.
             ...
         state = stream.state_dict()   # exact resume point, as for SFT streams
 
-It is `posttrain.data.mixture.training_batches` (same mixer, same prefetcher, same sharding and
+It is `posttrain.data.training_stream.training_batches` (same mixer, same prefetcher, same sharding and
 exact resume) with `PairPacker` and the pairs laid out by `pair_layout` (prompt shared or not).
 `ref_logps` is the reference step's table, `[2 * num_pairs]` float (chosen then rejected per
 pair id): each batch gets the entries of its `pair_ids` as `ref_logps` `[2K]`. `tables`: other
@@ -22,9 +22,9 @@ from typing import Any, Sequence
 import torch
 
 from posttrain.config.schema import PackConfig, SourceConfig
-from posttrain.data.mixture import training_batches
 from posttrain.data.pair_packer import PairPacker
 from posttrain.data.preference import PairSample, pair_layout
+from posttrain.data.training_stream import training_batches
 
 
 class WithPairTables:

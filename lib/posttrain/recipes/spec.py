@@ -80,7 +80,7 @@ class RecipeSpec:
                 state: dict | None, rank: int, world_size: int, ref_logps: torch.Tensor | None = None):
         """The endless packed training stream (a context manager with `state_dict()`): rows of
         token samples packed best-fit (default), or pairs (`PairRecipeSpec`)."""
-        from posttrain.data.mixture import training_batches
+        from posttrain.data.training_stream import training_batches
 
         return training_batches(samples, config.data.sources, config.seed, config.pack, pad_id, rows_per_rank,
                                 state=state, rank=rank, world_size=world_size)
