@@ -125,7 +125,7 @@ class KVCache:
         self.offset = 0  # slots held by a shared prefix (after `fork`)
         self.group = 1  # consecutive rows sharing one prefix
         # what is derived once per cache and kept for the caches `fork` and `select` make from it
-        # (the same capacity): the model's rotary tables of every slot, a decode backend's plan
+        # (the same capacity): the model's rotary tables of every slot, what a decode backend derives
         self.derived: dict = {}
 
     def extend(self, position_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor) -> None:

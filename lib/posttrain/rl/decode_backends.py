@@ -16,10 +16,10 @@ recipe's `grpo.decode_backend`).
 
 A backend's `identity()` says what ran the decode: its name, the device and CPU (or GPU)
 model, torch's version and CPU capability, and for the kernels their instruction-set
-baseline and compiler. Sampled tokens are reproducible under the same identity; under another
-one (another backend, another CPU type, another compiler) they may differ. An RL run records
-the identity in its round checkpoints, and a resume under another one says so
-(`check_resume`) instead of diverging silently.
+baseline and compiler. Under another identity (another backend, CPU type or compiler) the
+same seeds may sample other tokens. An RL run records the identity in its round checkpoints
+(the controller's state), and a resume under another one says so (`check_resume`) instead of
+diverging silently.
 """
 
 from __future__ import annotations
