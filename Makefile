@@ -16,7 +16,7 @@ export MALLOC_MMAP_MAX_ := 0
 export MALLOC_TRIM_THRESHOLD_ := 68719476736
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup browser run sft-3digit dpo-demo rm-demo grpo-demo distill-demo sequence-demo semantic-demo semantic-rl-demo test bench clean setup-vllm test-vllm
+.PHONY: setup browser run sft-3digit dpo-demo kto-demo orpo-demo rm-demo grpo-demo distill-demo sequence-demo semantic-demo semantic-rl-demo test bench clean setup-vllm test-vllm
 
 setup: $(STAMP)
 
@@ -38,6 +38,15 @@ sft-3digit: setup
 dpo-demo: setup
 	test -d outputs/registry/sft-demo-arithmetic-3digit || $(MAKE) sft-3digit
 	$(BIN)/python flows/dpo_flow.py --config config configs/dpo/demo.yaml run
+
+# KTO and ORPO on the same pairs, from the same SFT model
+kto-demo: setup
+	test -d outputs/registry/sft-demo-arithmetic-3digit || $(MAKE) sft-3digit
+	$(BIN)/python flows/kto_flow.py run
+
+orpo-demo: setup
+	test -d outputs/registry/sft-demo-arithmetic-3digit || $(MAKE) sft-3digit
+	$(BIN)/python flows/orpo_flow.py run
 
 # the reward-model demo, on the same pairs, from the same SFT model
 rm-demo: setup
