@@ -31,7 +31,7 @@ from posttrain.data.tokenizer import load_tokenizer  # noqa: E402
 from posttrain.registry import resolve_model_dir  # noqa: E402
 from posttrain.steps import ingest  # noqa: E402
 from posttrain.steps.paths import resolve_tokenizer  # noqa: E402
-from posttrain.steps.rl import evaluate_rewards  # noqa: E402
+from posttrain.steps.eval_suites import evaluate_rewards  # noqa: E402
 
 
 def main() -> None:

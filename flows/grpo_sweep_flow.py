@@ -76,10 +76,10 @@ class GRPOSweepFlow(RLRecipeFlow):
     @step
     def score_variant(self):
         """The variant's trained model on the held-out prompts: the recipe's reward, greedy."""
-        from posttrain.steps import rl
+        from posttrain.steps import eval_suites
 
-        scores = rl.evaluate_rewards({"tuned": self.checkpoint_dir}, self.recipe, self._tokenizer(),
-                                     self.heldout_records, samples=False)
+        scores = eval_suites.evaluate_rewards({"tuned": self.checkpoint_dir}, self.recipe, self._tokenizer(),
+                                              self.heldout_records, samples=False)
         self.variant_score = scores["tuned"]
         print(f"[score_variant] {self.variant_index}: held-out reward {self.variant_score['heldout_reward']:.4f}")
         self.next(self.pick)

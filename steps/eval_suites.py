@@ -18,7 +18,7 @@ failed suite, so the other suites still run.
 - `reward_pairs`: a reward model's held-out pair accuracy with its standard error, score margin
   and Bradley-Terry loss.
 - `rewards`: the RL recipe's reward functions (a reward model among them) on greedy and sampled
-  answers to the held-out prompts (`posttrain.steps.rl.evaluate_rewards`).
+  answers to the held-out prompts (`evaluate_rewards`).
 - `reward_model`: each model's greedy answers scored by a registered reward model
   (`kwargs.model`, `posttrain.rl.rewards.reward_model`): `reward_model_score` (mean) and its
   standard error; the scores go into the report.
@@ -41,10 +41,10 @@ from typing import Callable
 import torch
 
 from posttrain.catalog import import_callable
-from posttrain.config.schema import RecipeConfig, SuiteConfig
+from posttrain.config.schema import GRPOConfig, RecipeConfig, SuiteConfig
 from posttrain.data.chat import generation_stop_ids, render_prompt
 from posttrain.data.packer import iter_batches, pack_samples
-from posttrain.data.records import ChatRecord
+from posttrain.data.records import ChatRecord, PromptRecord
 from posttrain.eval.heldout import evaluate_loss
 from posttrain.eval.suite_data import EvalData, ModelUnderTest  # noqa: F401  (the suites' inputs)
 from posttrain.eval.metrics import exact_match
@@ -287,14 +287,78 @@ def reward_pairs(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext
 
 
 def rewards(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> SuiteOutput:
-    from posttrain.steps import rl
-
     import dataclasses
 
     prompts = ctx.head(_needs(data.prompts, "held-out prompts", "rewards"))
     config = dataclasses.replace(ctx.config, eval=dataclasses.replace(ctx.config.eval, max_examples=len(prompts)))
-    metrics = rl.evaluate_rewards({m.label: m.model_dir for m in models}, config, ctx.tokenizer, prompts)
+    metrics = evaluate_rewards({m.label: m.model_dir for m in models}, config, ctx.tokenizer, prompts)
     return SuiteOutput(metrics)
+
+
+def evaluate_rewards(models: dict[str, str], config: GRPOConfig, tokenizer, records: list[PromptRecord],
+                     samples: bool = True, per_prompt: dict[str, list[float]] | None = None) -> dict[str, dict]:
+    """Each model (label -> HF directory) on the held-out prompts (the first `eval.max_examples`),
+    scored by the recipe's rewards: `heldout_reward` (mean over greedy answers),
+    `heldout_reward_se` its standard error, `heldout_success` (the share of greedy answers
+    reaching `grpo.success_threshold`, with its standard error `heldout_success_se`),
+    `heldout_reward_failed`; `per_prompt`, when given, gets each model's greedy reward per
+    prompt (for paired comparisons); with `samples`, also
+    `heldout_pass_at_k` (the share of prompts with a success among `grpo.eval_samples` samples
+    at the training temperature; `k` is `eval_samples`) and `heldout_sampled_success`. Without
+    reward functions (on-policy distillation alone) every model gets an empty dict."""
+    from posttrain.parallel.mesh import pick_device
+    from posttrain.recipes import recipe_spec
+    from posttrain.rl.controller import completion_text
+    from posttrain.steps.rl import catalogue_trie, reward_scorer, stop_token_ids, tokenize_prompts
+
+    scorer = reward_scorer(config)
+    if scorer is None:
+        return {label: {} for label in models}
+    g = config.grpo
+    limit = config.eval.max_examples or len(records)
+    prompts = tokenize_prompts(records[:limit], tokenizer, config)
+    stops = stop_token_ids(tokenizer, config)
+    allowed = catalogue_trie(config, tokenizer)
+    greedy = SamplingConfig(temperature=0, max_new_tokens=g.max_new_tokens, stop_token_ids=stops, allowed=allowed)
+    sampled = SamplingConfig(n=g.eval_samples, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+                             max_new_tokens=g.max_new_tokens, stop_token_ids=stops, seed=config.seed, allowed=allowed)
+    device = pick_device(config.train.device)
+
+    def score(groups) -> tuple[list[float], int]:
+        flat = [c for group in groups for c in group]
+        texts = [completion_text(tokenizer, c) for c in flat]
+        result = scorer.score(texts, [r for r, group in zip(prompts.records, groups) for _ in group])
+        return result.rewards, result.num_failed
+
+    out: dict[str, dict] = {}
+    for label, model_dir in models.items():
+        model = recipe_spec(config).load_model(config, model_dir, device).eval()
+        engine = NativeEngine(model, tokenizer=tokenizer, max_batch_rows=max(config.eval.batch_size, g.eval_samples))
+        rewards, failed = score(engine.generate(prompts.ids, greedy))
+        finite = [r for r in rewards if math.isfinite(r)]
+        success = [math.isfinite(r) and r >= g.success_threshold for r in rewards]
+        p = sum(success) / len(success)
+        mean = sum(finite) / max(len(finite), 1)
+        spread = sum((r - mean) ** 2 for r in finite) / max(len(finite) - 1, 1)
+        if per_prompt is not None:
+            per_prompt[label] = list(rewards)
+        metrics = {"heldout_reward": mean, "heldout_reward_se": math.sqrt(spread / max(len(finite), 1)),
+                   "heldout_success": p,
+                   "heldout_success_se": math.sqrt(p * (1 - p) / len(success)), "heldout_reward_failed": failed,
+                   "heldout_prompts": len(success)}
+        if samples:
+            rewards, _ = score(engine.generate(prompts.ids, sampled))
+            ok = [math.isfinite(r) and r >= g.success_threshold for r in rewards]
+            k = g.eval_samples
+            metrics["heldout_pass_at_k"] = sum(any(ok[i * k:(i + 1) * k]) for i in range(len(success))) / len(success)
+            metrics["heldout_sampled_success"] = sum(ok) / len(ok)
+            metrics["eval_samples"] = k
+        out[label] = metrics
+        print(f"[evaluate] {label}: held-out reward {metrics['heldout_reward']:.4f}, success "
+              f"{metrics['heldout_success']:.3f} ± {metrics['heldout_success_se']:.3f}"
+              + (f", pass@{g.eval_samples} {metrics['heldout_pass_at_k']:.3f}" if samples else ""))
+        del model, engine
+    return out
 
 
 def next_item(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> SuiteOutput:
