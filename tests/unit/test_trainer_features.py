@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from posttrain.models.architectures import build_model, get_architecture, tiny_config
+from posttrain.models.architectures import build_model, get_architecture, hf_named_tensors, tiny_config
 from posttrain.objectives.sft import SFTObjective
 from posttrain.ops import attention
 from posttrain.ops.attention import build_attention_mask
@@ -105,6 +105,20 @@ def test_export_weights_gives_every_hf_tensor(tied):
     head = model.tok_embeddings.weight if tied else model.output.weight
     assert torch.equal(exported["lm_head.weight"], head[:V])
     assert torch.equal(exported["model.layers.1.mlp.down_proj.weight"], model.layers[1].feed_forward.w_down.weight)
+
+
+def test_export_weights_of_a_lora_model_is_the_merged_model(batches):
+    from posttrain.config.schema import LoraConfig
+    from posttrain.models.lora import apply_lora
+
+    model = apply_lora(tiny_model(), LoraConfig(rank=2, alpha=4.0))
+    trainer = Trainer(model, config(learning_rate=1e-2), total_steps=2, objective=SFTObjective())
+    trainer.train_step(batches)  # the adapters' B leaves zero: the merge changes the weights
+    exported = dict(trainer.export_weights())
+    merged = dict(hf_named_tensors(model))  # from the live model's merged state dict
+    assert exported.keys() == merged.keys() and all(torch.equal(exported[n], merged[n]) for n in merged)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(exported[q], model.layers[0].attention.wq.weight)
 
 
 def test_mfu_from_configured_peak(batches):

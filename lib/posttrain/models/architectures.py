@@ -38,7 +38,7 @@ from posttrain.models.gemma3.model import Gemma3Config, Gemma3Model
 from posttrain.models.gpt_oss import hf_adapter as gpt_oss_adapter
 from posttrain.models.gpt_oss.model import GptOssConfig, GptOssModel
 from posttrain.models.llama import hf_adapter as llama_adapter
-from posttrain.models.lora import has_lora, merged_state_dict
+from posttrain.models.lora import has_lora, merge_lora_weights, merged_state_dict
 from posttrain.models.llama.model import LlamaConfig, LlamaModel
 from posttrain.models.qwen3 import hf_adapter as qwen3_adapter
 from posttrain.models.qwen3.model import Qwen3Config, Qwen3Model
@@ -341,6 +341,15 @@ class _WeightsView:
 
     def named_parameters(self):
         return iter(self._weights.items())
+
+
+def full_weights_view(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> _WeightsView:
+    """What `save_hf_checkpoint` and `hf_named_tensors` read from `model` (its config and named
+    parameters), over `weights`, a full state dict of it (e.g. gathered from FSDP or TP shards
+    by `get_model_state_dict(full_state_dict=True)`) instead of the (possibly sharded) live
+    model. LoRA adapters in `weights` are folded into their base weights (the export is the
+    merged model, as `merge_lora` would leave it)."""
+    return _WeightsView(model.config, merge_lora_weights(model, weights))
 
 
 def _mergeable(model: Any) -> Any:

@@ -458,8 +458,7 @@ def export_hf_checkpoint(trainer, path: str | os.PathLike, tokenizer: Any = None
     under torch.distributed, rank 0 writes (and gets the path; other ranks get None)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from posttrain.models.architectures import save_hf_checkpoint
-    from posttrain.train.trainer import full_weights_view
+    from posttrain.models.architectures import full_weights_view, save_hf_checkpoint
 
     weights = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     written = None

@@ -49,7 +49,6 @@ import functools
 import math
 import random
 import time
-from types import SimpleNamespace
 from typing import Callable, Iterator
 
 import numpy as np
@@ -66,7 +65,7 @@ from torch.distributed.tensor import DTensor
 
 from posttrain.config.schema import TrainConfig
 from posttrain.models.blocks import decoder_blocks
-from posttrain.models.lora import lora_spec, merge_lora_weights
+from posttrain.models.lora import lora_spec
 from posttrain.ops.attention import choose_backend, keep_per_document_loop_out_of_compiled_graphs
 from posttrain.ops.precision import head_precision, matmul_dtype_for, resolve_head_precision
 from posttrain.parallel.distributed import is_distributed, world_size
@@ -116,16 +115,6 @@ def resolve_group(process_group):
     if process_group == DEFAULT_GROUP:
         return dist.group.WORLD if is_distributed() else None
     return process_group
-
-
-def full_weights_view(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> SimpleNamespace:
-    """What an adapter's `export_tensors(model)` reads (`config`, `named_parameters`,
-    `state_dict`), over a full state dict instead of the (possibly sharded) live model.
-    LoRA adapters in `weights` are folded into their base weights (the export is the merged
-    model, as `merge_lora` would leave it)."""
-    weights = merge_lora_weights(model, weights)
-    return SimpleNamespace(config=model.config, named_parameters=lambda: iter(weights.items()),
-                           state_dict=lambda: dict(weights))
 
 
 @contextlib.contextmanager
@@ -391,9 +380,9 @@ class Trainer:
             torch.cuda.set_rng_state_all(rng["cuda"])
 
     def export_weights(self, cpu_offload: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        """`(hf_name, tensor)` over the full, unsharded weights in Hugging Face names (the
-        architecture adapter's `export_tensors`), plus `lm_head.weight` for tied models (a
-        rollout engine needs it; HF checkpoints leave it out).
+        """`(hf_name, tensor)` over the full, unsharded weights in Hugging Face names:
+        `posttrain.models.architectures.hf_named_tensors` of them (LoRA merged, plus
+        `lm_head.weight` for tied models: a rollout engine needs it; HF checkpoints leave it out).
 
         The full weights come from `get_model_state_dict(full_state_dict=True, cpu_offload=...)`:
         on a plain single-process model they are views of the live parameters (copy before
@@ -401,15 +390,9 @@ class Trainer:
         with `cpu_offload` (default) only rank 0 receives the tensors, on CPU, and the other
         ranks yield nothing; without it every rank gets them on its device.
         """
-        from posttrain.models.architectures import get_architecture
+        from posttrain.models.architectures import full_weights_view, hf_named_tensors
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
         weights = get_model_state_dict(self.model, options=options)
-        if not weights:
-            return
-        config = self.model.config
-        adapter = get_architecture(config.model_type).adapter
-        for name, tensor in adapter.export_tensors(full_weights_view(self.model, weights)):
-            yield name, tensor
-            if name == "model.embed_tokens.weight" and getattr(config, "tie_word_embeddings", False):
-                yield "lm_head.weight", tensor
+        if weights:
+            yield from hf_named_tensors(full_weights_view(self.model, weights))
