@@ -25,13 +25,13 @@ student's ordinary cross-entropy of `labels_N` at temperature 1 (the hard label;
 trainer's job): `loss_sum` (differentiable with respect to the student's hidden states and
 weight), and `kd_sum` (of `T^2 D`) and `ce_sum` (0 without labels) for metrics.
 
-Memory: per chunk of `chunk_size` rows both projections are formed (`[c, V]` each, float32),
-the loss and the student's gradient computed, and the chunk's blocks are reused by the next
-chunk, so at most one chunk of each model's logits exists at a time (plus a few chunk-sized
-temporaries), never `[N, V]`. Forward computes the gradients in the same pass (the loss is a
-scalar; backward only scales them, as `chunked_cross_entropy` does): three matmuls per chunk
-for the student and one for the teacher, the naive loss's count. The teacher's hidden states
-and weight get no gradient (compute them under `no_grad`).
+Memory: the chunk loop is `posttrain.ops.projection`'s (the student's projection, its cap and
+gradients); the KD head forms the teacher's logits for the same chunk through a second
+`Projection`, so at most one chunk of each model's logits exists at a time (plus a few
+chunk-sized blocks, reused by the next chunk), never `[N, V]`. Forward computes the gradients
+in the same pass (the loss is a scalar; backward only scales them, as `chunked_cross_entropy`
+does): three matmuls per chunk for the student and one for the teacher, the naive loss's count.
+The teacher's hidden states and weight get no gradient (compute them under `no_grad`).
 
 Gradients (with respect to `s`; the chain rule then multiplies by `1 / T`, by `T^2`, and by
 the cap's `1 - tanh^2`): with `h = q * dD/dq` per token, `dD/ds = h - q * sum(h)`, where
@@ -50,7 +50,7 @@ taken as 1e-30 inside logarithms (a student putting all its mass on the teacher'
 would otherwise give an infinite forward KL), and a teacher tail below `K * 2^-23` (what
 rounding K stored float32 log-probabilities leaves) as 0.
 
-Precision: the matmuls run in `matmul_dtype` (default
+Precision (the core's): the matmuls run in `matmul_dtype` (default
 `posttrain.ops.precision.head_matmul_dtype()`, else the inputs' dtype); everything else in
 float32 (float64 for float64 inputs); gradients return in the inputs' dtypes.
 """
@@ -58,12 +58,15 @@ float32 (float64 for float64 inputs); gradients return in the inputs' dtypes.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import NamedTuple
 
 import torch
 
-from posttrain.ops.losses import IGNORE_INDEX, backprop_chunk, check_projection_args
+from posttrain.ops.losses import IGNORE_INDEX, cross_entropy_grad_
 from posttrain.ops.precision import head_matmul_dtype
+from posttrain.ops.projection import (ChunkBlocks, ChunkHead, Projection, accumulation_dtype, check_projection_args,
+                                      loss_with_precomputed_grads, project_chunks)
 
 KD_LOSSES = ("forward_kl", "reverse_kl", "jsd")
 DEFAULT_CHUNK_SIZE = 256  # rows per chunk: a [256, 151936] float32 block is 156 MB
@@ -78,25 +81,6 @@ class KDLoss(NamedTuple):
     loss_sum: torch.Tensor
     kd_sum: torch.Tensor
     ce_sum: torch.Tensor
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _project(h_cD, w_VD, mm, acc, out_cV, softcap, dcap_cV):
-    """Widened logits of a chunk written into `out_cV` (`[c, V]`), soft-capped in place; with
-    `dcap_cV`, the cap's derivative `1 - tanh^2` written there. Returns the logits."""
-    if out_cV.dtype == mm:
-        z_cV = torch.mm(h_cD.to(mm), w_VD.T, out=out_cV)
-    else:
-        z_cV = out_cV.copy_(torch.mm(h_cD.to(mm), w_VD.T))
-    if softcap is not None:
-        z_cV.div_(softcap).tanh_()
-        if dcap_cV is not None:
-            torch.mul(z_cV, z_cV, out=dcap_cV).neg_().add_(1.0)
-        z_cV.mul_(softcap)
-    return z_cV
 
 
 def _log_softmax_(z_cV: torch.Tensor) -> torch.Tensor:
@@ -123,20 +107,9 @@ def _divergence(loss: str, beta: float, logq, logp, q, p):
 
 def _hard_ce(z_cV, labels_c, lse1_c):
     """The cross-entropy `[c]` of `labels_c` (-100: none) from logits at temperature 1 and
-    their log-sum-exp, and the row mask."""
-    valid_c = labels_c != IGNORE_INDEX
+    their log-sum-exp."""
     target_c = z_cV.gather(1, labels_c.clamp(min=0)[:, None]).squeeze(1)
-    return torch.where(valid_c, lse1_c - target_c, 0.0), valid_c
-
-
-class _Buffers:
-    """The chunk-sized blocks every chunk reuses (a fresh block per chunk fragments the heap)."""
-
-    def __init__(self, rows: int, V: int, acc, device, names):
-        self.blocks = {name: torch.empty((rows, V), dtype=acc, device=device) for name in names}
-
-    def __call__(self, name: str, c: int) -> torch.Tensor:
-        return self.blocks[name][:c]
+    return torch.where(labels_c != IGNORE_INDEX, lse1_c - target_c, 0.0)
 
 
 def _check_kd_args(loss, beta, temperature, hard_weight, labels_N, rows_N):
@@ -160,90 +133,82 @@ def _student_grad_(g_cV, q_cV, h_cV):
     return g_cV.neg_().add_(h_cV)
 
 
-def _kd_pass(student_hidden_ND, student_weight_VD, teacher, vocab_size, loss, beta, temperature, labels_N,
-             hard_weight, student_softcap, teacher_softcap, chunk_size, matmul_dtype, need_hidden, need_weight):
-    """One pass over the chunks: the summed loss parts and the student's gradients for an
-    upstream gradient of 1. `teacher`: `("full", hidden_ND, weight_WD)` or `("topk", ids_NK,
-    logp_NK)`."""
-    acc = _acc(student_hidden_ND.dtype)
-    mm = matmul_dtype or student_hidden_ND.dtype
-    device = student_hidden_ND.device
-    N, D = student_hidden_ND.shape
-    V = vocab_size
-    T, alpha = float(temperature), float(hard_weight)
-    w_s_VD = student_weight_VD[:V].to(mm)
-    full = teacher[0] == "full"
-    if full:
-        w_t_VD = teacher[2][:V].to(mm)
-    need_grad = need_hidden or need_weight
-    kd_sum = torch.zeros((), dtype=acc, device=device)
-    ce_sum = torch.zeros((), dtype=acc, device=device)
-    grad_h_ND = torch.empty(student_hidden_ND.shape, dtype=student_hidden_ND.dtype, device=device) \
-        if need_hidden else None
-    grad_w_PD = torch.zeros(student_weight_VD.shape, dtype=acc, device=device) if need_weight else None
-    rows = min(chunk_size, N)
-    names = ["zs", "q", "g"] + (["zt", "p"] if full else [])
-    if student_softcap is not None and need_grad:
-        names.append("dcap")
-    if alpha > 0 and T != 1.0:
-        names.append("ce")  # the softmax at temperature 1, beside the tempered one
-    buf = _Buffers(rows, V, acc, device, names) if N else None
-    for start in range(0, N, chunk_size):
-        sl = slice(start, start + chunk_size)
-        h_cD = student_hidden_ND[sl]
-        c = h_cD.shape[0]
-        dcap_cV = buf("dcap", c) if "dcap" in names else None
-        zs_cV = _project(h_cD, w_s_VD, mm, acc, buf("zs", c), student_softcap, dcap_cV)
+class _KDHead(ChunkHead):
+    """The student's chunk: the hard-label CE (with labels), the divergence from the teacher and
+    the student's logit gradient for an upstream gradient of 1. `teacher`: `("full", hidden_ND,
+    weight_WD)` or `("topk", ids_NK, logp_NK)`; `kd_sum` and `ce_sum` accumulate the parts."""
+
+    def __init__(self, student_hidden_ND, teacher, vocab_size, loss, beta, temperature, labels_N, hard_weight,
+                 teacher_softcap, chunk_size, matmul_dtype):
+        acc = accumulation_dtype(student_hidden_ND.dtype)
+        device = student_hidden_ND.device
+        self.acc, self.teacher, self.loss, self.beta, self.labels_N = acc, teacher, loss, beta, labels_N
+        self.T, self.alpha = float(temperature), float(hard_weight)
+        self.full = teacher[0] == "full"
+        rows = min(chunk_size, student_hidden_ND.shape[0])
+        self.blocks = ChunkBlocks(rows, vocab_size, acc, device)  # q, g, p and the temperature-1 CE gradient
+        if self.full:
+            self.teacher_proj = Projection(teacher[2], vocab_size, rows, acc, matmul_dtype or student_hidden_ND.dtype,
+                                           teacher_softcap)
+        self.kd_sum = torch.zeros((), dtype=acc, device=device)
+        self.ce_sum = torch.zeros((), dtype=acc, device=device)
+
+    def __call__(self, rows, zs_cV, need_grad):
+        T, alpha, acc, buf = self.T, self.alpha, self.acc, self.blocks
+        c = zs_cV.shape[0]
         ce_grad_cV = None
-        if labels_N is not None:  # the hard-label CE: reported always, mixed in with hard_weight > 0
-            labels_c = labels_N[sl]
+        if self.labels_N is not None:  # the hard-label CE: reported always, mixed in with hard_weight > 0
+            labels_c = self.labels_N[rows]
             lse1_c = torch.logsumexp(zs_cV, dim=-1)
-            ce_c, valid_c = _hard_ce(zs_cV, labels_c, lse1_c)
-            ce_sum += ce_c.sum()
+            self.ce_sum += _hard_ce(zs_cV, labels_c, lse1_c).sum()
             if alpha > 0 and need_grad and T != 1.0:  # softmax - onehot at temperature 1, in its own block
-                ce_grad_cV = torch.sub(zs_cV, lse1_c[:, None], out=buf("ce", c)).exp_()
-                ce_grad_cV.scatter_add_(1, labels_c.clamp(min=0)[:, None], -valid_c.to(acc)[:, None])
-                ce_grad_cV.mul_(valid_c[:, None])
+                ce_grad_cV = cross_entropy_grad_(torch.sub(zs_cV, lse1_c[:, None], out=buf("ce", c)).exp_(), labels_c)
         logq_cV = zs_cV.div_(T)
         _log_softmax_(logq_cV)
         q_cV = torch.exp(logq_cV, out=buf("q", c))
-        if full:
-            zt_cV = _project(teacher[1][sl], w_t_VD, mm, acc, buf("zt", c), teacher_softcap, None)
+        if self.full:
+            zt_cV, _ = self.teacher_proj.logits(self.teacher[1][rows])
             logp_cV = zt_cV.div_(T)
             _log_softmax_(logp_cV)
             p_cV = torch.exp(logp_cV, out=buf("p", c))
-            if loss == "forward_kl":  # the common case without [c, V] temporaries: D, then dD/ds = q - p
+            if self.loss == "forward_kl":  # the common case without [c, V] temporaries: D, then dD/ds = q - p
                 d_c = torch.sub(logp_cV, logq_cV, out=buf("g", c)).mul_(p_cV).sum(-1)
-                kd_sum += d_c.sum() * (T * T)
+                self.kd_sum += d_c.sum() * (T * T)
                 if not need_grad:
-                    continue
+                    return None
                 g_cV = torch.sub(q_cV, p_cV, out=buf("g", c))
             else:
-                d_c, h_cV = _divergence(loss, beta, logq_cV, logp_cV, q_cV, p_cV)
-                kd_sum += d_c.sum() * (T * T)
+                d_c, h_cV = _divergence(self.loss, self.beta, logq_cV, logp_cV, q_cV, p_cV)
+                self.kd_sum += d_c.sum() * (T * T)
                 if not need_grad:
-                    continue
+                    return None
                 g_cV = _student_grad_(buf("g", c), q_cV, h_cV)
         else:
-            d_c, g_cV = _topk_chunk(loss, beta, logq_cV, q_cV, teacher[1][sl], teacher[2][sl].to(acc), need_grad,
-                                    buf("g", c))
-            kd_sum += d_c.sum() * (T * T)
+            d_c, g_cV = _topk_chunk(self.loss, self.beta, logq_cV, q_cV, self.teacher[1][rows],
+                                    self.teacher[2][rows].to(acc), need_grad, buf("g", c))
+            self.kd_sum += d_c.sum() * (T * T)
             if not need_grad:
-                continue
+                return None
         g_cV.mul_((1 - alpha) * T)  # d/d(raw logits): T^2 x dD/ds x 1/T
         if alpha > 0:
             if ce_grad_cV is None:  # temperature 1: the softmax is q itself
-                ce_grad_cV = q_cV.scatter_add_(1, labels_c.clamp(min=0)[:, None], -valid_c.to(acc)[:, None])
-                ce_grad_cV.mul_(valid_c[:, None])
+                ce_grad_cV = cross_entropy_grad_(q_cV, labels_c)
             g_cV.add_(ce_grad_cV, alpha=alpha)
-        if dcap_cV is not None:
-            g_cV.mul_(dcap_cV)
-        backprop_chunk(g_cV, h_cD, w_s_VD, mm, grad_h_ND[sl] if need_hidden else None,
-                       grad_w_PD[:V] if need_weight else None)
-    if grad_w_PD is not None:
-        grad_w_PD = grad_w_PD.to(student_weight_VD.dtype)
-    loss_sum = (1 - alpha) * kd_sum + alpha * ce_sum
-    return loss_sum, kd_sum, ce_sum, grad_h_ND, grad_w_PD
+        return g_cV
+
+
+def _kd_pass(spec, student_hidden_ND, student_weight_VD, t_a, t_b, labels_N, *, need_hidden, need_weight, values):
+    """`loss_with_precomputed_grads`'s `run` for the KD losses: `(loss_sum, kd_sum, ce_sum)` and
+    the student's gradients."""
+    head = _KDHead(student_hidden_ND, (spec["kind"], t_a, t_b), spec["vocab_size"], spec["loss"], spec["beta"],
+                   spec["temperature"], labels_N if spec["has_labels"] else None, spec["hard_weight"],
+                   spec["teacher_softcap"], spec["chunk_size"], spec["matmul_dtype"])
+    grads = project_chunks(student_hidden_ND, student_weight_VD, spec["vocab_size"], spec["chunk_size"], head,
+                           logit_softcap=spec["student_softcap"], matmul_dtype=spec["matmul_dtype"],
+                           need_hidden=need_hidden, need_weight=need_weight)
+    alpha = head.alpha
+    loss_sum = (1 - alpha) * head.kd_sum + alpha * head.ce_sum
+    return (loss_sum, head.kd_sum, head.ce_sum), grads
 
 
 def _topk_chunk(loss, beta, logq_cV, q_cV, ids_cK, logp_cK, need_grad, g_cV):
@@ -273,56 +238,16 @@ def _topk_chunk(loss, beta, logq_cV, q_cV, ids_cK, logp_cK, need_grad, g_cV):
     return d_c, g_cV
 
 
-class _ChunkedKD(torch.autograd.Function):
-    """Forward computes the loss and (when a gradient will be needed) the student's gradients
-    in the same pass; backward scales them. A second backward through a retained graph
-    recomputes them from the saved inputs."""
-
-    @staticmethod
-    def forward(ctx, student_hidden_ND, student_weight_VD, t_a, t_b, labels_N, spec):
-        need_h, need_w = spec["need_hidden"], spec["need_weight"]
-        ctx.spec = spec
-        ctx.save_for_backward(student_hidden_ND, student_weight_VD, t_a, t_b, labels_N)
-        with torch.no_grad(), torch.autocast(student_hidden_ND.device.type, enabled=False):
-            loss_sum, kd_sum, ce_sum, g_h, g_w = _kd_pass(
-                student_hidden_ND, student_weight_VD, (spec["kind"], t_a, t_b), spec["vocab_size"], spec["loss"],
-                spec["beta"], spec["temperature"], labels_N if spec["has_labels"] else None, spec["hard_weight"],
-                spec["student_softcap"], spec["teacher_softcap"], spec["chunk_size"], spec["matmul_dtype"],
-                need_h, need_w)
-        ctx.grads = (g_h, g_w)
-        ctx.mark_non_differentiable(kd_sum, ce_sum)
-        return loss_sum, kd_sum, ce_sum
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_kd=None, _grad_ce=None):
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grads, ctx.grads = ctx.grads, None
-        if grads is None or (need_h and grads[0] is None) or (need_w and grads[1] is None):
-            s_h, s_w, t_a, t_b, labels_N = ctx.saved_tensors
-            spec = ctx.spec
-            with torch.no_grad(), torch.autocast(s_h.device.type, enabled=False):
-                grads = _kd_pass(s_h, s_w, (spec["kind"], t_a, t_b), spec["vocab_size"], spec["loss"], spec["beta"],
-                                 spec["temperature"], labels_N if spec["has_labels"] else None, spec["hard_weight"],
-                                 spec["student_softcap"], spec["teacher_softcap"], spec["chunk_size"],
-                                 spec["matmul_dtype"], need_h, need_w)[3:]
-        g_h, g_w = grads
-        g_h = g_h.mul_(grad_loss) if need_h and g_h is not None else None
-        g_w = g_w.mul_(grad_loss) if need_w and g_w is not None else None
-        return g_h, g_w, None, None, None, None
-
-
 def _apply(student_hidden_ND, student_weight_VD, t_a, t_b, labels_N, kind, vocab_size, loss, beta, temperature,
            hard_weight, student_softcap, teacher_softcap, chunk_size, matmul_dtype) -> KDLoss:
-    grad_on = torch.is_grad_enabled()
     spec = {"kind": kind, "vocab_size": vocab_size, "loss": loss, "beta": float(beta),
             "temperature": float(temperature), "hard_weight": float(hard_weight), "has_labels": labels_N is not None,
             "student_softcap": student_softcap, "teacher_softcap": teacher_softcap, "chunk_size": chunk_size,
-            "matmul_dtype": matmul_dtype or head_matmul_dtype(),
-            "need_hidden": grad_on and student_hidden_ND.requires_grad,
-            "need_weight": grad_on and student_weight_VD.requires_grad}
+            "matmul_dtype": matmul_dtype or head_matmul_dtype()}
     if labels_N is None:
         labels_N = torch.empty(0, dtype=torch.long, device=student_hidden_ND.device)
-    return KDLoss(*_ChunkedKD.apply(student_hidden_ND, student_weight_VD, t_a.detach(), t_b.detach(), labels_N, spec))
+    return KDLoss(*loss_with_precomputed_grads(partial(_kd_pass, spec), student_hidden_ND, student_weight_VD,
+                                               t_a.detach(), t_b.detach(), labels_N))
 
 
 def chunked_kd_loss(student_hidden_ND: torch.Tensor, student_weight_VD: torch.Tensor,
@@ -367,31 +292,37 @@ def chunked_kd_topk_loss(student_hidden_ND: torch.Tensor, student_weight_VD: tor
                   vocab_size, loss, beta, temperature, hard_weight, student_softcap, None, chunk_size, matmul_dtype)
 
 
-@torch.no_grad()
+class _TopKHead(ChunkHead):
+    """Each row's `k` most likely tokens at `temperature` and their log-probabilities, written into
+    `ids_NK` and `logp_NK`."""
+
+    def __init__(self, k, temperature, ids_NK, logp_NK):
+        self.k, self.T, self.ids_NK, self.logp_NK = k, float(temperature), ids_NK, logp_NK
+
+    def __call__(self, rows, z_cV, need_grad):
+        z_cV.div_(self.T)
+        _log_softmax_(z_cV)
+        top_logp, top_ids = z_cV.topk(self.k, dim=-1)
+        self.ids_NK[rows], self.logp_NK[rows] = top_ids, top_logp.float()
+        return None
+
+
 def chunked_topk_logprobs(hidden_ND: torch.Tensor, weight_VD: torch.Tensor, vocab_size: int, k: int,
                           temperature: float = 1.0, softcap: float | None = None,
                           chunk_size: int = DEFAULT_CHUNK_SIZE,
                           matmul_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The `k` most likely tokens of each row's distribution `softmax(cap(hidden @ weight[:V].T) / T)`
     and their log-probabilities (over the whole vocabulary): `(ids_NK` int64, `logp_NK` float32),
-    most likely first; one `[chunk, V]` block at a time (what the offline teacher cache stores)."""
+    most likely first; one `[chunk, V]` block at a time (what the offline teacher cache stores).
+    No gradients."""
     softcap = check_projection_args(hidden_ND, weight_VD, hidden_ND[:, 0], vocab_size, chunk_size, softcap, "rows")
     if not 1 <= k <= vocab_size:
         raise ValueError(f"top-k needs 1 <= k <= vocab_size ({vocab_size}), got {k}")
-    acc = _acc(hidden_ND.dtype)
-    mm = matmul_dtype or head_matmul_dtype() or hidden_ND.dtype
-    w_VD = weight_VD[:vocab_size].to(mm)
     N = hidden_ND.shape[0]
     ids_NK = torch.empty((N, k), dtype=torch.long, device=hidden_ND.device)
     logp_NK = torch.empty((N, k), dtype=torch.float32, device=hidden_ND.device)
-    block = torch.empty((min(chunk_size, N), vocab_size), dtype=acc, device=hidden_ND.device) if N else None
-    for start in range(0, N, chunk_size):
-        sl = slice(start, start + chunk_size)
-        z_cV = _project(hidden_ND[sl], w_VD, mm, acc, block[: hidden_ND[sl].shape[0]], softcap, None)
-        z_cV.div_(float(temperature))
-        _log_softmax_(z_cV)
-        top_logp, top_ids = z_cV.topk(k, dim=-1)
-        ids_NK[sl], logp_NK[sl] = top_ids, top_logp.float()
+    project_chunks(hidden_ND, weight_VD, vocab_size, chunk_size, _TopKHead(k, temperature, ids_NK, logp_NK),
+                   logit_softcap=softcap, matmul_dtype=matmul_dtype or head_matmul_dtype())
     return ids_NK, logp_NK
 
 
@@ -405,7 +336,7 @@ def naive_kd_loss(student_logits_NV: torch.Tensor, teacher_logits_NV: torch.Tens
     import torch.nn.functional as F
 
     T = float(temperature)
-    acc = _acc(student_logits_NV.dtype)
+    acc = accumulation_dtype(student_logits_NV.dtype)
     with torch.no_grad():
         logp = torch.log_softmax(teacher_logits_NV.to(acc) / T, -1)
     logq = torch.log_softmax(student_logits_NV.to(acc) / T, -1)

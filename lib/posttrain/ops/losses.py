@@ -1,7 +1,9 @@
 """Losses that own the output projection.
 
 `chunked_cross_entropy` projects hidden states to logits a chunk of rows at a time, so the full
-`[N, V]` logits never exist. When gradients are wanted, forward also turns each chunk's
+`[N, V]` logits never exist: it is a head of the chunked projection core
+(`posttrain.ops.projection`, which owns the chunk loop, buffers, precision, soft-cap and
+gradient accumulation). When gradients are wanted, forward also turns each chunk's
 probabilities into its gradient contributions while the chunk is at hand (the loss is a scalar:
 backward only scales them), so each chunk costs three matmuls, as the naive loss does, instead
 of four with recomputation in backward.
@@ -39,12 +41,15 @@ CE plus `coef` times the loss-token-weighted mean of their aux losses.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
 
 from posttrain.ops.fused_softmax import fused_chunk
 from posttrain.ops.precision import head_matmul_dtype
+from posttrain.ops.projection import (ChunkHead, accumulation_dtype, check_projection_args,
+                                      loss_with_precomputed_grads, project_chunks)
 
 IGNORE_INDEX = -100
 DEFAULT_CHUNK_SIZE = 512  # rows per chunk: a [512, 151936] float32 block is 311 MB
@@ -52,12 +57,6 @@ DEFAULT_CHUNK_SIZE = 512  # rows per chunk: a [512, 151936] float32 block is 311
 # gradient): twice the rows in the same bytes, so half the passes over the weight and its
 # float32 gradient accumulator
 DEFAULT_NARROW_CHUNK_SIZE = 2 * DEFAULT_CHUNK_SIZE
-NARROW_WEIGHT_GRAD_BYTES = 4 * 2**20  # the bf16 weight-gradient buffer (a cache-sized slice of the vocabulary)
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Softmax/accumulation dtype: float32, or float64 for float64 inputs."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _softmax_(logits_cV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,196 +68,50 @@ def _softmax_(logits_cV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return probs_cV, (sum_c1.log() + max_c1).squeeze(1)
 
 
-def _softcap_(logits_cV: torch.Tensor, cap: float, dcap_buf: torch.Tensor | None) -> torch.Tensor | None:
-    """In place: `logits = cap * tanh(logits / cap)`, transformers' order of operations. With
-    `dcap_buf` (`[>= c, V]`), also return the derivative `1 - tanh^2` `[c, V]` written into it."""
-    tanh_cV = logits_cV.div_(cap).tanh_()
-    dcap_cV = None
-    if dcap_buf is not None:
-        dcap_cV = torch.mul(tanh_cV, tanh_cV, out=dcap_buf[: tanh_cV.shape[0]]).neg_().add_(1.0)
-    tanh_cV.mul_(cap)
-    return dcap_cV
+def cross_entropy_grad_(probs_cV: torch.Tensor, labels_c: torch.Tensor) -> torch.Tensor:
+    """In place: `softmax - onehot(label)` per row from the softmax `probs_cV`, zero on rows
+    labelled `IGNORE_INDEX`: the gradient of the summed cross-entropy with respect to the logits."""
+    valid_c1 = (labels_c != IGNORE_INDEX)[:, None]
+    probs_cV.scatter_add_(1, labels_c.clamp(min=0)[:, None], -valid_c1.to(probs_cV.dtype))
+    return probs_cV.mul_(valid_c1)
 
 
-def _chunked_grads(hidden_ND, w_VD, labels_N, chunk_size, need_hidden, need_weight, padded_rows, loss_sum=None,
-                   logit_softcap=None, matmul_dtype=None):
-    """One pass over the chunks: gradients of the summed loss (upstream gradient 1) and, if
-    `loss_sum` (a scalar accumulator) is given, the loss added into it. `logit_softcap` caps
-    the logits (`c * tanh(logits / c)`) before the softmax. The three matmuls per chunk run in
-    `matmul_dtype` (default: the inputs' dtype); logits are widened to `_acc_dtype` before
-    soft-capping and the softmax, and the weight gradient is accumulated in `_acc_dtype`.
+class _CrossEntropyHead(ChunkHead):
+    """The summed token cross-entropy of `labels_N` (`IGNORE_INDEX`: none), added into `loss_sum`
+    (a scalar; None: gradients only); its logit gradient is `softmax - onehot`."""
 
-    Returns `(grad_hidden_ND or None, grad_weight_VD or None)` in the inputs' dtypes; the
-    weight gradient has `padded_rows` rows (rows beyond `w_VD`'s stay zero).
-    """
-    acc = _acc_dtype(hidden_ND.dtype)
-    mm = matmul_dtype or hidden_ND.dtype
-    narrow = mm != acc  # the matmuls run in a narrower dtype than the softmax (bf16 head)
-    h_ND, w_mm_VD = hidden_ND.to(mm), w_VD.to(mm)
-    grad_hidden_ND = torch.empty_like(hidden_ND) if need_hidden else None
-    grad_w_PD = None
-    N, V = hidden_ND.shape[0], w_VD.shape[0]
-    if need_weight:
-        # the first chunk writes the weight gradient, later ones add to it: no zero-filling pass
-        # over [V, D] (only the padded rows, which get no gradient, and all of it when N == 0)
-        grad_w_PD = torch.empty((padded_rows, w_VD.shape[1]), dtype=acc, device=w_VD.device)
-        grad_w_PD[V:].zero_()
-        if N == 0:
-            grad_w_PD.zero_()
-        grad_w_VD = grad_w_PD[:V]  # contiguous view
-    # buffers reused by every chunk: a fresh [c, V] block per chunk fragments the heap and made
-    # the peak vary run to run. The accumulation-dtype block is made on first use: a bf16 head
-    # whose element-wise work runs in the fused kernel never needs it
-    rows = min(chunk_size, N)
-    acc_buf = []
-    narrow_cV = torch.empty((rows, V), dtype=mm, device=hidden_ND.device) if narrow and N > 0 else None
-    # a chunk's weight gradient is formed a slice of the vocabulary at a time in the narrow dtype
-    # and added into the float32 accumulator (no mixed-dtype addmm on CPU): a [slice, D] buffer
-    slice_rows = min(V, max(1, NARROW_WEIGHT_GRAD_BYTES // (w_VD.shape[1] * w_mm_VD.element_size())))
-    narrow_sD = torch.empty((slice_rows, w_VD.shape[1]), dtype=mm, device=w_VD.device) if narrow and need_weight else None
-    dcap_buf_cV = None
-    if logit_softcap is not None and (need_hidden or need_weight) and N > 0:
-        dcap_buf_cV = torch.empty((rows, V), dtype=acc, device=hidden_ND.device)
-    for start in range(0, N, chunk_size):
-        h_cD = h_ND[start : start + chunk_size]
-        c = h_cD.shape[0]
-        labels_c = labels_N[start : start + chunk_size]
-        valid_c1 = (labels_c != IGNORE_INDEX)[:, None]
-        target_c1 = labels_c.clamp(min=0)[:, None]
-        fused = None
-        if narrow:
-            narrow_logits_cV = torch.mm(h_cD, w_mm_VD.T, out=narrow_cV[:c])
-            if logit_softcap is None:  # the element-wise rest in one compiled kernel, where it compiles
-                fused = fused_chunk(narrow_logits_cV, target_c1.squeeze(1), valid_c1.squeeze(1), need_hidden or need_weight)
-        if fused is not None:
-            chunk_loss, grad_cV = fused
-            if loss_sum is not None:
-                loss_sum += chunk_loss
-            if not (need_hidden or need_weight):
-                continue
-        else:
-            if not acc_buf:
-                acc_buf.append(torch.empty((rows, V), dtype=acc, device=hidden_ND.device))
-            buf_cV = acc_buf[0]
-            if narrow:
-                logits_cV = buf_cV[:c].copy_(narrow_logits_cV)
-            else:
-                logits_cV = torch.mm(h_cD, w_mm_VD.T, out=buf_cV[:c])
-            if logit_softcap is not None:
-                dcap_cV = _softcap_(logits_cV, logit_softcap, dcap_buf_cV)
-            if loss_sum is not None:
-                target_c = logits_cV.gather(1, target_c1).squeeze(1)
-            # d(lse - target)/dlogits = softmax - onehot(target); zero for ignored rows
-            grad_cV, lse_c = _softmax_(logits_cV)
-            if loss_sum is not None:
-                loss_sum += torch.where(valid_c1.squeeze(1), lse_c - target_c, 0.0).sum()
-            if not (need_hidden or need_weight):
-                continue
-            grad_cV.scatter_add_(1, target_c1, -valid_c1.to(acc))
-            grad_cV.mul_(valid_c1)
-            if logit_softcap is not None:
-                grad_cV.mul_(dcap_cV)  # chain rule through the cap
-            if narrow:
-                grad_cV = narrow_cV[:c].copy_(grad_cV)  # the logits it held are used up
-        if need_hidden:
-            out = grad_hidden_ND[start : start + chunk_size]
-            if out.dtype == mm:
-                torch.mm(grad_cV, w_mm_VD, out=out)
-            else:
-                out.copy_(grad_cV @ w_mm_VD)
-        if need_weight:
-            first = start == 0
-            if narrow:
-                for v in range(0, V, slice_rows):
-                    part_sD = torch.mm(grad_cV[:, v : v + slice_rows].T, h_cD, out=narrow_sD[: min(slice_rows, V - v)])
-                    if first:
-                        grad_w_VD[v : v + slice_rows].copy_(part_sD)
-                    else:
-                        grad_w_VD[v : v + slice_rows] += part_sD
-            elif first:
-                torch.mm(grad_cV.T, h_cD, out=grad_w_VD)
-            else:
-                torch.addmm(grad_w_VD, grad_cV.T, h_cD, out=grad_w_VD)  # addmm_ is invisible to FlopCounterMode
-    if grad_w_PD is not None and grad_w_PD.dtype != w_VD.dtype:
-        grad_w_PD = grad_w_PD.to(w_VD.dtype)
-    return grad_hidden_ND, grad_w_PD
+    def __init__(self, labels_N: torch.Tensor, loss_sum: torch.Tensor | None):
+        self.labels_N, self.loss_sum = labels_N, loss_sum
+
+    def narrow(self, rows, narrow_cV, need_grad):
+        # bf16 logits without a cap: the element-wise rest in one compiled kernel, where it compiles
+        labels_c = self.labels_N[rows]
+        fused = fused_chunk(narrow_cV, labels_c.clamp(min=0), labels_c != IGNORE_INDEX, need_grad)
+        if fused is None:
+            return None
+        chunk_loss, grad_cV = fused
+        if self.loss_sum is not None:
+            self.loss_sum += chunk_loss
+        return (grad_cV,)
+
+    def __call__(self, rows, z_cV, need_grad):
+        labels_c = self.labels_N[rows]
+        if self.loss_sum is not None:
+            target_c = z_cV.gather(1, labels_c.clamp(min=0)[:, None]).squeeze(1)
+        probs_cV, lse_c = _softmax_(z_cV)  # in place: the gradient is formed in the logits' block
+        if self.loss_sum is not None:
+            self.loss_sum += torch.where(labels_c != IGNORE_INDEX, lse_c - target_c, 0.0).sum()
+        return cross_entropy_grad_(probs_cV, labels_c) if need_grad else None
 
 
-class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Forward computes the loss and, when a gradient will be needed, the gradients for an
-    upstream gradient of 1 in the same pass over the chunks (the loss is a scalar, so backward
-    only scales them). That costs three matmuls per chunk instead of the four of
-    forward-then-recompute-in-backward, at the price of holding `grad_weight` `[V, D]` (and
-    `grad_hidden` `[N, D]`) from forward to backward. A second backward through the same graph
-    (`retain_graph=True`) recomputes the chunks from the saved inputs.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, labels_N, vocab_size, chunk_size, need_hidden, need_weight,
-                logit_softcap, matmul_dtype):
-        ctx.save_for_backward(hidden_ND, weight_VD, labels_N)
-        ctx.vocab_size, ctx.chunk_size, ctx.logit_softcap = vocab_size, chunk_size, logit_softcap
-        ctx.matmul_dtype = matmul_dtype
-        loss_sum = torch.zeros((), dtype=_acc_dtype(hidden_ND.dtype), device=hidden_ND.device)
-        with torch.autocast(hidden_ND.device.type, enabled=False):  # the dtypes are chosen here
-            ctx.grads = _chunked_grads(
-                hidden_ND, weight_VD[:vocab_size], labels_N, chunk_size, need_hidden, need_weight,
-                weight_VD.shape[0], loss_sum=loss_sum, logit_softcap=logit_softcap, matmul_dtype=matmul_dtype,
-            )
-        return loss_sum
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grads, ctx.grads = ctx.grads, None  # precomputed by forward; used (in place) once
-        if grads is None or (need_hidden and grads[0] is None) or (need_weight and grads[1] is None):
-            # a second backward through a retained graph (or gradients forward did not make)
-            hidden_ND, weight_VD, labels_N = ctx.saved_tensors
-            with torch.autocast(hidden_ND.device.type, enabled=False):
-                grads = _chunked_grads(
-                    hidden_ND, weight_VD[: ctx.vocab_size], labels_N, ctx.chunk_size, need_hidden,
-                    need_weight, weight_VD.shape[0], logit_softcap=ctx.logit_softcap, matmul_dtype=ctx.matmul_dtype,
-                )
-        grad_hidden_ND, grad_weight_VD = grads
-        grad_hidden_ND = grad_hidden_ND.mul_(grad_loss) if need_hidden and grad_hidden_ND is not None else None
-        grad_weight_VD = grad_weight_VD.mul_(grad_loss) if need_weight and grad_weight_VD is not None else None
-        return grad_hidden_ND, grad_weight_VD, None, None, None, None, None, None, None
-
-
-def check_projection_args(hidden_ND: torch.Tensor, weight_VD: torch.Tensor, rows_N: torch.Tensor, vocab_size: int,
-                          chunk_size: int, logit_softcap: float | None, rows_name: str) -> float | None:
-    """The argument checks every chunked output-projection op shares (`ValueError` naming the
-    argument); returns the soft-cap as a float (or None)."""
-    if hidden_ND.ndim != 2 or weight_VD.ndim != 2 or hidden_ND.shape[1] != weight_VD.shape[1]:
-        raise ValueError(
-            f"need hidden [N, D] and weight [V, D], got {tuple(hidden_ND.shape)} and {tuple(weight_VD.shape)}"
-        )
-    if rows_N.shape != hidden_ND.shape[:1]:
-        raise ValueError(f"{rows_name} {tuple(rows_N.shape)} do not match hidden rows {hidden_ND.shape[0]}")
-    if not 0 < vocab_size <= weight_VD.shape[0]:
-        raise ValueError(f"vocab_size {vocab_size} outside (0, {weight_VD.shape[0]}]")
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    if logit_softcap is not None and not logit_softcap > 0:
-        raise ValueError(f"logit_softcap must be positive or None, got {logit_softcap}")
-    return None if logit_softcap is None else float(logit_softcap)
-
-
-def backprop_chunk(g_cV: torch.Tensor, h_cD: torch.Tensor, w_mm_VD: torch.Tensor, mm: torch.dtype,
-                   grad_hidden_cD: torch.Tensor | None, grad_weight_VD: torch.Tensor | None) -> None:
-    """One chunk's gradients through `logits = h_cD @ w_mm_VD.T`, given `g_cV` (d loss / d logits,
-    in the accumulation dtype): `grad_hidden_cD` (the chunk's rows of the hidden gradient, or
-    None) receives `g @ w`; `grad_weight_VD` (the float32/64 accumulator's real rows, or None)
-    gets `g.T @ h` added, in place. The matmuls run in `mm`; what the chunked ops whose backward
-    is not precomputed in forward share (log-probabilities, KD)."""
-    g_mm_cV = g_cV.to(mm)
-    if grad_hidden_cD is not None:
-        grad_hidden_cD.copy_(g_mm_cV @ w_mm_VD)
-    if grad_weight_VD is not None:
-        if mm == grad_weight_VD.dtype:  # accumulate in place: no [V, D] temporary per chunk
-            grad_weight_VD.addmm_(g_mm_cV.T, h_cD.to(mm))
-        else:  # bf16 products, widened into the float32 accumulator
-            grad_weight_VD += (g_mm_cV.T @ h_cD.to(mm)).to(grad_weight_VD.dtype)
+def _cross_entropy_pass(vocab_size, chunk_size, logit_softcap, matmul_dtype, hidden_ND, weight_VD, labels_N, *,
+                        need_hidden, need_weight, values):
+    """`loss_with_precomputed_grads`'s `run` for the cross-entropy."""
+    loss_sum = torch.zeros((), dtype=accumulation_dtype(hidden_ND.dtype), device=hidden_ND.device) if values else None
+    grads = project_chunks(hidden_ND, weight_VD, vocab_size, chunk_size, _CrossEntropyHead(labels_N, loss_sum),
+                           logit_softcap=logit_softcap, matmul_dtype=matmul_dtype, need_hidden=need_hidden,
+                           need_weight=need_weight)
+    return (loss_sum,), grads
 
 
 def chunked_cross_entropy(
@@ -303,11 +156,8 @@ def chunked_cross_entropy(
         chunk_size = DEFAULT_NARROW_CHUNK_SIZE if narrow and logit_softcap is None else DEFAULT_CHUNK_SIZE
     logit_softcap = check_projection_args(hidden_ND, weight_VD, labels_N, vocab_size, chunk_size, logit_softcap,
                                           "labels")
-    grad_on = torch.is_grad_enabled()
-    return _ChunkedCrossEntropy.apply(
-        hidden_ND, weight_VD, labels_N, vocab_size, chunk_size,
-        grad_on and hidden_ND.requires_grad, grad_on and weight_VD.requires_grad, logit_softcap, matmul_dtype,
-    )
+    run = partial(_cross_entropy_pass, vocab_size, chunk_size, logit_softcap, matmul_dtype)
+    return loss_with_precomputed_grads(run, hidden_ND, weight_VD, labels_N)[0]
 
 
 class CausalLMLossTerms(NamedTuple):
