@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 from typing import Sequence
 
-# glibc allocator settings change CPU training speed ~2x (DESIGN.md section 6): always recorded
+# glibc allocator settings change CPU training speed ~2x (docs/troubleshooting.md): always recorded
 MALLOC_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
 # instruction-set features that decide which CPU kernels run (matmul and bf16 paths)
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")

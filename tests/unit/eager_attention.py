@@ -1,6 +1,6 @@
 """Eager per-document attention for FLOP-counter tests (imported by tests/unit/test_mfu*.py).
 
-SDPA is invisible to `FlopCounterMode` on CPU (DESIGN.md section 6). This computes the same
+`FlopCounterMode` counts no FLOPs for SDPA on CPU (torch 2.13). This computes the same
 attention with explicit matmuls over each document's own `L x L` block (so the counter sees
 exactly the per-document work the MFU formula counts), applying the mask's block for that
 document (causal, and the sliding window when the mask has one). Tests swap it in for

@@ -1,7 +1,7 @@
 """The analytic FLOPs formula (`posttrain.train.mfu`) against `FlopCounterMode` on a tiny Qwen3
 forward + backward through `causal_lm_loss`.
 
-SDPA is invisible to FlopCounterMode on CPU (DESIGN.md section 6), so these tests swap in an
+FlopCounterMode counts no FLOPs for SDPA on CPU (torch 2.13), so these tests swap in an
 eager per-document attention (explicit matmuls over each document's own `L x L` block, causal
 mask applied to it) through the name `posttrain.models.layers.document_attention`, the only
 place the model calls attention. Its outputs match SDPA's, checked below.

@@ -28,8 +28,8 @@ Backends (chosen once per forward by `select_backend`, then shared by every laye
   (`posttrain.rl.cpu_kernels`: one pass over the keys, one over the values); this is the
   reference.
 - "flex" (future, GPU): FlexAttention with a BlockMask built from the same predicate. It
-  slots in by adding a branch to `build_attention_mask` and `document_attention`; CPU has no
-  flex backward (DESIGN.md §6), so CPU uses "documents" or "sdpa".
+  slots in by adding a branch to `build_attention_mask` and `document_attention`; torch 2.13
+  has no FlexAttention backward on CPU, so CPU uses "documents" or "sdpa".
 """
 
 from __future__ import annotations

