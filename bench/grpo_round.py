@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import statistics
 import sys
@@ -87,25 +88,26 @@ def build_workspace(tmp: Path, shape: str, model_dir: str | None, count: int):
 
 
 def run_ours(model_dir: Path, tokenizer, records, args) -> tuple[list[float], list[dict], dict]:
-    from posttrain.config.schema import TrainConfig
+    from posttrain.config.schema import GRPOSection, TrainConfig
     from posttrain.data.chat import end_of_turn_token_ids, render_prompt
     from posttrain.models.architectures import load_hf_checkpoint
     from posttrain.objectives.grpo import GRPOObjective
-    from posttrain.rl.controller import RLController, RoundSettings
+    from posttrain.rl.controller import RLController
+    from posttrain.rl.engine import SamplingConfig
     from posttrain.rl.native import NativeEngine
     from posttrain.rl.rewards import RewardScorer, RewardTerm
     from posttrain.train.trainer import Trainer
 
     model = load_hf_checkpoint(model_dir)
     cfg = TrainConfig(learning_rate=LR, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0, lr_schedule="linear")
-    trainer = Trainer(model, cfg, args.rounds + 1, objective=GRPOObjective(aggregation="token_mean"))
+    grpo = GRPOSection(prompts_per_round=args.prompts, aggregation="token_mean", dynamic_sampling=False,
+                       sampling=SamplingConfig(n=args.n, max_new_tokens=args.new_tokens))
+    trainer = Trainer(model, cfg, args.rounds + 1, objective=GRPOObjective(grpo))
     engine = NativeEngine(copy.deepcopy(model), tokenizer=tokenizer, decode_backend=args.decode_backend)
     prompts = [render_prompt(tokenizer, r.prompt) for r in records]
-    settings = RoundSettings(prompts_per_round=args.prompts, n=args.n, max_new_tokens=args.new_tokens,
-                             stop_token_ids=tuple(end_of_turn_token_ids(tokenizer)), row_length=args.row_length,
-                             rows_per_batch=1024, dynamic_sampling=False, seed=0)
+    sampling = dataclasses.replace(grpo.sampling, stop_token_ids=tuple(end_of_turn_token_ids(tokenizer)))
     controller = RLController(trainer, engine, RewardScorer([RewardTerm("exact_answer")]), prompts, records,
-                              settings, tokenizer, tokenizer.pad_token_id)
+                              grpo, sampling, args.row_length, 1024, tokenizer, tokenizer.pad_token_id, seed=0)
     times, metrics = [], []
     for r in range(args.rounds + 1):
         start = time.perf_counter()

@@ -7,7 +7,7 @@ inside the branch) -> score_variant -> pick (join) -> verify -> evaluation (fore
 `sweep` in the recipe lists the variants, each a mapping of dotted overrides of the recipe
 (e.g. `{seed: 1}`, `{train.learning_rate: 6.0e-5}`, `{grpo.kl_coef: 0.02}`), checked at launch
 like any override; what every variant shares (data, prompts, model, tokenizer, packing,
-`grpo.max_new_tokens`, the teacher) cannot vary. Every branch trains its variant from the same starting model in its own run
+`grpo.sampling.max_new_tokens`, the teacher) cannot vary. Every branch trains its variant from the same starting model in its own run
 directory for its rounds (`<run dir>/variant_<i>`), one `rl_round` task per `grpo.rounds_per_task` rounds, and
 scores its model on the held-out prompts with the recipe's rewards (greedy answers).
 The join picks the variant with the highest held-out reward (ties: the first listed), which

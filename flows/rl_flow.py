@@ -34,14 +34,14 @@ class RLRecipeFlow(RecipeSteps):
         lengths = [len(p) for p in self.prompts.ids]
         current.card["tokenize"].append(cards.Markdown(
             f"## Prompts\n{len(self.prompts.ids)} prompts kept, {self.prompts.dropped} dropped (longer than "
-            f"pack.row_length - grpo.max_new_tokens); prompt length {min(lengths)}-{max(lengths)} tokens."))
+            f"pack.row_length - grpo.sampling.max_new_tokens); prompt length {min(lengths)}-{max(lengths)} tokens."))
 
     def _round_task(self):
         """`grpo.rounds_per_task` rounds from the previous task's round checkpoint; the rounds
         (rollouts, rewards, advantages, metrics) become the artifact `rounds`."""
         from posttrain.steps import rl
 
-        live = cards.LiveRoundsCard(current.card["rounds"], self.recipe.grpo.n, self.recipe.train.card_refresh_s)
+        live = cards.LiveRoundsCard(current.card["rounds"], self.recipe.grpo.sampling.n, self.recipe.train.card_refresh_s)
         rounds_dir = getattr(self, "rounds_dir", None) or self.run_dir  # a sweep's branch has its own
         result = rl.run_task(self.recipe, self._tokenizer(), self.prompts, rounds_dir, self.rl_checkpoint,
                              on_round=live, teacher_spec=self.teacher_spec)
@@ -67,7 +67,7 @@ class RLRecipeFlow(RecipeSteps):
     def _overview(self):
         card = current.card["overview"]
         card.append(cards.Markdown(f"# {self.recipe.name}\nModel registered at `{self.model_uri}`"))
-        cards.rounds_section(card, self.history, self.recipe.grpo.n)
+        cards.rounds_section(card, self.history, self.recipe.grpo.sampling.n)
         cards.verify_section(card, self.verdict)
         cards.eval_section(card, self.eval_metrics)
         cards.ingest_section(card, self.data_counts, self.rejected, self.data_warnings)

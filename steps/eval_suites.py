@@ -35,7 +35,7 @@ failed suite, so the other suites still run.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -319,9 +319,9 @@ def evaluate_rewards(models: dict[str, str], config: GRPOConfig, tokenizer, reco
     prompts = tokenize_prompts(records[:limit], tokenizer, config)
     stops = stop_token_ids(tokenizer, config)
     allowed = catalogue_trie(config, tokenizer)
-    greedy = SamplingConfig(temperature=0, max_new_tokens=g.max_new_tokens, stop_token_ids=stops, allowed=allowed)
-    sampled = SamplingConfig(n=g.eval_samples, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
-                             max_new_tokens=g.max_new_tokens, stop_token_ids=stops, seed=config.seed, allowed=allowed)
+    greedy = SamplingConfig(temperature=0, max_new_tokens=g.sampling.max_new_tokens, stop_token_ids=stops,
+                            allowed=allowed)
+    sampled = replace(g.sampling, n=g.eval_samples, stop_token_ids=stops, seed=config.seed, allowed=allowed)
     device = pick_device(config.train.device)
 
     def score(groups) -> tuple[list[float], int]:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import copy
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -45,7 +45,8 @@ import torch
 from posttrain.config.schema import GRPOConfig
 from posttrain.data.chat import generation_stop_ids, render_prompt
 from posttrain.data.records import ChatRecord, PromptRecord
-from posttrain.rl.controller import EngineLost, RLController, RoundResult, RoundSettings
+from posttrain.rl.controller import EngineLost, RLController, RoundResult
+from posttrain.rl.engine import SamplingConfig
 from posttrain.rl.policy import LocalPolicy, PolicyGroup
 from posttrain.rl.rewards import RewardScorer, RewardTerm
 from posttrain.parallel.mesh import pick_device
@@ -76,11 +77,11 @@ class Prompts:
 
 def tokenize_prompts(records: list[PromptRecord], tokenizer, config: GRPOConfig, context_length: int | None = None) -> Prompts:
     """Render every record's prompt (generation prompt included) to token ids; prompts that
-    leave no room for `grpo.max_new_tokens` within `pack.row_length` are dropped and counted."""
+    leave no room for `grpo.sampling.max_new_tokens` within `pack.row_length` are dropped and counted."""
     kwargs = config.tokenizer.chat_template_kwargs
-    limit = config.pack.row_length - config.grpo.max_new_tokens
+    limit = config.pack.row_length - config.grpo.sampling.max_new_tokens
     if context_length is not None:
-        limit = min(limit, context_length - config.grpo.max_new_tokens)
+        limit = min(limit, context_length - config.grpo.sampling.max_new_tokens)
     kept, ids, dropped = [], [], 0
     for record in records:
         prompt = render_prompt(tokenizer, record.prompt, **kwargs)
@@ -90,8 +91,8 @@ def tokenize_prompts(records: list[PromptRecord], tokenizer, config: GRPOConfig,
         kept.append(record)
         ids.append(prompt)
     if not kept:
-        raise ValueError(f"no prompt fits pack.row_length {config.pack.row_length} minus grpo.max_new_tokens "
-                         f"{config.grpo.max_new_tokens}")
+        raise ValueError(f"no prompt fits pack.row_length {config.pack.row_length} minus "
+                         f"grpo.sampling.max_new_tokens {config.grpo.sampling.max_new_tokens}")
     return Prompts(kept, ids, dropped)
 
 
@@ -115,16 +116,11 @@ def catalogue_trie(config: GRPOConfig, tokenizer):
     return SemanticIDs.load(path).token_trie(tokenizer, list(stop_token_ids(tokenizer, config)))
 
 
-def round_settings(config: GRPOConfig, tokenizer) -> RoundSettings:
-    g = config.grpo
-    return RoundSettings(prompts_per_round=g.prompts_per_round, n=g.n, temperature=g.temperature, top_k=g.top_k,
-                         top_p=g.top_p, max_new_tokens=g.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer, config),
-                         passes=g.passes, steps_per_pass=g.steps_per_pass, row_length=config.pack.row_length,
-                         rows_per_batch=config.train.micro_batch_size, shared_prompt=g.shared_prompt,
-                         advantage_scale=g.advantage_scale,
-                         dynamic_sampling=g.dynamic_sampling, max_draws=g.max_draws, overlong_mask=g.overlong_mask,
-                         success_threshold=g.success_threshold, sync_check=g.sync_check, seed=config.seed,
-                         allowed=catalogue_trie(config, tokenizer))
+def rollout_sampling(config: GRPOConfig, tokenizer) -> SamplingConfig:
+    """`grpo.sampling` with its run-time fields: the template's end-of-turn stop ids and, with
+    `grpo.constrain_to_catalogue`, the catalogue's trie."""
+    return replace(config.grpo.sampling, stop_token_ids=stop_token_ids(tokenizer, config),
+                   allowed=catalogue_trie(config, tokenizer))
 
 
 def reward_terms(config: GRPOConfig) -> list[RewardTerm]:
@@ -320,7 +316,8 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
         engine = build_engine(config, model, tokenizer, parent)
         scorer = build_reward_role(config)
         controller = RLController(policy, engine, scorer, prompts.ids, prompts.records,
-                                  round_settings(config, tokenizer), tokenizer, tokenizer.pad_token_id,
+                                  config.grpo, rollout_sampling(config, tokenizer), config.pack.row_length,
+                                  config.train.micro_batch_size, tokenizer, tokenizer.pad_token_id, seed=config.seed,
                                   reference=reference,
                                   on_scored=lambda r: maybe_inject_fault(r, run_dir / RL_STATE_DIR),
                                   teacher=teacher, distill_coef=config.grpo.distill_coef,

@@ -146,4 +146,4 @@ def test_grpo_sweep_variants_are_checked():
     with pytest.raises(ConfigError, match="learnig_rate"):
         sweep_variant(load_recipe_config(path, "grpo", overrides={"sweep": [{"train.learnig_rate": 1.0}]}), 0)
     with pytest.raises(ConfigError, match="share its data"):
-        load_recipe_config(path, "grpo", overrides={"sweep": [{"grpo.max_new_tokens": 4}]})
+        load_recipe_config(path, "grpo", overrides={"sweep": [{"grpo.sampling.max_new_tokens": 4}]})

@@ -11,6 +11,9 @@ import torch
 
 from posttrain.config.schema import TrainConfig
 from posttrain.models.architectures import build_model, tiny_config
+from posttrain.config.sampling import SamplingConfig
+from posttrain.config.schema import GRPOSection
+from posttrain.config.strict import ConfigError, from_dict
 from posttrain.objectives.grpo import GRPOObjective, kl_estimate
 from posttrain.objectives.targets import target_logps
 from posttrain.rl.advantages import degenerate_groups, group_advantages
@@ -142,8 +145,8 @@ def test_loss_and_gradient_match_a_direct_computation(model, aggregation):
     attach_logps(model, [batch], "old_logps")
     batch["old_logps"] = batch["old_logps"] + 0.3 * torch.randn(batch["old_logps"].shape,
                                                                 generator=torch.Generator().manual_seed(1))
-    objective = GRPOObjective(aggregation=aggregation, norm_tokens=5, is_correction="none", clip_low=0.2,
-                              clip_high=0.3)
+    objective = GRPOObjective(GRPOSection(aggregation=aggregation, sampling=SamplingConfig(n=2, max_new_tokens=5),
+                                          is_correction="none", clip_low=0.2, clip_high=0.3))
     model.zero_grad()
     out = objective(model, batch)
     out.loss_sum.backward()
@@ -178,7 +181,7 @@ def test_loss_and_gradient_match_a_direct_computation(model, aggregation):
 
 def test_first_pass_ratio_is_one_and_the_gradient_is_the_policy_gradient(model):
     batch = pack_trajectories(trajectories(), 64, 8, PAD)[0]
-    out = GRPOObjective(is_correction="none")(model, batch)
+    out = GRPOObjective(GRPOSection(is_correction="none"))(model, batch)
     assert float(out.metric_sums["ratio"]) == pytest.approx(float(batch["target_ids"].numel()))
     assert float(out.metric_sums["clip_fraction"]) == 0.0
     assert float(out.loss_sum.detach()) == pytest.approx(-float(batch["advantages"].sum()), abs=1e-5)
@@ -195,7 +198,7 @@ def test_kl_estimators():
 
 def test_kl_term_needs_and_uses_the_reference(model):
     batch = pack_trajectories(trajectories(), 64, 8, PAD)[0]
-    objective = GRPOObjective(kl_coef=0.1, kl_estimator="k1", is_correction="none")
+    objective = GRPOObjective(GRPOSection(kl_coef=0.1, kl_estimator="k1", is_correction="none"))
     assert objective.needs_reference
     with pytest.raises(ValueError, match="ref_logps"):
         objective(model, batch)
@@ -215,28 +218,30 @@ def test_importance_sampling_corrections(model):
     eng[seq == 0] -= 2.0  # the engine found sequence 0 far less likely: IS weight exp(2), capped
     eng[seq == 1] += 0.1
     batch["engine_logps"] = eng
-    tis = GRPOObjective(is_correction="token", is_cap=3.0)(model, batch)
+    tis = GRPOObjective(GRPOSection(is_correction="token", is_cap=3.0))(model, batch)
     weights = torch.where(seq == 0, 3.0, torch.where(seq == 1, math.exp(-0.1), 1.0))
     assert float(tis.metric_sums["is_weight"]) == pytest.approx(float(weights.sum()), rel=1e-5)
-    masked = GRPOObjective(is_correction="sequence_mask", is_cap=3.0)(model, batch)
+    masked = GRPOObjective(GRPOSection(is_correction="sequence_mask", is_cap=3.0))(model, batch)
     kept = torch.where(seq == 0, 0.0, 1.0)  # |mean log ratio| 2 > log 3 drops it; 0.1 does not
     assert float(masked.metric_sums["is_weight"]) == pytest.approx(float(kept.sum()))
 
 
 def test_options_are_checked():
-    with pytest.raises(ValueError, match="aggregation"):
-        GRPOObjective(aggregation="mean")
-    with pytest.raises(ValueError, match="norm_tokens"):
-        GRPOObjective(aggregation="sequence_sum")
-    with pytest.raises(ValueError, match="is_cap"):
-        GRPOObjective(is_cap=1.0)
+    """The objective's settings are its config section's, checked once, when a recipe is loaded."""
+    with pytest.raises(ConfigError, match="aggregation"):
+        from_dict(GRPOSection, {"aggregation": "mean"})
+    with pytest.raises(ConfigError, match="is_cap"):
+        from_dict(GRPOSection, {"is_cap": 1.0})
+    with pytest.raises(ConfigError, match="grpo.sampling.n must be >= 2"):
+        from_dict(GRPOSection, {"sampling": {"n": 1}})
+    assert GRPOObjective(GRPOSection(aggregation="sequence_sum")).norm_tokens == GRPOSection().sampling.max_new_tokens
 
 
 def test_sequence_mean_normalises_over_every_micro_batch_of_the_step():
     """Two micro-batches in one step give the gradient of the one batch holding both."""
     trajs = trajectories(count=8)
     cfg = TrainConfig(learning_rate=1e-3, warmup_steps=0, weight_decay=0.0, max_grad_norm=1e9)
-    objective = GRPOObjective(aggregation="sequence_mean", is_correction="none", entropy=False)
+    objective = GRPOObjective(GRPOSection(aggregation="sequence_mean", is_correction="none", entropy=False))
     grads = []
     for rows_per_batch in (1, 8):
         model = build_model(tiny_config("qwen3"), seed=0)
@@ -260,7 +265,7 @@ def test_shared_prompts_give_the_unshared_loss_and_gradient(model, aggregation):
     """The tree layout computes each prompt once; its loss, count, metrics and gradient are
     the unshared layout's (float32, up to summation order)."""
     trajs = trajectories(count=12, per_prompt=4)
-    objective = GRPOObjective(aggregation=aggregation, is_correction="token")
+    objective = GRPOObjective(GRPOSection(aggregation=aggregation, is_correction="token"))
     results = []
     for shared in (False, True):
         batches = pack_trajectories(trajs, 48, 8, PAD, shared_prompt=shared)
@@ -285,7 +290,7 @@ def test_old_logps_recomputed_in_the_trainers_precision_give_ratio_one_under_bf1
         pytest.skip("this CPU has no native bf16")
     model = build_model(tiny_config("qwen3"), seed=0)
     cfg = TrainConfig(learning_rate=1e-3, warmup_steps=0, weight_decay=0.0, mixed_precision="bf16")
-    trainer = Trainer(model, cfg, 10, objective=GRPOObjective(is_correction="none", entropy=False))
+    trainer = Trainer(model, cfg, 10, objective=GRPOObjective(GRPOSection(is_correction="none", entropy=False)))
     batches = pack_trajectories(trajectories(), 64, 8, PAD)
     attach_logps(model, batches, "old_logps", context=trainer.forward_context)
     metrics = trainer.train_step(batches)
@@ -301,7 +306,7 @@ def test_rows_split_over_ranks_give_the_whole_batch_loss_and_gradient(model, par
 
     batch = pack_trajectories(trajectories(count=12, per_prompt=4), 32, 8, PAD, shared_prompt=True)[0]
     assert batch["input_ids"].shape[0] < 5  # the 5-way split has empty parts
-    objective = GRPOObjective(aggregation="sequence_mean", is_correction="none")
+    objective = GRPOObjective(GRPOSection(aggregation="sequence_mean", is_correction="none"))
     whole_loss, whole_count, _, expected = summed_step(model, objective, [batch])
     pieces = split_rows(batch, parts)
     assert [len(s) for s in shard_batches([batch, batch], parts)] == [2] * parts

@@ -11,14 +11,15 @@ import dataclasses
 import pytest
 import torch
 
-from posttrain.config.schema import TrainConfig
+from posttrain.config.schema import GRPOSection, TrainConfig
 from posttrain.data.chat import end_of_turn_token_ids, render_prompt
 from posttrain.data.demo import build_demo_tokenizer, write_arithmetic_dataset
 from posttrain.data.records import PromptRecord
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.models.architectures import build_model, tiny_config
 from posttrain.objectives.grpo import GRPOObjective
-from posttrain.rl.controller import PromptSampler, RLController, RoundSettings
+from posttrain.rl.controller import PromptSampler, RLController
+from posttrain.rl.engine import SamplingConfig
 from posttrain.rl.native import NativeEngine
 from posttrain.rl.rewards import RewardScorer, RewardTerm
 from posttrain.rl.sync import SyncError
@@ -56,14 +57,14 @@ def make(task, reward="has_digit_seven", dynamic=True, passes=1, engine=None):
     tokenizer, records, prompts = task
     model = build_model(tiny_config("qwen3", vocab_size=len(tokenizer), max_position_embeddings=256), seed=0)
     cfg = TrainConfig(learning_rate=3e-3, warmup_steps=0, weight_decay=0.0)
-    trainer = Trainer(model, cfg, 100, objective=GRPOObjective(entropy=True))
+    grpo = GRPOSection(prompts_per_round=4, sampling=SamplingConfig(n=4, max_new_tokens=6), passes=passes,
+                       steps_per_pass=2, dynamic_sampling=dynamic, max_draws=3)
+    trainer = Trainer(model, cfg, 100, objective=GRPOObjective(grpo))
     engine = engine or NativeEngine(copy.deepcopy(model), tokenizer=tokenizer)
-    stops = tuple(end_of_turn_token_ids(tokenizer))
-    settings = RoundSettings(prompts_per_round=4, n=4, max_new_tokens=6, stop_token_ids=stops, passes=passes,
-                             steps_per_pass=2, row_length=128, rows_per_batch=2, dynamic_sampling=dynamic, max_draws=3,
-                             seed=11)
+    sampling = dataclasses.replace(grpo.sampling, stop_token_ids=tuple(end_of_turn_token_ids(tokenizer)))
     scorer = RewardScorer([RewardTerm(f"{__name__}:{reward}")])
-    return RLController(trainer, engine, scorer, prompts, records, settings, tokenizer, tokenizer.pad_token_id)
+    return RLController(trainer, engine, scorer, prompts, records, grpo, sampling, 128, 2, tokenizer,
+                        tokenizer.pad_token_id, seed=11)
 
 
 def rollout_key(result):
@@ -174,11 +175,12 @@ def test_on_policy_distillation_moves_the_student_toward_the_teacher(task):
     controller = make(task, dynamic=False)
     teacher = build_model(tiny_config("qwen3", vocab_size=len(tokenizer), max_position_embeddings=256,
                                       initializer_range=0.3), seed=5)  # peaked: a clear target
-    settings = dataclasses.replace(controller.settings, prompts_per_round=8, n=8, steps_per_pass=1)
-    controller = RLController(controller.policy, controller.engine, None, prompts, records, settings,
-                              tokenizer, tokenizer.pad_token_id, teacher=teacher.eval().requires_grad_(False))
+    grpo = dataclasses.replace(controller.grpo, prompts_per_round=8, steps_per_pass=1)
+    sampling = dataclasses.replace(controller.sampling, n=8)
+    controller = RLController(controller.policy, controller.engine, None, prompts, records, grpo, sampling, 128, 2,
+                              tokenizer, tokenizer.pad_token_id, seed=11, teacher=teacher.eval().requires_grad_(False))
     kls = [controller.run_round().metrics["reverse_kl"] for _ in range(30)]
     assert sum(kls[-5:]) < 0.9 * sum(kls[:5]), kls
     with pytest.raises(ValueError, match="reward scorer, a teacher"):
-        RLController(controller.policy, controller.engine, None, prompts, records, controller.settings,
-                     tokenizer, tokenizer.pad_token_id)
+        RLController(controller.policy, controller.engine, None, prompts, records, controller.grpo,
+                     controller.sampling, 128, 2, tokenizer, tokenizer.pad_token_id)

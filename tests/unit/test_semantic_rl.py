@@ -2,16 +2,16 @@
 codes, the simulated user's reward and the novelty term, and rollouts constrained to the
 catalogue."""
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
-from posttrain.config.schema import WorldConfig
+from posttrain.config.schema import GRPOSection, WorldConfig
 from posttrain.data.interactions import InteractionWorld, item_index, write_world
 from posttrain.data.records import PromptRecord
 from posttrain.data.semantic_ids import assign_semantic_ids
-from posttrain.rl.controller import RoundSettings
 from posttrain.rl.rewards import RewardError, item_novelty, simulated_user
 from posttrain.steps.semantic import session_messages
 
@@ -52,12 +52,12 @@ def test_the_simulated_user_scores_the_recommended_item(world_and_codes):
         simulated_user(["x"], [PromptRecord([{"role": "user", "content": "q"}], None, {}, "s", 1)])
 
 
-def test_round_settings_constrain_rollouts_to_the_catalogue(world_and_codes):
+def test_rollout_sampling_constrains_rollouts_to_the_catalogue(world_and_codes):
     _, _, semantic, _ = world_and_codes
     from posttrain.data.semantic_ids import TokenTrie
 
     trie = TokenTrie()
     trie.add([1, 2, 9], 5)
-    sampling = RoundSettings(allowed=trie).sampling(seed=3)
+    sampling = dataclasses.replace(GRPOSection().sampling, allowed=trie, seed=3)
     assert sampling.allowed is trie and sampling.seed == 3
-    assert RoundSettings().sampling(0).allowed is None
+    assert GRPOSection().sampling.allowed is None

@@ -16,6 +16,7 @@ from typing import ClassVar, Literal, Optional
 from posttrain.config.data_sections import VOCABULARY, DataConfig, PackConfig, TokenizerConfig
 from posttrain.config.model_sections import ModelConfig
 from posttrain.config.run_sections import CheckpointConfig, ParallelConfig, TrainConfig
+from posttrain.config.sampling import SamplingConfig
 from posttrain.config.strict import ConfigError, bounded
 from posttrain.config.workflow_sections import EvalConfig, ProductionConfig, RegisterConfig, VerifyConfig
 
@@ -323,17 +324,18 @@ class RewardTermConfig:
 @dataclass
 class GRPOSection:
     """On-policy RL with group-relative advantages (`posttrain.rl.controller`,
-    `posttrain.objectives.grpo`). Per round: `prompts_per_round` prompts, `n` samples each
-    (`temperature`, `top_k`, `top_p`, `max_new_tokens`; the chat template's end-of-turn token
-    stops a completion), scored by `rewards` (summed, weighted), advantages `r - mean(group)`
+    `posttrain.objectives.grpo`). Per round: `prompts_per_round` prompts, `sampling.n` samples
+    each (`sampling`: the rollout engines' `SamplingConfig` as it is, `n`, `temperature`, `top_k`,
+    `top_p`, `max_new_tokens`; the chat template's end-of-turn token stops a completion), scored
+    by `rewards` (summed, weighted), advantages `r - mean(group)`
     (`advantage_scale: std` divides by the group's std), `passes` over the batch of
     `steps_per_pass` optimizer steps each. Loss: clipped surrogate (`clip_low`, `clip_high`),
-    `aggregation` token_mean | sequence_mean | sequence_sum (over `max_new_tokens`), KL to the
+    `aggregation` token_mean | sequence_mean | sequence_sum (over `sampling.max_new_tokens`), KL to the
     starting model (`kl_coef`, `kl_estimator` k1 | k3; 0: no reference loaded),
     `is_correction` none | token | sequence_mask with `is_cap` for engine/trainer log-prob
     mismatch. `dynamic_sampling` drops groups whose rewards are all equal and draws more
     prompts (at most `max_draws` draws per round); `overlong_mask` leaves completions cut at
-    `max_new_tokens` out of the loss. `rounds` rounds in all, `rounds_per_task` of them per
+    `sampling.max_new_tokens` out of the loss. `rounds` rounds in all, `rounds_per_task` of them per
     task of the flow's recursive `rl_round` step. `engine`: native (in process),
     `native_actor` (the native engine in a Ray actor) or `vllm_actor` (vLLM in a Ray actor, for
     GPU machines with vLLM installed); `sync_check` verifies each weight sync on greedy probes.
@@ -351,11 +353,7 @@ class GRPOSection:
     rounds: int = bounded(100, ge=1)
     rounds_per_task: int = bounded(10, ge=1)
     prompts_per_round: int = bounded(16, ge=1)
-    n: int = bounded(8, ge=2)
-    temperature: float = bounded(1.0, gt=0)
-    top_k: int = bounded(0, ge=0)
-    top_p: float = bounded(1.0, gt=0, le=1)
-    max_new_tokens: int = bounded(16, ge=1)
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(n=8, max_new_tokens=16))
     passes: int = bounded(1, ge=1)
     steps_per_pass: int = bounded(1, ge=1)
     advantage_scale: Literal["none", "std"] = "none"
@@ -389,9 +387,18 @@ class GRPOSection:
     sync_check: bool = True
     eval_samples: int = bounded(8, ge=1)  # samples per held-out prompt for pass@k in evaluate
 
+    def validate(self) -> None:
+        s = self.sampling
+        if s.n < 2:
+            raise ConfigError(f"grpo.sampling.n must be >= 2 (advantages compare the samples of a group), got {s.n}")
+        if s.temperature <= 0:
+            raise ConfigError(f"grpo.sampling.temperature must be > 0 (the policy samples), got {s.temperature}")
+        if s.max_new_tokens < 1:
+            raise ConfigError(f"grpo.sampling.max_new_tokens must be >= 1, got {s.max_new_tokens}")
+
 
 # what a sweep's variants share (its tokenize step renders the prompts once, before the foreach)
-SWEEP_SHARED = ("data", "tokenizer", "model", "pack", "register", "output_dir", "grpo.max_new_tokens",
+SWEEP_SHARED = ("data", "tokenizer", "model", "pack", "register", "output_dir", "grpo.sampling.max_new_tokens",
                 "grpo.teacher", "grpo.teacher_backend", "grpo.verify_teacher")
 
 

@@ -7,6 +7,7 @@ Unknown keys fail with the nearest valid key, so `lerning_rate` says "did you me
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -119,7 +120,7 @@ def from_dict(cls: type, data: Any, *, source: str = "<config>", prefix: str = "
     if not isinstance(data, dict):
         raise ConfigError(f"{_where(source, prefix)} must be a mapping ({cls.__name__}), got {data!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = config_fields(cls)
     for key in data:
         if key not in fields:
             dotted = f"{prefix}.{key}" if prefix else str(key)
@@ -148,9 +149,21 @@ def from_dict(cls: type, data: Any, *, source: str = "<config>", prefix: str = "
     return instance
 
 
-def to_dict(instance: Any) -> dict:
-    """The plain-dict form of a config dataclass (what YAML would hold)."""
-    return dataclasses.asdict(instance)
+def config_fields(cls: type) -> dict[str, dataclasses.Field]:
+    """A config dataclass's keys: its fields but those filled in at run time (metadata
+    `run_time`, e.g. a sampling section's stop token ids), which no config file sets."""
+    return {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("run_time")}
+
+
+def to_dict(instance: Any) -> Any:
+    """The plain-dict form of a config dataclass (what YAML would hold; run-time fields left out)."""
+    if dataclasses.is_dataclass(instance) and not isinstance(instance, type):
+        return {name: to_dict(getattr(instance, name)) for name in config_fields(type(instance))}
+    if isinstance(instance, (list, tuple)):
+        return [to_dict(v) for v in instance]
+    if isinstance(instance, dict):
+        return {k: to_dict(v) for k, v in instance.items()}
+    return copy.deepcopy(instance)
 
 
 def apply_overrides(data: dict, overrides: dict, *, source: str = "overrides") -> dict:
@@ -160,8 +173,6 @@ def apply_overrides(data: dict, overrides: dict, *, source: str = "overrides") -
     mappings (`{"train": {"max_steps": 5}}`); both forms may be mixed. List items are
     addressed by index (`data.sources.0.path`).
     """
-    import copy
-
     result = copy.deepcopy(data)
     for dotted, value in _flatten(overrides):
         parts = dotted.split(".")
@@ -198,7 +209,7 @@ def check_overrides(cls: type, overrides: dict, *, source: str = "overrides") ->
                     raise ConfigError(f"'{here}' in {source}: '{part}' is not a list index")
                 (tp,) = get_args(tp)
             elif dataclasses.is_dataclass(tp):
-                fields = {f.name: f for f in dataclasses.fields(tp)}
+                fields = config_fields(tp)
                 if part not in fields:
                     nearest = difflib.get_close_matches(part, list(fields), n=1, cutoff=0.5)
                     hint = f"; did you mean '{nearest[0]}'?" if nearest else ""

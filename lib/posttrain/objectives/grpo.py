@@ -22,8 +22,11 @@ its tokens get weight 0, and still count).
 - `token_mean`: w = 1, normalised by the step's trained tokens (unit tokens; DAPO);
 - `sequence_mean`: w = 1 / |completion|, normalised by the step's completions (the mean of
   per-completion token means; original GRPO);
-- `sequence_sum`: w = 1 / `norm_tokens`, normalised by completions (each completion's token
-  sum over a constant, Dr. GRPO: no length bias).
+- `sequence_sum`: w = 1 / `norm_tokens` (`grpo.sampling.max_new_tokens`), normalised by
+  completions (each completion's token sum over a constant, Dr. GRPO: no length bias).
+
+The objective takes the recipe's `grpo` section (`posttrain.config.recipes.GRPOSection`),
+where every setting above has its one default and its bounds.
 
 Metrics (each the same weighted mean as the loss, but under `sequence_sum` the mean of
 per-completion token means, so ratios and fractions stay ratios): `pg_loss`, `kl` (0 without a reference),
@@ -35,12 +38,11 @@ from __future__ import annotations
 
 import torch
 
+from posttrain.config.recipes import GRPOSection
 from posttrain.objectives.targets import target_logps
 from posttrain.train.objective import Objective, ObjectiveOutput
 
-AGGREGATIONS = ("token_mean", "sequence_mean", "sequence_sum")
 KL_ESTIMATORS = ("k1", "k3")
-IS_CORRECTIONS = ("none", "token", "sequence_mask")
 
 
 def kl_estimate(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -62,29 +64,16 @@ class GRPOObjective(Objective):
     name = "grpo"
     metric_names = ("pg_loss", "kl", "entropy", "clip_fraction", "ratio", "is_weight", "advantage")
 
-    def __init__(self, clip_low: float = 0.2, clip_high: float = 0.28, aggregation: str = "token_mean",
-                 norm_tokens: int | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
-                 is_correction: str = "token", is_cap: float = 2.0, entropy: bool = True):
-        if aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-        if kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-        if is_correction not in IS_CORRECTIONS:
-            raise ValueError(f"is_correction must be one of {IS_CORRECTIONS}, got {is_correction!r}")
-        if not (clip_low > 0 and clip_high > 0):
-            raise ValueError(f"clip_low and clip_high must be positive, got {clip_low}, {clip_high}")
-        if not is_cap > 1:
-            raise ValueError(f"is_cap must be > 1, got {is_cap}")
-        if aggregation == "sequence_sum" and not (norm_tokens and norm_tokens > 0):
-            raise ValueError("aggregation 'sequence_sum' needs norm_tokens > 0 (e.g. the max completion length)")
-        if kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
-        self.clip_low, self.clip_high = float(clip_low), float(clip_high)
-        self.aggregation, self.norm_tokens = aggregation, norm_tokens
-        self.kl_coef, self.kl_estimator = float(kl_coef), kl_estimator
-        self.is_correction, self.is_cap = is_correction, float(is_cap)
-        self.entropy = entropy
-        self.unit = "tokens" if aggregation == "token_mean" else "sequences"
+    def __init__(self, settings: GRPOSection | None = None):
+        """`settings`: the recipe's `grpo` section (its loss fields; `sampling.max_new_tokens` is
+        `sequence_sum`'s constant), validated when the recipe was loaded."""
+        g = settings or GRPOSection()
+        self.clip_low, self.clip_high = float(g.clip_low), float(g.clip_high)
+        self.aggregation, self.norm_tokens = g.aggregation, g.sampling.max_new_tokens
+        self.kl_coef, self.kl_estimator = float(g.kl_coef), g.kl_estimator
+        self.is_correction, self.is_cap = g.is_correction, float(g.is_cap)
+        self.entropy = g.entropy
+        self.unit = "tokens" if self.aggregation == "token_mean" else "sequences"
 
     @property
     def needs_reference(self) -> bool:

@@ -16,10 +16,6 @@ class GRPOSpec(RecipeSpec):
     def objective(self, config: GRPOConfig, inputs: ObjectiveInputs | None = None):
         from posttrain.objectives.grpo import GRPOObjective
 
-        g = config.grpo
-        return GRPOObjective(clip_low=g.clip_low, clip_high=g.clip_high, aggregation=g.aggregation,
-                             norm_tokens=g.max_new_tokens, kl_coef=g.kl_coef, kl_estimator=g.kl_estimator,
-                             is_correction=g.is_correction, is_cap=g.is_cap, entropy=g.entropy)
-
+        return GRPOObjective(config.grpo)
 
 register(GRPOSpec())

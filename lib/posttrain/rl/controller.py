@@ -1,7 +1,8 @@
 """The single RL controller: one round = sample prompts, generate, score, advantages, update, sync.
 
     controller = RLController(policy=trainer, engine=engine, scorer=scorer, prompts=prompt_ids,
-                              records=records, settings=RoundSettings(...), pad_id=tok.pad_token_id)
+                              records=records, grpo=config.grpo, sampling=sampling, row_length=...,
+                              rows_per_batch=..., tokenizer=tok, pad_id=tok.pad_token_id)
     result = controller.run_round()          # a RoundResult: rollouts, rewards, metrics
     state = controller.state_dict()          # round, prompt position, decode identity (JSON-safe;
                                              # the trainer saves its own)
@@ -50,11 +51,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
 
+from posttrain.config.recipes import GRPOSection
 from posttrain.rl.advantages import degenerate_groups, group_advantages
 from posttrain.rl.decode_backends import check_resume, engine_identity
 from posttrain.rl.engine import Completion, SamplingConfig, request_seed
@@ -76,38 +78,6 @@ class EngineLost(RuntimeError):
     def __init__(self, result: "RoundResult | None"):
         super().__init__("the rollout engine failed " + ("during the weight sync" if result else "while generating"))
         self.result = result
-
-
-@dataclass(frozen=True)
-class RoundSettings:
-    """What one round does (module docstring). `row_length` and `rows_per_batch` shape the
-    packed micro-batches; `steps_per_pass` splits them into that many optimizer steps."""
-
-    prompts_per_round: int = 16
-    n: int = 8
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    max_new_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
-    passes: int = 1
-    steps_per_pass: int = 1
-    row_length: int = 256
-    rows_per_batch: int = 8
-    shared_prompt: bool = True  # a prompt's completions packed as one tree (posttrain.rl.trajectories)
-    advantage_scale: str = "none"
-    dynamic_sampling: bool = True
-    max_draws: int = 4
-    overlong_mask: bool = False
-    success_threshold: float = 1.0
-    sync_check: bool = True
-    seed: int = 0
-    allowed: object | None = None  # a TokenTrie: rollouts constrained to its sequences (a catalogue)
-
-    def sampling(self, seed: int) -> SamplingConfig:
-        return SamplingConfig(n=self.n, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                              max_new_tokens=self.max_new_tokens, stop_token_ids=self.stop_token_ids, seed=seed,
-                              allowed=self.allowed)
 
 
 class PromptSampler:
@@ -176,7 +146,11 @@ def completion_text(tokenizer, completion: Completion) -> str:
 
 class RLController:
     """Drives one round at a time (module docstring). `prompts[i]` are the token ids of
-    `records[i]` (a `PromptRecord`: what the reward reads). `reference`: a frozen model (or a
+    `records[i]` (a `PromptRecord`: what the reward reads). `grpo`: the recipe's section (the
+    round's settings: prompts per round, passes, dynamic sampling, ...); `sampling`: its
+    `grpo.sampling` with the run-time fields filled in (stop token ids, a constraint trie), each
+    draw's seed derived from `seed` (the run's), the round and the draw; `row_length` and
+    `rows_per_batch` shape the packed micro-batches. `reference`: a frozen model (or a
     role with `token_logps`, e.g. `posttrain.rl.actor.RemoteReference`), needed when the
     policy's objective has a KL term. `probes`: prompt ids for the sync check (default
     the first four prompts). `on_scored(round)`: called in the middle of each round, after its
@@ -186,7 +160,8 @@ class RLController:
     `scorer` may then be None (every reward 0: the teacher's is the only signal)."""
 
     def __init__(self, policy, engine, scorer: RewardScorer | None, prompts: Sequence[Sequence[int]], records: Sequence,
-                 settings: RoundSettings, tokenizer, pad_id: int, reference=None,
+                 grpo: GRPOSection, sampling: SamplingConfig, row_length: int, rows_per_batch: int,
+                 tokenizer, pad_id: int, seed: int = 0, reference=None,
                  probes: Sequence[Sequence[int]] | None = None,
                  on_scored: Callable[[int], None] | None = None, teacher: torch.nn.Module | None = None,
                  distill_coef: float = 1.0, teacher_vocab: int | None = None):
@@ -200,14 +175,16 @@ class RLController:
             raise ValueError("the objective has a KL term (kl_coef > 0) but no reference model was given")
         self.policy, self.engine, self.scorer = policy, engine, scorer
         self.prompts, self.records = [list(p) for p in prompts], list(records)
-        self.settings, self.tokenizer, self.pad_id = settings, tokenizer, pad_id
+        self.grpo, self.sampling, self.seed = grpo, sampling, seed
+        self.row_length, self.rows_per_batch = row_length, rows_per_batch
+        self.tokenizer, self.pad_id = tokenizer, pad_id
         self.reference = reference
         longest = max(range(len(self.prompts)), key=lambda i: len(self.prompts[i]), default=None)
-        if longest is not None and len(self.prompts[longest]) + settings.max_new_tokens > settings.row_length:
-            raise ValueError(f"prompt {longest} has {len(self.prompts[longest])} tokens: with {settings.max_new_tokens} "
-                             f"new tokens it does not fit the row length {settings.row_length}")
+        if longest is not None and len(self.prompts[longest]) + sampling.max_new_tokens > row_length:
+            raise ValueError(f"prompt {longest} has {len(self.prompts[longest])} tokens: with {sampling.max_new_tokens} "
+                             f"new tokens it does not fit the row length {row_length}")
         self.probes = [list(p) for p in (probes if probes is not None else self.prompts[:4])]
-        self.sampler = PromptSampler(len(self.prompts), settings.seed)
+        self.sampler = PromptSampler(len(self.prompts), seed)
         self.round = 0
         self.on_scored = on_scored
         self.teacher, self.distill_coef, self.teacher_vocab = teacher, float(distill_coef), teacher_vocab
@@ -225,15 +202,14 @@ class RLController:
     # ---------------------------------------------------------------- one round
 
     def _draw(self, draw: int) -> tuple[list[int], list[list[Completion]]]:
-        s = self.settings
-        indices = self.sampler.take(s.prompts_per_round)
-        seed = request_seed(request_seed(s.seed, self.round), draw)
-        groups = self.engine.generate([self.prompts[i] for i in indices], s.sampling(seed))
+        indices = self.sampler.take(self.grpo.prompts_per_round)
+        seed = request_seed(request_seed(self.seed, self.round), draw)
+        groups = self.engine.generate([self.prompts[i] for i in indices], replace(self.sampling, seed=seed))
         return indices, groups
 
     def run_round(self) -> RoundResult:
         started = time.perf_counter()
-        s = self.settings
+        grpo, n = self.grpo, self.sampling.n
         times = {"generate": 0.0, "score": 0.0, "reference": 0.0, "teacher": 0.0, "update": 0.0, "sync": 0.0}
         kept: list[tuple[int, list[Completion], list[float], list[float]]] = []  # (prompt, group, rewards, adv)
         rollouts: list[Rollout] = []
@@ -241,7 +217,7 @@ class RLController:
         all_rewards: list[list[float]] = []
         zero_groups = drawn_groups = failed = 0
         draws = 0
-        while len(kept) < s.prompts_per_round and draws < (s.max_draws if s.dynamic_sampling else 1):
+        while len(kept) < grpo.prompts_per_round and draws < (grpo.max_draws if grpo.dynamic_sampling else 1):
             t = time.perf_counter()
             try:
                 indices, groups = self._draw(draws)
@@ -252,34 +228,34 @@ class RLController:
             t = time.perf_counter()
             flat = [c for g in groups for c in g]
             texts = [completion_text(self.tokenizer, c) for c in flat]
-            scores = (self.scorer.score(texts, [self.records[i] for i in indices for _ in range(s.n)])
+            scores = (self.scorer.score(texts, [self.records[i] for i in indices for _ in range(n)])
                       if self.scorer is not None else Scores([0.0] * len(flat), {}, [False] * len(flat), []))
             times["score"] += time.perf_counter() - t
             offset = len(rollouts)
             errors += [(offset + i if i >= 0 else i, label, msg) for i, label, msg in scores.errors]
             failed += scores.num_failed
-            rewards_GN = torch.tensor(scores.rewards, dtype=torch.float64).view(len(indices), s.n)
-            adv_GN = group_advantages(rewards_GN, s.advantage_scale)
+            rewards_GN = torch.tensor(scores.rewards, dtype=torch.float64).view(len(indices), n)
+            adv_GN = group_advantages(rewards_GN, grpo.advantage_scale)
             flat_groups = degenerate_groups(rewards_GN).tolist()
             for g, (prompt_index, group) in enumerate(zip(indices, groups)):
                 drawn_groups += 1
                 zero_groups += flat_groups[g]
                 all_rewards.append(rewards_GN[g].tolist())
                 # a teacher gives every group a signal: only reward-only runs drop equal-reward groups
-                drop = s.dynamic_sampling and flat_groups[g] and self.teacher is None
-                use = not drop and len(kept) < s.prompts_per_round
+                drop = grpo.dynamic_sampling and flat_groups[g] and self.teacher is None
+                use = not drop and len(kept) < grpo.prompts_per_round
                 if use:
                     kept.append((prompt_index, group, rewards_GN[g].tolist(), adv_GN[g].tolist()))
                 for j, c in enumerate(group):
                     reward, advantage = float(rewards_GN[g, j]), float(adv_GN[g, j])
-                    trained = use and math.isfinite(reward) and not (s.overlong_mask and c.finish_reason == "length")
-                    rollouts.append(Rollout(prompt_index, j, list(c.token_ids), texts[g * s.n + j], c.finish_reason,
+                    trained = use and math.isfinite(reward) and not (grpo.overlong_mask and c.finish_reason == "length")
+                    rollouts.append(Rollout(prompt_index, j, list(c.token_ids), texts[g * n + j], c.finish_reason,
                                             reward, advantage, trained))
         # the engine's log-probs under the model's own distribution: what the trainer recomputes
         trajectories = [Trajectory(self.prompts[p], list(c.token_ids), adv[j], list(c.raw_logprobs))
                         for p, group, _, adv in kept for j, c in enumerate(group)
                         if math.isfinite(adv[j]) and c.token_ids
-                        and not (s.overlong_mask and c.finish_reason == "length")]
+                        and not (grpo.overlong_mask and c.finish_reason == "length")]
 
         if self.on_scored is not None:
             self.on_scored(self.round + 1)
@@ -287,9 +263,9 @@ class RLController:
         sync_error = None
         if trajectories:
             # each optimizer step of a pass trains on its own share of the trajectories
-            steps = min(s.steps_per_pass, len(trajectories))
-            step_batches = [pack_trajectories([trajectories[i] for i in share], s.row_length, s.rows_per_batch,
-                                              self.pad_id, first_seq=int(share[0]), shared_prompt=s.shared_prompt)
+            steps = min(grpo.steps_per_pass, len(trajectories))
+            step_batches = [pack_trajectories([trajectories[i] for i in share], self.row_length, self.rows_per_batch,
+                                              self.pad_id, first_seq=int(share[0]), shared_prompt=grpo.shared_prompt)
                             for share in np.array_split(np.arange(len(trajectories)), steps)]
             batches = [b for group in step_batches for b in group]
             context = self.policy.forward_context
@@ -302,11 +278,11 @@ class RLController:
                 attach_logps(self.teacher, batches, "teacher_logps", context=context, vocab_size=self.teacher_vocab)
                 times["teacher"] += time.perf_counter() - t
             t = time.perf_counter()
-            if s.passes * steps > 1 or self.teacher is not None:  # the log-probs of the policy that sampled
+            if grpo.passes * steps > 1 or self.teacher is not None:  # the log-probs of the policy that sampled
                 attach_logps(self.policy, batches, "old_logps")
             if self.teacher is not None:
                 reverse_kl = self._add_teacher_advantages(batches)
-            for _ in range(s.passes):
+            for _ in range(grpo.passes):
                 for group in step_batches:
                     train_metrics.append(self.policy.train_step(group))
             times["update"] += time.perf_counter() - t
@@ -350,11 +326,11 @@ class RLController:
         """Push the policy's weights to the engine and (with `sync_check`) verify them."""
         weights = self.policy.export_weights()
         self.engine.update_weights(weights)
-        if not self.settings.sync_check:
+        if not self.grpo.sync_check:
             return None
         reference, recompute = self.policy.sync_reference(weights)
         report = check_sync(self.engine, reference, recompute, self.probes,
-                            max_new_tokens=min(SYNC_PROBE_TOKENS, self.settings.max_new_tokens))
+                            max_new_tokens=min(SYNC_PROBE_TOKENS, self.sampling.max_new_tokens))
         if not report.ok:
             raise SyncError(f"after the weight update of round {self.round + 1}, {report.mismatched} of "
                             f"{report.probes} probe prompts decode differently in the engine than in the policy")
@@ -362,17 +338,16 @@ class RLController:
 
     def _metrics(self, all_rewards, rollouts, kept, trajectories, train_metrics, times, zero_groups,
                  drawn_groups, failed, draws, sync) -> dict:
-        s = self.settings
         values = np.array([r for g in all_rewards for r in g], dtype=np.float64)
         finite = values[np.isfinite(values)]
-        success = [[math.isfinite(r) and r >= s.success_threshold for r in g] for g in all_rewards]
+        success = [[math.isfinite(r) and r >= self.grpo.success_threshold for r in g] for g in all_rewards]
         lengths = np.array([len(r.completion_ids) for r in rollouts], dtype=np.float64)
         metrics = {
             "round": self.round,
             "reward_mean": float(finite.mean()) if finite.size else math.nan,
             "reward_std": float(finite.std()) if finite.size else math.nan,
             "pass@1": float(np.mean([x for g in success for x in g])) if success else math.nan,
-            f"pass@{s.n}": float(np.mean([any(g) for g in success])) if success else math.nan,
+            f"pass@{self.sampling.n}": float(np.mean([any(g) for g in success])) if success else math.nan,
             "zero_advantage_groups": zero_groups / max(drawn_groups, 1),
             "groups_drawn": drawn_groups,
             "groups_trained": len(kept),
