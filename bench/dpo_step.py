@@ -43,8 +43,8 @@ and the same for ours (`shuffled`: no sorting). Each optimizer step trains the s
 on every side (`--pairs-per-step`, default 8); a step's loss is the mean over its K pairs.
 
 Sides (each run in its own child process, so their peak memory does not mix):
-- `ours_shared`, `ours_unshared`: `Trainer.train_step` with `DPOObjective(beta=0.1,
-  loss_type="sigmoid")` on one micro-batch holding the step's K pairs, packed by `PairPacker`
+- `ours_shared`, `ours_unshared`: `Trainer.train_step` with `DPOObjective(DPOSection(beta=0.1,
+  loss_type="sigmoid"))` on one micro-batch holding the step's K pairs, packed by `PairPacker`
   into rows of `--row-length` (`pair_layout(shared=True)`: prompt once, tree mask, both
   responses continue its positions; `shared=False`: `prompt + chosen`, `prompt + rejected`, the
   prompt twice as TRL does), reference log-probabilities attached from the precomputed table
@@ -274,6 +274,7 @@ def peaks(setup_peak_kib: int | None, baseline_kib: int | None, hwm_reset: bool)
 def run_ours(spec: dict, shared: bool) -> dict:
     from posttrain.data.pair_stream import WithPairTables
     from posttrain.models.architectures import build_model
+    from posttrain.config.schema import DPOSection
     from posttrain.objectives.dpo import DPOObjective, reference_logps
     from posttrain.train.trainer import Trainer
 
@@ -293,7 +294,7 @@ def run_ours(spec: dict, shared: bool) -> dict:
     if torch.isnan(table).any():
         raise RuntimeError("the reference left pairs unscored")
 
-    objective = DPOObjective(beta=BETA, loss_type="sigmoid")
+    objective = DPOObjective(DPOSection(beta=BETA, loss_type="sigmoid"))
     trainer = Trainer(model, train_config(), total_steps=len(steps), objective=objective)
     stream = WithPairTables((pack_step(p, L, pad_id, shared) for p in steps), table)
     setup_peak_kib, baseline_kib, hwm_reset = _status_kib("VmHWM"), _status_kib("VmRSS"), _reset_high_water()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from posttrain.config.schema import DistillSection
 from posttrain.data.packer import iter_batches, pack_samples
 from posttrain.models.architectures import build_model, save_hf_checkpoint, tiny_config
 from posttrain.objectives.distill import DistillObjective, VocabularyMismatch, check_shared_vocabulary
@@ -67,7 +68,7 @@ def test_objective_gradients_equal_the_naive_loss(loss, tied):
     for chunked in (True, False):
         student = _model(0, tied=tied)
         if chunked:
-            out = DistillObjective(VOCAB, teacher=teacher, **kw)(student, batch)
+            out = DistillObjective(VOCAB, DistillSection(teacher="", **kw), teacher=teacher)(student, batch)
             assert int(out.count) == int((batch["labels"] != IGNORE_INDEX).sum())
             loss_sum = out.loss_sum
         else:
@@ -82,7 +83,8 @@ def test_objective_gradients_equal_the_naive_loss(loss, tied):
 
 def test_a_student_equal_to_its_teacher_has_no_kd_loss():
     teacher = _model(0)
-    out = DistillObjective(VOCAB, teacher=teacher, temperature=3.0)(_model(0), _batch(_samples()))
+    objective = DistillObjective(VOCAB, DistillSection(teacher="", temperature=3.0), teacher=teacher)
+    out = objective(_model(0), _batch(_samples()))
     assert abs(float(out.metric_sums["kd"])) < 1e-5 and float(out.metric_sums["ce"]) > 0
 
 
@@ -174,7 +176,7 @@ def demo_tokenizer(tmp_path_factory):
 
 
 def _recipe(tmp: Path, teacher: str, **distill):
-    from posttrain.config.schema import DistillConfig, DistillSection
+    from posttrain.config.schema import DistillConfig
     from posttrain.config.strict import from_dict
 
     data = {"name": "distill-test", "data": {"sources": [{"name": "a", "kind": "jsonl", "path": str(tmp / "a.jsonl")}],
@@ -248,7 +250,8 @@ def test_a_transformers_backend_teacher_we_do_not_implement(tmp_path, demo_token
     teacher = teacher_step.load_teacher(spec)
     student = _model(0, vocab=len(demo_tokenizer))
     samples = [s.__class__([i % len(demo_tokenizer) for i in s.input_ids], s.loss_mask) for s in _samples()]
-    out = DistillObjective(spec.vocab_size, teacher=teacher, temperature=2.0)(student, _batch(samples))
+    objective = DistillObjective(spec.vocab_size, DistillSection(teacher="", temperature=2.0), teacher=teacher)
+    out = objective(student, _batch(samples))
     out.loss_sum.backward()
     assert float(out.metric_sums["kd"]) > 0 and student.output_weight.grad.abs().sum() > 0
 

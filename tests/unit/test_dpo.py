@@ -6,6 +6,7 @@ reference starts at exactly log 2."""
 from __future__ import annotations
 
 import math
+import typing
 
 import numpy as np
 import pytest
@@ -16,7 +17,9 @@ from posttrain.data.pair_packer import PairPacker
 from posttrain.data.preference import PairError, fit_pair, pair_layout, render_pair
 from posttrain.data.records import PreferenceRecord
 from posttrain.models.architectures import build_model, tiny_config
-from posttrain.objectives.dpo import LOSS_TYPES, DPOObjective, response_logps
+from posttrain.config.recipes import DPOSection
+from posttrain.config.strict import ConfigError, from_dict
+from posttrain.objectives.dpo import DPOObjective, response_logps
 
 PAIRS = [
     ("What is 2 + 3?", "5", "6"),
@@ -120,7 +123,7 @@ def test_a_policy_equal_to_its_reference_starts_at_exactly_log_2(tokenizer, pair
     batch = batch_of(pairs)
     with torch.no_grad():
         batch["ref_logps"] = response_logps(model, batch)
-    objective = DPOObjective(beta=0.1)
+    objective = DPOObjective(DPOSection(beta=0.1))
     per_pair = objective.losses(response_logps(model, batch), batch["ref_logps"], batch["seq_tokens"])
     assert torch.equal(per_pair["loss"], torch.full((len(pairs),), math.log(2)))  # log 2 in float32, each pair
     out = objective(model, batch)
@@ -144,11 +147,11 @@ def plain_dpo_loss(logps, ref, tokens, beta, loss_type, eps=0.0, gamma=0.5, sft_
     return loss + sft_weight * (-c / tokens[0::2])
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", typing.get_args(typing.get_type_hints(DPOSection)["loss_type"]))
 def test_loss_and_gradients_equal_the_plain_unpacked_implementation(tokenizer, pairs, loss_type):
     kwargs = dict(beta=0.5, label_smoothing=0.1 if loss_type in ("sigmoid", "robust") else 0.0, sft_weight=0.3)
     ref = torch.tensor([-30.0, -25.0, -40.0, -38.0, -20.0, -50.0], dtype=torch.float64)
-    objective = DPOObjective(loss_type=loss_type, **kwargs)
+    objective = DPOObjective(DPOSection(loss_type=loss_type, **kwargs))
 
     torch.manual_seed(0)
     plain_model = model_for(tokenizer, seed=1).double()
@@ -175,10 +178,10 @@ def test_the_objective_counts_pairs_and_refuses_a_missing_reference(tokenizer, p
     assert objective.unit == "pairs" and int(objective.count(batch)) == 3
     with pytest.raises(ValueError, match="needs reference log-probabilities"):
         objective(model_for(tokenizer), batch)
-    assert DPOObjective(loss_type="simpo").needs_reference is False
-    with pytest.raises(ValueError, match="loss_type must be one of"):
-        DPOObjective(loss_type="orpo")
-    assert np.isfinite(float(DPOObjective(loss_type="simpo")(model_for(tokenizer), batch).loss_sum))
+    assert DPOObjective(DPOSection(loss_type="simpo")).needs_reference is False
+    with pytest.raises(ConfigError, match="loss_type' in <config> must be one of"):
+        from_dict(DPOSection, {"loss_type": "orpo"})
+    assert np.isfinite(float(DPOObjective(DPOSection(loss_type="simpo"))(model_for(tokenizer), batch).loss_sum))
 
 
 def test_the_stream_attaches_the_reference_table_and_a_first_step_is_log_2(tokenizer, pairs):
@@ -215,7 +218,7 @@ def test_an_on_the_fly_reference_is_the_lora_policy_with_its_adapters_disabled(t
     with torch.no_grad():
         start_logps = response_logps(start, batch)
     policy = apply_lora(model_for(tokenizer, seed=3), LoraConfig(rank=4, alpha=8, targets=["q", "v", "up"])).eval()
-    objective = DPOObjective(beta=0.1, reference=on_the_fly_reference(policy))
+    objective = DPOObjective(DPOSection(beta=0.1), reference=on_the_fly_reference(policy))
     assert torch.equal(objective(policy, batch).loss_sum.detach(), torch.tensor(3 * math.log(2)))  # B = 0 at start
     with torch.no_grad():
         for name, param in policy.named_parameters():

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from posttrain.config.schema import ParallelConfig, TrainConfig
+from posttrain.config.schema import DistillSection, ParallelConfig, TrainConfig
 from posttrain.models.heads import RewardModel, ValueHead
 from posttrain.models.architectures import build_model, tiny_config
 from posttrain.objectives.sft import SFTObjective
@@ -84,8 +84,8 @@ def objective_for(head: bool, distill: bool = False, teacher_plan=None):
 
         teacher = build_model(tiny_config("qwen3", tie_word_embeddings=True), seed=7).to(torch.float64)
         teacher = teacher_plan(teacher) if teacher_plan is not None else teacher
-        return DistillObjective(teacher.config.vocab_size, teacher=teacher, loss="jsd", temperature=2.0,
-                                hard_weight=0.3)
+        return DistillObjective(teacher.config.vocab_size, DistillSection(teacher="", loss="jsd", temperature=2.0,
+                                                                          hard_weight=0.3), teacher=teacher)
     return SFTObjective(value_regression) if head else SFTObjective()
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from posttrain.config.schema import LoraConfig, TrainConfig
+from posttrain.config.schema import LoraConfig, RMSection, TrainConfig
 from posttrain.models.heads import RewardModel, ValueHead, sequence_scores
 from posttrain.models.architectures import build_model, tiny_config
 from posttrain.objectives.reward import RewardObjective, pair_scores, score_pairs
@@ -59,7 +59,7 @@ def test_loss_and_gradients_equal_the_plain_bradley_terry_implementation(tokeniz
     plain = (-torch.log(torch.sigmoid(s_c - s_r - margin)) + centering * (s_c + s_r) ** 2).sum()
     plain.backward()
 
-    objective = RewardObjective(margin=margin, centering=centering)
+    objective = RewardObjective(RMSection(margin=margin, centering=centering))
     out = objective(packed_model, batch_of(pairs))
     out.loss_sum.backward()
     assert float(out.loss_sum.detach()) == pytest.approx(float(plain.detach()), rel=1e-6)
@@ -82,7 +82,7 @@ def test_the_lm_term_adds_the_chosen_mean_nll_from_the_same_forward(tokenizer, p
     tokens = torch.tensor([sum(p.chosen_mask) for p in pairs], dtype=torch.float64)
     plain = (-F.logsigmoid(scores[0::2] - scores[1::2]) + 0.5 * (-chosen_logps / tokens)).sum()
     plain.backward()
-    out = RewardObjective(sft_weight=0.5)(packed_model, batch_of(pairs))
+    out = RewardObjective(RMSection(sft_weight=0.5))(packed_model, batch_of(pairs))
     out.loss_sum.backward()
     assert float(out.loss_sum.detach()) == pytest.approx(float(plain.detach()), rel=1e-6)
     assert float(out.metric_sums["logp_chosen"]) == pytest.approx(float((chosen_logps / tokens).sum()), rel=1e-6)

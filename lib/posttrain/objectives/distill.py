@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from posttrain.config.recipes import DistillSection
 from posttrain.ops.kd import chunked_kd_loss, chunked_kd_topk_loss
 from posttrain.ops.losses import IGNORE_INDEX
 from posttrain.train.objective import Objective, ObjectiveOutput, label_count
@@ -83,15 +84,20 @@ class DistillObjective(Objective):
     unit = "tokens"
     metric_names = ("kd", "ce")
 
-    def __init__(self, vocab_size: int, teacher: torch.nn.Module | None = None, cache=None,
-                 loss: str = "forward_kl", beta: float = 0.5, temperature: float = 1.0, hard_weight: float = 0.0):
+    def __init__(self, vocab_size: int, settings: DistillSection | None = None, teacher: torch.nn.Module | None = None,
+                 cache=None):
+        """`settings`: the recipe's `distill` section (its loss, `beta`, `temperature` and
+        `hard_weight`, each with its one default and bounds); `teacher` or `cache`: what the
+        student learns from."""
+        d = settings or DistillSection(teacher="")
         if (teacher is None) == (cache is None):
             raise ValueError("a distillation objective needs exactly one of a teacher model and a teacher cache")
         self.vocab_size = int(vocab_size)
         self.teacher = None if teacher is None else freeze_teacher(teacher)
         self.cache = cache
-        self.loss, self.beta, self.temperature, self.hard_weight = loss, float(beta), float(temperature), float(hard_weight)
-        self.name = f"distill_{loss}"
+        self.loss, self.beta, self.temperature, self.hard_weight = d.loss, float(d.beta), float(d.temperature), float(
+            d.hard_weight)
+        self.name = f"distill_{d.loss}"
 
     def count(self, batch: dict) -> torch.Tensor:
         return label_count(batch)

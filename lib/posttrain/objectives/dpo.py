@@ -31,11 +31,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from posttrain.config.recipes import DPOSection
 from posttrain.objectives.pairs import pair_count, pair_table
 from posttrain.objectives.targets import target_logps
 from posttrain.train.objective import Objective, ObjectiveOutput
 
-LOSS_TYPES = ("sigmoid", "robust", "ipo", "hinge", "simpo")
 REFERENCE_FREE = ("simpo",)
 
 
@@ -55,18 +55,13 @@ class DPOObjective(Objective):
     unit = "pairs"
     metric_names = ("reward_chosen", "reward_rejected", "margin", "accuracy", "logp_chosen", "logp_rejected")
 
-    def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-                 sft_weight: float = 0.0, simpo_gamma: float = 0.5,
+    def __init__(self, settings: DPOSection | None = None,
                  reference: Callable[[torch.nn.Module, dict], torch.Tensor] | None = None):
-        if loss_type not in LOSS_TYPES:
-            raise ValueError(f"DPO loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-        if not beta > 0:
-            raise ValueError(f"beta must be positive, got {beta}")
-        if not 0 <= label_smoothing < 0.5:
-            raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
-        self.beta, self.loss_type, self.eps = float(beta), loss_type, float(label_smoothing)
-        self.sft_weight, self.gamma = float(sft_weight), float(simpo_gamma)
-        self.name = f"dpo_{loss_type}"
+        """`settings`: the recipe's `dpo` section (its one default and bounds for each setting)."""
+        d = settings or DPOSection()
+        self.beta, self.loss_type, self.eps = float(d.beta), d.loss_type, float(d.label_smoothing)
+        self.sft_weight, self.gamma = float(d.sft_weight), float(d.simpo_gamma)
+        self.name = f"dpo_{d.loss_type}"
         self.reference = reference  # on-the-fly reference: (policy, batch) -> [2K] log-probs; None: the batch's
 
     @property

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from posttrain.config.recipes import RMSection
 from posttrain.objectives.pairs import pair_count, pair_table
 from posttrain.ops.logprobs import chunked_logprobs
 from posttrain.train.objective import Objective, ObjectiveOutput
@@ -48,10 +49,10 @@ class RewardObjective(Objective):
     name = "reward_bt"
     unit = "pairs"
 
-    def __init__(self, margin: float = 0.0, centering: float = 0.0, sft_weight: float = 0.0):
-        if not centering >= 0 or not sft_weight >= 0:
-            raise ValueError(f"reward centering and sft_weight must be >= 0, got {centering}, {sft_weight}")
-        self.margin, self.centering, self.sft_weight = float(margin), float(centering), float(sft_weight)
+    def __init__(self, settings: RMSection | None = None):
+        """`settings`: the recipe's `rm` section (its one default and bounds for each setting)."""
+        rm = settings or RMSection()
+        self.margin, self.centering, self.sft_weight = float(rm.margin), float(rm.centering), float(rm.sft_weight)
         self.metric_names = ("accuracy", "margin", "score_chosen", "score_rejected") + (
             ("logp_chosen",) if self.sft_weight else ())
 

@@ -28,19 +28,18 @@ class DistillSpec(RecipeSpec):
             raise RecipeModelError("a distillation recipe trains against its teacher: run the teacher step "
                                    "(posttrain.steps.teacher.run) and pass its TeacherSpec as teacher=")
         d = config.distill
-        settings = dict(loss=d.loss, beta=d.beta, temperature=d.temperature, hard_weight=d.hard_weight)
         if spec.cache_dir is not None:
             from posttrain.objectives.teacher_cache import TeacherCache
 
             cache = TeacherCache.load(spec.cache_dir, top_k=d.cache.top_k, temperature=d.temperature,
                                       vocab_size=spec.vocab_size, identity=spec.identity)
-            return DistillObjective(spec.vocab_size, cache=cache, **settings)
+            return DistillObjective(spec.vocab_size, d, cache=cache)
         teacher = freeze_teacher(load_causal_lm(spec.model_dir, spec.backend, inputs.device).to(inputs.device))
         if inputs.mesh is not None:
             from posttrain.parallel.apply import apply_parallelism
 
             teacher = apply_parallelism(teacher, config.parallel, inputs.mesh)
-        return DistillObjective(spec.vocab_size, teacher=teacher, **settings)
+        return DistillObjective(spec.vocab_size, d, teacher=teacher)
 
 
 register(SFTSpec())

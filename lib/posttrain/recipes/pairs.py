@@ -27,10 +27,8 @@ class DPOSpec(PairRecipeSpec):
         from posttrain.models.lora import has_lora
         from posttrain.objectives.dpo import DPOObjective, on_the_fly_reference
 
-        dpo = config.dpo
-        objective = DPOObjective(beta=dpo.beta, loss_type=dpo.loss_type, label_smoothing=dpo.label_smoothing,
-                                 sft_weight=dpo.sft_weight, simpo_gamma=dpo.simpo_gamma)
-        if dpo.reference == "on_the_fly" and objective.needs_reference:
+        objective = DPOObjective(config.dpo)
+        if config.dpo.reference == "on_the_fly" and objective.needs_reference:
             frozen = None if has_lora(inputs.model) else self.load_model(config, inputs.start.source, inputs.device)
             objective.reference = on_the_fly_reference(inputs.model, frozen=frozen)
         return objective
@@ -53,7 +51,7 @@ class RewardModelSpec(PairRecipeSpec):
     def objective(self, config: RMConfig, inputs: ObjectiveInputs):
         from posttrain.objectives.reward import RewardObjective
 
-        return RewardObjective(margin=config.rm.margin, centering=config.rm.centering, sft_weight=config.rm.sft_weight)
+        return RewardObjective(config.rm)
 
     def prepare_start(self, config: RMConfig, tokenizer, base_dir: Path, keep_model: bool) -> Start:
         from posttrain.models.architectures import load_hf_checkpoint
