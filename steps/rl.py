@@ -124,8 +124,7 @@ def rollout_sampling(config: GRPOConfig, tokenizer) -> SamplingConfig:
 
 
 def reward_terms(config: GRPOConfig) -> list[RewardTerm]:
-    return [RewardTerm(t.function, t.weight, dict(t.kwargs), t.timeout_s, t.name, t.retry_budget_s)
-            for t in config.grpo.rewards]
+    return list(config.grpo.rewards)  # the reward role takes the recipe's terms as they are
 
 
 def reward_scorer(config: GRPOConfig) -> RewardScorer | None:

@@ -311,7 +311,8 @@ class RewardTermConfig:
     numeric_answer, format, length, reward_model) or `package.module:function`, with keyword
     arguments and a per-call timeout (null: no timeout, called on the controller's thread);
     `name` labels it in metrics (default: the function's name); `retry_budget_s` bounds the
-    sample-by-sample retries of a failed batch call (default 4 x timeout_s)."""
+    sample-by-sample retries of a failed batch call (default 4 x timeout_s). The reward role
+    (`posttrain.rl.rewards.RewardScorer`) takes the terms as they are."""
 
     function: str
     weight: float = 1.0
@@ -319,6 +320,18 @@ class RewardTermConfig:
     timeout_s: Optional[float] = bounded(10.0, gt=0)
     name: Optional[str] = None
     retry_budget_s: Optional[float] = bounded(None, gt=0)
+
+    @property
+    def label(self) -> str:
+        """The term's name in metrics: `name`, else the function's own name."""
+        return self.name or self.function.rpartition(":")[-1].rpartition(".")[-1]
+
+    @property
+    def retry_budget(self) -> float | None:
+        """`retry_budget_s`, by default 4 x `timeout_s` (None without a timeout)."""
+        if self.retry_budget_s is not None:
+            return self.retry_budget_s
+        return None if self.timeout_s is None else 4 * self.timeout_s
 
 
 @dataclass

@@ -38,10 +38,11 @@ import re
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from posttrain.catalog import import_callable
+from posttrain.config.recipes import RewardTermConfig
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -226,28 +227,13 @@ def resolve_reward(name: str) -> Callable:
 # ---------------------------------------------------------------- scoring
 
 
-@dataclass(frozen=True)
-class RewardTerm:
-    """One weighted reward function: `function` (a name for `resolve_reward`), `weight`,
-    keyword arguments, a per-call `timeout_s` (None: called in the caller's thread without a
-    timeout, e.g. for a function that bounds itself with `signal.alarm`, which only works on
-    the main thread), and `retry_budget_s` (default 4 x `timeout_s`): the most time the
-    sample-by-sample retries of one failed batch call may take."""
-
-    function: str
-    weight: float = 1.0
-    kwargs: dict = field(default_factory=dict)
-    timeout_s: float | None = 10.0
-    name: str | None = None
-    retry_budget_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.retry_budget_s is None and self.timeout_s is not None:
-            object.__setattr__(self, "retry_budget_s", 4 * self.timeout_s)
-
-    @property
-    def label(self) -> str:
-        return self.name or self.function.rpartition(":")[-1].rpartition(".")[-1]
+# One weighted reward function: the recipe's term (`grpo.rewards[i]`) as it is, under the name
+# the reward role uses: `function` (a name for `resolve_reward`), `weight`, keyword arguments, a
+# per-call `timeout_s` (None: called in the caller's thread without a timeout, e.g. for a
+# function that bounds itself with `signal.alarm`, which only works on the main thread), and
+# `retry_budget` (default 4 x `timeout_s`): the most time the sample-by-sample retries of one
+# failed batch call may take.
+RewardTerm = RewardTermConfig
 
 
 @dataclass
@@ -340,10 +326,10 @@ class RewardScorer:
         values = []
         # sample by sample, within a budget: a grader that hangs on every sample fails the rest
         # of the batch once the budget is spent, instead of stalling the run for n timeouts
-        deadline = (time.monotonic() + term.retry_budget_s) if term.timeout_s is not None else None
+        deadline = (time.monotonic() + term.retry_budget) if term.timeout_s is not None else None
         for i in range(n):
             if deadline is not None and time.monotonic() > deadline:
-                errors.append((i, term.label, f"not retried: the {term.retry_budget_s:g}s retry budget of this batch "
+                errors.append((i, term.label, f"not retried: the {term.retry_budget:g}s retry budget of this batch "
                                               "was spent"))
                 values.append(math.nan)
                 continue
