@@ -27,6 +27,8 @@ on a gathered full state dict). PEFT adapter export and import live in
 
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 import math
 from collections.abc import Iterable
@@ -204,8 +206,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
     head = getattr(model, "head", None)
     if isinstance(head, nn.Module):  # a custom head (value head, replaced vocabulary) is new: it trains whole
         head.requires_grad_(True)
-    model.lora_config = LoraConfig(rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout,
-                                   targets=list(cfg.targets), train_output=cfg.train_output)
+    model.lora_config = dataclasses.replace(cfg, targets=list(cfg.targets))  # the model's own copy
     return model
 
 
