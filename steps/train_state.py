@@ -13,6 +13,7 @@ import torch.distributed as dist
 from posttrain.config.schema import RecipeConfig
 from posttrain.config.strict import to_dict
 from posttrain.ops.precision import resolve_head_precision
+from posttrain.parallel.distributed import rank, world_size
 from posttrain.parallel.mesh import pick_device
 from posttrain.train.checkpoint import CheckpointManager
 
@@ -61,14 +62,14 @@ def resume_point(config: RecipeConfig, manager: CheckpointManager | None) -> Pat
     same checkpoint even where ranks see a shared directory differently (NFS caching)."""
     if manager is None:
         return None
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    several = world_size() > 1
     chosen: list[str | None] = [None]
-    if not distributed or dist.get_rank() == 0:
+    if not several or rank() == 0:
         latest = manager.latest()
         if latest is None and config.checkpoint.resume_from:
             latest = manager.resolve(config.checkpoint.resume_from)
         chosen[0] = str(latest) if latest is not None else None
-    if distributed:
+    if several:
         dist.broadcast_object_list(chosen, src=0)
     return Path(chosen[0]) if chosen[0] is not None else None
 

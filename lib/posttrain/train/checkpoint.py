@@ -47,11 +47,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from posttrain.parallel import distributed
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
@@ -150,23 +151,6 @@ def _remove_tree(path: Path) -> None:
     shutil.rmtree(doomed)
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if _distributed() else 1
-
-
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
-
-
 # what DCP's `.metadata` pickle may name: its metadata dataclasses and enums, the reader's
 # storage records, torch sizes/dtypes/layouts, and paths; anything else is refused
 _METADATA_GLOBALS = {
@@ -216,7 +200,7 @@ def _dcp(function: Callable, tensors: dict[str, torch.Tensor], path: Path) -> No
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         try:
-            function(tensors, checkpoint_id=path, no_dist=not _distributed(), **kwargs)
+            function(tensors, checkpoint_id=path, no_dist=not distributed.is_distributed(), **kwargs)
         except CheckpointException as err:  # DCP flattens the reader's error into text per rank
             refused = [str(e) for e in err.failures.values() if _REFUSED in str(e)]
             if refused:
@@ -296,7 +280,7 @@ class CheckpointManager:
 
     def clean_temporaries(self) -> list[Path]:
         """Remove what interrupted saves and deletes left behind (rank 0 only); returns the removed paths."""
-        if _rank() != 0 or not self.root.is_dir():
+        if distributed.rank() != 0 or not self.root.is_dir():
             return []
         stale = [p for p in self.root.iterdir() if p.name.startswith(TMP_PREFIX)]
         for path in stale:
@@ -330,7 +314,7 @@ class CheckpointManager:
         """Write a checkpoint of `trainer` after optimizer step `step` with the data stream's
         position `data_state` (JSON-safe) and `extra` (JSON-safe; e.g. the metrics so far).
         Collective under torch.distributed. Returns the checkpoint's directory."""
-        rank, world_size = _rank(), _world_size()
+        rank, world_size = distributed.rank(), distributed.world_size()
         final = self.root / self.step_dir_name(step)
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
         state = dict(trainer.state_dict())
@@ -347,16 +331,16 @@ class CheckpointManager:
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir()
-        _barrier()
+        distributed.barrier()
         _dcp(dcp.save, tensors, tmp)
         self._stage("tensors_written", tmp)
         write_json_durably(tmp / f"rank_{rank:05d}.json", per_rank)
-        _barrier()
+        distributed.barrier()
         if rank == 0:
             write_json_durably(tmp / META_FILE, meta)
             _fsync_path(tmp)
         self._stage("state_written", tmp)
-        _barrier()
+        distributed.barrier()
         if rank == 0:
             if final.exists():  # the same step saved before (a re-run from an older checkpoint)
                 _remove_tree(final)
@@ -365,7 +349,7 @@ class CheckpointManager:
             for old in self.complete()[:-self.keep_last]:
                 _remove_tree(old)
             _fsync_path(self.root)
-        _barrier()
+        distributed.barrier()
         return final
 
     def _stage(self, stage: str, tmp: Path) -> None:
@@ -402,7 +386,7 @@ class CheckpointManager:
             changed = config_differences(meta["fingerprint"], self.fingerprint)
             raise TrainingCheckpointError(f"{path} was written with a different configuration; changed: "
                                           f"{', '.join(changed)}")
-        rank, world_size = _rank(), _world_size()
+        rank, world_size = distributed.rank(), distributed.world_size()
         if meta["world_size"] != world_size:
             raise TrainingCheckpointError(f"{path} was written by {meta['world_size']} ranks, loading with "
                                           f"{world_size}")
@@ -462,7 +446,7 @@ def export_hf_checkpoint(trainer, path: str | os.PathLike, tokenizer: Any = None
 
     weights = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     written = None
-    if _rank() == 0:
+    if distributed.rank() == 0:
         written = save_hf_checkpoint(full_weights_view(trainer.model, weights), path, tokenizer=tokenizer)
-    _barrier()
+    distributed.barrier()
     return written
