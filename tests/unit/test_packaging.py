@@ -1,0 +1,18 @@
+"""The package as setup.cfg builds it: every Python package under lib/posttrain (and steps/)
+is listed, so a wheel install carries all of them (setup.cfg lists them by hand because
+steps/ installs as posttrain.steps)."""
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_setup_cfg_lists_every_package_under_lib():
+    from setuptools.config.setupcfg import read_configuration
+
+    listed = set(read_configuration(str(ROOT / "setup.cfg"))["options"]["packages"])
+    lib = ROOT / "lib"
+    on_disk = {".".join(init.parent.relative_to(lib).parts) for init in lib.rglob("__init__.py")}
+    on_disk.add("posttrain.steps")
+    assert on_disk - listed == set(), f"packages missing from setup.cfg: {sorted(on_disk - listed)}"
+    assert listed - on_disk == set(), f"setup.cfg lists packages that do not exist: {sorted(listed - on_disk)}"
