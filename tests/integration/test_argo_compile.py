@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 FLOWS = sorted(p for p in (REPO / "flows").glob("*_flow.py") if p.name not in ("recipe_flow.py", "chat_flow.py",
                                                                                "pair_flow.py", "rl_flow.py"))
 BUCKET = "posttrain-argo"
+pytestmark = pytest.mark.flow  # each test runs flow files' command lines
 
 
 def _free_port() -> int:

@@ -20,6 +20,7 @@ def fail_on_rank_one(message: str) -> str:
     return "unreachable"
 
 
+@pytest.mark.ray  # the driver starts its own Ray and must shut it down
 def test_worker_error_surfaces_in_driver_and_ray_is_shut_down():
     assert not ray.is_initialized()
     ray.cloudpickle.register_pickle_by_value(__import__(__name__))

@@ -17,6 +17,7 @@ from test_preference_flows import register_starting_model
 
 
 @pytest.mark.slow
+@pytest.mark.ray  # each task starts the Ray its roles need and stops it
 def test_a_two_rank_policy_group_trains_like_the_in_process_policy(tmp_path):
     import ray
 

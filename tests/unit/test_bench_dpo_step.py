@@ -4,13 +4,13 @@ the same weights."""
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
 
 import pytest
 
+from bench_checks import check_met, check_spread, last_json_line
 from flow_pool import background_command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -30,9 +30,8 @@ REQUIRED = ("baseline", "ours", "pairs_per_s_ours", "pairs_per_s_trl", "ratio_vs
 def test_quick_bench_prints_the_json_summary_last(flow_pool):
     pytest.importorskip("trl")
     done = flow_pool.result("bench_dpo_step")
-    assert done.returncode == 0, done.stderr[-3000:]
+    result = last_json_line(done)
     assert "[dpo_step]" in done.stderr  # progress goes to stderr
-    result = json.loads(done.stdout.strip().splitlines()[-1])
     assert all(key in result for key in REQUIRED), sorted(set(REQUIRED) - set(result))
     assert result["benchmark"] == "dpo_step" and result["settings"]["quick"] is True
     assert result["settings"]["model"]["vocab"] == 151_669 and result["settings"]["child_threads"] == [1]
@@ -47,6 +46,10 @@ def test_quick_bench_prints_the_json_summary_last(flow_pool):
     assert len(result["first_batch_logps"]["ours"]) == 2 * result["settings"]["pairs_per_step"]
     assert result["ratio_vs_trl"] > 0 and result["ratio"]["n"] == 1 and result["prefix_sharing_gain"] > 0
     assert result["ratio_vs_trl"] == pytest.approx(result["pairs_per_s_ours"] / result["pairs_per_s_trl"], rel=1e-2)
+    check_spread(result["ratio"], n=1)
+    for variant, spread in result["pairs_per_s"].items():
+        check_spread(spread, n=1)
+    check_met(result)
     assert result["peak_rss_bytes_ours"] > 0 and result["peak_rss_bytes_trl"] > 0
     assert set(result["ref_seconds"]) == {"ours_shared", "ours_unshared", "trl_precompute"}
     assert result["pairs_per_s_ours_incl_ref"] < result["pairs_per_s_ours"]

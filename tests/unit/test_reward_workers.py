@@ -33,22 +33,11 @@ def wrong_count(completions, records, **_):
     return [1.0]
 
 
-@pytest.fixture(scope="module")
-def ray_instance():
-    import ray
-
-    from posttrain.parallel.workers import local_ray_init
-
-    local_ray_init(2, 0)
-    yield
-    ray.shutdown()
-
-
 def records(n):
     return [PromptRecord([{"role": "user", "content": "q"}], str(i), {}, "t.jsonl", i + 1) for i in range(n)]
 
 
-def test_remote_scores_equal_the_in_process_scores(ray_instance):
+def test_remote_scores_equal_the_in_process_scores(ray_cluster):
     from posttrain.rl.actor import RemoteRewardScorer
 
     terms = [RewardTerm("exact_answer", weight=1.0), RewardTerm("length", 0.5, {"target": 0, "limit": 10})]
@@ -60,7 +49,7 @@ def test_remote_scores_equal_the_in_process_scores(ray_instance):
         remote.close()
 
 
-def test_a_failing_sample_fails_alone_and_a_dead_worker_fails_its_chunk(ray_instance):
+def test_a_failing_sample_fails_alone_and_a_dead_worker_fails_its_chunk(ray_cluster):
     from posttrain.rl.actor import RemoteRewardScorer
 
     terms = [RewardTerm(f"{__name__}:flaky", timeout_s=1.0, retry_budget_s=5.0)]
@@ -78,7 +67,7 @@ def test_a_failing_sample_fails_alone_and_a_dead_worker_fails_its_chunk(ray_inst
         remote.close()
 
 
-def test_a_broken_function_stops_the_run(ray_instance):
+def test_a_broken_function_stops_the_run(ray_cluster):
     from posttrain.rl.actor import RemoteRewardScorer
 
     remote = RemoteRewardScorer([RewardTerm(f"{__name__}:wrong_count")], num_workers=1)

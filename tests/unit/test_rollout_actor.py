@@ -33,7 +33,7 @@ def test_arrays_round_trip_every_dtype():
 
 
 @pytest.mark.parametrize("decode_backend", ["torch", "cpu_kernels"])
-def test_actors_generate_and_update_like_the_local_engine(tmp_path, decode_backend):
+def test_actors_generate_and_update_like_the_local_engine(tmp_path, decode_backend, ray_cluster):
     if decode_backend == "cpu_kernels":
         from posttrain.rl.cpu_kernels import kernels
 
