@@ -76,7 +76,7 @@ def write_long_source(path: Path) -> None:
     path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
 
 
-@background_flow("sft", priority=1)
+@background_flow("sft", priority=2)  # before the short benches: its tests do the most foreground work
 def sft_scenario(tmp: Path) -> dict:
     """The tiny SFT flow with a mixed, an all-bad and a long source beside the generated one."""
     mixed, all_bad, long = tmp / "mixed.jsonl", tmp / "all_bad.jsonl", tmp / "long.jsonl"

@@ -17,7 +17,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 if SHARED_DATA.is_dir():  # run beside the other tests (tests/flow_pool.py)
     background_command("bench_dpo_step", __name__,
-                       [sys.executable, str(REPO_ROOT / "bench" / "dpo_step.py"), "--quick", "--threads", "1"], REPO_ROOT)
+                       [sys.executable, str(REPO_ROOT / "bench" / "dpo_step.py"), "--quick", "--threads", "1"], REPO_ROOT,
+                       priority=4)  # as long as a GRPO flow: started among the flows
 REQUIRED = ("baseline", "ours", "pairs_per_s_ours", "pairs_per_s_trl", "ratio_vs_trl", "ratio", "goal", "met",
             "pairs_per_s_ours_incl_ref", "pairs_per_s_trl_incl_ref", "ratio_vs_trl_incl_ref", "ref_seconds",
             "prefix_sharing_gain", "prefix_sharing", "peak_rss_bytes_ours", "peak_rss_bytes_trl", "peak_rss_bytes",

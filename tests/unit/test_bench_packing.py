@@ -15,7 +15,8 @@ from flow_pool import background_command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # run beside the other tests (tests/flow_pool.py)
-background_command("bench_packing", __name__, [sys.executable, str(REPO_ROOT / "bench" / "packing.py"), "--quick"], REPO_ROOT)
+background_command("bench_packing", __name__, [sys.executable, str(REPO_ROOT / "bench" / "packing.py"), "--quick"], REPO_ROOT,
+                   priority=3)  # as long as a flow run
 
 REQUIRED = ("dataset", "baseline", "effective_throughput_ratio", "ratio", "repeats", "fraction",
             "packing_efficiency", "padded_efficiency", "ideal_ratio", "packer_tokens_per_s", "settings")

@@ -16,7 +16,8 @@ from flow_pool import background_command
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # run beside the other tests (tests/flow_pool.py)
 background_command("bench_sequence_demo", __name__,
-                   [sys.executable, str(REPO_ROOT / "bench" / "sequence_demo.py"), "--quick"], REPO_ROOT)
+                   [sys.executable, str(REPO_ROOT / "bench" / "sequence_demo.py"), "--quick"], REPO_ROOT,
+                   priority=3)  # as long as a flow run
 
 
 @pytest.mark.slow

@@ -15,7 +15,8 @@ from flow_pool import background_command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # run beside the other tests (tests/flow_pool.py)
-background_command("bench_train_step", __name__, [sys.executable, str(REPO_ROOT / "bench" / "train_step.py"), "--quick"], REPO_ROOT)
+background_command("bench_train_step", __name__, [sys.executable, str(REPO_ROOT / "bench" / "train_step.py"), "--quick"], REPO_ROOT,
+                   priority=1)
 REQUIRED = ("baseline", "ratio_vs_hf", "ratio", "ratio_vs_hf_blocks", "ratio_blocks", "repeats",
             "bf16_vs_fp32_ours", "ratio_vs_hf_bf16", "bf16_loss_rel_diff", "baseline_bf16",
             "tokens_per_s_ours", "tokens_per_s_hf", "data", "loss_step1", "shapes", "settings")
