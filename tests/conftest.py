@@ -155,7 +155,9 @@ def pytest_collection_modifyitems(config, items):
 def ray_cluster():
     """A local Ray (2 CPUs) for the test, shared by a run of consecutive tests that use this
     fixture: the first starts it, and it is shut down after the last (`pytest_runtest_teardown`).
-    Code under test that finds Ray running uses it and leaves it running."""
+    Code under test that finds Ray running uses it and leaves it running. Its workers inherit
+    the environment of the moment it started: a test that hands its workers a setting through
+    an environment variable (`monkeypatch.setenv`) starts its own Ray instead (mark it `ray`)."""
     import ray
 
     from posttrain.parallel.workers import local_ray_init

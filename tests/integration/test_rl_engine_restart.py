@@ -22,33 +22,25 @@ def trajectory(result) -> list:
 
 
 @pytest.mark.slow
-def test_a_killed_rollout_actor_is_restarted_and_its_round_redone(tmp_path, monkeypatch):
+def test_a_killed_rollout_actor_is_restarted_and_its_round_redone(tmp_path, monkeypatch, ray_cluster):
     from posttrain.config.loader import load_recipe_config
     from posttrain.data.tokenizer import load_tokenizer
     from posttrain.steps import ingest, rl
     from posttrain.steps.paths import resolve_tokenizer
-
-    import ray
-
-    from posttrain.parallel.workers import local_ray_init
 
     register_starting_model(tmp_path)
     overrides = {"grpo.engine": "native_actor", "grpo.rounds": 2, "grpo.rounds_per_task": 2,
                  "grpo.rewards": [{"function": "exact_answer"}]}
     config = load_recipe_config(recipe_yaml(tmp_path), "grpo", overrides=overrides)
     results = {}
-    local_ray_init(2, 0)  # one Ray for both runs: the engines use it and leave it running
-    try:
-        for label in ("straight", "killed"):
-            run_dir = tmp_path / label
-            tokenizer = load_tokenizer(resolve_tokenizer(config, run_dir))
-            records = ingest.run(config, run_dir, kind="prompts").train["arithmetic"]
-            prompts = rl.tokenize_prompts(records, tokenizer, config)
-            if label == "killed":
-                monkeypatch.setenv(rl.KILL_ENGINE_ENV, "2")
-            results[label] = rl.run_task(config, tokenizer, prompts, run_dir, previous=None)
-    finally:
-        ray.shutdown()
+    for label in ("straight", "killed"):  # one Ray for both runs (ray_cluster): the engines use it and leave it running
+        run_dir = tmp_path / label
+        tokenizer = load_tokenizer(resolve_tokenizer(config, run_dir))
+        records = ingest.run(config, run_dir, kind="prompts").train["arithmetic"]
+        prompts = rl.tokenize_prompts(records, tokenizer, config)
+        if label == "killed":
+            monkeypatch.setenv(rl.KILL_ENGINE_ENV, "2")
+        results[label] = rl.run_task(config, tokenizer, prompts, run_dir, previous=None)
     assert results["straight"].engine_restarts == 0
     assert results["killed"].engine_restarts == 1
     assert [r["round"] for r in results["killed"].rounds] == [1, 2]

@@ -76,7 +76,7 @@ def one_worker(recipe):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy,tp_size", [("fsdp", 1), ("ddp", 1), ("tp", 2), ("fsdp+tp", 1), ("fsdp+tp", 2)])
-def test_two_workers_follow_the_one_worker_trajectory(recipe, one_worker, strategy, tp_size):
+def test_two_workers_follow_the_one_worker_trajectory(recipe, one_worker, ray_cluster, strategy, tp_size):
     """fsdp, ddp, fsdp+tp 2x1: each rank reads 2 of the 4 rows per micro-batch; tp and
     fsdp+tp 1x2 (dp 1): both ranks read all 4 (the stream is sharded over dp ranks only)."""
     from posttrain.steps import train
@@ -104,6 +104,7 @@ def test_two_workers_follow_the_one_worker_trajectory(recipe, one_worker, strate
 
 
 @pytest.mark.slow
+@pytest.mark.ray  # its own Ray, started after the fault is set in the environment the workers inherit
 @pytest.mark.parametrize("strategy", ["tp"])  # fsdp: the flow test (test_sft_resume) crashes and resumes it
 def test_two_workers_resume_after_a_worker_fails(recipe, one_worker, monkeypatch, strategy):
     from posttrain.parallel.distributed import WorkerError
