@@ -183,11 +183,10 @@ class TaskResult:
 
 
 def _is_engine_failure(err: BaseException) -> bool:
-    try:
-        from ray.exceptions import RayActorError
-    except ImportError:  # pragma: no cover - ray is a dependency
-        return False
-    return isinstance(err, RayActorError)
+    """Whether the rollout engine's actor died (`posttrain.parallel.roles.RoleLost`)."""
+    from posttrain.parallel.roles import RoleLost
+
+    return isinstance(err, RoleLost)
 
 
 def _maybe_kill_engine(engine, next_round: int, restarts: int) -> None:

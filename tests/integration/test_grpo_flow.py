@@ -45,8 +45,7 @@ grpo:
   rounds: {ROUNDS}
   rounds_per_task: {PER_TASK}
   prompts_per_round: 4
-  n: 4
-  max_new_tokens: 4
+  sampling: {{n: 4, max_new_tokens: 4}}
   passes: 2
   dynamic_sampling: false
 eval: {{max_examples: 12, max_new_tokens: 4, batch_size: 12, report: false}}

@@ -1,27 +1,33 @@
-"""A thin Ray driver for SPMD training: N identical actors, one torch.distributed rank each.
+"""The one worker runtime: a long-lived group of Ray actors, one torch.distributed rank each,
+that SFT and RL drive alike.
 
-    results = run_workers(train_fn, args=(job,), num_workers=2)   # [rank 0 result, rank 1 result]
+    with WorkerGroup(num_workers=2) as group:        # the actors join one process group
+        group.setup(make_state, args)                 # each rank builds its state once (optional)
+        group.call(fn, args)                          # fn(state, *args) on every rank: results by rank
+        group.call(fn, per_rank_args=[(a0,), (a1,)])  # each rank its own arguments
+    results = run_workers(train_fn, args=(job,), num_workers=2)   # a one-shot SPMD job
 
-`run_workers` starts `num_workers` `SPMDWorker` actors (one CPU each, or one GPU each with
-`gpus_per_worker=1`), picks the rendezvous address (the node of rank 0) and a free port
-there, and calls `fn(*args)` on every actor inside an initialised process group (gloo on
-CPU, NCCL on GPU; `posttrain.parallel.distributed.run_spmd`). It returns the per-rank
-results in rank order. `fn` and `args` travel by Ray's pickling: a module-level function of
-an installed package (e.g. `posttrain.steps.train.train_worker`) is the safe
-choice.
+A `WorkerGroup` starts `num_workers` `GroupRank` actors (one CPU each, or one GPU each with
+`gpus_per_worker=1`), picks the rendezvous address (the node of rank 0) and a free port there,
+and joins every actor to one process group (gloo on CPU, NCCL on GPU); the actors keep their
+process group and their state (`setup`: e.g. an RL policy's model, optimizer and step) across
+calls until `close()`. `run_workers(fn, args, num_workers)` is a group that lives for one call
+of `fn(*args)` (the SFT train step's SPMD job). Functions and arguments travel by Ray's
+pickling: module-level functions of an installed package (e.g.
+`posttrain.steps.train.train_worker`) are the safe choice.
 
-Failure: a worker that raises makes `run_workers` raise `WorkerError` with the rank and
-traceback of the worker that failed first (its peers' later errors, e.g. a collective whose
-peer went away, are symptoms; they are waited for a few seconds, then named). The failed
-worker's actor is killed at once, which closes its connections so peers blocked in a
-collective with it fail within moments rather than at the process-group timeout; then every
-actor is killed.
+One failure policy: a rank that raises, or whose actor dies, makes the call raise `WorkerError`
+with the rank and traceback of the rank that failed first (its peers' later errors, e.g. a
+collective whose peer went away, are symptoms; they are waited for a few seconds, then named).
+The failed rank's actor is killed at once, which closes its connections so peers blocked in a
+collective with it fail within moments rather than at the process-group timeout; then the
+group is closed. A call past its `timeout_s` raises `TimeoutError` and closes the group.
 
-Ray: if Ray is not running, the driver starts a local instance sized for the job
-(`address="local"`, `include_dashboard=False`, a 512 MiB object store) and shuts it down
-when done, also on error. If the caller already called `ray.init` (a cluster, or a test
-that owns Ray), that instance is used and left running. Local Ray workers start with the
-driver's Python (`sys.executable`): run the driver from the project's virtualenv.
+Ray: if Ray is not running, the group starts a local instance sized for the job
+(`address="local"`, `include_dashboard=False`, a 512 MiB object store) and shuts it down when
+it closes, also on error. If the caller already called `ray.init` (a cluster, or a test that
+owns Ray), that instance is used and left running. Local Ray workers start with the driver's
+Python (`sys.executable`): run the driver from the project's virtualenv.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from typing import Any, Callable
 
 import ray
 
-from posttrain.parallel.distributed import FAILURE_GRACE_S, WorkerError, failed_at, first_failure, free_port, run_spmd
+from posttrain.parallel.distributed import (FAILURE_GRACE_S, WorkerError, failed_at, first_failure, free_port,
+                                            init_distributed, shutdown_distributed)
 
 OBJECT_STORE_BYTES = 512 * 2**20
 
@@ -45,29 +52,49 @@ def node_address() -> tuple[str, int]:
     return ip, free_port("" if ip not in ("127.0.0.1", "localhost") else ip)
 
 
-class SPMDWorker:
-    """One rank. Ray-remote via `ray.remote(SPMDWorker)` (kept undecorated so the class
-    itself stays importable and testable)."""
+@dataclass(frozen=True)
+class _Failed:
+    """A rank's exception, as its traceback text and the (wall-clock) time it was caught."""
+
+    at: float
+    traceback: str
+
+
+class GroupRank:
+    """One rank of a `WorkerGroup`: a Ray actor (`ray.remote(GroupRank)` by the group; kept
+    undecorated so the class stays importable) holding its process group and its `state`."""
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port on it (asked of rank 0: the rendezvous host)."""
         return node_address()
 
-    def run(self, fn: Callable[..., Any], args: tuple, rank: int, world_size: int, master_addr: str,
-            master_port: int, backend: str | None) -> Any:
-        """`fn(*args)`'s result, or a `_Failed` record (when and where it raised)."""
+    def join(self, rank: int, world_size: int, master_addr: str, master_port: int, backend: str | None,
+             torch_threads: int | None) -> _Failed | None:
+        """Join the group's process group (None, or a `_Failed` record)."""
         try:
-            return run_spmd(fn, args, rank, world_size, master_addr, master_port, backend)
+            if torch_threads:
+                import torch
+
+                torch.set_num_threads(torch_threads)
+            init_distributed(rank, world_size, master_addr, master_port, backend)
+            self.rank, self.state = rank, None
+            return None
         except BaseException as err:  # noqa: BLE001 - the driver raises it, choosing the first failure
             return _Failed(failed_at(err), traceback.format_exc())
 
+    def setup(self, make_state: Callable[..., Any], args: tuple) -> _Failed | None:
+        """`state = make_state(*args)`, kept for later calls."""
+        return self.call(lambda _, *a: setattr(self, "state", make_state(*a)), args)
 
-@dataclass(frozen=True)
-class _Failed:
-    """A worker's exception, as its traceback text and the (wall-clock) time it was caught."""
+    def call(self, fn: Callable[..., Any], args: tuple) -> Any:
+        """`fn(state, *args)`'s result, or a `_Failed` record (when and where it raised)."""
+        try:
+            return fn(self.state, *args)
+        except BaseException as err:  # noqa: BLE001 - the driver raises it, choosing the first failure
+            return _Failed(failed_at(err), traceback.format_exc())
 
-    at: float
-    traceback: str
+    def leave(self) -> None:
+        shutdown_distributed()
 
 
 def local_ray_init(num_workers: int, gpus: int) -> None:
@@ -90,8 +117,97 @@ def ensure_local_ray(num_cpus: float, num_gpus: float = 0) -> bool:
     return True
 
 
+class WorkerGroup:
+    """`num_workers` long-lived ranks in one process group (module docstring). `backend`:
+    torch.distributed's (default nccl with GPUs, else gloo); `torch_threads`: each rank's torch
+    threads (None: torch's default; 1 where the ranks share one machine's cores)."""
+
+    def __init__(self, num_workers: int, backend: str | None = None, gpus_per_worker: float = 0,
+                 torch_threads: int | None = None):
+        if num_workers < 1:
+            raise ValueError(f"a worker group needs at least one worker, got {num_workers}")
+        self._started_ray = ensure_local_ray(num_workers, gpus_per_worker * num_workers)
+        backend = backend or ("nccl" if gpus_per_worker > 0 else "gloo")
+        actor_cls = ray.remote(num_cpus=1, num_gpus=gpus_per_worker)(GroupRank)
+        self._actors: list = []
+        try:
+            self._actors = [actor_cls.remote() for _ in range(num_workers)]
+            master_addr, master_port = ray.get(self._actors[0].address.remote())
+            self._gather([actor.join.remote(rank, num_workers, master_addr, master_port, backend, torch_threads)
+                          for rank, actor in enumerate(self._actors)])
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def ranks(self) -> int:
+        return len(self._actors)
+
+    def setup(self, make_state: Callable[..., Any], args: tuple = ()) -> None:
+        """Every rank builds its state: `make_state(*args)`, inside the process group."""
+        self._gather([actor.setup.remote(make_state, args) for actor in self._actors])
+
+    def call(self, fn: Callable[..., Any], args: tuple = (), per_rank_args: list[tuple] | None = None,
+             timeout_s: float | None = None) -> list[Any]:
+        """`fn(state, *args)` on every rank (or each rank with its own `per_rank_args`); the
+        results by rank. A rank that fails raises `WorkerError` and closes the group."""
+        per_rank_args = per_rank_args if per_rank_args is not None else [args] * self.ranks
+        if len(per_rank_args) != self.ranks:
+            raise ValueError(f"{len(per_rank_args)} argument tuples for {self.ranks} ranks")
+        return self._gather([actor.call.remote(fn, a) for actor, a in zip(self._actors, per_rank_args)], timeout_s)
+
+    def _gather(self, refs: list, timeout_s: float | None = None) -> list[Any]:
+        pending = {ref: rank for rank, ref in enumerate(refs)}
+        results: dict[int, Any] = {}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            while pending:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+                if not done:
+                    raise TimeoutError(f"worker group call not finished within {timeout_s}s; waiting on ranks "
+                                       f"{sorted(pending.values())}")
+                rank = pending.pop(done[0])
+                results[rank] = _result(done[0])
+                if isinstance(results[rank], _Failed):
+                    # its peers may be blocked in a collective with it: ending its process closes
+                    # its connections, so they fail at once instead of running out the grace period
+                    ray.kill(self._actors[rank])
+                    raise _first_failure(pending, results, FAILURE_GRACE_S)
+        except BaseException:
+            self.close()
+            raise
+        return [results[rank] for rank in range(len(refs))]
+
+    def close(self) -> None:
+        """Leave the process group and end every actor (a dead actor has nothing to leave)."""
+        actors, self._actors = self._actors, []
+        for actor in actors:
+            try:
+                ray.get(actor.leave.remote(), timeout=10)
+            except Exception:  # noqa: BLE001
+                pass
+            ray.kill(actor)
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+            self._started_ray = False
+
+    def __enter__(self) -> "WorkerGroup":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _result(ref) -> Any:
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayError as err:  # the actor process died (no traceback of ours)
+        return _Failed(time.time(), str(err))
+
+
 def _first_failure(pending: dict, results: dict[int, Any], grace_s: float) -> WorkerError:
-    """The error of the worker that failed first. Once one rank fails, its peers usually fail
+    """The error of the rank that failed first. Once one rank fails, its peers usually fail
     too (a collective loses its peer); those later errors are symptoms. Wait up to `grace_s`
     for the other ranks to settle, then report the earliest failure."""
     if pending:
@@ -106,51 +222,14 @@ def _first_failure(pending: dict, results: dict[int, Any], grace_s: float) -> Wo
     return first_failure({rank: (r.at, r.traceback) for rank, r in results.items() if isinstance(r, _Failed)})
 
 
-def run_workers(
-    fn: Callable[..., Any],
-    args: tuple = (),
-    num_workers: int = 1,
-    backend: str | None = None,
-    gpus_per_worker: float = 0,
-    timeout_s: float | None = None,
-) -> list[Any]:
-    """Run `fn(*args)` as an SPMD job on `num_workers` Ray actors; results by rank (module
-    docstring). `backend`: torch.distributed backend (default nccl with GPUs, else gloo).
-    `timeout_s`: give up (kill the actors, raise TimeoutError) if the job is not done by then."""
-    if num_workers < 1:
-        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-    started_ray = ensure_local_ray(num_workers, gpus_per_worker * num_workers)
-    if backend is None:
-        backend = "nccl" if gpus_per_worker > 0 else "gloo"
-    actor_cls = ray.remote(num_cpus=1, num_gpus=gpus_per_worker)(SPMDWorker)
-    actors = []
-    try:
-        actors = [actor_cls.remote() for _ in range(num_workers)]
-        master_addr, master_port = ray.get(actors[0].address.remote())
-        pending = {
-            actor.run.remote(fn, args, rank, num_workers, master_addr, master_port, backend): rank
-            for rank, actor in enumerate(actors)
-        }
-        results: dict[int, Any] = {}
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=left)
-            if not done:
-                raise TimeoutError(f"SPMD job not finished within {timeout_s}s; waiting on ranks {sorted(pending.values())}")
-            rank = pending.pop(done[0])
-            try:
-                results[rank] = ray.get(done[0])
-            except ray.exceptions.RayError as err:  # the actor process died (no traceback of ours)
-                results[rank] = _Failed(time.time(), str(err))
-            if isinstance(results[rank], _Failed):
-                # its peers may be blocked in a collective with it: ending its process closes
-                # its connections, so they fail at once instead of running out the grace period
-                ray.kill(actors[rank])
-                raise _first_failure(pending, results, FAILURE_GRACE_S)
-        return [results[rank] for rank in range(num_workers)]
-    finally:
-        for actor in actors:
-            ray.kill(actor)
-        if started_ray:
-            ray.shutdown()
+def _call_plain(_state: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+def run_workers(fn: Callable[..., Any], args: tuple = (), num_workers: int = 1, backend: str | None = None,
+                gpus_per_worker: float = 0, timeout_s: float | None = None) -> list[Any]:
+    """Run `fn(*args)` as an SPMD job on a `WorkerGroup` of `num_workers` ranks that lives for
+    this call; results by rank (module docstring). `timeout_s`: give up (close the group, raise
+    TimeoutError) if the job is not done by then."""
+    with WorkerGroup(num_workers, backend=backend, gpus_per_worker=gpus_per_worker) as group:
+        return group.call(_call_plain, (fn, *args), timeout_s=timeout_s)

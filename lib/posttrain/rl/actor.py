@@ -19,8 +19,10 @@ apart from the trainer with `num_cpus` / `num_gpus` per actor.
 `RewardScorer` contract, each actor scoring a contiguous chunk of a batch (a reward model
 named by a term lives in the actors, loaded once each).
 
-Ray: an instance already running is used and left running; otherwise a local one is
-started (`posttrain.parallel.workers.ensure_local_ray`) and shut down by `close()`.
+Each role is a `posttrain.parallel.roles.RemoteRole`: the one wrapper and its one failure
+policy (an actor's own error comes back as itself; an actor that dies raises `RoleLost`, or,
+for the reward workers, fails its chunk and is replaced). Ray: an instance already running is
+used and left running; otherwise a local one is started and shut down by `close()`.
 """
 
 from __future__ import annotations
@@ -106,63 +108,45 @@ class EngineActor:
         self.engine.close()
 
 
-def _unwrap(err: Exception) -> Exception:
-    """The exception an actor raised (Ray wraps it)."""
-    return getattr(err, "cause", None) or err
-
-
 class RemoteEngine:
-    """A `RolloutEngine` over `num_actors` `EngineActor`s (module docstring)."""
+    """A `RolloutEngine` over `num_actors` `EngineActor`s (module docstring), a
+    `posttrain.parallel.roles.RemoteRole`: an actor that dies raises `RoleLost` (the
+    controller rebuilds the engine), an engine's own error comes back as itself."""
 
     def __init__(self, spec: EngineSpec, num_actors: int = 1, num_cpus: float = 1, num_gpus: float = 0,
                  torch_threads: int | None = 1):
-        if num_actors < 1:
-            raise ValueError(f"num_actors must be >= 1, got {num_actors}")
-        from posttrain.parallel.workers import ensure_local_ray
+        from posttrain.parallel.roles import RemoteRole
 
-        self.started_ray = ensure_local_ray(num_actors * num_cpus, num_actors * num_gpus)
-        actor_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(EngineActor)
-        self.actors = [actor_cls.remote(spec, torch_threads) for _ in range(num_actors)]
-        self._call(lambda a: a.__ray_ready__.remote())  # surface a failed start here, by its own error
-        identities = self._call(lambda a: a.decode_identity.remote())
+        self.role = RemoteRole(EngineActor, (spec, torch_threads), num_actors=num_actors, num_cpus=num_cpus,
+                               num_gpus=num_gpus)
+        identities = self.role.call("decode_identity")
         self._decode_identity = identities[0] if all(i == identities[0] for i in identities) \
             else {"backend": "mixed", "actors": identities}
+
+    @property
+    def actors(self) -> list:
+        return self.role.actors
 
     def decode_identity(self) -> dict | None:
         """What decodes in the actors (`posttrain.rl.decode_backends`; asked once, at the start):
         their identity when they agree, else `{"backend": "mixed", "actors": [...]}`."""
         return self._decode_identity
 
-    def _call(self, submit) -> list[Any]:
-        try:
-            return ray.get([submit(a) for a in self.actors])
-        except ray.exceptions.RayTaskError as err:
-            raise _unwrap(err) from None
-
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         prompts = [list(p) for p in prompts]
         seeds = tuple(sampling.prompt_seed(i, len(prompts)) for i in range(len(prompts)))
         size = -(-len(prompts) // len(self.actors)) if prompts else 0
         chunks = [(start, min(start + size, len(prompts))) for start in range(0, len(prompts), max(size, 1))]
-        refs = [actor.generate.remote(prompts[a:b], replace(sampling, seeds=seeds[a:b]))
-                for actor, (a, b) in zip(self.actors, chunks)]
-        try:
-            parts = ray.get(refs)
-        except ray.exceptions.RayTaskError as err:
-            raise _unwrap(err) from None
+        parts = self.role.call_each("generate", [(prompts[a:b], replace(sampling, seeds=seeds[a:b])) for a, b in chunks])
         return [group for part in parts for group in part]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[Any]:
         """Every actor's result of its engine's `update_weights` (e.g. vLLM's sync reports)."""
         ref = ray.put(to_arrays(named_tensors))
-        return self._call(lambda a: a.update_weights.remote(ref))
+        return self.role.call("update_weights", ref)
 
     def close(self) -> None:
-        for actor in self.actors:
-            ray.kill(actor)
-        self.actors = []
-        if self.started_ray:
-            ray.shutdown()
+        self.role.close()
 
 
 class RewardActor:
@@ -174,9 +158,6 @@ class RewardActor:
 
         torch.set_num_threads(1)
         self.scorer = RewardScorer(terms)
-
-    def ready(self) -> bool:
-        return True
 
     def score(self, completions: list[str], records: list):
         return self.scorer.score(completions, records)
@@ -192,50 +173,47 @@ class RemoteRewardScorer:
     stops the run as it does in process."""
 
     def __init__(self, terms: Sequence, num_workers: int = 1, num_cpus: float = 1):
-        from posttrain.parallel.workers import ensure_local_ray
+        from posttrain.parallel.roles import RemoteRole, RoleLost
         from posttrain.rl.rewards import RewardError, RewardScorer
 
         if num_workers < 1:
             raise ValueError(f"need at least one reward worker, got {num_workers}")
         RewardScorer(terms)  # the same checks as in process, before any actor starts
         self.terms = list(terms)
-        self.started_ray = ensure_local_ray(num_workers * num_cpus)
         # the functions are named by import path: the actors import them from the driver's path
         path = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}}
-        self._actor_cls = ray.remote(num_cpus=num_cpus, max_restarts=0, runtime_env=path)(RewardActor)
-        self.actors = [self._actor_cls.remote(self.terms) for _ in range(num_workers)]
-        self.restarts = 0
         try:  # a worker that cannot start (an import, a reward model that does not load) says so now
-            ray.get([actor.ready.remote() for actor in self.actors])
-        except ray.exceptions.RayActorError as err:
-            self.close()
+            self.role = RemoteRole(RewardActor, (self.terms,), num_actors=num_workers, num_cpus=num_cpus,
+                                   runtime_env=path)
+        except RoleLost as err:
             raise RewardError(f"a reward worker failed to start: {err}") from None
 
+    @property
+    def actors(self) -> list:
+        return self.role.actors
+
+    @property
+    def restarts(self) -> int:
+        return self.role.replaced
+
     def score(self, completions: list[str], records: list):
-        from posttrain.rl.rewards import RewardError, Scores
+        from posttrain.parallel.roles import RoleLost
+        from posttrain.rl.rewards import Scores
 
         if len(completions) != len(records):
             raise ValueError(f"{len(completions)} completions for {len(records)} records")
         n = len(completions)
         bounds = [n * k // len(self.actors) for k in range(len(self.actors) + 1)]
         chunks = [(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
-        refs = [self.actors[k].score.remote(completions[lo:hi], records[lo:hi]) for k, (lo, hi) in enumerate(chunks)]
+        parts = self.role.call_each("score", [(completions[lo:hi], records[lo:hi]) for lo, hi in chunks], lost_ok=True)
         labels = [t.label for t in self.terms]
         merged = Scores([], {label: [] for label in labels}, [], [])
-        for k, ((lo, hi), ref) in enumerate(zip(chunks, refs)):
-            try:
-                part = ray.get(ref)
-            except ray.exceptions.RayTaskError as err:
-                if isinstance(err.cause, RewardError):
-                    raise err.cause from None
-                raise
-            except ray.exceptions.RayActorError as err:  # the worker died: its samples fail, it is replaced
-                self.actors[k] = self._actor_cls.remote(self.terms)
-                self.restarts += 1
+        for (lo, hi), part in zip(chunks, parts):
+            if isinstance(part, RoleLost):  # the worker died (it is replaced): its samples fail
                 size = hi - lo
+                cause = type(part.__cause__).__name__ if part.__cause__ is not None else "RoleLost"
                 part = Scores([float("nan")] * size, {label: [float("nan")] * size for label in labels}, [True] * size,
-                              [(i, "reward worker", f"the reward worker died: {type(err).__name__}")
-                               for i in range(size)])
+                              [(i, "reward worker", f"the reward worker died: {cause}") for i in range(size)])
             merged.rewards.extend(part.rewards)
             merged.failed.extend(part.failed)
             for label in labels:
@@ -244,11 +222,7 @@ class RemoteRewardScorer:
         return merged
 
     def close(self) -> None:
-        for actor in self.actors:
-            ray.kill(actor)
-        self.actors = []
-        if self.started_ray and ray.is_initialized():
-            ray.shutdown()
+        self.role.close()
 
 
 class ReferenceActor:
@@ -276,18 +250,15 @@ class RemoteReference:
     process."""
 
     def __init__(self, model_dir: str, train_config, num_cpus: float = 1):
-        from posttrain.parallel.workers import ensure_local_ray
+        from posttrain.parallel.roles import RemoteRole
 
-        self.started_ray = ensure_local_ray(num_cpus)
-        self.actor = ray.remote(num_cpus=num_cpus)(ReferenceActor).remote(os.fspath(model_dir), train_config)
+        self.role = RemoteRole(ReferenceActor, (os.fspath(model_dir), train_config), num_cpus=num_cpus)
 
     def token_logps(self, batches: list[dict], vocab_size: int | None = None) -> list[torch.Tensor]:
         from posttrain.rl.trajectories import MODEL_FIELDS
 
         light = [{k: v for k, v in b.items() if k in MODEL_FIELDS} for b in batches]
-        return ray.get(self.actor.token_logps.remote(light, vocab_size))
+        return self.role.call("token_logps", light, vocab_size)[0]
 
     def close(self) -> None:
-        ray.kill(self.actor)
-        if self.started_ray and ray.is_initialized():
-            ray.shutdown()
+        self.role.close()

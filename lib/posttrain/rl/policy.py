@@ -17,16 +17,16 @@ Both kinds answer the controller (`posttrain.rl.controller`) through the same me
 
 `LocalPolicy(trainer)` is a `Trainer` in this process. `PolicyGroup(make_rank, args,
 num_workers)` starts `num_workers` Ray actors (one CPU each, or one GPU with
-`gpus_per_worker`), joins them in one process group (gloo on CPU) and builds a `LocalPolicy`
-on each with `make_rank(*args)` (a module-level function, called inside the group: it loads
-the model, applies the recipe's parallelism and makes the trainer). The actors keep their
-model, optimizer and step between calls; `close()` ends them. A call that fails on any rank
-raises `WorkerError` with that rank's traceback, and the group is closed.
+`gpus_per_worker`) as a `posttrain.parallel.workers.WorkerGroup`, the runtime SFT's workers use
+too, and builds a `LocalPolicy` on each rank with `make_rank(*args)` (a module-level function,
+called inside the group: it loads the model, applies the recipe's parallelism and makes the
+trainer). The actors keep their model, optimizer and step between calls; `close()` ends them.
+A call that fails on any rank raises `WorkerError` with the first failing rank's traceback,
+and the group is closed (the group's one failure policy).
 """
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -94,46 +94,9 @@ def as_policy(policy) -> "LocalPolicy | PolicyGroup":
     return policy if isinstance(policy, (LocalPolicy, PolicyGroup)) else LocalPolicy(policy)
 
 
-class PolicyRank:
-    """One rank of a `PolicyGroup`: a Ray actor (decorated by the group) holding a
-    `LocalPolicy` inside the group's process group."""
-
-    def address(self) -> tuple[str, int]:
-        from posttrain.parallel.workers import node_address
-
-        return node_address()
-
-    def setup(self, make_rank: Callable[..., LocalPolicy], args: tuple, rank: int, world_size: int, master_addr: str,
-              master_port: int, backend: str | None) -> Any:
-        from posttrain.parallel.distributed import init_distributed
-
-        try:
-            torch.set_num_threads(1)  # one core per rank (the actors share the machine)
-            init_distributed(rank, world_size, master_addr, master_port, backend)
-            self.rank = rank
-            self.policy = make_rank(*args)
-            return None
-        except BaseException:  # noqa: BLE001 - reported by the driver with this rank's traceback
-            return _RankFailure(traceback.format_exc())
-
-    def call(self, name: str, *args: Any) -> Any:
-        try:
-            if name == "run":
-                fn, *rest = args
-                return fn(self.policy, *rest)
-            return getattr(self.policy, name)(*args)
-        except BaseException:  # noqa: BLE001
-            return _RankFailure(traceback.format_exc())
-
-    def close(self) -> None:
-        from posttrain.parallel.distributed import shutdown_distributed
-
-        shutdown_distributed()
-
-
-class _RankFailure:
-    def __init__(self, text: str):
-        self.traceback = text
+def _method(policy: "LocalPolicy", name: str, *args: Any) -> Any:
+    """`policy.name(*args)` on a rank of a `PolicyGroup`."""
+    return getattr(policy, name)(*args)
 
 
 class PolicyGroup:
@@ -146,48 +109,23 @@ class PolicyGroup:
     def __init__(self, make_rank: Callable[..., LocalPolicy], args: tuple, num_workers: int, *, objective,
                  forward_context: Callable, reference_dir: str, backend: str | None = None,
                  gpus_per_worker: float = 0):
-        import ray
+        from posttrain.parallel.workers import WorkerGroup
 
-        from posttrain.parallel.workers import ensure_local_ray
-
-        if num_workers < 1:
-            raise ValueError(f"a policy group needs at least one worker, got {num_workers}")
         self.objective, self.forward_context, self.reference_dir = objective, forward_context, reference_dir
-        self._started_ray = ensure_local_ray(num_workers, gpus_per_worker * num_workers)
-        backend = backend or ("nccl" if gpus_per_worker > 0 else "gloo")
-        actor_cls = ray.remote(num_cpus=1, num_gpus=gpus_per_worker)(PolicyRank)
-        self._actors = [actor_cls.remote() for _ in range(num_workers)]
         self._reference = None
-        try:
-            master_addr, master_port = ray.get(self._actors[0].address.remote())
-            self._gather([a.setup.remote(make_rank, args, rank, num_workers, master_addr, master_port, backend)
-                          for rank, a in enumerate(self._actors)])
-        except BaseException:
-            self.close()
-            raise
+        # one core per rank (the actors share the machine)
+        self._group = WorkerGroup(num_workers, backend=backend, gpus_per_worker=gpus_per_worker, torch_threads=1)
+        self._group.setup(make_rank, args)
 
     @property
     def ranks(self) -> int:
-        return len(self._actors)
+        return self._group.ranks
 
-    def _gather(self, refs: list) -> list:
-        """Every rank's result; the first rank that failed raises `WorkerError` (and the group closes)."""
-        import ray
-
-        from posttrain.parallel.distributed import WorkerError
-
-        results = ray.get(refs)
-        for rank, result in enumerate(results):
-            if isinstance(result, _RankFailure):
-                self.close()
-                raise WorkerError(rank, result.traceback)
-        return results
-
-    def _call(self, name: str, per_rank_args: list[tuple] | None = None, *args: Any) -> Any:
-        """`name` on every rank (each with its own arguments, or the same `args`); rank 0's result."""
-        if per_rank_args is None:
-            per_rank_args = [args] * self.ranks
-        return self._gather([a.call.remote(name, *rank_args) for a, rank_args in zip(self._actors, per_rank_args)])
+    def _call(self, name: str, per_rank_args: list[tuple] | None = None, *args: Any) -> list[Any]:
+        """`name` on every rank's policy (each with its own arguments, or the same `args`); the
+        results by rank."""
+        per_rank = None if per_rank_args is None else [(name, *rank_args) for rank_args in per_rank_args]
+        return self._group.call(_method, (name, *args), per_rank_args=per_rank)
 
     def train_step(self, batches: list[dict]) -> dict:
         return self._call("train_step", [(shard,) for shard in shard_batches(batches, self.ranks)])[0]
@@ -215,18 +153,7 @@ class PolicyGroup:
         return self._reference, self.recompute_logprobs
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return self._call("run", None, fn, *args)[0]
+        return self._group.call(fn, args)[0]
 
     def close(self) -> None:
-        import ray
-
-        actors, self._actors = self._actors, []
-        for actor in actors:
-            try:
-                ray.get(actor.close.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - a dead actor has nothing to close
-                pass
-            ray.kill(actor)
-        if self._started_ray and ray.is_initialized():
-            ray.shutdown()
-            self._started_ray = False
+        self._group.close()
