@@ -138,8 +138,8 @@ def pytest_collection_modifyitems(config, items):
 
     def place(item) -> tuple:
         module = module_of(item)
-        if module in waits:
-            return (2, -scenario_priority.get(module, 0))
+        if module in waits:  # its tests that do not read the pool (a launch error, say) run beside it
+            return (2, -scenario_priority.get(module, 0)) if _waits_for_pool(item) else (0,)
         if module in rays:
             return (1, 0) if module not in shared else (1, 1 if _uses_shared_ray(item) else 2)
         return (0,)
@@ -202,13 +202,41 @@ def flow_pool(request, tmp_path_factory):
     pool = ThreadPoolExecutor(max_workers=POOL_WORKERS, thread_name_prefix="background")
     timeline: dict[str, list[float]] = {}
     futures = {name: pool.submit(timed(scenario.launch, name, timeline), args[name]) for name, scenario in wanted}
-    yield FlowPool(futures)
+    _POOL["pool"] = FlowPool(futures)
+    yield _POOL["pool"]
+    _POOL.clear()
     pool.shutdown(wait=True)
     write_timeline(timeline)
     for future in futures.values():
         result = future.result() if future.done() and not future.exception() else None
         for closing in (result.get("close", []) if isinstance(result, dict) else []):
             closing.__exit__(None, None, None)  # the Runners' temporary files
+
+
+_POOL: dict[str, object] = {}  # "pool": the session's FlowPool, once started
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Among the pool's readers (the session's tail), once `item` ends its module, the module to
+    run next is the first whose background runs have ended (in the tail's order), not one still
+    waiting for its runs while another's are ready. Whole modules move, and only to where
+    `item`'s teardown (done for `nextitem`) leaves what the moved module's tests need: the
+    collectors `item` and `nextitem` share."""
+    yield
+    pool = _POOL.get("pool")
+    if pool is None or nextitem is None or nextitem.module is item.module or not _waits_for_pool(nextitem):
+        return
+    items = item.session.items
+    start = items.index(nextitem)
+    tail = items[start:]
+    kept = [node for node in nextitem.listchain() if node in item.listchain()]
+    first = {}
+    for i in tail:
+        first.setdefault(i.module.__name__, i)
+    order = [m for m, i in first.items() if all(node in i.listchain() for node in kept)]
+    chosen = pool.first_ready(order)
+    items[start:] = [i for i in tail if i.module.__name__ == chosen] + [i for i in tail if i.module.__name__ != chosen]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -31,7 +31,7 @@ import subprocess
 import threading
 import time
 import typing
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -123,6 +123,16 @@ def write_timeline(timeline: dict[str, list[float]]) -> None:
 class FlowPool:
     def __init__(self, futures: dict[str, Future]):
         self.futures = futures
+
+    def first_ready(self, modules: list[str]) -> str:
+        """The first of `modules` (test module names) whose scenarios have all ended, waiting for
+        the next scenario to end while none has (a module with no scenario of its own is ready)."""
+        while True:
+            for module in modules:
+                if all(f.done() for name, f in self.futures.items() if SCENARIOS[name].module == module):
+                    return module
+            pending = [f for name, f in self.futures.items() if SCENARIOS[name].module in modules and not f.done()]
+            wait(pending, return_when=FIRST_COMPLETED)
 
     def result(self, name: str) -> Any:
         if name not in self.futures:
