@@ -25,8 +25,9 @@ Anything else that starts Ray or a flow out of sight (a step function given a co
 actors, say) is marked where it is written (`pytestmark = pytest.mark.ray`).
 
 Order (`make test`): the tests that do not wait for the pool run first, beside it, Ray's tests
-together (one Ray for each run of consecutive `ray_cluster` tests), and the tests that wait for
-the pool last, in the order the pool finishes their scenarios (highest priority first).
+together (one Ray for each run of consecutive `ray_cluster` tests), and the tests that read the
+pool last, module by module, each time the first module whose background runs have ended
+(`pytest_runtest_protocol`; the pool starts the highest priority first).
 """
 
 import os

@@ -37,12 +37,13 @@ def generated(tmp_path_factory):
                               tmp_path_factory.mktemp("demo"))
 
 
-def config_tokenizer(config, generated: Path):
+def config_tokenizer(config, generated: Path, qwen3_tokenizer):
+    """The config's tokenizer, or its offline stand-in (the session's Qwen3 tokenizer, loaded once)."""
     name = config.tokenizer.name_or_path
     if name.startswith("${generated}") or name.startswith("registry:"):  # registry demos: the SFT demo's tokenizer
         return load_tokenizer(str(generated / "tokenizer"))
     if name.startswith("Qwen/Qwen3"):
-        return load_tokenizer("builtin:qwen3")
+        return qwen3_tokenizer
     raise AssertionError(f"{name}: no offline stand-in for this tokenizer; add one here")
 
 
@@ -80,7 +81,7 @@ def config_records(config, generated: Path) -> list:
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[f"{p.parent.name}/{p.name}" for p in CONFIGS])
-def test_the_skew_gate_passes_on_every_shipped_config(path, generated, tmp_path):
+def test_the_skew_gate_passes_on_every_shipped_config(path, generated, qwen3_tokenizer, tmp_path):
     if not SHARED.is_dir():
         pytest.skip("../shared/data is not present")
     config = load_recipe_config(path, recipe="grpo" if path.parent.name == "grpo" else path.parent.name)
@@ -89,7 +90,7 @@ def test_the_skew_gate_passes_on_every_shipped_config(path, generated, tmp_path)
         return check_semantic_id_config(config, generated, tmp_path)  # sessions of item codes
     if config.builds_tokenizer:  # a sequence recipe: its vocabulary, built from a small world's histories
         return check_item_vocabulary_config(config, tmp_path)
-    tokenizer = config_tokenizer(config, generated)
+    tokenizer = config_tokenizer(config, generated, qwen3_tokenizer)
     kwargs = config.tokenizer.chat_template_kwargs
     export = tmp_path / "export"
     tokenizer.save_pretrained(str(export))
