@@ -90,6 +90,10 @@ def _starts_subprocesses(item: pytest.Item) -> bool:
     return any(SUBPROCESS_NAMES & _code_names(code) for code in codes if code is not None)
 
 
+def _module(item: pytest.Item) -> str:
+    return item.module.__name__ if item.module is not None else ""
+
+
 def _waits_for_pool(item: pytest.Item) -> bool:
     return "flow_pool" in item.fixturenames
 
@@ -107,7 +111,7 @@ def pytest_collection_modifyitems(config, items):
     for s in SCENARIOS.values():
         scenario_priority[s.module] = max(s.priority, scenario_priority.get(s.module, s.priority))
     for item in items:
-        module = item.module.__name__ if item.module is not None else ""
+        module = _module(item)
         marks = set()
         if module.startswith("test_bench_"):
             marks.add("bench")
@@ -122,23 +126,20 @@ def pytest_collection_modifyitems(config, items):
         for mark in sorted(marks - {m.name for m in item.iter_markers()}):
             item.add_marker(mark)
 
-    # Modules move whole (their module-scoped fixtures are set up once), except in Ray's group:
-    # there the tests that use the shared Ray come first, all together, then the rest of their
-    # modules. The sort is stable.
-    def module_of(item) -> str:
-        return item.module.__name__ if item.module is not None else ""
-
+    # Modules move whole (their module-scoped fixtures are set up once), except that a pool
+    # module's tests that do not read the pool run early, and in Ray's group the tests that use
+    # the shared Ray come first, all together, then the rest of their modules. The sort is stable.
     waits, rays, shared = set(), set(), set()
     for item in items:
         if _waits_for_pool(item):
-            waits.add(module_of(item))
+            waits.add(_module(item))
         if item.get_closest_marker("ray"):
-            rays.add(module_of(item))
+            rays.add(_module(item))
         if _uses_shared_ray(item):
-            shared.add(module_of(item))
+            shared.add(_module(item))
 
     def place(item) -> tuple:
-        module = module_of(item)
+        module = _module(item)
         if module in waits:  # its tests that do not read the pool (a launch error, say) run beside it
             return (2, -scenario_priority.get(module, 0)) if _waits_for_pool(item) else (0,)
         if module in rays:
@@ -187,7 +188,7 @@ def flow_pool(request, tmp_path_factory):
     import torch  # noqa: F401  (before Metaflow's Runner: its typing patch breaks later torch imports)
     from flow_pool import POOL_WORKERS, SCENARIOS, FlowPool, timed, typing_restored, write_timeline
 
-    modules = {item.module.__name__ for item in request.session.items if item.module is not None and _waits_for_pool(item)}
+    modules = {_module(item) for item in request.session.items if _waits_for_pool(item)}
     wanted = sorted(((name, s) for name, s in SCENARIOS.items() if s.module in modules),
                     key=lambda entry: -entry[1].priority)
     if any(s.launch.__module__ != "flow_pool" for _, s in wanted):  # flows: the Runner's modules load here, once
@@ -234,10 +235,10 @@ def pytest_runtest_protocol(item, nextitem):
     kept = [node for node in nextitem.listchain() if node in item.listchain()]
     first = {}
     for i in tail:
-        first.setdefault(i.module.__name__, i)
+        first.setdefault(_module(i), i)
     order = [m for m, i in first.items() if all(node in i.listchain() for node in kept)]
     chosen = pool.first_ready(order)
-    items[start:] = [i for i in tail if i.module.__name__ == chosen] + [i for i in tail if i.module.__name__ != chosen]
+    items[start:] = [i for i in tail if _module(i) == chosen] + [i for i in tail if _module(i) != chosen]
 
 
 @pytest.fixture(scope="session", autouse=True)
