@@ -234,3 +234,28 @@ def test_fit_kto_tree_cuts_the_mismatched_branch_first():
         fit_kto_tree(tree, 5)
     cut, _ = fit_kto_tree(tree, 14, shared=False)  # the prompt twice: 8 tokens left
     assert cut.chosen_ids == tree.chosen_ids and cut.rejected_ids == [8, 9, 10, 11]
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "unshared"])
+def test_kto_sft_term_adds_the_desirable_completions_mean_nll(shared):
+    """`sft_weight`: each desirable tree's loss gains `sft_weight * -log pi(y|x) / |y|` (its
+    labelled completion's mean NLL); undesirable trees do not; gradients equal the plain formula's."""
+    trees, labels = kto_trees()
+    beta, w_sft = 0.3, 0.7
+    plain_model, packed_model = model_for(4), model_for(4)
+    batch = packed(trees, shared=shared)
+    order = in_batch_order(batch, trees)
+    with torch.no_grad():
+        ref = plain_logps(plain_model, order) - 0.5
+    desirable = labels[batch["pair_ids"]]
+    logps = plain_logps(plain_model, order)
+    tokens = trained_tokens(order)
+    nll = -(logps[0::2] / tokens[0::2])
+    plain = (plain_kto_loss(logps, ref, desirable, beta, 1.0, 1.0) + torch.where(desirable, w_sft * nll, 0.0)).sum()
+    plain.backward()
+
+    batch["ref_logps"], batch["kto_desirable"] = ref, desirable
+    out = KTOObjective(KTOSection(beta=beta, sft_weight=w_sft))(packed_model, batch)
+    out.loss_sum.backward()
+    assert float(out.loss_sum.detach()) == pytest.approx(float(plain.detach()), rel=1e-10)
+    assert_grads_close(grads(packed_model), grads(plain_model), GRAD_TOL[shared])

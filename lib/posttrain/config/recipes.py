@@ -168,12 +168,14 @@ class KTOSection:
     (1 - s(beta (z0 - r)))`. Preference pairs are split into one desirable and one undesirable
     example each (`posttrain.data.unpaired`; the paper advises weights with `desirable_weight *
     n_desirable / (undesirable_weight * n_undesirable)` in [1, 4/3]; split pairs give n_d = n_u).
-    The reference scores every example once (the flow's `reference` step). `shared_prompt`: pack
+    `sft_weight` adds a desirable completion's mean NLL (as DPO's; not in the paper). The
+    reference scores every example once (the flow's `reference` step). `shared_prompt`: pack
     each example's two branches with its prompt once."""
 
     beta: float = bounded(0.1, gt=0)
     desirable_weight: float = bounded(1.0, ge=0)
     undesirable_weight: float = bounded(1.0, ge=0)
+    sft_weight: float = bounded(0.0, ge=0)
     shared_prompt: bool = True
 
 

@@ -12,7 +12,11 @@ batch's `kto_desirable` `[K]` (bool, aligned with `pair_ids`):
 - `z0 = max(0, mean of r' over the trees)`, detached: no gradient flows through it, nor
   through the mismatched branch at all;
 - desirable: `desirable_weight * (1 - sigmoid(beta (r - z0)))`,
-  undesirable: `undesirable_weight * (1 - sigmoid(beta (z0 - r)))`
+  undesirable: `undesirable_weight * (1 - sigmoid(beta (z0 - r)))`;
+- with `sft_weight > 0`, a desirable tree adds `sft_weight * (-log pi(y|x) / |y|)`, its
+  completion's mean NLL (not in the paper: DPO's `sft_weight` term, for data where the model
+  must also imitate the desirable answers; both sigmoids saturate once the model has moved far
+  from the reference, and then nothing else pulls the desirable completions up)
   (computed as `sigmoid(beta (z0 - r))` and `sigmoid(beta (r - z0))`: the same values,
   without the cancellation of `1 - sigmoid`).
 
@@ -68,6 +72,7 @@ class KTOObjective(Objective):
         self.beta = float(settings.beta)
         self.desirable_weight, self.undesirable_weight = float(settings.desirable_weight), float(
             settings.undesirable_weight)
+        self.sft_weight = float(settings.sft_weight)
         self.reference = reference
         self.sync_ranks, self.process_group = sync_ranks, process_group
 
@@ -96,11 +101,14 @@ class KTOObjective(Objective):
         desirable = desirable.to(torch.bool)
         loss = torch.where(desirable, self.desirable_weight * torch.sigmoid(-h),
                            self.undesirable_weight * torch.sigmoid(h))
+        mean_logp = logps[0::2] / tokens[0::2].to(logps.dtype)
+        if self.sft_weight:  # the desirable completion's mean NLL (DPO's `sft_weight`, RPO)
+            loss = loss + torch.where(desirable, self.sft_weight * -mean_logp, 0.0)
         scaled = (self.beta * rewards).detach()
         return {"loss": loss, "kl": z0.expand_as(rewards), "desirable_fraction": desirable.to(logps.dtype),
                 "reward_desirable": torch.where(desirable, scaled, 0.0),
                 "reward_undesirable": torch.where(desirable, 0.0, scaled),
-                "logp": (logps[0::2] / tokens[0::2].to(logps.dtype)).detach()}
+                "logp": mean_logp.detach()}
 
     def __call__(self, model: torch.nn.Module, batch: dict) -> ObjectiveOutput:
         if LABEL_FIELD not in batch:
