@@ -75,7 +75,7 @@ def child(config_path: Path, run_dir: Path, pause_after_step: int | None, pause_
     so a parent that SIGKILLs this process still has every step it reported."""
     from posttrain.config.loader import sft_config_from_dict
     from posttrain.data.tokenizer import load_tokenizer
-    from posttrain.steps import ingest, pack, tokenize, train
+    from posttrain.steps import ingest, pack, tokenize, train, train_state
     from posttrain.train.checkpoint import CheckpointManager
 
     config = sft_config_from_dict(json.loads(config_path.read_text()), source=str(config_path))
