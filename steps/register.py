@@ -17,7 +17,9 @@ def run(model_dir: str, config: RecipeConfig, *, data_counts: dict, metrics: dic
     (`model.init_from` / `model.name_or_path`) and its directory (`parent_dir`), with that
     entry's own lineage when it was registered (so SFT -> DPO chains can be walked), and the
     data: each source's config, counts and `data_fingerprints` (size and SHA-256 by source name,
-    `posttrain.data.sources.fingerprint`)."""
+    `posttrain.data.sources.fingerprint`); and the tokenizer: its reference and the token that
+    padded the rows, with where it came from (the train summary's `pad_token`,
+    `posttrain.data.tokenizer.PadChoice`; None when the summary has none)."""
     name = config.register.model_name or config.name
     parent = None
     if config.model.init_from or config.model.init == "pretrained":
@@ -33,6 +35,8 @@ def run(model_dir: str, config: RecipeConfig, *, data_counts: dict, metrics: dic
         "config": dataclasses.asdict(config),
         "data": {"sources": [dataclasses.asdict(s) for s in config.data.sources], "counts": data_counts,
                  "fingerprints": data_fingerprints or {}},
+        "tokenizer": {"name_or_path": config.tokenizer.name_or_path,
+                      "pad": (metrics.get("train") or {}).get("pad_token")},
         "metrics": metrics,
     }
     entry = register_model(config.register.registry_dir, name, model_dir, lineage, adapter_dir=adapter_dir)

@@ -45,6 +45,7 @@ import torch
 from posttrain.config.schema import GRPOConfig
 from posttrain.data.chat import generation_stop_ids, render_prompt
 from posttrain.data.records import ChatRecord, PromptRecord
+from posttrain.data.tokenizer import pad_record
 from posttrain.rl.controller import EngineLost, RLController, RoundResult
 from posttrain.rl.engine import SamplingConfig
 from posttrain.rl.policy import LocalPolicy, PolicyGroup
@@ -379,11 +380,13 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
                       seconds=time.perf_counter() - started, engine_restarts=restarts)
 
 
-def summary(history: list[dict]) -> dict:
+def summary(history: list[dict], tokenizer=None) -> dict:
     """What the registry records of an RL run's training: rounds, first and last rewards
-    (means of the first and last 10 rounds), and the time spent per phase."""
+    (means of the first and last 10 rounds), the time spent per phase, and (given the
+    `tokenizer`) which token padded the rows and why (`pad_token`)."""
+    pad = {} if tokenizer is None else {"pad_token": pad_record(tokenizer)}
     if not history:
-        return {"rounds": 0}
+        return {"rounds": 0, **pad}
     head, tail = history[:10], history[-10:]
 
     def mean(rows, key):
@@ -394,4 +397,4 @@ def summary(history: list[dict]) -> dict:
             "first_pass@1": mean(head, "pass@1"), "final_pass@1": mean(tail, "pass@1"),
             "optimizer_steps": sum(r.get("optimizer_steps", 0) for r in history),
             **{f"seconds_{k}": sum(r.get(f"time_{k}_s", 0.0) for r in history)
-               for k in ("generate", "score", "reference", "teacher", "update", "sync")}}
+               for k in ("generate", "score", "reference", "teacher", "update", "sync")}, **pad}

@@ -40,6 +40,7 @@ from typing import Callable, Iterator
 import torch
 
 from posttrain.config.schema import RecipeConfig
+from posttrain.data.tokenizer import pad_record
 from posttrain.parallel import distributed
 from posttrain.parallel.mesh import pick_device
 from posttrain.recipes import ObjectiveInputs, RecipeModelError, Start, recipe_spec
@@ -199,6 +200,7 @@ def train_loop(job: TrainJob, on_step: Callable[[dict], None] | None = None,
         "tokens": sum(h["tokens"] for h in history),
         "train_seconds": elapsed,
         "tokens_per_s": sum(h["tokens"] for h in history) / elapsed,
+        "pad_token": pad_record(tokenizer),  # which token padded the rows, and why (posttrain.data.tokenizer)
     }
     print(f"[train] done: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} "
           f"in {elapsed:.0f}s ({summary['tokens_per_s']:.0f} tokens/s); exported {exported['checkpoint_dir']}")

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from posttrain.config.recipes import RecipeConfig
 from posttrain.config.model_sections import ModelConfig
+from posttrain.data.tokenizer import model_pad_token_id
 from posttrain.parallel.distributed import barrier, rank
 from posttrain.models.architectures import (build_model, get_architecture, load_hf_checkpoint, replace_dir,
                                             save_hf_checkpoint)
@@ -49,8 +50,9 @@ class RecipeModelError(ValueError):
 
 def model_config_for(model: ModelConfig, tokenizer):
     """Our config of `model.arch` for random init: the recipe's sizes, the tokenizer's
-    vocabulary and bos/eos/pad ids, and the architecture's `tiny` values for the arch-specific
-    fields (experts, sliding window, soft-capping, ...). Per-layer lists of the tiny config
+    vocabulary and bos/eos/pad ids (the pad id as `model_pad_token_id` gives it), and the
+    architecture's `tiny` values for the arch-specific fields (experts, sliding window,
+    soft-capping, ...). Per-layer lists of the tiny config
     (`layer_types`, `mlp_only_layers`) are kept only when the layer count is the tiny one;
     otherwise the config class derives its own defaults."""
     arch = get_architecture(model.arch)
@@ -61,8 +63,9 @@ def model_config_for(model: ModelConfig, tokenizer):
             kwargs.pop(name, None)
     kwargs.update({name: getattr(model, name) for name in SIZE_FIELDS})
     kwargs["vocab_size"] = len(tokenizer)
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+    for name in ("bos_token_id", "eos_token_id"):
         kwargs[name] = getattr(tokenizer, name, None)
+    kwargs["pad_token_id"] = model_pad_token_id(tokenizer)  # None when the pad token is eos or bos
     return arch.config_cls(**{k: v for k, v in kwargs.items() if k in accepted})
 
 
