@@ -6,8 +6,10 @@ types, ranges). `ValidateRecipe`, a flow mutator, then sees both: it applies the
 the recipe file and validates the result as the `start` step will (cross-field rules, an
 override that names an unknown format or a list index past the end), and when a run is
 launched (`run`, `resume`) it checks that every local path the recipe reads exists and every
-hub id is well formed (`posttrain.config.paths`). All of them fail in one line naming the
-key, before Metaflow starts the run.
+hub id is well formed (`posttrain.config.paths`), and that the starting checkpoint's
+config.json is one the model runs, with a tokenizer that fits its vocabulary
+(`posttrain.launch_check`). All of them fail in one line naming the key, before Metaflow
+starts the run.
 """
 
 import json
@@ -20,6 +22,7 @@ from metaflow.exception import MetaflowException
 from posttrain.config import loader
 from posttrain.config.paths import check_recipe_paths
 from posttrain.config.strict import ConfigError
+from posttrain.launch_check import check_starting_checkpoint
 
 LAUNCH_COMMANDS = ("run", "resume")
 
@@ -116,6 +119,7 @@ class ValidateRecipe(FlowMutator):
             if launching():
                 check_recipe_paths(recipe)
                 check_starting_model(recipe)
+                check_starting_checkpoint(recipe)  # its config.json and the tokenizer's size
         except ConfigError as exc:
             raise RecipeConfigError(str(exc)) from None
         apply_production(mutable_flow, recipe.production)
