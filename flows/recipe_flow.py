@@ -47,10 +47,9 @@ class RecipeSteps(FlowSpec):
         return result
 
     def _tokenizer(self):
-        from posttrain.data.tokenizer import load_tokenizer
-        from posttrain.steps.paths import resolve_tokenizer
+        from posttrain.steps.paths import load_recipe_tokenizer
 
-        return load_tokenizer(resolve_tokenizer(self.recipe, self.run_dir))
+        return load_recipe_tokenizer(self.recipe, self.run_dir)
 
     @step
     def start(self):

@@ -54,7 +54,7 @@ class RLRecipeFlow(RecipeSteps):
         if result.done:
             self.checkpoint_dir, self.base_dir = result.checkpoint_dir, result.base_dir
             self.parent_dir, self.adapter_dir, self.sequence_classifier_dir = result.base_dir, None, None
-            self.train_summary = rl.summary(self.history)
+            self.train_summary = rl.summary(self.history, self._tokenizer())
 
     def _eval_data(self):
         """The held-out prompt records (rewards) and, as conversations, each prompt with its

@@ -42,3 +42,18 @@ def resolve_tokenizer(config, run_dir: Path) -> str:
 
         return str(resolve_model_dir(name, registry_dir=config.register.registry_dir))
     return resolve(name, run_dir)
+
+
+def load_recipe_tokenizer(config, run_dir: Path):
+    """The recipe's tokenizer (`resolve_tokenizer`) with a pad token: one without takes its
+    starting model's config.json `pad_token_id` first (`posttrain.data.tokenizer`)."""
+    from posttrain.data.tokenizer import load_tokenizer
+    from posttrain.launch_check import starting_checkpoint
+
+    start = starting_checkpoint(config)
+    model = None if start is None else start[1]
+    if model is not None and model.startswith("registry:"):
+        from posttrain.registry import resolve_model_dir
+
+        model = str(resolve_model_dir(model, registry_dir=config.register.registry_dir))
+    return load_tokenizer(resolve_tokenizer(config, run_dir), model=model)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -166,3 +167,19 @@ def test_llama3_template_gives_one_bos(tokenizers, tmp_path):
     pair = render_pair(tokenizer, PreferenceRecord(CHAT[:2], [{"role": "assistant", "content": "5"}],
                                                    [{"role": "assistant", "content": "6"}], "pairs", 1))
     assert (pair.prompt_ids + pair.chosen_ids).count(bos) == 1 and bos not in pair.rejected_ids
+
+
+def test_a_recipe_tokenizer_takes_its_starting_models_pad_id(tokenizers, tmp_path):
+    from posttrain.config import load_sft_config
+    from posttrain.steps.paths import load_recipe_tokenizer
+
+    start = tmp_path / "start"
+    start.mkdir()
+    (start / "config.json").write_text(json.dumps({"pad_token_id": 50256}))
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "sft" / "tiny.yaml"
+    overrides = {"tokenizer.name_or_path": str(tokenizers / "gpt2"), "model.init": "pretrained",
+                 "model.name_or_path": str(start)}
+    assert load_recipe_tokenizer(load_sft_config(tiny, overrides=overrides), tmp_path).pad_choice.source == \
+        "model_config"
+    assert load_recipe_tokenizer(load_sft_config(tiny, overrides={"tokenizer.name_or_path": str(tokenizers / "gpt2")}),
+                                 tmp_path).pad_choice.source == "eos"  # a random init has no model config
