@@ -138,6 +138,37 @@ def test_padding_with_eos_is_exact():
             assert torch.equal(causal_lm_loss(model, a)[0], causal_lm_loss(model, b)[0])
 
 
+def test_pair_rows_with_eos_as_pad_are_exact():
+    """Preference rows (tree rows: DPO, reward models; RL rows are written the same way) with
+    eos as the pad token: every field but the padding's input ids equals the distinct-pad rows,
+    and each response's final eos stays a target and the place its score is read."""
+    from posttrain.data.pair_packer import PairPacker
+    from posttrain.data.preference import PairSample, pair_layout
+
+    eos = 1
+    rng = np.random.default_rng(0)
+    pairs = [PairSample(rng.integers(10, 250, 4).tolist(), rng.integers(10, 250, 3).tolist() + [eos], [1] * 4,
+                        rng.integers(10, 250, 5).tolist() + [eos], [1] * 6, pair_id=i) for i in range(5)]
+
+    def batch(pad_id):
+        packer = PairPacker(40, pad_id)
+        documents = iter(pair_layout(p) for p in pairs)
+        plans = list(iter(lambda: packer.next_plan(documents), None))
+        rows = packer.empty_rows(len(plans))
+        for r, plan in enumerate(plans):
+            packer.write_plan(rows, r, plan)
+        return PairPacker.batch_tensors(rows)
+
+    with_eos, with_other = batch(eos), batch(7)
+    real = with_eos["doc_ids"] >= 0
+    assert (~real).any() and set(with_eos) == set(with_other)
+    for name in set(with_eos) - {"input_ids"}:
+        assert torch.equal(with_eos[name], with_other[name]), name
+    assert torch.equal(with_eos["input_ids"][real], with_other["input_ids"][real])
+    assert int((with_eos["target_ids"] == eos).sum()) == 2 * len(pairs)
+    assert bool((with_eos["input_ids"].flatten()[with_eos["score_pos"]] == eos).all())
+
+
 def test_a_random_init_model_gets_no_pad_id_that_is_eos(tokenizers):
     """Gemma 3 and GPT-OSS leave the embedding row of `pad_token_id` untrained: a model built for
     a tokenizer padding with eos names no pad id (transformers' classifier would skip eos too)."""
