@@ -1,18 +1,19 @@
-"""The launch check of a recipe's starting checkpoint: what would otherwise fail in the train
-step, after ingest, tokenize and pack have run, fails before the run starts, in one line
-naming the key (`check_starting_checkpoint`, called by the flows' `ValidateRecipe`).
+"""The launch check of a recipe's starting checkpoints: what would otherwise fail in the train
+(or teacher) step, after ingest, tokenize and pack have run, fails before the run starts, in
+one line naming the key (`check_starting_checkpoint`, called by the flows' `ValidateRecipe`).
 
-It reads the starting model's config.json (a local directory, a registry entry, or a hub id
-found in the local Hugging Face cache; never the network) and the tokenizer's files, and
-refuses, as `ConfigError`:
+It reads the config.json of the starting model and of a teacher (a local directory, a
+registry entry, or a hub id found in the local Hugging Face cache; never the network) and the
+tokenizer's files, and refuses, as `ConfigError`:
 - a missing checkpoint: no config.json, or no weights (native backend: `model.safetensors`
   or `model.safetensors.index.json` with every shard it names; transformers backend: any
   `*.safetensors` or `*.bin`); a hub id neither cached nor downloadable (`HF_HUB_OFFLINE`);
 - a config.json the model cannot run: for the native backend, whatever the architecture's
   `from_hf_dict` refuses (an unregistered `model_type`, a field it does not implement, by
   name); for the transformers backend, a `model_type` transformers does not know;
-- a tokenizer with more tokens than the model's `vocab_size` (unless the run builds its
-  own vocabulary, e.g. semantic IDs, which grows the model).
+- a tokenizer with more tokens than the starting model's `vocab_size` (unless the run
+  builds its own vocabulary, e.g. semantic IDs, which grows the model; a teacher's vocabulary
+  is the teacher step's to compare).
 
 Cheap: no model is built, no weight is read (only file names and the shard index). A hub id
 that is not cached while the network is allowed is left to the run, which downloads it.
@@ -141,27 +142,33 @@ def tokenizer_length(config) -> int | None:
         raise
 
 
-def check_starting_checkpoint(config) -> None:
-    """The module docstring's checks of `config`'s starting model, as `ConfigError` naming the
-    key and the reference; nothing for a random init."""
-    found = starting_checkpoint(config)
-    if found is None:
-        return
-    key, reference = found
+def teacher_checkpoint(config) -> tuple[str, str, str] | None:
+    """`(key, reference, backend)` of a recipe's teacher (distillation's `distill.teacher`, an RL
+    recipe's `grpo.teacher`); None without one."""
+    section = config.own_section
+    teacher = getattr(section, "teacher", None)
+    if not teacher:
+        return None
+    return f"{config.section}.teacher", teacher, getattr(section, "teacher_backend", "native")
+
+
+def read_checkpoint_config(key: str, reference: str, backend: str, registry_dir) -> dict | None:
+    """The config.json of a checkpoint a recipe loads, after the module docstring's checks of
+    the checkpoint (`ConfigError` naming `key` and `reference`); None for a hub id left to the
+    run (not cached, network allowed)."""
     where = f"{key} {reference}"
-    backend = config.model.backend
-    directory, from_hub = _checkpoint_dir(reference, config.register.registry_dir)
+    directory, from_hub = _checkpoint_dir(reference, registry_dir)
     if directory is None:
         if hub_offline():
             raise ConfigError(f"{where}: not in the local Hugging Face cache, and HF_HUB_OFFLINE is set")
-        return  # downloaded by the run
+        return None  # downloaded by the run
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"{where}: missing checkpoint: no config.json in {directory}")
     try:
         hf_config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
-        raise ConfigError(f"{where}: {config_file} is not JSON ({err})") from None
+        raise ConfigError(f"{where}: {config_file} is not JSON ({one_line(err)})") from None
     if not isinstance(hf_config, dict):
         raise ConfigError(f"{where}: {config_file} is not a JSON object")
     if not from_hub or hub_offline():  # a cached hub snapshot may hold config.json only; the run fetches the rest
@@ -172,6 +179,24 @@ def check_starting_checkpoint(config) -> None:
         check_model_config(hf_config, backend)
     except ValueError as err:
         raise ConfigError(f"{where}: unsupported config.json: {one_line(err)}") from None
+    return hf_config
+
+
+def check_starting_checkpoint(config) -> None:
+    """The module docstring's checks of the checkpoints `config` starts from, as `ConfigError`
+    naming the key and the reference: its teacher's (when it has one) and its starting
+    model's, with the tokenizer against that model's vocabulary (nothing for a random init)."""
+    registry_dir = config.register.registry_dir
+    teacher = teacher_checkpoint(config)
+    if teacher is not None:
+        read_checkpoint_config(*teacher, registry_dir)  # its vocabulary is the teacher step's to check
+    found = starting_checkpoint(config)
+    if found is None:
+        return
+    key, reference = found
+    hf_config = read_checkpoint_config(key, reference, config.model.backend, registry_dir)
+    if hf_config is None:
+        return
     vocab = model_vocab_size(hf_config)
     try:
         tokens = tokenizer_length(config)
@@ -179,5 +204,5 @@ def check_starting_checkpoint(config) -> None:
         raise ConfigError(f"tokenizer.name_or_path {config.tokenizer.name_or_path}: cannot load it "
                           f"({one_line(err)})") from None
     if vocab is not None and tokens is not None and tokens > vocab:
-        raise ConfigError(f"tokenizer.name_or_path {config.tokenizer.name_or_path} has {tokens} tokens but {where} "
-                          f"has a vocabulary of {vocab} (vocab_size): use the model's own tokenizer")
+        raise ConfigError(f"tokenizer.name_or_path {config.tokenizer.name_or_path} has {tokens} tokens but {key} "
+                          f"{reference} has a vocabulary of {vocab} (vocab_size): use the model's own tokenizer")

@@ -81,3 +81,14 @@ def test_a_hub_id_outside_the_cache_fails_offline(checkpoint, monkeypatch):
     assert "model.name_or_path posttrain-tests/not-a-cached-model: not in the local Hugging Face cache" in message
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     check_starting_checkpoint(recipe("posttrain-tests/not-a-cached-model", tokenizer))  # the run downloads it
+
+
+def test_a_teachers_config_json_is_checked_too(checkpoint, tmp_path):
+    from posttrain.config.loader import load_recipe_config
+
+    model_dir, _ = checkpoint
+    demo = Path(__file__).resolve().parents[2] / "configs" / "distill" / "demo.yaml"
+    config = load_recipe_config(demo, "distill", overrides={"distill.teacher": str(model_dir)})
+    check_starting_checkpoint(config)
+    edit_config(model_dir, attention_sink=True)
+    assert re.search(r"^distill\.teacher .*unsupported config\.json: .*'attention_sink'", refused(config))
