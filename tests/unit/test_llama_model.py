@@ -1,5 +1,7 @@
-"""Llama model: logits and gradients equal transformers' LlamaForCausalLM; packing is exact;
-checkpoints round-trip both ways; config is strict; `verify --all-tiny` covers it."""
+"""Llama and its family (Qwen2, Mistral, Ministral: the shared dense decoder with biases,
+sliding windows, scaled RoPE): logits and gradients equal transformers' (past the original
+context for every rope type); packing is exact; checkpoints round-trip both ways; config is
+strict; `verify --all-tiny` covers them."""
 
 import json
 import os
@@ -13,10 +15,18 @@ import transformers
 
 from posttrain.models.llama import hf_adapter
 from posttrain.models.llama.model import LlamaConfig, LlamaModel, UnsupportedConfigError
-from posttrain.models.architectures import ARCHITECTURES, build_model, load_hf_checkpoint, save_hf_checkpoint, tiny_config
+from posttrain.models.architectures import (
+    ARCHITECTURES,
+    build_model,
+    get_architecture,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+    tiny_config,
+    tiny_names,
+)
 from posttrain.ops.losses import causal_lm_loss
 from posttrain.verify.__main__ import main as verify_main
-from posttrain.verify.logits import randomize_weights_
+from posttrain.verify.logits import compare_padded, randomize_weights_
 
 CONFIGS = {
     "gqa-untied": tiny_config("llama"),
@@ -29,17 +39,41 @@ CONFIGS = {
 }
 
 
+# 16 original positions, a 48-token batch: every scaled regime, and windows of 8, are exercised
+LONGROPE = dict(rope_type="longrope", original_max_position_embeddings=16,
+                short_factor=[1.0 + 0.1 * i for i in range(8)], long_factor=[2.0 + 0.5 * i for i in range(8)])
+FAMILY = {  # case -> (tiny config name, overrides)
+    "llama:llama3-biases": ("llama:llama3-biases", {}),
+    "llama:yarn": ("llama:yarn", {}),
+    "llama:linear": ("llama:linear", {}),
+    # dynamic NTK grows past max_position_embeddings (32 < 48); longrope's long factors past 16
+    "llama:dynamic": ("llama", dict(max_position_embeddings=32, rope_scaling=dict(rope_type="dynamic", factor=3.0))),
+    "llama:longrope": ("llama", dict(max_position_embeddings=64, attention_bias=True, rope_scaling=LONGROPE)),
+    "qwen2": ("qwen2", {}),
+    "mistral": ("mistral", {}),
+    "ministral": ("ministral", {}),
+}
+FAMILY_T = 48
+
+
+def family_config(case):
+    name, overrides = FAMILY[case]
+    return tiny_config(name, **overrides)
+
+
 def random_model(config, seed=0):
     return randomize_weights_(build_model(config, seed=seed), seed=seed + 1).eval()
 
 
-def hf_twin(model: LlamaModel) -> transformers.LlamaForCausalLM:
-    """transformers' LlamaForCausalLM holding exactly our weights (through our adapter)."""
-    hf_config = transformers.LlamaConfig.from_dict(model.config.to_hf_dict())
+def hf_twin(model: LlamaModel) -> transformers.PreTrainedModel:
+    """transformers' model of `model`'s architecture holding exactly our weights (through our adapter)."""
+    d = model.config.to_hf_dict()
+    hf_config = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
     hf_config._attn_implementation = "eager"
-    hf = transformers.LlamaForCausalLM(hf_config)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config)
     missing, unexpected = hf.load_state_dict(
-        {k: v.clone() for k, v in hf_adapter.export_tensors(model)}, strict=False
+        {k: v.clone() for k, v in get_architecture(model.config.model_type).adapter.export_tensors(model)},
+        strict=False,
     )
     assert unexpected == []
     assert set(missing) <= ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
@@ -170,11 +204,13 @@ def test_transformers_checkpoint_loads_in_ours(tmp_path, tied):
     assert (run_ours(model, ids, pos, doc) - theirs).abs().max() <= 1e-4
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_gradients_match_transformers(tied):
+@pytest.mark.parametrize("name, tied", [("llama", False), ("llama", True), ("llama:llama3-biases", False),
+                                        ("qwen2", True)])
+def test_gradients_match_transformers(name, tied):
     """Same weights, same right-padded batch, summed next-token CE: our loss (chunked, through
-    `output_weight`) and transformers' give the same gradient for every tensor."""
-    config = tiny_config("llama", tie_word_embeddings=tied)
+    `output_weight`) and transformers' give the same gradient for every tensor (biases too)."""
+    config = tiny_config(name, tie_word_embeddings=tied)
+    hf_adapter = get_architecture(config.model_type).adapter
     model = random_model(config, seed=5).train()
     hf = hf_twin(model).train()
     gen = torch.Generator().manual_seed(6)
@@ -233,13 +269,12 @@ def test_config_legacy_form_and_defaults():
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"attention_bias": True}, "attention_bias"),
-    ({"mlp_bias": True}, "mlp_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"attention_dropout": 0.1}, "attention_dropout"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                          "original_max_position_embeddings": 8192, "rope_theta": 5e5}}, "rope_parameters"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+                          "original_max_position_embeddings": 8192, "rope_theta": 5e5, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor"),
+    ({"rope_scaling": {"type": "mrope", "factor": 2.0}}, "mrope"),
     ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
     ({"model_type": "qwen3"}, "model_type"),
     ({"architectures": ["LlamaForSequenceClassification"]}, "architectures"),
@@ -251,9 +286,11 @@ def test_config_rejects_what_changes_numerics(change, field):
         LlamaConfig.from_hf_dict(d)
 
 
-def test_config_dataclass_rejects_bias():
-    with pytest.raises(UnsupportedConfigError, match="mlp_bias"):
-        tiny_config("llama", mlp_bias=True)
+def test_config_dataclass_checks():
+    with pytest.raises(ValueError, match="short_factor needs head_dim/2"):
+        tiny_config("llama", rope_scaling={**LONGROPE, "short_factor": [1.0]})
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        tiny_config("llama", rope_scaling=family_config("llama:dynamic").rope_scaling)
     with pytest.raises(ValueError, match="num_key_value_heads"):
         tiny_config("llama", num_key_value_heads=3)
 
@@ -264,7 +301,9 @@ def test_all_tiny_cli():
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     verdicts = [json.loads(line) for line in proc.stdout.strip().splitlines()]
-    assert [v["arch"] for v in verdicts] == list(ARCHITECTURES)
+    assert [v["tiny"] for v in verdicts] == tiny_names()
+    assert [v["arch"] for v in verdicts] == [name.partition(":")[0] for name in tiny_names()]
+    assert set(ARCHITECTURES) >= {"llama", "qwen2", "mistral", "ministral"}
     for v in verdicts:
         assert {"arch", "max_abs_diff", "mean_abs_diff", "tolerance", "passed"} <= set(v)
         assert v["passed"] is True and 0 <= v["mean_abs_diff"] <= v["max_abs_diff"] <= v["tolerance"] == 1e-4
@@ -274,9 +313,78 @@ def test_all_tiny_cli():
 def test_all_tiny_fails_when_any_fails(capsys):
     assert verify_main(["--all-tiny", "--seq-len", "8", "--tolerance=-1"]) == 1
     verdicts = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
-    assert [v["arch"] for v in verdicts] == list(ARCHITECTURES)
+    assert [v["tiny"] for v in verdicts] == tiny_names()
     assert all(v["passed"] is False and v["max_abs_diff"] > 0 for v in verdicts)
     assert verify_main(["--tiny", "llama", "--seq-len", "8"]) == 0
     assert json.loads(capsys.readouterr().out.strip())["arch"] == "llama"
     with pytest.raises(SystemExit):
         verify_main(["--all-tiny", "--tiny", "llama"])
+
+
+def test_family_tiny_configs_exercise_every_option():
+    llama = tiny_config("llama:llama3-biases")
+    assert (llama.qkv_bias, llama.o_bias, llama.mlp_bias, llama.rope_scaling.rope_type) == (True, True, True, "llama3")
+    model = build_model(llama, seed=0)
+    biased = {n for n, _ in model.named_parameters() if n.endswith(".bias")}
+    assert len(biased) == 7 * llama.num_hidden_layers and all(
+        float(p.detach().abs().max()) == 0 for n, p in model.named_parameters() if n in biased)  # as transformers inits
+    qwen2, mistral, ministral = (tiny_config(t) for t in ("qwen2", "mistral", "ministral"))
+    assert qwen2.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2 and qwen2.qkv_bias
+    assert not getattr(qwen2, "o_bias", False) and not getattr(qwen2, "mlp_bias", False)
+    assert mistral.layer_types == ["sliding_attention"] * 2
+    assert ministral.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    for config in (llama, qwen2, mistral, ministral):
+        assert config.head_dim * config.num_attention_heads != config.hidden_size
+        assert getattr(config, "sliding_window", None) in (None, 8)
+    assert {qwen2.rope_scaling.rope_type, mistral.rope_scaling.rope_type} == {"yarn", "linear"}
+    # transformers' Qwen2 rule: no window without use_sliding_window, whatever max_window_layers says
+    assert tiny_config("qwen2", use_sliding_window=False).layer_types == ["full_attention"] * 4
+    assert tiny_config("mistral", sliding_window=None).layer_types == ["full_attention"] * 2
+
+
+@pytest.mark.parametrize("name", list(FAMILY))
+def test_family_export_loads_in_transformers_with_same_logits(tmp_path, name):
+    """Our export -> `AutoModelForCausalLM.from_pretrained` (a fresh model: its first forward),
+    a right-padded batch of 48 positions (past the original context of 16, and for dynamic
+    NTK past max_position_embeddings), logits within 1e-4; the config reads back equal."""
+    model = random_model(family_config(name))
+    out = save_hf_checkpoint(model, tmp_path / "ckpt")
+    hf = hf_load(out)
+    assert type(hf).__name__ == model.config.hf_architecture
+    diff = compare_padded(model, hf, model.config.vocab_size, torch.Generator().manual_seed(0), 3, FAMILY_T)
+    assert diff["max_abs_diff"] <= 1e-4 and diff["numel"] > 0
+    assert load_hf_checkpoint(out).config == model.config
+
+
+@pytest.mark.parametrize("name", ["llama:llama3-biases", "llama:longrope", "qwen2", "ministral"])
+def test_family_transformers_checkpoint_loads_in_ours(tmp_path, name):
+    """A checkpoint transformers wrote (its own config.json, random weights, random biases) loads
+    in ours with the same logits."""
+    d = family_config(name).to_hf_dict()
+    cfg = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for param_name, p in hf.named_parameters():
+            p.normal_(0.0, 0.3) if p.ndim == 2 or param_name.endswith(".bias") else p.uniform_(0.5, 1.5)
+    hf.save_pretrained(tmp_path / "hf")
+    model = load_hf_checkpoint(tmp_path / "hf")
+    assert model.config == family_config(name)
+    diff = compare_padded(model, hf, model.config.vocab_size, torch.Generator().manual_seed(1), 2, FAMILY_T)
+    assert diff["max_abs_diff"] <= 1e-4
+
+
+@pytest.mark.parametrize("model_type, change, field", [
+    ("qwen2", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    ("qwen2", {"use_sliding_window": False, "layer_types": ["sliding_attention"] * 4}, "layer_types"),
+    ("qwen2", {"attention_bias": True}, "attention_bias"),
+    ("qwen2", {"rope_parameters": {"rope_type": "mrope", "mrope_section": [2, 2, 2]}}, "mrope"),
+    ("mistral", {"layer_types": ["full_attention"] * 2}, "layer_types"),
+    ("mistral", {"hidden_act": "gelu"}, "hidden_act"),
+    ("ministral", {"layer_types": ["chunked_attention"] * 3}, "layer_types"),
+    ("ministral", {"sliding_window": None}, "sliding_window"),
+])
+def test_family_config_refuses_by_field_name(model_type, change, field):
+    d = {**tiny_config(model_type).to_hf_dict(), **change}
+    with pytest.raises(UnsupportedConfigError, match=field):
+        get_architecture(model_type).config_cls.from_hf_dict(d)

@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from collections.abc import Iterable, Iterator
@@ -40,6 +40,12 @@ from posttrain.models.gpt_oss.model import GptOssConfig, GptOssModel
 from posttrain.models.llama import hf_adapter as llama_adapter
 from posttrain.models.lora import has_lora, merge_lora_weights, merged_state_dict
 from posttrain.models.llama.model import LlamaConfig, LlamaModel
+from posttrain.models.ministral import hf_adapter as ministral_adapter
+from posttrain.models.ministral.model import MinistralConfig, MinistralModel
+from posttrain.models.mistral import hf_adapter as mistral_adapter
+from posttrain.models.mistral.model import MistralConfig, MistralModel
+from posttrain.models.qwen2 import hf_adapter as qwen2_adapter
+from posttrain.models.qwen2.model import Qwen2Config, Qwen2Model
 from posttrain.models.qwen3 import hf_adapter as qwen3_adapter
 from posttrain.models.qwen3.model import Qwen3Config, Qwen3Model
 from posttrain.models.qwen3_moe import hf_adapter as qwen3_moe_adapter
@@ -57,6 +63,14 @@ class Architecture:
     model_cls: type[torch.nn.Module]
     adapter: ModuleType
     tiny: dict[str, Any]  # kwargs for a tiny random config (tests, `verify --tiny`)
+    # named overrides of `tiny` that `verify --all-tiny` also checks (`verify --tiny TYPE:NAME`): options
+    # the base tiny config, which many tests share, leaves off
+    tiny_variants: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+# the verifier's default sequence (48 tokens) runs past this original context: scaled RoPE is
+# checked beyond it, and sliding windows of 8 are smaller than it
+_TINY_ORIGINAL_CONTEXT = 16
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -75,6 +89,53 @@ ARCHITECTURES: dict[str, Architecture] = {
         tiny=dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
                   rope_theta=500000.0, max_position_embeddings=512, bos_token_id=0, eos_token_id=1),
+        # every option on: q/k/v/o and MLP biases, head_dim 24 != 64/4, llama3 RoPE over 16 original
+        # positions; and the other static rope types (dynamic and longrope depend on the forward's
+        # length: tests/unit/test_llama_model.py checks them against a fresh transformers model)
+        tiny_variants={
+            "llama3-biases": dict(attention_bias=True, mlp_bias=True, head_dim=24, max_position_embeddings=128,
+                                  rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                    high_freq_factor=4.0,
+                                                    original_max_position_embeddings=_TINY_ORIGINAL_CONTEXT)),
+            "yarn": dict(max_position_embeddings=64, rope_scaling=dict(
+                rope_type="yarn", factor=4.0, original_max_position_embeddings=_TINY_ORIGINAL_CONTEXT)),
+            "linear": dict(max_position_embeddings=128, rope_scaling=dict(rope_type="linear", factor=4.0)),
+        },
+    ),
+    "qwen2": Architecture(
+        Qwen2Config,
+        Qwen2Model,
+        qwen2_adapter,
+        # q/k/v biases, layers 2-3 sliding (window 8 < the verifier's 48 tokens), head_dim 24 != 64/4,
+        # yarn x4 over 16 original positions (Qwen2.5's long-context form)
+        tiny=dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=24, rope_theta=1e6,
+                  rope_scaling=dict(rope_type="yarn", factor=4.0,
+                                    original_max_position_embeddings=_TINY_ORIGINAL_CONTEXT),
+                  use_sliding_window=True, sliding_window=8, max_window_layers=2,
+                  max_position_embeddings=64, eos_token_id=1),
+    ),
+    "mistral": Architecture(
+        MistralConfig,
+        MistralModel,
+        mistral_adapter,
+        # every layer sliding over 8 tokens, head_dim 24 != 64/4, linear RoPE x2
+        tiny=dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=24, rope_theta=1e6,
+                  rope_scaling=dict(rope_type="linear", factor=2.0), sliding_window=8,
+                  max_position_embeddings=128, bos_token_id=0, eos_token_id=1),
+    ),
+    "ministral": Architecture(
+        MinistralConfig,
+        MinistralModel,
+        ministral_adapter,
+        # sliding (window 8), full, sliding layers; head_dim 24 != 64/4; llama3 RoPE over 16 positions
+        tiny=dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=24, rope_theta=1e6,
+                  rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                    original_max_position_embeddings=_TINY_ORIGINAL_CONTEXT),
+                  sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                  max_position_embeddings=128, bos_token_id=0, eos_token_id=1),
     ),
     "qwen3_moe": Architecture(
         Qwen3MoeConfig,
@@ -123,9 +184,20 @@ def get_architecture(model_type: str | None) -> Architecture:
 
 
 def tiny_config(model_type: str = "qwen3", **overrides: Any):
-    """A tiny random-init config of `model_type` (vocab not a multiple of 64, GQA)."""
+    """A tiny random-init config of `model_type` (vocab not a multiple of 64, GQA);
+    `"TYPE:VARIANT"` applies that `tiny_variants` entry first."""
+    model_type, _, variant = model_type.partition(":")
     arch = get_architecture(model_type)
-    return arch.config_cls(**{**arch.tiny, **overrides})
+    if variant and variant not in arch.tiny_variants:
+        raise HFCheckpointError(f"{model_type} has no tiny variant {variant!r}; it has {sorted(arch.tiny_variants)}")
+    return arch.config_cls(**{**arch.tiny, **arch.tiny_variants.get(variant, {}), **overrides})
+
+
+def tiny_names() -> list[str]:
+    """Every tiny config `verify --all-tiny` checks: each architecture's, then its variants
+    (`"TYPE:VARIANT"`)."""
+    return [name for model_type, arch in ARCHITECTURES.items()
+            for name in (model_type, *(f"{model_type}:{v}" for v in arch.tiny_variants))]
 
 
 def build_model(config, seed: int, device: torch.device | str = "cpu") -> torch.nn.Module:

@@ -28,8 +28,9 @@ from torch import nn
 
 from posttrain.models.hf_config import FULL, SLIDING
 from posttrain.models.kv_cache import KVCache, LayerKV
-from posttrain.models.layers import GroupedQueryAttention, RMSNorm, RotaryEmbedding, ScaledEmbedding, SwiGLU
+from posttrain.models.layers import GroupedQueryAttention, RMSNorm, ScaledEmbedding, SwiGLU
 from posttrain.models.moe import load_balancing_loss
+from posttrain.models.rope import RotaryEmbedding
 from posttrain.ops.attention import AttentionMask, build_attention_mask, build_cached_attention_mask
 
 __all__ = ["FULL", "SLIDING", "DecoderBlock", "DecoderLM", "MoeDecoderLM"]
@@ -39,7 +40,8 @@ class DecoderBlock(nn.Module):
     """Pre-norm decoder block: `x += attn(norm(x)); x += mlp(norm(x))`.
 
     By default the dense block: `GroupedQueryAttention` (per-head q/k RMSNorm with `qk_norm`)
-    and a SwiGLU MLP of `intermediate_size`. `attention`, `feed_forward` and `norm_cls` replace
+    and a SwiGLU MLP of `intermediate_size`, biased where the config says so (`qkv_bias`,
+    `o_bias`, `mlp_bias`; absent means false). `attention`, `feed_forward` and `norm_cls` replace
     those parts (an MoE MLP, GPT-OSS's sink attention and norm) under the same names.
     """
 
@@ -50,10 +52,12 @@ class DecoderBlock(nn.Module):
         self.attention_norm = norm_cls(D, eps)
         self.attention = attention if attention is not None else GroupedQueryAttention(
             D, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-            qk_norm_eps=eps if qk_norm else None,
+            qk_norm_eps=eps if qk_norm else None, qkv_bias=getattr(config, "qkv_bias", False),
+            o_bias=getattr(config, "o_bias", False),
         )
         self.ffn_norm = norm_cls(D, eps)
-        self.feed_forward = feed_forward if feed_forward is not None else SwiGLU(D, config.intermediate_size)
+        self.feed_forward = feed_forward if feed_forward is not None else SwiGLU(
+            D, config.intermediate_size, bias=getattr(config, "mlp_bias", False))
 
     def forward(
         self, x_BTD: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor, mask: AttentionMask,
@@ -75,7 +79,7 @@ class DecoderLM(nn.Module):
 
     Arguments beyond `config`: `block(i)` builds layer `i` (default: the dense `DecoderBlock`
     with `qk_norm`); `rotary` is one module for all layers or an `nn.ModuleDict` keyed by layer
-    type (default: plain RoPE with `config.rope_theta`); `embedding_scale` multiplies the
+    type (default: `config.rope_theta` with `config.rope_scaling` when the config has one); `embedding_scale` multiplies the
     embeddings (rounded to their dtype first); `padding_idx` names an embedding row that gets no
     lookup gradient and is zeroed by `init_weights`; `norm_cls` is the final norm's class.
     """
@@ -94,7 +98,8 @@ class DecoderLM(nn.Module):
             self.tok_embeddings = nn.Embedding(V, D, padding_idx=padding_idx)
         else:
             self.tok_embeddings = ScaledEmbedding(V, D, scale=embedding_scale, padding_idx=padding_idx)
-        self.rotary = rotary if rotary is not None else RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary = rotary if rotary is not None else RotaryEmbedding(
+            config.head_dim, config.rope_theta, getattr(config, "rope_scaling", None))
         if block is None:
             def block(i: int) -> nn.Module:
                 return DecoderBlock(config, qk_norm)
@@ -133,7 +138,11 @@ class DecoderLM(nn.Module):
     def _slot_rotary_tables(self, cache: KVCache, position_ids_BT: torch.Tensor, dtype: torch.dtype) -> dict:
         """`_rotary_tables` for a decode step, read from tables of every position below the
         cache's capacity (computed once per cache and dtype, kept in `cache.derived`): the
-        same values, one gather instead of ~9 ops a step."""
+        same values, one gather instead of ~9 ops a step. A length-dependent rotary (dynamic,
+        longrope: the table depends on the forward's largest position) is computed per step."""
+        rotaries = self.rotary.values() if isinstance(self.rotary, nn.ModuleDict) else [self.rotary]
+        if any(getattr(r, "length_dependent", False) for r in rotaries):
+            return self._rotary_tables(position_ids_BT, dtype)
         lowest, highest = torch.aminmax(position_ids_BT)
         if int(highest) >= cache.capacity or int(lowest) < 0:  # outside the table: compute them
             return self._rotary_tables(position_ids_BT, dtype)
@@ -206,8 +215,10 @@ class DecoderLM(nn.Module):
             self.output.weight[V:].zero_()
 
     def _init_parameter(self, name: str, param: torch.Tensor, gen: torch.Generator) -> None:
-        """Vectors (norm weights) 1, matrices ~ N(0, initializer_range)."""
-        if param.ndim == 1:
+        """Linear biases 0, other vectors (norm weights) 1, matrices ~ N(0, initializer_range)."""
+        if name.endswith(".bias"):
+            param.zero_()
+        elif param.ndim == 1:
             param.fill_(1.0)
         else:
             param.normal_(0.0, self.config.initializer_range, generator=gen)

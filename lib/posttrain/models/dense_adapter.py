@@ -9,7 +9,10 @@ tools write it); `redundant_tensors` declares it, and the loader accepts it only
 `model.embed_tokens.weight`.
 
 An architecture's `hf_adapter.py` is a `DenseDecoderAdapter` with its own switches (Qwen3
-has per-head q/k norms, Llama does not), exposed as module-level functions.
+has per-head q/k norms, Llama does not), whose methods it exposes as module-level functions
+(`adapter_functions`). Biases follow the
+config (`qkv_bias`, `o_bias`, `mlp_bias`; absent means false): `self_attn.{q,k,v}_proj.bias`,
+`self_attn.o_proj.bias`, `mlp.{gate,up,down}_proj.bias`.
 """
 
 from __future__ import annotations
@@ -38,6 +41,14 @@ _LAYER_NAMES = {
 _QK_NORM_NAMES = {
     "self_attn.q_norm.weight": "attention.q_norm.weight",
     "self_attn.k_norm.weight": "attention.k_norm.weight",
+}
+
+
+# per-layer bias names (HF suffix -> our suffix), keyed by the config flag that adds them
+_BIAS_NAMES = {
+    "qkv_bias": {f"self_attn.{p}_proj.bias": f"attention.w{p}.bias" for p in "qkv"},
+    "o_bias": {"self_attn.o_proj.bias": "attention.wo.bias"},
+    "mlp_bias": {f"mlp.{p}_proj.bias": f"feed_forward.w_{p}.bias" for p in ("gate", "up", "down")},
 }
 
 
@@ -82,9 +93,16 @@ class DenseDecoderAdapter:
         self.qk_norm = qk_norm
         self.layer_names = {**_LAYER_NAMES, **(_QK_NORM_NAMES if qk_norm else {})}
 
+    def _layer_names(self, config: Any) -> dict[str, str]:
+        names = dict(self.layer_names)
+        for flag, bias_names in _BIAS_NAMES.items():
+            if getattr(config, flag, False):
+                names.update(bias_names)
+        return names
+
     def hf_to_ours(self, config: Any) -> dict[str, str]:
         """Every HF tensor name a checkpoint of `config` must hold -> our parameter name."""
-        return decoder_hf_names(config, self.layer_names)
+        return decoder_hf_names(config, self._layer_names(config))
 
     def hf_shapes(self, config: Any) -> dict[str, tuple[int, ...]]:
         """The shape of every HF tensor of a `config` checkpoint (real, unpadded vocabulary)."""
@@ -103,6 +121,10 @@ class DenseDecoderAdapter:
         }
         if self.qk_norm:
             layer.update({"self_attn.q_norm.weight": (E,), "self_attn.k_norm.weight": (E,)})
+        bias_shapes = {"self_attn.q_proj.bias": (H * E,), "self_attn.k_proj.bias": (K * E,),
+                       "self_attn.v_proj.bias": (K * E,), "self_attn.o_proj.bias": (D,),
+                       "mlp.gate_proj.bias": (F,), "mlp.up_proj.bias": (F,), "mlp.down_proj.bias": (D,)}
+        layer.update({name: bias_shapes[name] for name in self._layer_names(config) if name.endswith(".bias")})
         return decoder_hf_shapes(config, layer)
 
     def import_tensor(self, hf_name: str, tensor: torch.Tensor, config: Any) -> tuple[str, torch.Tensor]:
@@ -136,3 +158,10 @@ class DenseDecoderAdapter:
         """Tensors a checkpoint may carry besides `hf_shapes`, each of which must equal its twin:
         `{hf_name: twin_hf_name}`. A tied model's optional `lm_head.weight` duplicates the embedding."""
         return {LM_HEAD: EMBED} if config.tie_word_embeddings else {}
+
+
+def adapter_functions(adapter: DenseDecoderAdapter) -> tuple:
+    """`(hf_to_ours, hf_shapes, import_tensor, export_tensors, redundant_tensors)` of `adapter`:
+    what an architecture's `hf_adapter` module exposes (`posttrain.models.architectures`)."""
+    return (adapter.hf_to_ours, adapter.hf_shapes, adapter.import_tensor, adapter.export_tensors,
+            adapter.redundant_tensors)

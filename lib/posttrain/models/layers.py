@@ -1,11 +1,11 @@
-"""Shared decoder layers: RMSNorm, rotary embedding, SwiGLU MLP, grouped-query attention,
-scaled embedding.
+"""Shared decoder layers: RMSNorm, applying the rotary embedding (the tables are
+`posttrain.models.rope`'s), SwiGLU MLP, grouped-query attention, scaled embedding.
 
 Shape suffixes follow docs/architecture.md: B batch, T time, D hidden, H query heads,
 K key/value heads, E head dim, F MLP intermediate size.
 
-None of these modules hold buffers: rotary tables are computed from explicit position ids on
-every forward, so a model built on the meta device needs nothing but its parameters loaded.
+None of these modules hold buffers, so a model built on the meta device needs nothing but its
+parameters loaded.
 """
 
 from __future__ import annotations
@@ -51,39 +51,6 @@ class ScaledEmbedding(nn.Embedding):
         return x_BTD * scale
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (rotate-half layout): "default" RoPE, or "linear" RoPE scaling
-    with `linear_factor != 1` (inverse frequencies divided by the factor, as transformers does).
-
-    `forward(position_ids_BT, dtype) -> (cos_BTE, sin_BTE)`. Positions are explicit, so they can
-    restart at 0 for each document of a packed row. Tables are computed in float32.
-    """
-
-    def __init__(self, head_dim: int, theta: float, linear_factor: float = 1.0):
-        super().__init__()
-        if head_dim % 2:
-            raise ValueError(f"rotary head_dim must be even, got {head_dim}")
-        if not linear_factor > 0:
-            raise ValueError(f"rotary linear_factor must be positive, got {linear_factor}")
-        self.head_dim = head_dim
-        self.theta = float(theta)
-        self.linear_factor = float(linear_factor)
-
-    def forward(self, position_ids_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        E, device = self.head_dim, position_ids_BT.device
-        exponent = torch.arange(0, E, 2, dtype=torch.float32, device=device) / E
-        inv_freq = 1.0 / (self.theta**exponent)  # [E/2]
-        if self.linear_factor != 1.0:
-            inv_freq = inv_freq / self.linear_factor
-        freqs_BTe = position_ids_BT[..., None].float() * inv_freq
-        angles_BTE = torch.cat((freqs_BTe, freqs_BTe), dim=-1)
-        return angles_BTE.cos().to(dtype), angles_BTE.sin().to(dtype)
-
-    def extra_repr(self) -> str:
-        factor = f", linear_factor={self.linear_factor}" if self.linear_factor != 1.0 else ""
-        return f"head_dim={self.head_dim}, theta={self.theta}{factor}"
-
-
 def apply_rotary(x_BHTE: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Tensor) -> torch.Tensor:
     """Rotate `x` by the position angles: `x * cos + rotate_half(x) * sin`."""
     half = x_BHTE.shape[-1] // 2
@@ -92,13 +59,14 @@ def apply_rotary(x_BHTE: torch.Tensor, cos_BTE: torch.Tensor, sin_BTE: torch.Ten
 
 
 class SwiGLU(nn.Module):
-    """`w_down(silu(w_gate(x)) * w_up(x))`, no biases."""
+    """`w_down(silu(w_gate(x)) * w_up(x))`; all three projections biased with `bias` (Llama's
+    `mlp_bias`), else none."""
 
-    def __init__(self, dim: int, hidden_dim: int):
+    def __init__(self, dim: int, hidden_dim: int, bias: bool = False):
         super().__init__()
-        self.w_gate = nn.Linear(dim, hidden_dim, bias=False)
-        self.w_up = nn.Linear(dim, hidden_dim, bias=False)
-        self.w_down = nn.Linear(hidden_dim, dim, bias=False)
+        self.w_gate = nn.Linear(dim, hidden_dim, bias=bias)
+        self.w_up = nn.Linear(dim, hidden_dim, bias=bias)
+        self.w_down = nn.Linear(hidden_dim, dim, bias=bias)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         return self.w_down(F.silu(self.w_gate(x_BTD)) * self.w_up(x_BTD))
@@ -109,22 +77,24 @@ class GroupedQueryAttention(nn.Module):
 
     With `qk_norm_eps` set (Qwen3, Gemma3), q and k get a `norm_cls(head_dim, qk_norm_eps)` norm
     (default `RMSNorm`) over the head dim, per head, before the rotary embedding. Scores are
-    scaled by `scale` (default `head_dim ** -0.5`). No biases. Attention goes through
+    scaled by `scale` (default `head_dim ** -0.5`). `qkv_bias` gives wq/wk/wv biases (Qwen2,
+    Llama's `attention_bias`), `o_bias` gives wo one (Llama's `attention_bias`). Attention goes through
     `posttrain.ops.attention`, so the document mask and backend are decided by the caller's
     `AttentionMask`.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm_eps: float | None = None,
-                 scale: float | None = None, norm_cls: type[nn.Module] = RMSNorm):
+                 scale: float | None = None, norm_cls: type[nn.Module] = RMSNorm, qkv_bias: bool = False,
+                 o_bias: bool = False):
         super().__init__()
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale = head_dim**-0.5 if scale is None else float(scale)
-        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=o_bias)
         self.q_norm = norm_cls(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = norm_cls(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 

@@ -2,7 +2,7 @@
 
 A plan says how one decoder block is split across the "tp" mesh dimension; it is applied
 from outside the model with `parallelize_module`, block by block. Every registered
-architecture (qwen3, llama, gemma3_text, qwen3_moe, gpt_oss) is a
+architecture (qwen3, llama, gemma3_text, qwen3_moe, gpt_oss, qwen2, mistral, ministral) is a
 `posttrain.models.decoder.DecoderLM` whose blocks have an `attention` and a `feed_forward`
 under the same names, so one factory, `decoder_block_plan`, reads the block and plans:
 
@@ -234,7 +234,7 @@ def decoder_block_plan(block: nn.Module) -> TPPlan:
     return {**attention_plan(block.attention), **feed_forward_plan(block.feed_forward)}
 
 
-for _model_type in ("qwen3", "llama", "gemma3_text", "qwen3_moe", "gpt_oss"):
+for _model_type in ("qwen3", "llama", "gemma3_text", "qwen3_moe", "gpt_oss", "qwen2", "mistral", "ministral"):
     register_tp_plan(_model_type)(decoder_block_plan)
 
 

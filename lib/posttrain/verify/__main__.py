@@ -1,5 +1,5 @@
-"""`python -m posttrain.verify MODEL_DIR` (or `--tiny MODEL_TYPE`, or `--all-tiny` for every
-registered architecture): print one JSON verdict line per model; exit 0 when all passed, 1 when
+"""`python -m posttrain.verify MODEL_DIR` (or `--tiny MODEL_TYPE[:VARIANT]`, or `--all-tiny` for
+every registered architecture's tiny config and tiny variants): print one JSON verdict line per model; exit 0 when all passed, 1 when
 any did not. A reward model (`save_with_head` directory): `python -m posttrain.verify MODEL_DIR
 --sequence-classifier EXPORT_DIR` compares its scores with `AutoModelForSequenceClassification`
 on its export (the reward-model recipe writes it to `MODEL_DIR/sequence_classifier`)."""
@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from posttrain.models.architectures import ARCHITECTURES
+from posttrain.models.architectures import tiny_names
 from posttrain.verify.logits import build_tiny_checkpoint, verify_checkpoint, verify_sequence_classifier
 
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", metavar="MODEL_TYPE",
                         help="build a tiny random checkpoint of this type and verify it")
     parser.add_argument("--all-tiny", action="store_true",
-                        help=f"verify a tiny random checkpoint of every registered type ({', '.join(ARCHITECTURES)})")
+                        help=f"verify a tiny random checkpoint of every registered type and variant ({', '.join(tiny_names())})")
     parser.add_argument("--sequence-classifier", metavar="EXPORT_DIR",
                         help="MODEL_DIR is a reward model: compare its scores with transformers' sequence "
                              "classifier loaded from EXPORT_DIR")
@@ -63,12 +63,12 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # e.g. an unknown model type: a failed verdict, not a traceback
                 return {"arch": model_type, "max_abs_diff": math.inf, "mean_abs_diff": math.inf,
                         "tolerance": args.tolerance, "passed": False, "error": f"{type(exc).__name__}: {exc}"}
-            return run(model_dir)
+            return {"tiny": model_type, **run(model_dir)}
 
     if args.model_dir is not None:
         jobs = [lambda: run(args.model_dir)]
     else:
-        model_types = list(ARCHITECTURES) if args.all_tiny else [args.tiny]
+        model_types = tiny_names() if args.all_tiny else [args.tiny]
         jobs = [lambda t=t: run_tiny(t) for t in model_types]
     all_passed = True
     for job in jobs:

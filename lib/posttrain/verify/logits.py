@@ -188,12 +188,13 @@ def verify_checkpoint(model_dir: str | Path, tolerance: float = 1e-4, seed: int 
 
 
 def build_tiny_checkpoint(model_type: str, path: str | Path, seed: int = 0, **overrides) -> Path:
-    """Write a tiny random checkpoint of `model_type` to `path` (for `verify --tiny` and tests).
+    """Write a tiny random checkpoint of `model_type` (or `"TYPE:VARIANT"`, a registered
+    tiny variant) to `path` (for `verify --tiny` and tests).
 
     Weights are drawn larger than a real init (std 0.2) and norm weights are random, so logits
     are O(1) and a swapped or mis-mapped tensor shows up in the comparison.
     """
-    get_architecture(model_type)
+    get_architecture(model_type.partition(":")[0])
     model = build_model(tiny_config(model_type, **overrides), seed=seed)
     randomize_weights_(model, seed + 1)
     return save_hf_checkpoint(model, path)

@@ -61,7 +61,8 @@ from posttrain.models.hf_config import (
 )
 from posttrain.models.decoder import DecoderLM
 from posttrain.models.kv_cache import LayerKV
-from posttrain.models.layers import GroupedQueryAttention, RMSNorm, RotaryEmbedding, ScaledEmbedding, SwiGLU
+from posttrain.models.layers import GroupedQueryAttention, RMSNorm, ScaledEmbedding, SwiGLU
+from posttrain.models.rope import LinearScaling, RotaryEmbedding
 from posttrain.ops.attention import AttentionMask
 from posttrain.models.flops import LayerFlopSpec, dense_layer_spec
 
@@ -325,7 +326,8 @@ class Gemma3Model(DecoderLM):
     def __init__(self, config: Gemma3Config):
         rotary = nn.ModuleDict({
             SLIDING: RotaryEmbedding(config.head_dim, config.rope_local_base_freq),
-            FULL: RotaryEmbedding(config.head_dim, config.rope_theta, linear_factor=config.rope_scaling_factor or 1.0),
+            FULL: RotaryEmbedding(config.head_dim, config.rope_theta,
+                                  LinearScaling(config.rope_scaling_factor) if config.rope_scaling_factor else None),
         })
         super().__init__(config, block=lambda i: Gemma3Block(config), rotary=rotary,
                          embedding_scale=config.hidden_size**0.5, padding_idx=config.pad_token_id,

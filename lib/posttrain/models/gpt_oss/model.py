@@ -202,7 +202,7 @@ class GptOssConfig(PaddedVocab):
             kwargs["head_dim"] = d["head_dim"] or d["hidden_size"] // d["num_attention_heads"]
         if "layer_types" in d and d["layer_types"] is None:
             kwargs.pop("layer_types")  # null: the default alternation
-        theta, yarn, given = rope_from_hf(d, default_theta=cls.rope_theta)
+        theta, yarn, given = rope_from_hf(d, default_theta=cls.rope_theta, accepted=("default", "yarn"))
         kwargs["rope_theta"] = theta
         kwargs["rope_scaling"] = yarn if given else DEFAULT_YARN
         return cls(**kwargs)

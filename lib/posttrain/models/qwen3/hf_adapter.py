@@ -4,14 +4,9 @@ Qwen3 is the shared dense decoder with per-head q/k norms; the mapping (vocabula
 tied heads) is `posttrain.models.dense_adapter`'s.
 """
 
-from posttrain.models.dense_adapter import DenseDecoderAdapter, pad_vocab
+from posttrain.models.dense_adapter import DenseDecoderAdapter, adapter_functions, pad_vocab
 
-_ADAPTER = DenseDecoderAdapter("qwen3", qk_norm=True)
-
-hf_to_ours = _ADAPTER.hf_to_ours
-hf_shapes = _ADAPTER.hf_shapes
-import_tensor = _ADAPTER.import_tensor
-export_tensors = _ADAPTER.export_tensors
-redundant_tensors = _ADAPTER.redundant_tensors
+hf_to_ours, hf_shapes, import_tensor, export_tensors, redundant_tensors = adapter_functions(
+    DenseDecoderAdapter("qwen3", qk_norm=True))
 
 __all__ = ["export_tensors", "hf_shapes", "hf_to_ours", "import_tensor", "pad_vocab", "redundant_tensors"]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from posttrain.models.decoder import DecoderLM
-from posttrain.models.dense_config import DENSE_READ_HF_FIELDS, DenseDecoderConfig
+from posttrain.models.dense_config import DENSE_READ_HF_FIELDS, DenseDecoderFields
 from posttrain.models.hf_config import (
     COMMON_IGNORED_HF_FIELDS,
     VOCAB_PAD_MULTIPLE,
@@ -46,8 +46,9 @@ _READ_HF_FIELDS = DENSE_READ_HF_FIELDS | {"use_sliding_window", "layer_types"}
 
 
 @dataclass
-class Qwen3Config(DenseDecoderConfig):
-    """Qwen3 dense architecture hyper-parameters (HF field names, HF defaults where optional).
+class Qwen3Config(DenseDecoderFields):
+    """Qwen3 dense architecture hyper-parameters (`DenseDecoderFields`, HF names and defaults;
+    plain RoPE only: `rope_scaling` stays None).
 
     `bos_token_id`/`eos_token_id`/`pad_token_id` do not affect the model; they are carried so an
     exported checkpoint has a complete config.json and generation_config.json.
@@ -56,21 +57,8 @@ class Qwen3Config(DenseDecoderConfig):
     model_type: ClassVar[str] = "qwen3"
     hf_architecture: ClassVar[str] = "Qwen3ForCausalLM"
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int = 128
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
+    head_dim: int = 128  # transformers' Qwen3Config default, not hidden/heads
     max_position_embeddings: int = 32768
-    tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
         self._check_dims()
