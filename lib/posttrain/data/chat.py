@@ -3,6 +3,10 @@
 `render_conversation(tokenizer, messages, **template_kwargs) -> TokenizedSample`:
 
 - `input_ids` are exactly `tokenizer.apply_chat_template(messages, tokenize=True, **kw)`.
+  Special tokens come from the template alone: rendered text is encoded with
+  `add_special_tokens=False`, as `apply_chat_template` does, so a template that writes the BOS
+  itself (Llama 3's `<|begin_of_text|>`) gives one BOS, whatever the tokenizer's
+  post-processor would add.
 - `loss_mask[i] == 1` iff token `i` is one the assistant generates in some assistant turn:
   everything after the generation prompt (e.g. `<|im_start|>assistant\\n`) up to and
   including the end-of-turn marker (e.g. `<|im_end|>`), not the newline after it.
