@@ -89,6 +89,21 @@ def test_formula_matches_flop_counter(eager_attention, make_batch, tied):
     assert analytic.attention / counted > 0.02
 
 
+@pytest.mark.parametrize("name", ["llama:llama3-biases", "qwen2", "ministral"])
+def test_formula_matches_flop_counter_on_the_llama_family(eager_attention, name):
+    """Biases (q/k/v/o, MLP) add no counted FLOPs: a biased linear is one `addmm`, which the
+    counter, like our formula, counts as its matmul alone (`2*m*n*k`; matmuls only is the
+    convention). Sliding layers (Qwen2's last two, Ministral's first and last) carry their
+    window for `causal_pairs`; the square count of a dense kernel is what the counter sees."""
+    config = tiny_config(name)
+    model = build_model(config, seed=0)
+    batch = packed_batch()
+    analytic = batch_step_flops(config, batch, include_padding=True)
+    assert analytic.total == pytest.approx(counted_flops(model, batch), rel=1e-9), analytic
+    windows = [spec.window for spec in config.flop_layers()] if hasattr(config, "flop_layers") else []
+    assert windows == {"llama:llama3-biases": [], "qwen2": [None, None, 8, 8], "ministral": [8, None, 8]}[name]
+
+
 @pytest.mark.parametrize("make_batch", [padded_batch, packed_batch], ids=["padded", "packed"])
 def test_executed_flops_are_what_dense_row_attention_computes(monkeypatch, make_batch):
     """`executed_step_flops` (HFU's numerator) is exactly what the CPU kernels run: full

@@ -59,8 +59,8 @@ def train_config(eps: float) -> TrainConfig:
                        device="cpu", tensorboard=False, progress_bar=False)
 
 
-def tiny_model(dtype: torch.dtype, tied: bool = False, head: bool = False) -> torch.nn.Module:
-    model = build_model(tiny_config("qwen3", tie_word_embeddings=tied), seed=0)
+def tiny_model(dtype: torch.dtype, tied: bool = False, head: bool = False, arch: str = "qwen3") -> torch.nn.Module:
+    model = build_model(tiny_config(arch, tie_word_embeddings=tied), seed=0)
     if head:  # a reward model: the backbone under a value head
         value = ValueHead(model.config.hidden_size, bias=False)
         value.init_weights(0, std=0.2)
@@ -96,8 +96,8 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def single_process_steps(steps: int, dtype: torch.dtype, eps: float, tied: bool = False, head: bool = False,
-                         distill: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = tiny_model(dtype, tied, head)
+                         distill: bool = False, arch: str = "qwen3") -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = tiny_model(dtype, tied, head, arch)
     trainer = Trainer(model, train_config(eps), total_steps=10, process_group=None,
                       objective=objective_for(head, distill))
     losses = [trainer.train_step([global_batch(seed=s)])["loss"] for s in range(steps)]
@@ -105,11 +105,11 @@ def single_process_steps(steps: int, dtype: torch.dtype, eps: float, tied: bool 
 
 
 def sharded_steps(strategy: str, steps: int, dtype: torch.dtype, eps: float, tied: bool = False, head: bool = False,
-                  distill: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+                  distill: bool = False, arch: str = "qwen3") -> tuple[list[float], dict[str, torch.Tensor]]:
     world = dist.get_world_size()
     config = ParallelConfig(strategy=strategy, num_workers=world)
     mesh = build_device_mesh(config)
-    model = apply_parallelism(tiny_model(dtype, tied, head), config, mesh)
+    model = apply_parallelism(tiny_model(dtype, tied, head, arch), config, mesh)
     objective = objective_for(head, distill, teacher_plan=lambda t: apply_parallelism(t, config, mesh))
     if distill:
         assert all(isinstance(p, DTensor) for p in objective.teacher.parameters())  # sharded like the student
@@ -137,7 +137,10 @@ CASES = {"fsdp-fp32": ("fsdp", torch.float32, 1e-4, 1e-6, False, False, False),
          "fsdp-fp64": ("fsdp", torch.float64, 1e-8, 1e-10, False, False, False),
          "fsdp-fp32-tied": ("fsdp", torch.float32, 1e-4, 1e-6, True, False, False),
          "fsdp-fp64-reward-model": ("fsdp", torch.float64, 1e-8, 1e-10, False, True, False),
-         "fsdp-fp64-distill": ("fsdp", torch.float64, 1e-8, 1e-10, False, False, True)}
+         "fsdp-fp64-distill": ("fsdp", torch.float64, 1e-8, 1e-10, False, False, True),
+         "fsdp-fp64-llama-biases": ("fsdp", torch.float64, 1e-8, 1e-10, False, False, False)}
+# the architecture of a case (default qwen3): Llama with q/k/v/o and MLP biases, llama3 RoPE
+CASE_ARCH = {"fsdp-fp64-llama-biases": "llama:llama3-biases"}
 STEPS = 2
 
 
@@ -173,7 +176,7 @@ def dcp_round_trip(directory: str) -> dict:
 
 
 def all_cases(directory: str) -> dict:
-    out = {name: sharded_steps(strategy, STEPS, dtype, eps, tied, head, distill)
+    out = {name: sharded_steps(strategy, STEPS, dtype, eps, tied, head, distill, CASE_ARCH.get(name, "qwen3"))
            for name, (strategy, dtype, eps, _, tied, head, distill) in CASES.items()}
     out["dcp"] = dcp_round_trip(directory)
     return out
@@ -188,7 +191,8 @@ def two_rank_results(tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_rank_steps_equal_one_process_steps(case, two_rank_results):
     strategy, dtype, eps, tol, tied, head, distill = CASES[case]
-    ref_losses, ref_params = single_process_steps(STEPS, dtype, eps, tied, head, distill)
+    arch = CASE_ARCH.get(case, "qwen3")
+    ref_losses, ref_params = single_process_steps(STEPS, dtype, eps, tied, head, distill, arch)
     worst = 0.0
     for rank, result in enumerate(two_rank_results):
         losses, params = result[case]
@@ -200,7 +204,7 @@ def test_two_rank_steps_equal_one_process_steps(case, two_rank_results):
             assert diff <= tol, f"rank {rank} {case} {name}: max |diff| {diff:.3g}"
             worst = max(worst, diff)
     print(f"{case}: max |param diff| {worst:.3g}, losses {ref_losses}")
-    init = tiny_model(dtype, tied, head).state_dict()
+    init = tiny_model(dtype, tied, head, arch).state_dict()
     assert any((ref_params[n] - init[n]).abs().max() > 1e-4 for n in init)  # the steps moved the weights
 
 

@@ -1,9 +1,11 @@
 """Tensor parallelism on 2 CPU ranks (gloo) for Gemma3 (`(1 + w)` q/k norms, GeGLU,
 sandwich norms, soft-capped logits), Qwen3-MoE (q/k norms, replicated MoE layers plus a dense
 `mlp_only` layer, router load-balancing loss on) and GPT-OSS (biased q/k/v/o, per-head sinks
-split with the heads, replicated MoE): logits and every parameter's gradient equal the
-unsharded model's, and one step of the real Trainer under tp (1x2) and fsdp+tp (1x2) equals
-one process's step. One spawn runs every case."""
+split with the heads, replicated MoE), and the Llama family's biases (Llama with q/k/v/o and
+MLP biases, Qwen2 with q/k/v ones: column-parallel biases sharded, row-parallel ones whole):
+logits and every parameter's gradient equal the unsharded model's, and one step of the real
+Trainer under tp (1x2) and fsdp+tp (1x2) equals one process's step (biased Llama: fsdp+tp
+only). One spawn runs every case."""
 
 from __future__ import annotations
 
@@ -31,10 +33,12 @@ from test_parallel_fsdp import full_state, global_batch, train_config
 from test_parallel_tp import logits_and_grads
 
 ARCHS = ["gemma3_text", "qwen3_moe", "gpt_oss"]
+# the Llama family's biases: q/k/v/o and MLP (Llama's attention_bias, mlp_bias), q/k/v only (Qwen2)
+BIASED = ["llama:llama3-biases", "qwen2"]
 # the tiny configs have 4 query and 2 key/value heads: tp_size 2 splits both
 OVERRIDES = {"qwen3_moe": {"output_router_logits": True, "router_aux_loss_coef": 0.01}}
 STRATEGIES = {"tp": ("tp", 1, 2), "fsdp+tp": ("fsdp+tp", 1, 2)}
-TRAINER_CASES = [f"{arch} {name}" for arch in ARCHS for name in STRATEGIES]
+TRAINER_CASES = [f"{arch} {name}" for arch in ARCHS for name in STRATEGIES] + ["llama:llama3-biases fsdp+tp"]
 LOGIT_TOL = 1e-5
 GRAD_REL_TOL = 1e-5  # of the largest |gradient| of the same parameter
 # fp64 Trainer step, default AdamW eps: the first Adam step amplifies gradient summation-order
@@ -96,10 +100,12 @@ def experts_without_input_grad_sums() -> torch.nn.Module:
 
 def zoo_cases() -> dict:
     out = {}
-    for arch in ARCHS:
+    for arch in ARCHS + BIASED:
         model, _ = sharded_model(arch, "tp")
         attention = model.layers[0].attention
         layout = {"heads": (attention.n_heads, attention.n_kv_heads)}
+        layout["biases"] = {n.split(".", 2)[2]: placement_and_local_shape(p) for n, p in model.named_parameters()
+                            if n.startswith("layers.0.") and n.endswith(".bias")}
         if hasattr(attention, "sinks"):
             layout["sinks"] = placement_and_local_shape(attention.sinks)
             layout["wo.bias"] = tuple(repr(p) for p in attention.wo.bias.placements)
@@ -122,7 +128,7 @@ def test_plans_split_heads_sinks_and_qwen3_moe_experts(zoo_results):
     """Layer 3 is an MoE layer in both MoE configs (Qwen3-MoE: 8 experts of F=32 over D=64;
     GPT-OSS: 4 experts of F=32)."""
     for result in zoo_results:
-        for arch in ARCHS:
+        for arch in ARCHS + BIASED:
             assert result[arch][0]["heads"] == (2, 1), arch
         assert result["qwen3_moe"][0]["moe params"] == {
             "feed_forward.router.weight": ("plain", (8, 64)),
@@ -134,6 +140,24 @@ def test_plans_split_heads_sinks_and_qwen3_moe_experts(zoo_results):
         assert {placement for placement, _ in gpt_oss["moe params"].values()} == {"plain"}  # replicated
         assert gpt_oss["sinks"] == (("Shard(dim=0)",), (2,))
         assert gpt_oss["wo.bias"] == ("Replicate()",)
+
+
+def test_plans_shard_column_biases_and_replicate_row_biases(zoo_results):
+    """A column-parallel q/k/v (gate/up) shards its bias with its output features; a row-parallel
+    o (down) keeps its bias whole (it enters the summed output once). Tiny: E = 24, 4 query and
+    2 key/value heads, F = 128, D = 64, over 2 ranks."""
+    shard, whole = ("Shard(dim=0)",), ("Replicate()",)
+    for result in zoo_results:
+        assert result["llama:llama3-biases"][0]["biases"] == {
+            "attention.wq.bias": (shard, (48,)), "attention.wk.bias": (shard, (24,)),
+            "attention.wv.bias": (shard, (24,)), "attention.wo.bias": (whole, (64,)),
+            "feed_forward.w_gate.bias": (shard, (64,)), "feed_forward.w_up.bias": (shard, (64,)),
+            "feed_forward.w_down.bias": (whole, (64,)),
+        }
+        assert result["qwen2"][0]["biases"] == {
+            "attention.wq.bias": (shard, (48,)), "attention.wk.bias": (shard, (24,)),
+            "attention.wv.bias": (shard, (24,)),
+        }
 
 
 def test_expert_input_gradients_are_wrong_without_their_sum(zoo_results):
@@ -149,7 +173,7 @@ def test_expert_input_gradients_are_wrong_without_their_sum(zoo_results):
         print(f"without the input-gradient sums, rank {rank} {name}: relative grad diff {rel:.3g}")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + BIASED)
 def test_tp_logits_and_gradients_equal_unsharded(arch, zoo_results):
     # same micro-batches as the sharded run: the router loss of a micro-batch is not additive
     ref_logits, ref_grads = logits_and_grads(zoo_model(arch), global_batch(seed=3), MICRO_BATCHES)
@@ -169,7 +193,7 @@ def test_tp_logits_and_gradients_equal_unsharded(arch, zoo_results):
 @pytest.fixture(scope="module")
 def one_process() -> dict[str, tuple[dict, dict[str, torch.Tensor]]]:
     out = {}
-    for arch in ARCHS:
+    for arch in dict.fromkeys(case.split(" ")[0] for case in TRAINER_CASES):
         model = zoo_model(arch, torch.float64)
         trainer = Trainer(model, train_config(1e-8), total_steps=10, process_group=None, objective=SFTObjective())
         out[arch] = trainer.train_step([global_batch(seed=0)]), full_state(model)

@@ -6,8 +6,9 @@ times each is applied per token, attention heads and dims): dense configs get
 matrices; mixed sliding/full attention) defines `flop_layers()`.
 
 What is counted: matrix multiplications only, `2*m*n*k` FLOPs each, the convention of
-`torch.utils.flop_counter.FlopCounterMode` (norms, rotary, softmax, SiLU and the embedding
-lookup are left out; they are a fraction of a percent at real sizes). A training step
+`torch.utils.flop_counter.FlopCounterMode` (norms, rotary, softmax, SiLU, linear biases (a
+biased linear is one `addmm`, counted as its matmul) and the embedding lookup are left out;
+they are a fraction of a percent at real sizes). A training step
 (forward + backward) costs 3x the forward: backward computes a gradient for the matmul's
 input and one for its weight, each as large as the forward. LoRA changes this (below).
 
