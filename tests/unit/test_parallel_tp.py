@@ -194,7 +194,8 @@ def test_architecture_without_a_plan_is_refused():
     model = build_model(tiny_config("qwen3"), seed=0)
     model.config = type("Other", (), {"model_type": "mystery"})()
     with pytest.raises(NoTPPlanError, match="'mystery'.*plans exist for "
-                       "\\['gemma3_text', 'gpt_oss', 'llama', 'qwen3', 'qwen3_moe'\\]"):
+                       "\\['gemma3_text', 'gpt_oss', 'llama', 'ministral', 'mistral', 'qwen2', 'qwen3', "
+                       "'qwen3_moe'\\]"):
         apply_tensor_parallel(model, tp_mesh=None)
 
 
