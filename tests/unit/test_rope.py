@@ -109,6 +109,7 @@ HEAD_DIM, THETA, ORIGINAL, MAX_POS = 24, 500000.0, 16, 64
 LONGROPE = dict(short_factor=[1.0 + 0.1 * i for i in range(12)], long_factor=[2.0 + 0.5 * i for i in range(12)],
                 original_max_position_embeddings=ORIGINAL)
 LLAMA_ROPE_CASES = {
+    "default": {},
     "linear": dict(factor=4.0),
     "dynamic": dict(factor=3.0),
     "yarn": dict(factor=4.0, original_max_position_embeddings=ORIGINAL),
@@ -135,12 +136,14 @@ def test_every_llama_rope_type_matches_transformers(name, length):
     rope_type = name.split("-")[0]
     params = LLAMA_ROPE_CASES[name]
     scaling = parse_rope_scaling({"rope_type": rope_type, **params}, MAX_POS)
-    assert scaling.rope_type == rope_type and rope_type in SCALED_ROPE_TYPES
+    assert (scaling.rope_type if scaling else "default") == rope_type and rope_type in SCALED_ROPE_TYPES
     position_ids = torch.stack([torch.arange(length), torch.arange(length).flip(0)])
     hf = LlamaRotaryEmbedding(llama_hf_config(rope_type, dict(params)))
     cos_hf, sin_hf = hf(torch.zeros(1, dtype=torch.float32), position_ids)
     cos, sin = RotaryEmbedding(HEAD_DIM, THETA, scaling)(position_ids, torch.float32)
     assert torch.equal(cos, cos_hf) and torch.equal(sin, sin_hf)
+    if scaling is None:
+        return
     init_inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](llama_hf_config(rope_type, dict(params)))
     assert scaling.attention_scaling == attention_scaling
     if not scaling.length_dependent:
@@ -160,7 +163,7 @@ def test_length_dependent_types_switch_at_their_threshold():
     assert (dynamic.inv_freq(past)[1:] < plain.inv_freq(past)[1:]).all() and rotary.length_dependent
 
 
-@pytest.mark.parametrize("name", list(LLAMA_ROPE_CASES))
+@pytest.mark.parametrize("name", [n for n in LLAMA_ROPE_CASES if n != "default"])
 def test_rope_parameters_round_trip(name):
     rope_type = name.split("-")[0]
     scaling = parse_rope_scaling({"rope_type": rope_type, **LLAMA_ROPE_CASES[name]}, MAX_POS)
