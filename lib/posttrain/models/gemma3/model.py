@@ -62,7 +62,7 @@ from posttrain.models.hf_config import (
 from posttrain.models.decoder import DecoderLM
 from posttrain.models.kv_cache import LayerKV
 from posttrain.models.layers import GroupedQueryAttention, RMSNorm, ScaledEmbedding, SwiGLU
-from posttrain.models.rope import LinearScaling, RotaryEmbedding
+from posttrain.models.rope import LinearScaling, RotaryEmbedding, rope_from_hf
 from posttrain.ops.attention import AttentionMask
 from posttrain.models.flops import LayerFlopSpec, dense_layer_spec
 
@@ -212,11 +212,12 @@ class Gemma3Config(PaddedVocab):
 
 
 def _rope_from_hf(d: dict[str, Any], full_default: float, sliding_default: float) -> dict[str, Any]:
-    """`rope_theta`, `rope_local_base_freq` and `rope_scaling_factor` from either config.json form.
-
-    Like transformers, a legacy `rope_scaling` applies to the full-attention layers. Only
-    "default" RoPE (and "linear" on full layers) is supported; conflicting bases raise.
-    """
+    """`rope_theta`, `rope_local_base_freq` and `rope_scaling_factor` from either config.json form,
+    through the one RoPE parser (`posttrain.models.rope.rope_from_hf`), one layer type at a time:
+    the full layers read `rope_parameters[FULL]`, a legacy `rope_scaling` (transformers applies
+    it to them) and `rope_theta`, and accept "default" or "linear"; the sliding layers read
+    `rope_parameters[SLIDING]` and `rope_local_base_freq`, "default" only. Conflicts raise,
+    naming the layer type and the field."""
     params = d.get("rope_parameters")
     if params is None:
         params = {}
@@ -224,51 +225,20 @@ def _rope_from_hf(d: dict[str, Any], full_default: float, sliding_default: float
         raise UnsupportedConfigError(
             f"config.json rope_parameters={params!r} unsupported: need a dict keyed by layer type {LAYER_TYPES}"
         )
-    full = dict(params.get(FULL) or {})
-    sliding = dict(params.get(SLIDING) or {})
-    scaling = d.get("rope_scaling")
-    if scaling is not None:
-        if not isinstance(scaling, dict):
-            raise UnsupportedConfigError(f"config.json rope_scaling must be a dict or null, got {scaling!r}")
-        scaling = {("rope_type" if k == "type" else k): v for k, v in scaling.items()}
-        full = {("rope_type" if k == "type" else k): v for k, v in full.items()}
-        clash = sorted(k for k in scaling if k in full and full[k] != scaling[k])
-        if clash:
-            raise UnsupportedConfigError(
-                f"config.json rope_scaling={scaling!r} conflicts with rope_parameters[{FULL!r}]={full!r} on {clash}"
-            )
-        full.update(scaling)
-
-    def rope_type(p: dict[str, Any]) -> str:
-        return p.get("rope_type", p.get("type", "default"))
-
-    full_extra = sorted(set(full) - {"rope_type", "type", "rope_theta", "factor"})
-    if rope_type(full) not in ("default", "linear") or full_extra or (rope_type(full) == "default") != (
-        "factor" not in full
-    ):
-        raise UnsupportedConfigError(
-            f"config.json rope_parameters/rope_scaling for {FULL} = {full!r} unsupported: only rope_type "
-            "'default', or 'linear' with a factor"
-        )
-    if rope_type(sliding) != "default" or set(sliding) - {"rope_type", "type", "rope_theta"}:
-        raise UnsupportedConfigError(
-            f"config.json rope_parameters for {SLIDING} = {sliding!r} unsupported: only rope_type 'default'"
-        )
-
-    def theta(name: str, candidates: list[Any], default: float) -> float:
-        values = {float(v) for v in candidates if v is not None}
-        if len(values) > 1:
-            raise UnsupportedConfigError(f"config.json gives conflicting {name} values {sorted(values)}")
-        return values.pop() if values else default
-
-    factor = full.get("factor") if rope_type(full) == "linear" else None
-    return {
-        "rope_theta": theta("rope_theta", [full.get("rope_theta"), d.get("rope_theta")], full_default),
-        "rope_local_base_freq": theta(
-            "rope_local_base_freq", [sliding.get("rope_theta"), d.get("rope_local_base_freq")], sliding_default
-        ),
-        "rope_scaling_factor": None if factor is None else float(factor),
-    }
+    out: dict[str, Any] = {}
+    for layer, theta_key, legacy, default, accepted in (
+            (FULL, "rope_theta", d.get("rope_scaling"), full_default, ("default", "linear")),
+            (SLIDING, "rope_local_base_freq", None, sliding_default, ("default",))):
+        try:
+            theta, scaling, _ = rope_from_hf(
+                {"rope_parameters": params.get(layer), "rope_scaling": legacy, "rope_theta": d.get(theta_key)},
+                default, accepted)
+        except UnsupportedConfigError as exc:
+            raise UnsupportedConfigError(f"{layer} layers (their base is {theta_key}): {exc}") from None
+        out[theta_key] = theta
+        if layer == FULL:
+            out["rope_scaling_factor"] = None if scaling is None else scaling.factor
+    return out
 
 
 class GemmaRMSNorm(RMSNorm):
