@@ -26,7 +26,7 @@ from posttrain.models.architectures import (
 )
 from posttrain.ops.losses import causal_lm_loss
 from posttrain.verify.__main__ import main as verify_main
-from posttrain.verify.logits import compare_padded, randomize_weights_
+from posttrain.verify.logits import compare_greedy_generation, compare_padded, randomize_weights_
 
 CONFIGS = {
     "gqa-untied": tiny_config("llama"),
@@ -354,6 +354,20 @@ def test_family_export_loads_in_transformers_with_same_logits(tmp_path, name):
     diff = compare_padded(model, hf, model.config.vocab_size, torch.Generator().manual_seed(0), 3, FAMILY_T)
     assert diff["max_abs_diff"] <= 1e-4 and diff["numel"] > 0
     assert load_hf_checkpoint(out).config == model.config
+
+
+def test_longrope_generates_like_transformers(tmp_path):
+    """KV-cached greedy decoding (our rollout engine: each step's table from its own largest
+    position, not a table precomputed for the cache) against transformers' `generate`, one
+    prompt at a time, 24 new tokens: longrope switches to its long factors past 16 positions
+    mid-generation. (Dynamic NTK only changes past max_position_embeddings, which generation
+    does not reach.)"""
+    model = random_model(family_config("llama:longrope"))
+    hf = hf_load(save_hf_checkpoint(model, tmp_path / "ckpt"))
+    for seed in range(2):
+        greedy = compare_greedy_generation(model, hf, model.config.vocab_size, torch.Generator().manual_seed(seed),
+                                           num_prompts=1, max_new_tokens=24)
+        assert greedy["mismatched"] == greedy["near_ties"], greedy
 
 
 @pytest.mark.parametrize("name", ["llama:llama3-biases", "llama:longrope", "qwen2", "ministral"])
