@@ -54,10 +54,16 @@ class DenseDecoderConfig(PaddedVocab):
     rope_types: ClassVar[tuple[str, ...]] = ("default",)
 
     def _check_dims(self) -> None:
-        """Raise `ValueError` unless the sizes are positive ints and the attention dims fit;
-        convert an HF rope dict in `rope_scaling` (a class with that field)."""
+        """Raise `ValueError` unless the sizes are positive ints and the attention dims fit,
+        and the RoPE scaling (`_check_rope`) fits too."""
         check_positive_ints(self, _POSITIVE_INTS)
         check_attention_dims(self)
+        self._check_rope()
+
+    def _check_rope(self) -> None:
+        """For a class with a `rope_scaling` field: convert an HF rope dict there, and raise
+        `ValueError` for a rope type outside `rope_types`, a scaling built for another
+        `max_position_embeddings`, or one that does not fit `head_dim`."""
         if self._has_field("rope_scaling"):
             self.rope_scaling = parse_rope_scaling(self.rope_scaling, self.max_position_embeddings)
             scaling = self.rope_scaling

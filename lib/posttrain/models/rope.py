@@ -169,8 +169,8 @@ class Llama3Scaling(RopeScaling):
                 f"and {self.low_freq_factor}")
 
     def inv_freq(self, head_dim, theta, device=None, seq_len=None):
-        inv_freq_e = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device,
-                                                                                          dtype=torch.float) / head_dim))
+        exponent_e = torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / head_dim
+        inv_freq_e = 1.0 / (theta**exponent_e)
         old_context = self.original_max_position_embeddings
         low_freq_wavelen = old_context / self.low_freq_factor
         high_freq_wavelen = old_context / self.high_freq_factor
