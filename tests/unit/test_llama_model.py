@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from posttrain.models.llama import hf_adapter
 from posttrain.models.llama.model import LlamaConfig, LlamaModel, UnsupportedConfigError
@@ -21,6 +22,7 @@ from posttrain.models.architectures import (
     tiny_config,
     tiny_names,
 )
+from posttrain.models.rope import RotaryEmbedding
 from posttrain.ops.losses import causal_lm_loss
 from posttrain.verify.__main__ import main as verify_main
 from posttrain.verify.logits import compare_greedy_generation, compare_padded, randomize_weights_
@@ -399,3 +401,54 @@ def test_family_config_refuses_by_field_name(model_type, change, field):
     d = {**tiny_config(model_type).to_hf_dict(), **change}
     with pytest.raises(UnsupportedConfigError, match=field):
         get_architecture(model_type).config_cls.from_hf_dict(d)
+
+
+# published config.json files (as on the hub; the weights are not needed to read them)
+PUBLISHED = {
+    "Llama-3.2-1B": {
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048,
+        "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False,
+        "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+        "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256},
+    "Qwen2.5-7B-Instruct": {
+        "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+        "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
+        "intermediate_size": 18944, "max_position_embeddings": 32768, "max_window_layers": 28, "model_type": "qwen2",
+        "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064},
+    "Mistral-7B-v0.1": {
+        "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+        "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+        "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "transformers_version": "4.34.0.dev0", "use_cache": True, "vocab_size": 32000},
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_configs_read_as_transformers_reads_them(name):
+    """The config.json of Llama 3.2, Qwen2.5 and Mistral read natively (no field refused) into
+    what transformers makes of them: head_dim, which layers slide and over what window, and
+    rotary tables bit for bit (real sizes: Llama 3.2's llama3 scaling over 64-dim heads)."""
+    d = PUBLISHED[name]
+    ours = get_architecture(d["model_type"]).config_cls.from_hf_dict(d)
+    theirs = transformers.AutoConfig.for_model(**{k: v for k, v in d.items() if k != "model_type"},
+                                               model_type=d["model_type"])
+    assert ours.head_dim == (getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads)
+    windows = [ours.sliding_window if t == "sliding_attention" else None for t in getattr(ours, "layer_types", [])]
+    if d["model_type"] == "qwen2":
+        assert windows == [theirs.sliding_window if t == "sliding_attention" else None for t in theirs.layer_types]
+        assert set(windows) == {None}  # use_sliding_window false: no window, whatever sliding_window says
+    if d["model_type"] == "mistral":
+        assert set(windows) == {theirs.sliding_window} == {4096}
+    positions = torch.tensor([[0, 1, 5000, 100000]])
+    hf_rotary = LlamaRotaryEmbedding(theirs)
+    cos_hf, sin_hf = hf_rotary(torch.zeros(1), positions)
+    cos, sin = RotaryEmbedding(ours.head_dim, ours.rope_theta, ours.rope_scaling)(positions, torch.float32)
+    assert torch.equal(cos, cos_hf) and torch.equal(sin, sin_hf)
