@@ -182,8 +182,10 @@ def test_broken_adapters_are_rejected(tuned, tmp_path):
 
 
 # other architectures, adapters set at random rather than trained: gemma3 (dense, every target),
-# gpt_oss (biased q/k/v/o) and qwen3_moe, whose MoE experts take no adapters
-OTHER_ARCHS = {"gemma3_text": ALL_TARGETS, "gpt_oss": ["q", "k", "v", "o"], "qwen3_moe": ["q", "k", "v", "o"]}
+# gpt_oss (biased q/k/v/o), qwen3_moe, whose MoE experts take no adapters, and the Llama family's
+# biased bases (Llama with q/k/v/o and MLP biases and llama3 RoPE, Qwen2 with q/k/v biases and windows)
+OTHER_ARCHS = {"gemma3_text": ALL_TARGETS, "gpt_oss": ["q", "k", "v", "o"], "qwen3_moe": ["q", "k", "v", "o"],
+               "llama:llama3-biases": ALL_TARGETS, "qwen2": ALL_TARGETS}
 
 
 @pytest.mark.parametrize("arch", list(OTHER_ARCHS))
