@@ -3,7 +3,7 @@
 `DecoderLM` owns what all of them do alike: the forward contract, one rotary table and one
 attention mask per layer type, the tied or untied output projection, `compute_logits` and a
 transformers-like `init_weights`. What differs is passed in: the block of each layer (default
-the dense `DecoderBlock`: Llama, and Qwen3 with `qk_norm`), the rotary embedding (one module,
+the dense `DecoderBlock`: Llama, Qwen2, Mistral, and Qwen3 with `qk_norm`), the rotary embedding (one module,
 or one per layer type), an embedding scale and padding row, the norm class, and how parameters
 are initialised (`_init_parameter`, overridden by a subclass).
 
@@ -14,7 +14,8 @@ A config passed in needs: vocab_size, padded_vocab_size, hidden_size, num_hidden
 rms_norm_eps, tie_word_embeddings, initializer_range, and for the defaults intermediate_size,
 num_attention_heads, num_key_value_heads, head_dim, rope_theta. Optional: `layer_types` (one
 of `SLIDING`/`FULL` per layer; absent means all full) with `sliding_window`, the window of the
-sliding layers.
+sliding layers; `rope_scaling` (a `posttrain.models.rope` scaling) for the default rotary;
+`qkv_bias`, `o_bias`, `mlp_bias` for the default block (absent means false).
 """
 
 from __future__ import annotations
