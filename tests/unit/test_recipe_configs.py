@@ -70,3 +70,16 @@ def test_a_recipe_section_is_part_of_the_training_fingerprint():
     assert training_fingerprint(changed) != training_fingerprint(rm)
     sft = load_recipe_config(CONFIGS / "sft" / "tiny.yaml", "sft")
     assert isinstance(sft, SFTConfig) and "rm" not in training_fingerprint(sft) and sft.shared_prompt is True
+
+
+def test_random_init_offers_every_native_architecture():
+    """`model.arch` (config imports no model code) names exactly the registered architectures."""
+    import dataclasses
+    import typing
+
+    from posttrain.config.model_sections import ModelConfig
+    from posttrain.models.architectures import ARCHITECTURES
+
+    (arch,) = [f for f in dataclasses.fields(ModelConfig) if f.name == "arch"]
+    hint = typing.get_type_hints(ModelConfig)["arch"]
+    assert set(typing.get_args(hint)) == set(ARCHITECTURES), arch

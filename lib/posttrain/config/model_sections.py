@@ -40,7 +40,7 @@ class ModelConfig:
 
     # random init: the architecture (`posttrain.models.architectures.ARCHITECTURES`), sized by the fields
     # below, its other fields from the architecture's tiny config (`posttrain.recipes.start`)
-    arch: Literal["qwen3", "llama", "qwen3_moe", "gemma3_text", "gpt_oss"] = "qwen3"
+    arch: Literal["qwen3", "llama", "qwen2", "mistral", "ministral", "qwen3_moe", "gemma3_text", "gpt_oss"] = "qwen3"
     # "transformers": train any AutoModelForCausalLM through posttrain.models.hf_backend
     # (init: pretrained only; packed rows only where the model honours restarting position ids)
     backend: Literal["native", "transformers"] = "native"
