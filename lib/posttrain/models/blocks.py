@@ -31,8 +31,18 @@ def decoder_of(model: nn.Module) -> nn.Module:
     return seen
 
 
-def decoder_blocks(model: nn.Module) -> nn.ModuleList:
-    """The decoder blocks of `model` (module docstring); at least one."""
+def decoder_blocks(model: nn.Module) -> nn.ModuleList | list[nn.Module]:
+    """The decoder blocks of `model` (module docstring); at least one. A model that declares
+    its own (a `decoder_blocks()` method: the transformers fallback,
+    `posttrain.models.hf_backend.HFCausalLM`), itself or as a `backbone`, gives them."""
+    seen = model
+    while not isinstance(getattr(seen, "layers", None), nn.ModuleList):
+        own = getattr(seen, "decoder_blocks", None)
+        if callable(own):
+            return own()
+        if not isinstance(getattr(seen, "backbone", None), nn.Module):
+            break
+        seen = seen.backbone
     layers = decoder_of(model).layers
     if len(layers) == 0:
         raise NoDecoderBlocks(f"{type(model).__name__} has an empty `layers` ModuleList")

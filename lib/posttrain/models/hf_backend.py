@@ -29,6 +29,18 @@ count differs from `config.vocab_size`, and any model whose logits are not exact
 `lm_head(last_hidden_state)`, soft-capped as above (logit scaling, ...), checked by a probe
 and named from the config where a known attribute explains it.
 
+Scale (the same machinery as our own models):
+- `decoder_blocks()` lists the decoder layers, found through the model's own
+  `_no_split_modules` class names (what transformers itself never splits across devices);
+  `posttrain.models.blocks.decoder_blocks` returns them, so FSDP2 (`fully_shard` per layer,
+  then the root), activation checkpointing (each layer's forward recomputed in backward,
+  non-reentrant) and compile act on them as on our blocks. Tensor parallelism has no plan for
+  these models (`posttrain.recipes.start.check_model_recipe` refuses it).
+- LoRA is `peft`'s (`add_peft_lora`): the recipe's unified targets map to transformers'
+  module names (`HF_LORA_TARGETS`), injected in place into the wrapped model (state-dict names
+  gain `base_layer` / `lora_A.default` / `lora_B.default`), everything else frozen.
+  `save_hf_export` writes the PEFT adapter directory and the merged model.
+
 Weights load from safetensors only (`use_safetensors=True`); remote code is never run.
 """
 
@@ -48,6 +60,10 @@ BACKENDS = ("native", "transformers")
 # reproduce (final_logit_softcapping we do: `logit_softcap`)
 _LOGIT_POSTPROCESSING = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_multiplier_scale")
 _PROBE_LENGTHS = (5, 7)  # the two documents of the packing probe
+# our unified LoRA targets (`posttrain.config.schema.LoraConfig.targets`) -> transformers' leaf
+# names of those linear maps in the Llama-style layout most causal LMs share
+HF_LORA_TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
+                   "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 
 
 class UnsupportedModel(ValueError):
@@ -105,10 +121,21 @@ class HFCausalLM(nn.Module):
                 f"{name}: lm_head.weight has {head.weight.shape[0]} rows but config.vocab_size is {self.config.vocab_size}"
             )
         self.lm_head = head
+        self.lora = None  # the recipe's LoRA section once `add_peft_lora` ran
         self.logit_softcap = _logit_softcap(self.config)
         self._takes_position_ids = "position_ids" in _forward_params(self.base)
         self._check_logits_are_plain_projection()
         self.supports_packing = probe_packing and self._takes_position_ids and self._probe_packing()
+
+    def decoder_blocks(self) -> list[nn.Module]:
+        """The decoder layers: every module whose class is named in the model's
+        `_no_split_modules`, in module order; raises `UnsupportedModel` when there is none."""
+        names = set(getattr(self.hf, "_no_split_modules", None) or ())
+        blocks = [m for m in self.hf.modules() if type(m).__name__ in names]
+        if not blocks:
+            raise UnsupportedModel(f"{type(self.hf).__name__} names no decoder layer class in _no_split_modules "
+                                   f"({sorted(names)}); FSDP and activation checkpointing need one per layer")
+        return blocks
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -303,3 +330,64 @@ def build_training_model(model_cfg: Any, device: torch.device | str = "cpu") -> 
     if model_cfg.init != "pretrained" or not model_cfg.name_or_path:
         raise ValueError("model.backend 'transformers' needs model.init: pretrained and model.name_or_path")
     return load_hf_backend(model_cfg.name_or_path, device=device)
+
+
+def peft_lora_config(model: HFCausalLM, cfg: Any):
+    """`peft.LoraConfig` for the recipe's `model.lora` (`rank`, `alpha`, `dropout`, unified
+    `targets` mapped by `HF_LORA_TARGETS`) on `model`. Refuses (`UnsupportedModel`) a target
+    whose transformers name no linear layer of the model has (e.g. Phi-3's fused `qkv_proj`)
+    and `train_output` (PEFT's `modules_to_save` is not wired for the fallback)."""
+    import peft
+
+    if getattr(cfg, "train_output", False):
+        raise UnsupportedModel("model.lora.train_output is not supported with model.backend 'transformers'")
+    leaves = {name.rsplit(".", 1)[-1] for name, m in model.hf.named_modules() if isinstance(m, nn.Linear)}
+    targets = [HF_LORA_TARGETS[t] for t in cfg.targets]
+    missing = [f"{t} ({HF_LORA_TARGETS[t]})" for t in cfg.targets if HF_LORA_TARGETS[t] not in leaves]
+    if missing:
+        raise UnsupportedModel(f"model.lora.targets {missing}: {type(model.hf).__name__} has no such linear layer; "
+                               f"its linear layers are {sorted(leaves)}")
+    return peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                           bias="none", task_type="CAUSAL_LM")
+
+
+def add_peft_lora(model: HFCausalLM, cfg: Any, seed: int = 0) -> HFCausalLM:
+    """LoRA adapters through `peft`, injected in place into `model.hf` (`peft_lora_config`);
+    every other weight frozen. `lora_A` is drawn from `seed` (every rank the same), `lora_B`
+    starts at zero as PEFT initialises it. Returns `model`."""
+    import peft
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model = peft.get_peft_model(model.hf, peft_lora_config(model, cfg))  # injects in place, freezes
+    model.lora = cfg
+    object.__setattr__(model, "peft_model", peft_model)  # kept for the export, not a submodule
+    return model
+
+
+def full_copy(weights: dict[str, torch.Tensor], source: str | os.PathLike, lora: Any = None) -> HFCausalLM:
+    """A single-process `HFCausalLM` of `source`'s architecture (LoRA adapters when `lora`)
+    holding `weights` (a full state dict of the trained model, e.g. gathered from FSDP)."""
+    copy = load_hf_backend(source, probe_packing=False)
+    if lora is not None:
+        add_peft_lora(copy, lora)
+    copy.load_state_dict(weights, strict=True)
+    return copy
+
+
+def save_hf_export(model: HFCausalLM, checkpoint_dir: str | os.PathLike, adapter_dir: str | os.PathLike | None,
+                   base_model_name_or_path: str, tokenizer=None) -> None:
+    """Write `model` as a transformers checkpoint at `checkpoint_dir`; with LoRA adapters,
+    first the PEFT adapter directory at `adapter_dir` (what `PeftModel.from_pretrained(base,
+    adapter_dir)` loads), then the adapters merged into the weights (consumes the adapters)."""
+    hf = model.hf
+    if getattr(model, "lora", None) is not None:
+        if adapter_dir is None:
+            raise ValueError("a LoRA model needs an adapter directory to export to")
+        peft_model = model.peft_model
+        peft_model.peft_config["default"].base_model_name_or_path = str(base_model_name_or_path)
+        peft_model.save_pretrained(str(adapter_dir), safe_serialization=True)
+        hf = peft_model.merge_and_unload()
+    hf.save_pretrained(str(checkpoint_dir), safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(checkpoint_dir))

@@ -12,7 +12,8 @@ Three kinds of recipe `model` section:
   by `posttrain.registry.resolve_model_dir` (what preference recipes start from).
 - `backend: transformers` (`init: pretrained` only): any `AutoModelForCausalLM` through
   `posttrain.models.hf_backend`, trained by the same Trainer and loss, exported with
-  `save_pretrained`. One worker only; no LoRA (our adapters target our layer names).
+  `save_pretrained`. FSDP2/DDP over N workers, activation checkpointing and LoRA through
+  `peft` as `hf_backend` describes; no tensor parallelism, no compile.
 
 `model.lora` adds LoRA adapters after loading and before the Trainer; the export is the
 merged model (transformers loads it as a plain checkpoint) and the PEFT adapter is written
@@ -75,15 +76,13 @@ def check_model_recipe(config: RecipeConfig) -> None:
     if model.backend == "transformers":
         if model.init != "pretrained" and model.init_from is None:
             raise RecipeModelError("model.backend 'transformers' needs model.init: pretrained (and model.name_or_path)")
-        if model.lora is not None:
-            raise RecipeModelError("model.lora is not supported with model.backend 'transformers' "
-                                   "(our adapters target our layers' names); use the native backend")
-        if parallel.num_workers > 1:
-            raise RecipeModelError("model.backend 'transformers' trains in one worker; set parallel.num_workers: 1")
-        for key in ("activation_checkpointing", "compile"):
-            if getattr(config.train, key):
-                raise RecipeModelError(f"train.{key} wraps our decoder blocks; it is not available with "
-                                       "model.backend 'transformers'")
+        if model.lora is not None and model.lora.train_output:
+            raise RecipeModelError("model.lora.train_output is not supported with model.backend 'transformers'")
+        if parallel.tp_size > 1:
+            raise RecipeModelError(f"parallel.tp_size {parallel.tp_size}: model.backend 'transformers' has no "
+                                   "tensor-parallel plan; use parallel.strategy fsdp or ddp (or the native backend)")
+        if config.train.compile:
+            raise RecipeModelError("train.compile is not available with model.backend 'transformers'")
     if config.train.micro_batch_size % parallel.dp:
         raise RecipeModelError(f"train.micro_batch_size ({config.train.micro_batch_size}) is the global rows per "
                                f"micro-batch and must divide evenly over the {parallel.dp} data-parallel ranks")
@@ -164,7 +163,11 @@ def ready_to_train(model: torch.nn.Module, config: RecipeConfig, tokenizer, star
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens but {start.source} was trained with a vocabulary "
                          f"of {model.config.vocab_size}: use the model's own tokenizer")
     model.to(device)
-    if config.model.lora is not None:
+    if config.model.lora is not None and config.model.backend == "transformers":
+        from posttrain.models.hf_backend import add_peft_lora
+
+        add_peft_lora(model, config.model.lora, seed=config.train.seed)
+    elif config.model.lora is not None:
         from posttrain.models.lora import apply_lora
 
         apply_lora(model, config.model.lora, seed=config.train.seed)
@@ -201,12 +204,7 @@ def export_causal_lm(spec, trainer, config: RecipeConfig, tokenizer, start: Star
 
     checkpoint_dir, adapter_dir = Path(run_dir) / "checkpoint", None
     if config.model.backend == "transformers":
-        # written beside, then swapped in: a crash mid-save leaves the previous export whole
-        staging = checkpoint_dir.with_name(f".{checkpoint_dir.name}.tmp-{os.getpid()}")
-        shutil.rmtree(staging, ignore_errors=True)
-        trainer.model.save_pretrained(staging)
-        tokenizer.save_pretrained(str(staging))
-        replace_dir(staging, checkpoint_dir)
+        adapter_dir = _export_hf_backend(trainer.model, config, tokenizer, start, Path(run_dir))
     elif config.model.lora is not None:
         from posttrain.models.peft_export import save_peft_adapter
 
@@ -219,6 +217,32 @@ def export_causal_lm(spec, trainer, config: RecipeConfig, tokenizer, start: Star
         export_hf_checkpoint(trainer, checkpoint_dir, tokenizer=tokenizer)
     finish_export(spec, config, tokenizer, checkpoint_dir, Path(run_dir))
     return {"checkpoint_dir": str(checkpoint_dir), "adapter_dir": None if adapter_dir is None else str(adapter_dir)}
+
+
+def _export_hf_backend(model: torch.nn.Module, config: RecipeConfig, tokenizer, start: Start,
+                       run_dir: Path) -> Path | None:
+    """The transformers backend's export (`hf_backend.save_hf_export`) on rank 0, from the
+    live model or, when sharded, a single-process copy filled from the gathered weights; each
+    directory written beside, then swapped in (a crash mid-save leaves the previous export
+    whole). Returns the adapter directory (LoRA) or None. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from posttrain.models.hf_backend import full_copy, save_hf_export
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        model = full_copy(weights, start.source, config.model.lora) if rank() == 0 else None
+    adapter_dir = run_dir / "adapter" if config.model.lora is not None else None
+    if model is not None:
+        targets = [d for d in (run_dir / "checkpoint", adapter_dir) if d is not None]
+        staging = [d.with_name(f".{d.name}.tmp-{os.getpid()}") for d in targets]
+        for d in staging:
+            shutil.rmtree(d, ignore_errors=True)
+        save_hf_export(model, staging[0], staging[1] if adapter_dir else None, str(start.source), tokenizer)
+        for new, final in zip(staging, targets):
+            replace_dir(new, final)
+    barrier()
+    return adapter_dir
 
 
 def finish_export(spec, config: RecipeConfig, tokenizer, checkpoint_dir: Path, run_dir: Path) -> None:
