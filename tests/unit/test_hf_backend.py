@@ -149,19 +149,25 @@ def test_training_steps_reduce_loss_packed_and_padded(mistral_dir):
     assert losses[-1] < 0.7 * losses[0], losses
 
 
-def test_model_without_packed_masks_is_detected_and_refused():
+def test_model_without_packed_masks_runs_packed_rows_padded_per_document():
     # OPT builds its causal mask without position ids: restarting positions do not split documents
-    model = HFCausalLM(random_hf(tiny_opt()))
+    model = HFCausalLM(random_hf(tiny_opt())).eval()
     assert not model.supports_packing
-    packed, _ = packed_row([5, 7])
-    with pytest.raises(PackingNotSupported, match=r"OPTForCausalLM \(opt\) does not support packed rows.*padded"):
-        causal_lm_loss(model, packed)
+    packed, docs = packed_row([5, 1, 7])
+    with torch.no_grad():
+        hidden = model(packed["input_ids"], packed["position_ids"], packed["doc_ids"])
+        starts = [0, 5, 6]
+        for start, tokens in zip(starts, docs):
+            alone = model.base(input_ids=tokens[None], use_cache=False).last_hidden_state[0]
+            torch.testing.assert_close(hidden[0, start:start + len(tokens)], alone, atol=1e-5, rtol=0)
+        assert torch.equal(hidden[0, 13:], torch.zeros_like(hidden[0, 13:]))  # padding
+    model.train()
     # padded batches still train, and match transformers' own loss
     batch = padded_batch([15, 4])
     loss_sum, n = causal_lm_loss(model, batch)
     assert abs(float(loss_sum.detach() / n) - float(hf_loss(model.hf, batch).detach())) <= 1e-5
-    metrics = Trainer(model, train_config(), total_steps=1, objective=SFTObjective()).train_step([batch])
-    assert metrics["loss_tokens"] == 14 + 3
+    metrics = Trainer(model, train_config(), total_steps=1, objective=SFTObjective()).train_step([batch, packed])
+    assert metrics["loss_tokens"] == 14 + 3 + 4 + 0 + 6
 
 
 def test_positions_that_disagree_with_doc_ids_are_refused(mistral_dir):

@@ -15,9 +15,13 @@ Batches:
   document masks (`masking_utils.find_packed_sequence_indices`). Not every model class does
   that (some build masks without the position ids, some take no position ids at all), so at
   wrap time a probe runs one packed row of two documents and compares the second document's
-  hidden states to a forward of it alone. A packed batch given to a model that failed the
-  probe raises `PackingNotSupported`; so does a row whose position restarts disagree with
-  its `doc_ids` (the model would see other documents than the batch says).
+  hidden states to a forward of it alone. A model that failed the probe is given a packed
+  batch padded per document instead: every document of the batch becomes its own
+  right-padded row (`attention_mask` on its tokens, its own position ids), and the hidden
+  states are scattered back to the packed layout (zeros on padding), the same numbers as
+  each document alone, at the cost of padding compute. On a model that passed it, a row
+  whose position restarts disagree with its `doc_ids` raises `PackingNotSupported` (the
+  model would see other documents than the batch says).
 
 Final-logit soft-capping (Gemma 2/3 `config.final_logit_softcapping = c`) is supported: the
 wrapper's `logit_softcap` is `c` (None without capping), which `causal_lm_loss` passes to the
@@ -159,10 +163,7 @@ class HFCausalLM(nn.Module):
                 "(tree masks); use the unshared layout (dpo.shared_prompt / rm.shared_prompt: false)")
         if bool((doc_ids_BT > 0).any()):
             if not self.supports_packing:
-                raise PackingNotSupported(
-                    f"model {type(self.hf).__name__} ({self.config.model_type}) does not support packed rows "
-                    "(restarting position_ids); use padded batches with one document per row"
-                )
+                return self._hidden_per_document(input_ids_BT, position_ids_BT, doc_ids_BT)
             _check_restarts_match_documents(position_ids_BT, doc_ids_BT)
             return self._hidden(input_ids_BT, position_ids_BT, attention_mask_BT=None)
         return self._hidden(input_ids_BT, position_ids_BT, attention_mask_BT=(doc_ids_BT >= 0).long())
@@ -186,6 +187,25 @@ class HFCausalLM(nn.Module):
         if self._takes_position_ids:
             kwargs["position_ids"] = position_ids_BT
         return self.base(**kwargs).last_hidden_state
+
+    def _hidden_per_document(self, input_ids_BT, position_ids_BT, doc_ids_BT) -> torch.Tensor:
+        """A packed batch run as one right-padded row per document (module docstring); each
+        document's tokens are contiguous in its row, as the packer lays them out."""
+        B, T = input_ids_BT.shape
+        rows_N, cols_N = (doc_ids_BT >= 0).nonzero(as_tuple=True)  # real tokens, row-major
+        key_N = rows_N * (int(doc_ids_BT.max()) + 1) + doc_ids_BT[rows_N, cols_N]
+        _, segment_N, lengths_S = torch.unique_consecutive(key_N, return_inverse=True, return_counts=True)
+        offset_N = torch.arange(len(key_N), device=key_N.device) - (lengths_S.cumsum(0) - lengths_S)[segment_N]
+        S, L = len(lengths_S), int(lengths_S.max())
+        ids_SL = input_ids_BT.new_zeros(S, L)
+        ids_SL[segment_N, offset_N] = input_ids_BT[rows_N, cols_N]
+        pos_SL = position_ids_BT.new_zeros(S, L)
+        pos_SL[segment_N, offset_N] = position_ids_BT[rows_N, cols_N]
+        mask_SL = input_ids_BT.new_zeros(S, L)
+        mask_SL[segment_N, offset_N] = 1
+        hidden_SLD = self._hidden(ids_SL, pos_SL, mask_SL)
+        hidden_BTD = hidden_SLD.new_zeros(B, T, hidden_SLD.shape[-1])
+        return hidden_BTD.index_put((rows_N, cols_N), hidden_SLD[segment_N, offset_N])
 
     def _probe_ids(self, length: int, seed: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(seed)
