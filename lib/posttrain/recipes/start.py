@@ -204,7 +204,7 @@ def export_causal_lm(spec, trainer, config: RecipeConfig, tokenizer, start: Star
 
     checkpoint_dir, adapter_dir = Path(run_dir) / "checkpoint", None
     if config.model.backend == "transformers":
-        adapter_dir = _export_hf_backend(trainer.model, config, tokenizer, start, Path(run_dir))
+        adapter_dir = export_hf_backend(trainer.model, config, tokenizer, start, Path(run_dir))
     elif config.model.lora is not None:
         from posttrain.models.peft_export import save_peft_adapter
 
@@ -219,12 +219,13 @@ def export_causal_lm(spec, trainer, config: RecipeConfig, tokenizer, start: Star
     return {"checkpoint_dir": str(checkpoint_dir), "adapter_dir": None if adapter_dir is None else str(adapter_dir)}
 
 
-def _export_hf_backend(model: torch.nn.Module, config: RecipeConfig, tokenizer, start: Start,
+def export_hf_backend(model: torch.nn.Module, config: RecipeConfig, tokenizer, start: Start,
                        run_dir: Path) -> Path | None:
     """The transformers backend's export (`hf_backend.save_hf_export`) on rank 0, from the
-    live model or, when sharded, a single-process copy filled from the gathered weights; each
-    directory written beside, then swapped in (a crash mid-save leaves the previous export
-    whole). Returns the adapter directory (LoRA) or None. Collective."""
+    live model or, when sharded or adapted (LoRA), a single-process copy filled with its
+    (gathered) weights; each directory written beside, then swapped in (a crash mid-save
+    leaves the previous export whole). Returns the adapter directory (LoRA) or None.
+    Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from posttrain.models.hf_backend import full_copy, save_hf_export
@@ -232,6 +233,8 @@ def _export_hf_backend(model: torch.nn.Module, config: RecipeConfig, tokenizer, 
     if any(isinstance(p, DTensor) for p in model.parameters()):
         weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         model = full_copy(weights, start.source, config.model.lora) if rank() == 0 else None
+    elif config.model.lora is not None:  # the merge consumes the adapters: merge a copy, not the live model
+        model = full_copy(model.state_dict(), start.source, config.model.lora)
     adapter_dir = run_dir / "adapter" if config.model.lora is not None else None
     if model is not None:
         targets = [d for d in (run_dir / "checkpoint", adapter_dir) if d is not None]
