@@ -124,6 +124,14 @@ def test_fallback_two_rank_fsdp_equals_one_process(two_rank_results):
         assert worst < 1e-10, worst
 
 
+def test_decoder_layers_are_the_outermost_no_split_modules():
+    from posttrain.models.blocks import decoder_blocks
+
+    model = tiny_phi3()
+    model.hf._no_split_modules = ["Phi3DecoderLayer", "Phi3MLP"]  # an MLP is inside each layer
+    assert decoder_blocks(model) == list(model.hf.model.layers)
+
+
 def test_fallback_activation_checkpointing_is_bitwise_equal():
     plain = steps(tiny_phi3(), None, lambda b: b)
     checkpointed = steps(tiny_phi3(), None, lambda b: b, activation_checkpointing=True)

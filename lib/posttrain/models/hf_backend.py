@@ -132,10 +132,12 @@ class HFCausalLM(nn.Module):
         self.supports_packing = probe_packing and self._takes_position_ids and self._probe_packing()
 
     def decoder_blocks(self) -> list[nn.Module]:
-        """The decoder layers: every module whose class is named in the model's
-        `_no_split_modules`, in module order; raises `UnsupportedModel` when there is none."""
+        """The decoder layers: every outermost module whose class is named in the model's
+        `_no_split_modules` (one inside another such module is part of it), in module order;
+        raises `UnsupportedModel` when there is none."""
         names = set(getattr(self.hf, "_no_split_modules", None) or ())
-        blocks = [m for m in self.hf.modules() if type(m).__name__ in names]
+        found = [(path, m) for path, m in self.hf.named_modules() if type(m).__name__ in names]
+        blocks = [m for path, m in found if not any(path.startswith(f"{outer}.") for outer, _ in found)]
         if not blocks:
             raise UnsupportedModel(f"{type(self.hf).__name__} names no decoder layer class in _no_split_modules "
                                    f"({sorted(names)}); FSDP and activation checkpointing need one per layer")
