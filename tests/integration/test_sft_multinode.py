@@ -3,6 +3,9 @@ its `@pytorch_parallel` train step starts 2 tasks (the control task and one subp
 one rank of the FSDP2 process group over gloo, and the run registers a model transformers
 loads whose per-step losses are the one-worker run's.
 
+It starts from a tiny random Llama-3.1-shaped checkpoint (llama3 RoPE scaling, its original
+context shorter than the rows), and the registered model gives transformers' logits.
+
 The run also goes through a failure: rank 0 raises after step 3 (`POSTTRAIN_FAULT_AT_STEP`,
 once), its peer's collective fails, `@retry` restarts both tasks and they continue from the
 step-3 checkpoint, so the trajectory checked against one worker spans the resume.
@@ -17,7 +20,8 @@ import torch
 from flow_pool import background_flow, run_flow, single_thread_env
 from posttrain.train.faults import FAULT_AT_STEP_ENV
 from test_sft_flow import REPO_ROOT, flow_env
-from test_sft_parallel import LOSS_TOL, TWO_WORKERS, losses, with_parallel
+from test_sft_parallel import LOSS_TOL, losses, with_parallel
+from tiny_models import LLAMA31, assert_logits_equal_transformers, save_tiny_demo_qwen3, two_worker_recipe_from
 
 FLOW = REPO_ROOT / "flows" / "sft_multinode_flow.py"
 
@@ -34,14 +38,23 @@ def one_worker_losses(recipe, run_dir: Path, samples, rows_per_epoch: int, out: 
     return losses(train.run(recipe, tokenizer, samples, rows_per_epoch, out).history)
 
 
-@background_flow("multinode", priority=4)
+def prepare_llama31(tmp: Path) -> Path:
+    """The recipe: `configs/sft/tiny-2workers.yaml` starting from a tiny random Llama-3.1-shaped
+    checkpoint (llama3 RoPE scaling over 16 original positions, shorter than the 128-token rows)
+    with the demo tokenizer. Returns the scenario's directory."""
+    start = save_tiny_demo_qwen3(tmp, arch=LLAMA31)
+    two_worker_recipe_from(start, tmp, "tiny-2workers-llama31.yaml")
+    return tmp
+
+
+@background_flow("multinode", priority=4, prepare=prepare_llama31)
 def multinode_scenario(tmp: Path) -> dict:
     """The 2-task flow whose rank 0 raises once after the step-3 checkpoint (then @retry)."""
     overrides = {"output_dir": str(tmp / "outputs"), "register.registry_dir": str(tmp / "registry"),
                  "data.generate.num_train": 80, "eval.max_examples": 4, "eval.report": False,
                  "eval.suites": [{"kind": "heldout_loss"}], "train.card_refresh_s": 600}
     env = single_thread_env({**flow_env(), FAULT_AT_STEP_ENV: "3"})
-    running = run_flow(FLOW, env=env, cwd=tmp, config=[("config", str(TWO_WORKERS))],
+    running = run_flow(FLOW, env=env, cwd=tmp, config=[("config", str(tmp / "tiny-2workers-llama31.yaml"))],
                        config_value=[("overrides", overrides)])
     return {"tmp": tmp, "status": running.status, "run": running.run, "logs": running.stdout + running.stderr,
             "close": [running]}
@@ -80,5 +93,8 @@ def test_two_node_flow_retries_registers_a_model_and_follows_one_worker(flow_poo
     print(f"2 @pytorch_parallel tasks vs 1 worker: max |loss diff| {loss_diff:.3g}")
     assert len(expected) == len(data.history) and loss_diff < LOSS_TOL
 
-    model = AutoModelForCausalLM.from_pretrained(uri_to_path(data.model_uri), dtype=torch.float32)
-    assert model.config.model_type == "qwen3"
+    model_dir = uri_to_path(data.model_uri)
+    config = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).config
+    assert config.model_type == "llama" and config.rope_parameters["rope_type"] == "llama3", config
+    ids_BT = (torch.arange(64) * 7 % config.vocab_size)[None]  # 64 positions, past the original 16
+    assert_logits_equal_transformers(model_dir, ids_BT)

@@ -24,16 +24,40 @@ from flow_pool import background_flow, run_flow, single_thread_env
 from posttrain.train.faults import FAULT_AT_STEP_ENV, FAULT_TIMES_ENV
 from test_sft_flow import FLOW, flow_env
 from test_sft_parallel import LOSS_TOL, TWO_WORKERS, losses, with_parallel
+from tiny_models import assert_logits_equal_transformers, two_worker_recipe_from
 
 
-@background_flow("resume", priority=5)
-def resume_scenario(tmp: Path) -> dict:
+QWEN25_TOKENIZER = Path(__file__).resolve().parents[3] / "shared" / "data" / "tokenizers" / "qwen2.5"
+
+
+def prepare_qwen25(tmp: Path) -> tuple[Path, Path]:
+    """The recipe: `configs/sft/tiny-2workers.yaml`, starting (where ../shared has the real
+    Qwen2.5 tokenizer) from a tiny random Qwen2.5-shaped checkpoint (q/k/v biases, tied
+    embeddings, the real 151k-token vocabulary) saved with that tokenizer. Returns `(tmp, recipe)`."""
+    if not QWEN25_TOKENIZER.is_dir():
+        return tmp, TWO_WORKERS
+    from posttrain.data.tokenizer import load_tokenizer
+    from posttrain.models.architectures import build_model, save_hf_checkpoint, tiny_config
+
+    tokenizer = load_tokenizer(str(QWEN25_TOKENIZER))
+    model = build_model(tiny_config("qwen2", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                    tie_word_embeddings=True, rope_scaling=None, max_position_embeddings=32768,
+                                    use_sliding_window=False, sliding_window=32768, max_window_layers=2,
+                                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id), seed=0)
+    start = save_hf_checkpoint(model, tmp / "qwen25-start", tokenizer=tokenizer)
+    return tmp, two_worker_recipe_from(start, tmp, "tiny-2workers-qwen25.yaml")
+
+
+@background_flow("resume", priority=5, prepare=prepare_qwen25)
+def resume_scenario(workspace: tuple[Path, Path]) -> dict:
     """The two-worker flow failing twice at step 3 (first attempt and its @retry), then resumed."""
+    tmp, recipe = workspace
     env = single_thread_env({**flow_env(), FAULT_AT_STEP_ENV: "3", FAULT_TIMES_ENV: "2"})
     overrides = {"output_dir": str(tmp / "outputs"), "register.registry_dir": str(tmp / "registry"),
                  "checkpoint.every_steps": 2, "eval.report": False, "eval.suites": [{"kind": "heldout_loss"}],
                  "train.card_refresh_s": 600}
-    failed = run_flow(FLOW, env=env, cwd=tmp, config=[("config", str(TWO_WORKERS))],
+    failed = run_flow(FLOW, env=env, cwd=tmp, config=[("config", str(recipe))],
                       config_value=[("overrides", overrides)])
     origin, train_logs = failed.run, failed.stdout + failed.stderr
     if failed.status != "failed":
@@ -79,8 +103,15 @@ def test_two_worker_flow_retried_then_resumed_matches_uninterrupted_runs_and_reg
                     tmp_path / "reference-1").history
     assert max(abs(a - b) for a, b in zip(losses(data.history), losses(one))) < LOSS_TOL
 
-    model = AutoModelForCausalLM.from_pretrained(uri_to_path(data.model_uri), dtype=torch.float32)
-    assert model.config.model_type == "qwen3"  # the run went on through evaluate and register
+    model_dir = uri_to_path(data.model_uri)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if QWEN25_TOKENIZER.is_dir():  # the Qwen2.5-shaped start with the real tokenizer, registered
+        assert model.config.model_type == "qwen2" and model.config.vocab_size == len(tokenizer) > 150_000
+        ids_BT = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}],
+                                               add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+        assert_logits_equal_transformers(model_dir, ids_BT)
+    else:
+        assert model.config.model_type == "qwen3"  # the run went on through evaluate and register
 
     card = tmp_path / "train-card.html"
     subprocess.run([sys.executable, str(FLOW), "card", "get", f"{run.id}/train/{run['train'].task.id}", str(card)],
