@@ -77,11 +77,9 @@ def test_recipe_combinations_the_train_step_cannot_run_are_refused_by_name():
     from posttrain.recipes.start import RecipeModelError, check_model_recipe
 
     hf = {"model.backend": "transformers", "model.init": "pretrained", "model.name_or_path": "some/model"}
-    with pytest.raises(RecipeModelError, match="model.lora"):
-        check_model_recipe(load_sft_config(TINY, overrides={**hf, "model.lora": {"rank": 2, "alpha": 4}}))
-    with pytest.raises(RecipeModelError, match="num_workers"):
+    with pytest.raises(RecipeModelError, match="parallel.tp_size"):  # the fallback has no tensor-parallel plan
         check_model_recipe(load_sft_config(TINY, overrides={**hf, "parallel.num_workers": 2,
-                                                            "parallel.strategy": "fsdp"}))
+                                                            "parallel.strategy": "tp", "parallel.tp_size": 2}))
     with pytest.raises(RecipeModelError, match="micro_batch_size"):
         check_model_recipe(load_sft_config(TINY, overrides={"train.micro_batch_size": 3, "parallel.num_workers": 2,
                                                             "parallel.strategy": "ddp"}))
@@ -129,16 +127,18 @@ def test_lora_recipe_exports_the_merged_model_and_a_peft_adapter_that_computes_i
     assert float((merged - base).abs().max()) > 1e-3  # the adapters did train
 
 
-def save_tiny_mistral(path: Path, tokenizer) -> Path:
-    """A random tiny Mistral (an architecture we do not implement) with `tokenizer`'s vocabulary."""
-    from transformers import MistralConfig, MistralForCausalLM
+def save_tiny_phi3(path: Path, tokenizer) -> Path:
+    """A random tiny Phi-3 (an architecture we do not implement: fused qkv and gate/up
+    projections) with `tokenizer`'s vocabulary."""
+    from transformers import Phi3Config, Phi3ForCausalLM
 
     torch.manual_seed(0)
-    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                           sliding_window=None, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    MistralForCausalLM(config).save_pretrained(path)
+    config = Phi3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        original_max_position_embeddings=256, sliding_window=None, tie_word_embeddings=False,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id)
+    Phi3ForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(str(path))
     return path
 
@@ -150,19 +150,19 @@ def test_transformers_backend_recipe_trains_and_exports_a_model_we_do_not_implem
     from posttrain.registry.local import uri_to_path
 
     _, tokenizer, _, _ = tiny_recipe_data(tmp_path / "data", TINY)
-    mistral = save_tiny_mistral(tmp_path / "mistral", tokenizer)
+    phi3 = save_tiny_phi3(tmp_path / "phi3", tokenizer)
     _, _, result, verdict, evaluation, entry = train_verify_register(tmp_path, TINY, **{
-        "model.backend": "transformers", "model.init": "pretrained", "model.name_or_path": str(mistral),
-        "tokenizer.name_or_path": str(mistral)})
+        "model.backend": "transformers", "model.init": "pretrained", "model.name_or_path": str(phi3),
+        "tokenizer.name_or_path": str(phi3)})
     assert [h["step"] for h in result.history] == [1, 2, 3]
-    assert result.base_dir == str(mistral)
+    assert result.base_dir == str(phi3)
     assert verdict["skipped"] and verdict["passed"] is None
-    assert "not applicable: transformers backend" in verdict["reason"] and "'mistral'" in verdict["reason"]
+    assert "not applicable: transformers backend" in verdict["reason"] and "'phi3'" in verdict["reason"]
     assert set(evaluation.metrics) == {"base", "tuned"}
     tuned = AutoModelForCausalLM.from_pretrained(uri_to_path(entry.uri), dtype=torch.float32)
-    assert type(tuned).__name__ == "MistralForCausalLM"
+    assert type(tuned).__name__ == "Phi3ForCausalLM"
     ids_BT = torch.randint(0, len(tokenizer), (1, 10), generator=torch.Generator().manual_seed(0))
-    base = AutoModelForCausalLM.from_pretrained(mistral, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(phi3, dtype=torch.float32)
     with torch.no_grad():
         assert float((tuned(input_ids=ids_BT).logits - base(input_ids=ids_BT).logits).abs().max()) > 1e-4  # trained
 
