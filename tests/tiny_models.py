@@ -8,12 +8,12 @@ from pathlib import Path
 
 
 # A Llama-3.1-shaped tiny config: llama3 RoPE scaling whose original context (16) is shorter than
-# the preference flows' 64-token rows, so the scaled frequencies matter in training and verification
+# the flows' rows, so the scaled frequencies matter in training and verification
 LLAMA31 = ("llama", dict(max_position_embeddings=128, rope_scaling=dict(
     rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)))
 
 
-def save_tiny_demo_qwen3(tmp: Path, num_hidden_layers: int = 2, corpus_problems: int = 200,
+def save_tiny_demo_model(tmp: Path, num_hidden_layers: int = 2, corpus_problems: int = 200,
                          arch: tuple[str, dict] = ("qwen3", {})) -> Path:
     """A random Qwen3 (hidden 32; `arch`: another architecture's tiny config and extra fields,
     e.g. `LLAMA31`) with a 256-token demo tokenizer trained on `corpus_problems` arithmetic

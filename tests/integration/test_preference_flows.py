@@ -27,7 +27,7 @@ import pytest
 import torch  # noqa: F401
 
 from flow_pool import background_flow, run_flow, single_thread_env
-from tiny_models import save_tiny_demo_qwen3
+from tiny_models import save_tiny_demo_model
 from test_sft_flow import REPO_ROOT, flow_env
 
 START_NAME = "sft-tiny-start"
@@ -69,7 +69,7 @@ def register_starting_model(tmp: Path) -> Path:
     """A tiny random Qwen3 with the demo tokenizer, registered as `START_NAME`; returns the registry."""
     from posttrain.registry.local import register_model
 
-    model_dir = save_tiny_demo_qwen3(tmp)
+    model_dir = save_tiny_demo_model(tmp)
     registry = tmp / "registry"
     register_model(registry, START_NAME, model_dir, {"recipe": "test-start"})
     return registry

@@ -361,9 +361,9 @@ def test_bad_paths_and_overrides_fail_at_launch_in_one_line(tmp_path, override, 
 def test_a_checkpoint_field_we_do_not_implement_fails_at_launch_naming_it(tmp_path):
     """A starting checkpoint whose config.json asks for something outside the supported table is
     refused by the launch check, by field name, before `start` runs."""
-    from tiny_models import save_tiny_demo_qwen3
+    from tiny_models import save_tiny_demo_model
 
-    start = save_tiny_demo_qwen3(tmp_path, num_hidden_layers=1, corpus_problems=20)
+    start = save_tiny_demo_model(tmp_path, num_hidden_layers=1, corpus_problems=20)
     config = json.loads((start / "config.json").read_text())
     (start / "config.json").write_text(json.dumps({**config, "attention_sink": True}))
     overrides = {"model.init_from": str(start), "tokenizer.name_or_path": str(start)}

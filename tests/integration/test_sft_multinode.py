@@ -21,7 +21,7 @@ from flow_pool import background_flow, run_flow, single_thread_env
 from posttrain.train.faults import FAULT_AT_STEP_ENV
 from test_sft_flow import REPO_ROOT, flow_env
 from test_sft_parallel import LOSS_TOL, losses, with_parallel
-from tiny_models import LLAMA31, assert_logits_equal_transformers, save_tiny_demo_qwen3, two_worker_recipe_from
+from tiny_models import LLAMA31, assert_logits_equal_transformers, save_tiny_demo_model, two_worker_recipe_from
 
 FLOW = REPO_ROOT / "flows" / "sft_multinode_flow.py"
 
@@ -42,7 +42,7 @@ def prepare_llama31(tmp: Path) -> Path:
     """The recipe: `configs/sft/tiny-2workers.yaml` starting from a tiny random Llama-3.1-shaped
     checkpoint (llama3 RoPE scaling over 16 original positions, shorter than the 128-token rows)
     with the demo tokenizer. Returns the scenario's directory."""
-    start = save_tiny_demo_qwen3(tmp, arch=LLAMA31)
+    start = save_tiny_demo_model(tmp, arch=LLAMA31)
     two_worker_recipe_from(start, tmp, "tiny-2workers-llama31.yaml")
     return tmp
 

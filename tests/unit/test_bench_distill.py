@@ -35,9 +35,9 @@ def test_kd_loss_quick_bench_prints_the_json_summary_last():
 
 @pytest.mark.slow
 def test_distill_demo_bench_exits_nonzero_when_kd_does_not_beat_sft(tmp_path):
-    from tiny_models import save_tiny_demo_qwen3
+    from tiny_models import save_tiny_demo_model
 
-    teacher_dir = save_tiny_demo_qwen3(tmp_path, num_hidden_layers=1, corpus_problems=100)
+    teacher_dir = save_tiny_demo_model(tmp_path, num_hidden_layers=1, corpus_problems=100)
     overrides = {"distill.teacher": str(teacher_dir), "tokenizer.name_or_path": str(teacher_dir),
                  "data.generate.num_train": 60, "data.generate.num_heldout": 8, "eval.max_examples": 8,
                  "train.max_steps": 3, "train.warmup_steps": 1, "train.tensorboard": False,
