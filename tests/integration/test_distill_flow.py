@@ -36,7 +36,7 @@ pack: {{row_length: 64, window: 32}}
 train: {{max_steps: 12, micro_batch_size: 8, learning_rate: 0.01, warmup_steps: 2, log_every: 4, card_refresh_s: 600}}
 distill: {{teacher: "{teacher}", loss: jsd, beta: 0.5, temperature: 2.0, hard_weight: 0.2}}
 checkpoint: {{every_steps: 6, keep_last: 1}}
-eval: {{max_examples: 16, max_new_tokens: 4, batch_size: 8, report: false}}
+eval: {{max_examples: 16, max_new_tokens: 4, batch_size: 8, report: false, suites: [{{kind: heldout_loss}}]}}
 register: {{registry_dir: "{tmp / 'registry'}", model_name: distill-tiny}}
 """
     path = tmp / "distill.yaml"
