@@ -5,7 +5,8 @@ a mismatch raises `SkewError`, so the flow never reaches `register`.
 
 A model trained through the transformers backend is verified the same way when its
 architecture is one of ours (registered); otherwise there is nothing of ours to compare and
-the verdict says "not applicable" (`passed` None) instead of failing.
+the verdict says "not applicable" (`passed` None) instead of failing. A reward model is always
+verified: ours (whatever its backbone) against its `AutoModelForSequenceClassification` export.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def run(model_dir: str, verify: VerifyConfig, device: str = "cpu", backend: str 
     or, for a reward model (`sequence_classifier`: its transformers export's directory), the
     scores of ours against `AutoModelForSequenceClassification`. Raises `VerificationError`
     above tolerance."""
-    skipped = not_applicable(model_dir, backend)
+    # a reward model is always verified: its sequence-classifier export against ours, whatever the backbone
+    skipped = None if sequence_classifier is not None else not_applicable(model_dir, backend)
     if skipped is not None:
         print(f"[verify] {skipped['arch']}: {skipped['reason']}")
         return skipped

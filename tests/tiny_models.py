@@ -1,6 +1,7 @@
 """Tiny models the tests build offline: a random Qwen3 (or another native architecture's tiny
 config) with the demo's own BPE tokenizer, saved as an HF directory (a starting model for the
-preference flows, a teacher for distillation)."""
+preference flows, a teacher for distillation), and a random Phi-3, which we do not implement
+(the transformers fallback's start)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,21 @@ def assert_logits_equal_transformers(model_dir: Path, ids_BT, atol: float = 1e-4
         theirs_BTV = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(ids_BT).logits
     diff = (ours_BTV - theirs_BTV).abs().max().item()
     assert diff <= atol, f"{model_dir}: max |logit diff| {diff:.3g} > {atol}"
+
+
+def save_tiny_phi3(path: Path, tokenizer) -> Path:
+    """A random tiny Phi-3 (an architecture we do not implement: fused qkv and gate/up
+    projections) with `tokenizer`'s vocabulary and the tokenizer beside it: a start for the
+    transformers fallback backend."""
+    import torch
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Phi3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        original_max_position_embeddings=256, sliding_window=None, tie_word_embeddings=False,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id)
+    Phi3ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(str(path))
+    return path

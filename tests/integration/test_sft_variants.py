@@ -10,6 +10,7 @@ import torch
 
 from test_sft_flow import REPO_ROOT
 from test_sft_parallel import tiny_recipe_data
+from tiny_models import save_tiny_phi3
 
 TINY = REPO_ROOT / "configs" / "sft" / "tiny.yaml"
 LORA = REPO_ROOT / "configs" / "sft" / "tiny-lora.yaml"
@@ -125,22 +126,6 @@ def test_lora_recipe_exports_the_merged_model_and_a_peft_adapter_that_computes_i
     base = logits_of(result.base_dir, ids_BT)
     assert float((merged - through_peft).abs().max()) < 1e-4
     assert float((merged - base).abs().max()) > 1e-3  # the adapters did train
-
-
-def save_tiny_phi3(path: Path, tokenizer) -> Path:
-    """A random tiny Phi-3 (an architecture we do not implement: fused qkv and gate/up
-    projections) with `tokenizer`'s vocabulary."""
-    from transformers import Phi3Config, Phi3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Phi3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                        original_max_position_embeddings=256, sliding_window=None, tie_word_embeddings=False,
-                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id)
-    Phi3ForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(str(path))
-    return path
 
 
 @pytest.mark.slow

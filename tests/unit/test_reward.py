@@ -2,9 +2,12 @@
 response rendered alone, the Bradley-Terry loss (with margin and centring) and its gradients
 equal a plain implementation, the trainer counts pairs and MFU counts the value head, and a
 model with a head trains with LoRA, activation checkpointing and compile; its export is what
-transformers' sequence classifier computes."""
+transformers' sequence classifier computes, also for a family we do not implement trained
+through the transformers fallback."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +21,8 @@ from posttrain.train.trainer import Trainer
 from posttrain.verify.logits import randomize_weights_
 
 from test_dpo import alone_logps, batch_of, pairs, tokenizer  # noqa: F401  (the same pairs, fixtures and helpers)
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def reward_model(tokenizer, arch="qwen3", seed=0) -> RewardModel:
@@ -156,3 +161,56 @@ def test_the_sequence_classification_verifier_passes_the_export_and_catches_a_wr
     save_file(tensors, str(export / "model.safetensors"), metadata={"format": "pt"})
     wrong = verify_sequence_classifier(ours, export)
     assert not wrong["passed"] and wrong["max_abs_diff"] > 1e-3
+
+
+def fallback_rm_config(tmp_path, phi3, **overrides):
+    from posttrain.config.loader import load_recipe_config
+
+    return load_recipe_config(CONFIGS / "rm" / "demo.yaml", "rm", overrides={
+        "model.init_from": None, "model.init": "pretrained", "model.name_or_path": str(phi3),
+        "model.backend": "transformers", "tokenizer.name_or_path": str(phi3), "rm.shared_prompt": False,
+        "train.max_steps": 8, "train.micro_batch_size": 2, "train.learning_rate": 0.01, "train.warmup_steps": 0,
+        "train.log_every": 1, "train.device": "cpu", "train.tensorboard": False, "checkpoint.enabled": False,
+        "output_dir": str(tmp_path), **overrides})
+
+
+@pytest.mark.slow  # builds a Phi-3 over Qwen3's 151,669-token vocabulary and trains it
+def test_a_reward_model_of_a_family_we_do_not_implement_trains_on_the_fallback_and_exports_verified(tmp_path,
+                                                                                                    tokenizer):
+    """A tiny random Phi-3 (transformers fallback) under a value head, through the recipe's own
+    start, trainer and export: the pair loss falls, and the export loads as transformers'
+    `Phi3ForSequenceClassification` with the scores of ours (the verify step's check, which a
+    fallback causal LM of a family we do not implement skips, applies to a reward model)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from posttrain.config.strict import ConfigError
+    from posttrain.eval.suite_data import EvalData
+    from posttrain.steps import evaluate, pack, tokenize, train, verify
+    from posttrain.recipes import recipe_spec
+    from test_dpo import records
+    from tiny_models import save_tiny_phi3
+
+    phi3 = save_tiny_phi3(tmp_path / "phi3", tokenizer)
+    config = fallback_rm_config(tmp_path, phi3)
+    pairs = tokenize.run_pairs({"mined-pairs": records()}, tokenizer, {"enable_thinking": False}, config.pack,
+                               shared_prompt=False).pairs
+    samples = recipe_spec(config).prepare_pairs(pairs, config)
+    rows = pack.run(samples, config, tokenizer.pad_token_id, pairs=True).stats.num_rows
+    result = train.run(config, tokenizer, samples, rows, tmp_path / "run")
+    losses = [h["loss"] for h in result.history]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.1, losses
+
+    classifier = AutoModelForSequenceClassification.from_pretrained(result.sequence_classifier_dir)
+    assert type(classifier).__name__ == "Phi3ForSequenceClassification"
+    verdict = verify.run(result.checkpoint_dir, config.verify, backend="transformers",
+                         sequence_classifier=result.sequence_classifier_dir)
+    assert verdict["passed"] and verdict["max_abs_diff"] <= 1e-4, verdict
+    # the recipe's evaluation suite loads the starting and the trained model through the fallback
+    held = pairs["mined-pairs"]
+    evaluation = evaluate.run(result.base_dir, result.checkpoint_dir, tokenizer,
+                              EvalData(pairs=held, pair_records=records()), config)
+    assert evaluation.errors == {} and set(evaluation.metrics) == {"base", "tuned"}
+    assert evaluation.metrics["tuned"]["pair_accuracy"] > evaluation.metrics["base"]["pair_accuracy"]  # the trained pairs
+
+    with pytest.raises(ConfigError, match="model.lora: a reward model on model.backend 'transformers'"):
+        fallback_rm_config(tmp_path, phi3, **{"model.lora": {"rank": 4, "alpha": 8.0}})

@@ -238,10 +238,16 @@ class RMConfig(RecipeConfig):
     `model.name_or_path`) whose LM head is replaced by the value head."""
 
     kind, section, starts_from = "rm", "rm", "reward-model"
-    needs_native = "a reward-model recipe trains our own model definitions"
     suites = default_suites = ("reward_pairs",)
 
     rm: RMSection = field(default_factory=RMSection)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.model.backend == "transformers" and self.model.lora is not None:
+            raise ConfigError("model.lora: a reward model on model.backend 'transformers' trains without LoRA (peft "
+                              "adapters under a value head are not exported); drop model.lora or use the native "
+                              "backend")
 
 
 @dataclass

@@ -222,6 +222,29 @@ def sequence_scores(values_BT: torch.Tensor, doc_ids_BT: torch.Tensor) -> torch.
 # ---------------------------------------------------------------------------- checkpoint
 
 
+def _sequence_classifier_class(causal_lm_class: str) -> str:
+    """transformers' sequence-classifier class of a causal LM class name; refused by name when
+    transformers has none."""
+    import transformers
+
+    name = causal_lm_class.replace("ForCausalLM", "ForSequenceClassification")
+    if name == causal_lm_class or not hasattr(transformers, name):
+        raise ValueError(f"transformers has no sequence-classification class for {causal_lm_class} ({name}); a reward "
+                         "model of this family cannot be exported for AutoModelForSequenceClassification")
+    return name
+
+
+def _fallback_backbone_export(backbone: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The transformers fallback's tensors under transformers' own names, its `lm_head` left
+    out (a tied input embedding stays under its own name), and its config as a dict. The
+    sequence classifier of a family keeps its causal LM's base-model prefix (`model.`), so the
+    names load as they are."""
+    hf = backbone.hf
+    head_names = {f"{name}.weight" for name, module in hf.named_modules() if module is hf.get_output_embeddings()}
+    tensors = {n: t for n, t in hf.state_dict().items() if n not in head_names}
+    return tensors, hf.config.to_dict()
+
+
 def _backend_of(backbone: nn.Module) -> str:
     from posttrain.models.hf_backend import HFCausalLM
 
@@ -316,9 +339,12 @@ def load_with_head(
 def export_sequence_classifier(
     model: RewardModel, path: str | os.PathLike, pad_token_id: int, dtype: torch.dtype | None = None
 ) -> Path:
-    """Write `model` (a registered native backbone) as a transformers sequence classifier with
-    `num_labels=1`: `AutoModelForSequenceClassification.from_pretrained(path)` scores a
-    right-padded batch at each row's last non-`pad_token_id` token, like `sequence_scores`.
+    """Write `model` (a registered native backbone, or the transformers fallback's) as a
+    transformers sequence classifier with `num_labels=1`:
+    `AutoModelForSequenceClassification.from_pretrained(path)` scores a right-padded batch at
+    each row's last non-`pad_token_id` token, like `sequence_scores`. The class is the causal
+    LM's with `ForSequenceClassification` for `ForCausalLM`; a family transformers has no such
+    class for is refused by name.
 
     transformers' `score` has no bias, so a value head with a nonzero bias is refused.
     Single `model.safetensors` file; the backbone's `lm_head` is not written.
@@ -326,14 +352,17 @@ def export_sequence_classifier(
     bias = model.head.score.bias
     if bias is not None and bool(bias.detach().ne(0).any()):
         raise ValueError("score.bias is nonzero; transformers' sequence-classification score has no bias")
-    config = model.backbone.config
-    arch = get_architecture(config.model_type)
-    tensors = {n: t for n, t in arch.adapter.export_tensors(model.backbone) if n != "lm_head.weight"}
+    if _backend_of(model.backbone) == "transformers":
+        tensors, hf_config = _fallback_backbone_export(model.backbone)
+    else:
+        config = model.backbone.config
+        arch = get_architecture(config.model_type)
+        tensors = {n: t for n, t in arch.adapter.export_tensors(model.backbone) if n != "lm_head.weight"}
+        hf_config = config.to_hf_dict()
     tensors["score.weight"] = model.head.score.weight
     tensors = {n: (t if dtype is None else t.to(dtype)).detach().to("cpu").contiguous() for n, t in tensors.items()}
-    stored = next(iter(tensors.values())).dtype
-    hf_config = config.to_hf_dict(dtype=str(stored).removeprefix("torch."))
-    hf_config["architectures"] = [a.replace("ForCausalLM", "ForSequenceClassification") for a in hf_config["architectures"]]
+    hf_config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    hf_config["architectures"] = [_sequence_classifier_class(a) for a in hf_config["architectures"]]
     hf_config.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0}, pad_token_id=pad_token_id)
 
     path = Path(path)
