@@ -159,14 +159,15 @@ def build_engine(config: GRPOConfig, model: torch.nn.Module | None, tokenizer, s
 
         kind = "vllm" if config.grpo.engine == "vllm_actor" else "native"
         gpus = 1 if kind == "vllm" and pick_device(config.train.device).type == "cuda" else 0
-        kwargs = {"decode_backend": backend} if kind == "native" else {}
+        kwargs = {"decode_backend": backend, "backend": config.model.backend} if kind == "native" else {}
         # the actor starts from the starting model; the task syncs it to the policy before use
         return RemoteEngine(EngineSpec(kind=kind, model_dir=str(trained_start_dir(config)), kwargs=kwargs),
                             num_actors=1, num_gpus=gpus)
     from posttrain.rl.native import NativeEngine
 
     if model is None:
-        return NativeEngine.from_pretrained(start_dir, tokenizer=tokenizer, decode_backend=backend)
+        return NativeEngine.from_pretrained(start_dir, backend=config.model.backend, tokenizer=tokenizer,
+                                            decode_backend=backend)
     return NativeEngine(copy.deepcopy(model).eval().requires_grad_(False), tokenizer=tokenizer, decode_backend=backend)
 
 
@@ -307,11 +308,11 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
         if config.grpo.kl_coef > 0 and config.grpo.reference_on_actor:
             from posttrain.rl.actor import RemoteReference
 
-            reference = RemoteReference(parent, config.train)
+            reference = RemoteReference(parent, config.train, backend=config.model.backend)
         elif config.grpo.kl_coef > 0:
-            from posttrain.models.architectures import load_hf_checkpoint
+            from posttrain.models.architectures import load_causal_lm
 
-            reference = load_hf_checkpoint(parent, device=device).eval().requires_grad_(False)
+            reference = load_causal_lm(parent, config.model.backend, device=device).eval().requires_grad_(False)
         engine = build_engine(config, model, tokenizer, parent)
         scorer = build_reward_role(config)
         controller = RLController(policy, engine, scorer, prompts.ids, prompts.records,

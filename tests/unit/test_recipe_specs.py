@@ -35,8 +35,8 @@ def test_unknown_recipe_names_the_known_ones():
 
 def test_native_only_and_starting_model_rules_come_from_the_config_class():
     rm = load_recipe_config(default_config("rm"), "rm")
-    with pytest.raises(ConfigError, match="a GRPO recipe trains our own model definitions: model.backend"):
-        load_recipe_config(default_config("grpo"), "grpo", overrides={"model.backend": "transformers"})
+    with pytest.raises(ConfigError, match="a sequence recipe trains our own model definitions: model.backend"):
+        load_recipe_config(default_config("sequence"), "sequence", overrides={"model.backend": "transformers"})
     with pytest.raises(ConfigError, match="a DPO recipe starts from a trained model"):
         load_recipe_config(default_config("dpo"), "dpo", overrides={"model.init_from": None, "model.init": "random"})
     assert rm.own_section is rm.rm

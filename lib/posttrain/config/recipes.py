@@ -431,7 +431,6 @@ class GRPOConfig(RecipeConfig):
     overrides of this recipe, e.g. `{train.learning_rate: 6.0e-5}`); the GRPO flow ignores it."""
 
     kind, section, starts_from = "grpo", "grpo", "GRPO"
-    needs_native = "a GRPO recipe trains our own model definitions"
     suites = ("heldout_loss", "task", "rewards", "reward_model")
     default_suites = ("heldout_loss", "task", "rewards")
 
@@ -457,9 +456,26 @@ class GRPOConfig(RecipeConfig):
         if self.grpo.constrain_to_catalogue and self.grpo.engine == "vllm_actor":
             raise ConfigError("grpo.constrain_to_catalogue decodes inside a trie on the native engine: use engine "
                               "native or native_actor")
+        if self.model.backend == "transformers":
+            self._check_transformers_backend()
         if self.grpo.decode_backend != "torch" and self.grpo.engine == "vllm_actor":
             raise ConfigError("grpo.decode_backend chooses how the native engines decode; vLLM decodes its own way: "
                               "leave it 'torch' with engine vllm_actor")
+
+    def _check_transformers_backend(self) -> None:
+        """What GRPO on the transformers fallback does not do yet, refused by key: the policy
+        trains in one process (its weights go to the engine under transformers' names), without
+        peft adapters (their names are peft's), and the native engines decode with torch."""
+        if self.model.lora is not None:
+            raise ConfigError("model.lora: GRPO on model.backend 'transformers' trains without LoRA (the rollout "
+                              "engine's weight sync takes the merged model's names); drop model.lora or use the "
+                              "native backend")
+        if self.parallel.num_workers > 1:
+            raise ConfigError(f"parallel.num_workers {self.parallel.num_workers}: GRPO on model.backend "
+                              "'transformers' trains its policy in one process")
+        if self.grpo.decode_backend != "torch":
+            raise ConfigError(f"grpo.decode_backend {self.grpo.decode_backend!r}: a transformers-backend model decodes "
+                              "through transformers' own cache; leave it 'torch'")
 
     def model_references(self) -> list[tuple[str, str, bool]]:
         teacher = [("grpo.teacher", self.grpo.teacher, True)] if self.grpo.teacher else []

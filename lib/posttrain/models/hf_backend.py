@@ -51,6 +51,7 @@ Weights load from safetensors only (`use_safetensors=True`); remote code is neve
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -413,3 +414,21 @@ def save_hf_export(model: HFCausalLM, checkpoint_dir: str | os.PathLike, adapter
     hf.save_pretrained(str(checkpoint_dir), safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(checkpoint_dir))
+
+
+def is_transformers_backend(model: nn.Module) -> bool:
+    """Whether `model` is the transformers fallback (`HFCausalLM`, sharded or not)."""
+    return isinstance(model, HFCausalLM)
+
+
+def transformers_named_tensors(model: HFCausalLM, weights: dict[str, torch.Tensor]
+                               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(name, tensor)` under transformers' own names (what a rollout engine's `update_weights`
+    takes) from `weights`, a full state dict of `model` (e.g. `get_model_state_dict`, which
+    also lists the wrapper's aliases `base.` and `lm_head.` of the same tensors: only the `hf.`
+    entries are read). Refuses a model with peft adapters, whose names are peft's."""
+    if getattr(model, "lora", None) is not None:
+        raise UnsupportedModel("the weights of a transformers-backend model with peft LoRA adapters have peft's "
+                               "names; merge the adapters first")
+    prefix = "hf."
+    return ((name.removeprefix(prefix), tensor) for name, tensor in weights.items() if name.startswith(prefix))

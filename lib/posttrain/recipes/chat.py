@@ -21,7 +21,8 @@ class DistillSpec(RecipeSpec):
 
     def objective(self, config: DistillConfig, inputs: ObjectiveInputs):
         from posttrain.objectives.distill import DistillObjective, freeze_teacher
-        from posttrain.recipes.start import RecipeModelError, load_causal_lm
+        from posttrain.models.architectures import load_causal_lm
+        from posttrain.recipes.start import RecipeModelError
 
         spec = inputs.teacher
         if spec is None:

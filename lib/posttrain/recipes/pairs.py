@@ -54,6 +54,7 @@ class RewardModelSpec(PairRecipeSpec):
         return RewardObjective(config.rm)
 
     def prepare_start(self, config: RMConfig, tokenizer, base_dir: Path, keep_model: bool) -> Start:
+        from posttrain.models.architectures import load_causal_lm
         from posttrain.models.heads import HEAD_CONFIG, RewardModel, ValueHead, load_with_head, save_with_head
 
         model_start.check_model_recipe(config)
@@ -63,7 +64,7 @@ class RewardModelSpec(PairRecipeSpec):
             if not isinstance(model, RewardModel):
                 raise RecipeModelError(f"{parent} holds a model with a {type(model.head).__name__}, not a value head")
         else:
-            backbone = model_start.load_causal_lm(parent, config.model.backend)
+            backbone = load_causal_lm(parent, config.model.backend)
             head = ValueHead(backbone.config.hidden_size, bias=False)  # transformers' score has no bias
             head.init_weights(config.train.seed, std=config.rm.head_init_std)
             model = RewardModel(backbone, head)

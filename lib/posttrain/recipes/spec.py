@@ -98,7 +98,9 @@ class RecipeSpec:
                    backend: str | None = None) -> torch.nn.Module:
         """A model directory this recipe wrote (or started from), loaded the way it trains;
         `backend` ("native" or "transformers") loads another model's way (a teacher's)."""
-        return model_start.load_causal_lm(model_dir, backend or config.model.backend, device)
+        from posttrain.models.architectures import load_causal_lm
+
+        return load_causal_lm(model_dir, backend or config.model.backend, device)
 
     def load_start(self, config: RecipeConfig, tokenizer, start: Start, device: torch.device) -> torch.nn.Module:
         """The starting model on `device`, with LoRA adapters when `model.lora` is set."""

@@ -35,8 +35,7 @@ from posttrain.config.recipes import RecipeConfig
 from posttrain.config.model_sections import ModelConfig
 from posttrain.data.tokenizer import model_pad_token_id
 from posttrain.parallel.distributed import barrier, rank
-from posttrain.models.architectures import (build_model, get_architecture, load_hf_checkpoint, replace_dir,
-                                            save_hf_checkpoint)
+from posttrain.models.architectures import build_model, get_architecture, replace_dir, save_hf_checkpoint
 
 # recipe fields copied into every architecture's config (the rest come from the architecture's `tiny`)
 SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -144,15 +143,6 @@ def causal_lm_start(config: RecipeConfig, tokenizer, base_dir: Path, keep_model:
     save_hf_checkpoint(model, base_dir, tokenizer=tokenizer)
     copy_model_files(RECIPE_MODEL_FILES, Path(base_dir).parent, Path(base_dir))
     return Start(Path(base_dir), model if keep_model else None)
-
-
-def load_causal_lm(model_dir: str | Path, backend: str, device: torch.device | None = None) -> torch.nn.Module:
-    """A causal LM directory through our definitions (`native`) or transformers' (`transformers`)."""
-    if backend == "transformers":
-        from posttrain.models.hf_backend import load_hf_backend
-
-        return load_hf_backend(model_dir, device=device)
-    return load_hf_checkpoint(model_dir, device=device)
 
 
 def ready_to_train(model: torch.nn.Module, config: RecipeConfig, tokenizer, start: Start,

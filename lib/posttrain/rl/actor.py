@@ -226,13 +226,14 @@ class RemoteRewardScorer:
 
 
 class ReferenceActor:
-    """A frozen model (a checkpoint directory, loaded here) scoring trained tokens."""
+    """A frozen model (a checkpoint directory, loaded here through `backend`: our definitions
+    or transformers') scoring trained tokens."""
 
-    def __init__(self, model_dir: str, train_config, device: str = "cpu"):
-        from posttrain.models.architectures import load_hf_checkpoint
+    def __init__(self, model_dir: str, train_config, device: str = "cpu", backend: str = "native"):
+        from posttrain.models.architectures import load_causal_lm
 
         torch.set_num_threads(1)
-        self.model = load_hf_checkpoint(model_dir, device=device).eval().requires_grad_(False)
+        self.model = load_causal_lm(model_dir, backend, device=device).eval().requires_grad_(False)
         self.train_config, self.device = train_config, torch.device(device)
 
     def token_logps(self, batches: list[dict], vocab_size: int | None = None) -> list[torch.Tensor]:
@@ -249,10 +250,10 @@ class RemoteReference:
     log-probs in the training precision of `train_config`, as `attach_logps` computes them in
     process."""
 
-    def __init__(self, model_dir: str, train_config, num_cpus: float = 1):
+    def __init__(self, model_dir: str, train_config, num_cpus: float = 1, backend: str = "native"):
         from posttrain.parallel.roles import RemoteRole
 
-        self.role = RemoteRole(ReferenceActor, (os.fspath(model_dir), train_config), num_cpus=num_cpus)
+        self.role = RemoteRole(ReferenceActor, (os.fspath(model_dir), train_config, "cpu", backend), num_cpus=num_cpus)
 
     def token_logps(self, batches: list[dict], vocab_size: int | None = None) -> list[torch.Tensor]:
         from posttrain.rl.trajectories import MODEL_FIELDS

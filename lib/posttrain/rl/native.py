@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from posttrain.models.hf_backend import is_transformers_backend
 from posttrain.models.safetensors_io import HFCheckpointError
 from posttrain.rl import decode_backends
 from posttrain.rl.decode_backends import DecodeBackend
@@ -143,12 +144,6 @@ class _TransformersStepper:
         return _HFState(state.cache, state.attention_mask_BS[index_R])
 
 
-def _is_transformers_backend(model: nn.Module) -> bool:
-    from posttrain.models.hf_backend import HFCausalLM
-
-    return isinstance(model, HFCausalLM)
-
-
 # ------------------------------------------------------------------------ the engine
 
 
@@ -190,7 +185,7 @@ class NativeEngine:
         self.max_batch_rows = max_batch_rows
         self.device = next(model.parameters()).device
         self.decode_backend = decode_backends.decode_backend(decode_backend, self.device)
-        self.transformers_backend = _is_transformers_backend(model)
+        self.transformers_backend = is_transformers_backend(model)
         self._stepper = (_TransformersStepper(model) if self.transformers_backend
                          else _DecoderStepper(model, self.decode_backend))
         self.context_length = context_length or getattr(model.config, "max_position_embeddings", None)

@@ -382,7 +382,8 @@ class Trainer:
     def export_weights(self, cpu_offload: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """`(hf_name, tensor)` over the full, unsharded weights in Hugging Face names:
         `posttrain.models.architectures.hf_named_tensors` of them (LoRA merged, plus
-        `lm_head.weight` for tied models: a rollout engine needs it; HF checkpoints leave it out).
+        `lm_head.weight` for tied models: a rollout engine needs it; HF checkpoints leave it out);
+        for the transformers backend, transformers' own state dict names (`hf_backend.transformers_named_tensors`).
 
         The full weights come from `get_model_state_dict(full_state_dict=True, cpu_offload=...)`:
         on a plain single-process model they are views of the live parameters (copy before
@@ -394,5 +395,11 @@ class Trainer:
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
         weights = get_model_state_dict(self.model, options=options)
-        if weights:
+        if not weights:
+            return
+        from posttrain.models.hf_backend import is_transformers_backend, transformers_named_tensors
+
+        if is_transformers_backend(self.model):
+            yield from transformers_named_tensors(self.model, weights)
+        else:
             yield from hf_named_tensors(full_weights_view(self.model, weights))
