@@ -89,7 +89,7 @@ def generate_preference_demo(config, run_dir: Path) -> Path:
     from posttrain.data.demo import write_arithmetic_dataset
     from posttrain.data.sources import SourceSpec, read_chat_records
     from posttrain.data.tokenizer import load_tokenizer
-    from posttrain.models.architectures import load_hf_checkpoint
+    from posttrain.models.architectures import load_causal_lm
     from posttrain.steps.paths import generated_directory
     from posttrain.recipes.start import trained_start_dir
 
@@ -102,7 +102,7 @@ def generate_preference_demo(config, run_dir: Path) -> Path:
         raise ValueError("data.generate.task 'arithmetic_pairs' answers the problems with the recipe's starting "
                          "model: set model.init_from")
     tokenizer = load_tokenizer(str(start_dir))
-    model = load_hf_checkpoint(start_dir)
+    model = load_causal_lm(start_dir, config.model.backend)
     for split, name in (("train", "pairs.jsonl"), ("heldout", "heldout_pairs.jsonl")):
         records, _ = read_chat_records(SourceSpec(name=split, kind="jsonl", path=str(paths[split])))
         questions = [(r.messages[:-1], r.messages[-1]["content"]) for r in records]

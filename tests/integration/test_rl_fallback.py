@@ -49,7 +49,8 @@ def test_grpo_trains_a_family_we_do_not_implement_through_the_fallback(tmp_path)
     assert [r["round"] for r in rounds] == [1, 2] and not first.done and second.done
     for r in rounds:
         assert r["metrics"]["zero_advantage_groups"] < 1 and r["metrics"]["sync_ok"], r["metrics"]
-        assert all(m["kl"] >= 0 for m in r["train_metrics"])  # the transformers reference scored the tokens
+    # round 2's policy has moved from the start: the reference (loaded through transformers) scores it apart
+    assert min(m["kl"] for m in rounds[1]["train_metrics"]) > 0, rounds[1]["train_metrics"]
     exported = AutoModelForCausalLM.from_pretrained(second.checkpoint_dir, dtype=torch.float32)
     assert type(exported).__name__ == "Phi3ForCausalLM"
     start = load_file(str(phi3 / "model.safetensors"))
@@ -59,6 +60,7 @@ def test_grpo_trains_a_family_we_do_not_implement_through_the_fallback(tmp_path)
 
     for key, overrides in (("model.lora", {"model.lora": {"rank": 4, "alpha": 8.0}}),
                            ("parallel.num_workers", {"parallel.num_workers": 2, "parallel.strategy": "fsdp"}),
-                           ("grpo.decode_backend", {"grpo.decode_backend": "cpu_kernels"})):
+                           ("grpo.decode_backend", {"grpo.decode_backend": "cpu_kernels"}),
+                           ("grpo.engine", {"grpo.engine": "vllm_actor"})):
         with pytest.raises(ConfigError, match=f"^{key}.*transformers"):
             fallback_config(tmp_path, phi3, **overrides)

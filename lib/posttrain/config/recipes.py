@@ -465,7 +465,8 @@ class GRPOConfig(RecipeConfig):
     def _check_transformers_backend(self) -> None:
         """What GRPO on the transformers fallback does not do yet, refused by key: the policy
         trains in one process (its weights go to the engine under transformers' names), without
-        peft adapters (their names are peft's), and the native engines decode with torch."""
+        peft adapters (their names are peft's), the native engines decode with torch, and vLLM
+        (whose sync check loads our own definition) is not its engine."""
         if self.model.lora is not None:
             raise ConfigError("model.lora: GRPO on model.backend 'transformers' trains without LoRA (the rollout "
                               "engine's weight sync takes the merged model's names); drop model.lora or use the "
@@ -476,6 +477,10 @@ class GRPOConfig(RecipeConfig):
         if self.grpo.decode_backend != "torch":
             raise ConfigError(f"grpo.decode_backend {self.grpo.decode_backend!r}: a transformers-backend model decodes "
                               "through transformers' own cache; leave it 'torch'")
+        if self.grpo.engine == "vllm_actor":
+            raise ConfigError("grpo.engine 'vllm_actor': the vLLM engine checks its syncs against our own definition "
+                              "of the model, which a model.backend 'transformers' family lacks; use engine native or "
+                              "native_actor")
 
     def model_references(self) -> list[tuple[str, str, bool]]:
         teacher = [("grpo.teacher", self.grpo.teacher, True)] if self.grpo.teacher else []

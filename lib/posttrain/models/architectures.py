@@ -242,11 +242,13 @@ def _shard_files(path: Path) -> dict[str, list[str] | None]:
 def load_causal_lm(model_dir: str | os.PathLike, backend: str, device: torch.device | str | None = None
                    ) -> torch.nn.Module:
     """A causal LM directory through our definitions (`backend` "native": `load_hf_checkpoint`)
-    or transformers' ("transformers": `posttrain.models.hf_backend.load_hf_backend`)."""
+    or transformers' ("transformers": `posttrain.models.hf_backend.load_hf_backend`), on
+    `device` (None: the CPU)."""
+    device = device if device is not None else "cpu"
     if backend == "transformers":
         from posttrain.models.hf_backend import load_hf_backend
 
-        return load_hf_backend(model_dir, device=device if device is not None else "cpu")
+        return load_hf_backend(model_dir, device=device)
     return load_hf_checkpoint(model_dir, device=device)
 
 

@@ -242,13 +242,16 @@ def _fallback_backbone_export(backbone: nn.Module) -> tuple[dict[str, torch.Tens
     hf = backbone.hf
     head_names = {f"{name}.weight" for name, module in hf.named_modules() if module is hf.get_output_embeddings()}
     tensors = {n: t for n, t in hf.state_dict().items() if n not in head_names}
-    return tensors, hf.config.to_dict()
+    config = hf.config.to_dict()
+    config["architectures"] = [type(hf).__name__]  # the class itself: a config's list may be missing or other
+    return tensors, config
 
 
-def _backend_of(backbone: nn.Module) -> str:
-    from posttrain.models.hf_backend import HFCausalLM
+def backbone_backend(backbone: nn.Module) -> str:
+    """`model.backend`'s value for `backbone`: "transformers" for the fallback, else "native"."""
+    from posttrain.models.hf_backend import is_transformers_backend
 
-    return "transformers" if isinstance(backbone, HFCausalLM) else "native"
+    return "transformers" if is_transformers_backend(backbone) else "native"
 
 
 def save_with_head(model: RewardModel | ReplacedHeadLM, path: str | os.PathLike, tokenizer: Any = None) -> Path:
@@ -257,7 +260,7 @@ def save_with_head(model: RewardModel | ReplacedHeadLM, path: str | os.PathLike,
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f".{path.name}.head-tmp-{uuid.uuid4().hex[:8]}")
-    backend = _backend_of(model.backbone)
+    backend = backbone_backend(model.backbone)
     try:
         if backend == "transformers":
             model.backbone.save_pretrained(staging)
@@ -352,7 +355,7 @@ def export_sequence_classifier(
     bias = model.head.score.bias
     if bias is not None and bool(bias.detach().ne(0).any()):
         raise ValueError("score.bias is nonzero; transformers' sequence-classification score has no bias")
-    if _backend_of(model.backbone) == "transformers":
+    if backbone_backend(model.backbone) == "transformers":
         tensors, hf_config = _fallback_backbone_export(model.backbone)
     else:
         config = model.backbone.config

@@ -55,7 +55,8 @@ class RewardModelSpec(PairRecipeSpec):
 
     def prepare_start(self, config: RMConfig, tokenizer, base_dir: Path, keep_model: bool) -> Start:
         from posttrain.models.architectures import load_causal_lm
-        from posttrain.models.heads import HEAD_CONFIG, RewardModel, ValueHead, load_with_head, save_with_head
+        from posttrain.models.heads import (HEAD_CONFIG, RewardModel, ValueHead, backbone_backend, load_with_head,
+                                            save_with_head)
 
         model_start.check_model_recipe(config)
         parent = model_start.trained_start_dir(config)
@@ -63,6 +64,9 @@ class RewardModelSpec(PairRecipeSpec):
             model = load_with_head(parent)
             if not isinstance(model, RewardModel):
                 raise RecipeModelError(f"{parent} holds a model with a {type(model.head).__name__}, not a value head")
+            if backbone_backend(model.backbone) != config.model.backend:
+                raise RecipeModelError(f"{parent}'s backbone was trained with model.backend "
+                                       f"'{backbone_backend(model.backbone)}': set model.backend to it")
         else:
             backbone = load_causal_lm(parent, config.model.backend)
             head = ValueHead(backbone.config.hidden_size, bias=False)  # transformers' score has no bias
