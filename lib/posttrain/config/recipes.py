@@ -37,7 +37,9 @@ class RecipeConfig:
     - `starts_from`: for a recipe that starts from a trained model, its name in the error when
       none is set (None: random init allowed);
     - `needs_native`: for a recipe that only trains our own model definitions, why (the error
-      for `model.backend: transformers`); None: any backend."""
+      for `model.backend: transformers`); None: any backend;
+    - `no_fallback_lora`: for a recipe that trains on `model.backend: transformers` only
+      without LoRA, why (the error for `model.lora` there); None: LoRA on either backend."""
 
     kind: ClassVar[str | None] = None
     section: ClassVar[str | None] = None
@@ -45,6 +47,7 @@ class RecipeConfig:
     default_suites: ClassVar[tuple[str, ...]] = ()
     starts_from: ClassVar[str | None] = None
     needs_native: ClassVar[str | None] = None
+    no_fallback_lora: ClassVar[str | None] = None
 
     name: str
     data: DataConfig
@@ -78,6 +81,8 @@ class RecipeConfig:
                               "model.init: pretrained")
         if self.needs_native and self.model.backend != "native":
             raise ConfigError(f"{self.needs_native}: model.backend must be 'native'")
+        if self.no_fallback_lora and self.model.backend == "transformers" and self.model.lora is not None:
+            raise ConfigError(f"model.lora: {self.no_fallback_lora}; drop model.lora or use the native backend")
         if self.model.backend == "transformers" and getattr(self.own_section, "shared_prompt", False):
             raise ConfigError("model.backend 'transformers' cannot share a prompt between two responses (tree "
                               f"masks): set {self.section}.shared_prompt: false")
@@ -238,16 +243,11 @@ class RMConfig(RecipeConfig):
     `model.name_or_path`) whose LM head is replaced by the value head."""
 
     kind, section, starts_from = "rm", "rm", "reward-model"
+    no_fallback_lora = ("a reward model on model.backend 'transformers' trains without LoRA (peft adapters under a "
+                        "value head are not exported)")
     suites = default_suites = ("reward_pairs",)
 
     rm: RMSection = field(default_factory=RMSection)
-
-    def validate(self) -> None:
-        super().validate()
-        if self.model.backend == "transformers" and self.model.lora is not None:
-            raise ConfigError("model.lora: a reward model on model.backend 'transformers' trains without LoRA (peft "
-                              "adapters under a value head are not exported); drop model.lora or use the native "
-                              "backend")
 
 
 @dataclass
@@ -431,6 +431,8 @@ class GRPOConfig(RecipeConfig):
     overrides of this recipe, e.g. `{train.learning_rate: 6.0e-5}`); the GRPO flow ignores it."""
 
     kind, section, starts_from = "grpo", "grpo", "GRPO"
+    no_fallback_lora = ("GRPO on model.backend 'transformers' trains without LoRA (the rollout engine's weight sync "
+                        "takes the merged model's names)")
     suites = ("heldout_loss", "task", "rewards", "reward_model")
     default_suites = ("heldout_loss", "task", "rewards")
 
@@ -463,14 +465,10 @@ class GRPOConfig(RecipeConfig):
                               "leave it 'torch' with engine vllm_actor")
 
     def _check_transformers_backend(self) -> None:
-        """What GRPO on the transformers fallback does not do yet, refused by key: the policy
-        trains in one process (its weights go to the engine under transformers' names), without
-        peft adapters (their names are peft's), the native engines decode with torch, and vLLM
-        (whose sync check loads our own definition) is not its engine."""
-        if self.model.lora is not None:
-            raise ConfigError("model.lora: GRPO on model.backend 'transformers' trains without LoRA (the rollout "
-                              "engine's weight sync takes the merged model's names); drop model.lora or use the "
-                              "native backend")
+        """What GRPO on the transformers fallback does not do yet, refused by key (LoRA:
+        `no_fallback_lora`): the policy trains in one process (its weights go to the engine under
+        transformers' names), the native engines decode with torch, and vLLM (whose sync check
+        loads our own definition) is not its engine."""
         if self.parallel.num_workers > 1:
             raise ConfigError(f"parallel.num_workers {self.parallel.num_workers}: GRPO on model.backend "
                               "'transformers' trains its policy in one process")
