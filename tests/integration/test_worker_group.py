@@ -6,6 +6,8 @@ place while the actor is replaced."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import ray
 
@@ -44,6 +46,12 @@ def add_and_sum(counter: Counter, k: int) -> int:
     return int(total)
 
 
+def niceness(_counter: Counter) -> int:
+    import os
+
+    return os.nice(0)
+
+
 def fail_on_rank_one(counter: Counter) -> None:
     import torch.distributed as dist
 
@@ -59,6 +67,8 @@ def test_a_worker_group_keeps_each_ranks_state_across_calls_and_names_the_first_
         group.setup(make_counter, (10,))
         assert group.call(add_and_sum, (1,)) == [22, 22]  # 11 + 11 on both ranks
         assert group.call(add_and_sum, per_rank_args=[(1,), (3,)]) == [26, 26]  # 12 + 14: the state stayed
+        # the ranks run at the driver's CPU priority, not at Ray's lowered one (niceness 15)
+        assert group.call(niceness) == [os.nice(0)] * 2
         with pytest.raises(WorkerError, match="(?s)rank 1.*ValueError: rank one fails"):
             group.call(fail_on_rank_one, timeout_s=120)
         assert group.ranks == 0  # a failed call closes the group
