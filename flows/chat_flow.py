@@ -21,7 +21,9 @@ class ChatRecipeFlow(RecipeFlow):
         """Render each conversation with the tokenizer's chat template (assistant-only loss masks), then filter."""
         from posttrain.steps import tokenize
 
-        result = tokenize.run(self.train_records, self._tokenizer(), self.recipe.tokenizer.chat_template_kwargs,
+        tokenizer = self._tokenizer()
+        self.pad_token_id = tokenizer.pad_token_id  # what pack pads rows with (it loads no tokenizer)
+        result = tokenize.run(self.train_records, tokenizer, self.recipe.tokenizer.chat_template_kwargs,
                               self.recipe.data.filters, self.recipe.pack)
         self.samples, self.tokenize_stats = result.samples, result.stats
         self.rejected = self.rejected + result.rejected

@@ -32,6 +32,7 @@ class PairRecipeFlow(RecipeFlow):
         from posttrain.recipes import recipe_spec
 
         tokenizer, kw = self._tokenizer(), self.recipe.tokenizer.chat_template_kwargs
+        self.pad_token_id = tokenizer.pad_token_id  # what pack pads rows with (it loads no tokenizer)
         shared, spec = self.recipe.shared_prompt, recipe_spec(self.recipe)
         train = tokenize.run_pairs(self.train_records, tokenizer, kw, self.recipe.pack, shared)
         self.samples = spec.prepare_pairs(train.pairs, self.recipe)
@@ -58,7 +59,7 @@ class PairRecipeFlow(RecipeFlow):
         efficiency, in the `pack` card (the body of each pair recipe's `pack` step)."""
         from posttrain.steps import pack
 
-        result = pack.run(self.samples, self.recipe, self._tokenizer().pad_token_id, pairs=True)
+        result = pack.run(self.samples, self.recipe, self.pad_token_id, pairs=True)
         self.pack_stats, self.samples_per_source = result.stats, result.samples_per_source
         cards.pack_section(current.card["pack"], self.pack_stats, self.samples_per_source)
 

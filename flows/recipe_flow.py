@@ -226,7 +226,7 @@ class RecipeFlow(RecipeSteps):
         epoch and efficiency, in the `pack` card (the body of each recipe's `pack` step)."""
         from posttrain.steps import pack
 
-        result = pack.run(self.samples, self.recipe, self._tokenizer().pad_token_id)
+        result = pack.run(self.samples, self.recipe, self.pad_token_id)  # the tokenize step's
         self.packed_rows, self.pack_stats, self.samples_per_source = result.rows, result.stats, result.samples_per_source
         cards.pack_section(current.card["pack"], self.pack_stats, self.samples_per_source)
 

@@ -56,7 +56,9 @@ class SequenceFlow(RecipeFlow):
         """Each training history as `<bos>` + items (+ event tokens), split into windows of a row."""
         from posttrain.steps import sequences
 
-        result = sequences.tokenize(self.train_records, self._tokenizer(), self.recipe)
+        tokenizer = self._tokenizer()
+        self.pad_token_id = tokenizer.pad_token_id  # what pack pads rows with (it loads no tokenizer)
+        result = sequences.tokenize(self.train_records, tokenizer, self.recipe)
         self.samples, self.tokenize_stats = result.samples, result.stats
         cards.tokenize_section(current.card["tokenize"], self.tokenize_stats)
         self.next(self.pack)

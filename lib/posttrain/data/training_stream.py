@@ -13,7 +13,7 @@ of samples the packer had consumed; the packer's pending window is restored from
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from tqdm import tqdm
 
@@ -21,7 +21,9 @@ from posttrain.config.schema import PackConfig, SourceConfig
 from posttrain.data.chat import TokenizedSample
 from posttrain.data.mixer import Mixer
 from posttrain.data.packer import PackedRows, PackStats, StreamPacker
-from posttrain.data.prefetch import PackedBatchPrefetcher
+
+if TYPE_CHECKING:  # torch loads with the first stream: packing one pass (the pack step) needs none
+    from posttrain.data.prefetch import PackedBatchPrefetcher
 
 
 def build_mixer(samples: dict[str, Sequence[TokenizedSample]], sources: Sequence[SourceConfig], seed: int) -> Mixer:
@@ -80,6 +82,7 @@ def training_batches(samples: dict[str, Sequence[Any]], sources: Sequence[Source
     manager). `packer` (default: `packer_for(pack, pad_id)`) and `layout` (what the packer
     places for a sample, default the sample itself) let other sample kinds use the same
     stream, e.g. preference pairs (`posttrain.data.pair_stream`)."""
+    from posttrain.data.prefetch import PackedBatchPrefetcher
 
     def upstream(start: int) -> Iterator[Any]:
         items = _items(build_mixer(samples, sources, seed), start=start)

@@ -3,10 +3,13 @@ starting model (`posttrain.objectives.kto`, `posttrain.data.unpaired`)."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from posttrain.config.recipes import KTOConfig
 from posttrain.recipes.spec import ObjectiveInputs, PairRecipeSpec, register
+
+if TYPE_CHECKING:
+    import torch
 
 
 class KTOSpec(PairRecipeSpec):
@@ -34,6 +37,8 @@ class KTOSpec(PairRecipeSpec):
     def pair_tables(self, config: KTOConfig, samples: dict[str, list]) -> dict[str, torch.Tensor]:
         """`kto_desirable` by tree id: `split_pairs_for_kto` numbers a pair's desirable tree
         `2 * id` and its undesirable one `2 * id + 1`."""
+        import torch
+
         from posttrain.objectives.kto import LABEL_FIELD
 
         size = 1 + max((tree.pair_id for group in samples.values() for tree in group), default=-1)

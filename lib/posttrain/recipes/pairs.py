@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from posttrain.config.recipes import DPOConfig, RMConfig
-from posttrain.parallel.distributed import barrier
 from posttrain.recipes import start as model_start
 from posttrain.recipes.spec import ObjectiveInputs, PairRecipeSpec, register
 from posttrain.recipes.start import RecipeModelError, Start
+
+if TYPE_CHECKING:
+    import torch
 
 SEQUENCE_CLASSIFIER_DIR = "sequence_classifier"  # inside a reward model's export
 
@@ -92,6 +93,7 @@ class RewardModelSpec(PairRecipeSpec):
         export in it. Collective under torch.distributed; rank 0 writes."""
         from posttrain.models.heads import export_sequence_classifier, load_with_head, save_with_head
         from posttrain.models.lora import has_lora
+        from posttrain.parallel.distributed import barrier
 
         checkpoint_dir = Path(run_dir) / "checkpoint"
         classifier_dir = checkpoint_dir / SEQUENCE_CLASSIFIER_DIR

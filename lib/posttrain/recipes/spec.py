@@ -27,13 +27,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from posttrain.config.recipes import RecipeConfig
 from posttrain.recipes import start as model_start
 from posttrain.recipes.start import Start
+
+if TYPE_CHECKING:  # the registry imports without torch (an ingest step reads `records` only)
+    import torch
 
 
 @dataclass

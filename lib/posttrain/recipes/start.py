@@ -18,6 +18,10 @@ Three kinds of recipe `model` section:
 `model.lora` adds LoRA adapters after loading and before the Trainer; the export is the
 merged model (transformers loads it as a plain checkpoint) and the PEFT adapter is written
 beside it (`<run dir>/adapter`, base recorded as the starting directory).
+
+Importing this module (and the recipe registry) loads neither torch nor the models: a step that
+only reads a spec's declarations (the ingest step's record kind) starts in a fraction of the
+time; each function imports what it uses.
 """
 
 from __future__ import annotations
@@ -27,15 +31,14 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-from torch.distributed.tensor import DTensor
+from typing import TYPE_CHECKING
 
 from posttrain.config.recipes import RecipeConfig
 from posttrain.config.model_sections import ModelConfig
 from posttrain.data.tokenizer import model_pad_token_id
-from posttrain.parallel.distributed import barrier, rank
-from posttrain.models.architectures import build_model, get_architecture, replace_dir, save_hf_checkpoint
+
+if TYPE_CHECKING:  # torch and the models load with the first function that needs them (module docstring)
+    import torch
 
 # recipe fields copied into every architecture's config (the rest come from the architecture's `tiny`)
 SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -55,6 +58,8 @@ def model_config_for(model: ModelConfig, tokenizer):
     soft-capping, ...). Per-layer lists of the tiny config
     (`layer_types`, `mlp_only_layers`) are kept only when the layer count is the tiny one;
     otherwise the config class derives its own defaults."""
+    from posttrain.models.architectures import get_architecture
+
     arch = get_architecture(model.arch)
     accepted = {f.name for f in dataclasses.fields(arch.config_cls)}
     kwargs = {k: v for k, v in arch.tiny.items() if not k.endswith("_token_id")}
@@ -136,6 +141,8 @@ def copy_model_files(names: tuple[str, ...], run_dir: Path, model_dir: Path) -> 
 def causal_lm_start(config: RecipeConfig, tokenizer, base_dir: Path, keep_model: bool) -> Start:
     """The trained model the recipe starts from (`trained_start_dir`) as it is, or a random
     init of `model.arch` written to `base_dir` with the recipe's model files."""
+    from posttrain.models.architectures import build_model, save_hf_checkpoint
+
     parent = trained_start_dir(config)
     if parent is not None:
         return Start(parent, parent=parent)
@@ -169,8 +176,10 @@ def unsharded_copy(spec, trainer, config: RecipeConfig, start: Start) -> torch.n
     it is not sharded; else `spec.unsharded_structure` with LoRA adapters as trained, filled
     from the gathered full state dict); other ranks: None. Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
 
     from posttrain.models.lora import apply_lora
+    from posttrain.parallel.distributed import rank
 
     model = trainer.model
     if not any(isinstance(p, DTensor) for p in model.parameters()):
@@ -190,6 +199,8 @@ def export_causal_lm(spec, trainer, config: RecipeConfig, tokenizer, start: Star
     """`RecipeSpec.export` for a causal LM (its docstring): `save_pretrained` for the
     transformers backend (written beside, then swapped in), merged weights and the PEFT
     adapter for LoRA, else the trainer's own export; then `finish_export`."""
+    from posttrain.models.architectures import save_hf_checkpoint
+    from posttrain.parallel.distributed import barrier
     from posttrain.train.checkpoint import export_hf_checkpoint
 
     checkpoint_dir, adapter_dir = Path(run_dir) / "checkpoint", None
@@ -217,8 +228,11 @@ def export_hf_backend(model: torch.nn.Module, config: RecipeConfig, tokenizer, s
     leaves the previous export whole). Returns the adapter directory (LoRA) or None.
     Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
 
+    from posttrain.models.architectures import replace_dir
     from posttrain.models.hf_backend import full_copy, save_hf_export
+    from posttrain.parallel.distributed import barrier, rank
 
     if any(isinstance(p, DTensor) for p in model.parameters()):
         weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -241,6 +255,8 @@ def export_hf_backend(model: torch.nn.Module, config: RecipeConfig, tokenizer, s
 def finish_export(spec, config: RecipeConfig, tokenizer, checkpoint_dir: Path, run_dir: Path) -> None:
     """On rank 0: the end-of-turn stop ids in the export's generation config (a recipe whose
     model generates: `spec.stops_generation`), and the recipe's model files beside the weights."""
+    from posttrain.parallel.distributed import rank
+
     if rank() != 0:
         return
     if spec.stops_generation and tokenizer is not None:
