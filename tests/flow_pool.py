@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-POOL_WORKERS = 3
+POOL_WORKERS = 2
 # The pool's threads, and every process they start (flow tasks, their Ray, bench runs), run at
 # this niceness; the foreground tests at 0. The foreground is one serial line of tests (most on
 # one core) that ends the session, while the pool's runs are many and can wait: at equal
