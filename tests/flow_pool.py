@@ -37,13 +37,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+# Two at a time: with three, both cores were just as busy and the suite did 8% more CPU work
+# (2,048 against 1,885 CPU-s, one fresh-clone run each, docs/benchmarks.md "Test suite").
 POOL_WORKERS = 2
 # The pool's threads, and every process they start (flow tasks, their Ray, bench runs), run at
 # this niceness; the foreground tests at 0. The foreground is one serial line of tests (most on
 # one core) that ends the session, while the pool's runs are many and can wait: at equal
 # priority the foreground got a quarter of the machine beside three runs and was left running
 # alone, on one core, for minutes after the pool had finished (measured: pool done at 810 s,
-# session at 1126 s). Lowered, the runs take what the foreground leaves.
+# session at 1,126 s). Lowered, the runs take what the foreground leaves.
 POOL_NICENESS = 5
 
 
