@@ -59,7 +59,7 @@ class PairRecipeFlow(RecipeFlow):
         efficiency, in the `pack` card (the body of each pair recipe's `pack` step)."""
         from posttrain.steps import pack
 
-        result = pack.run(self.samples, self.recipe, self.pad_token_id, pairs=True)
+        result = pack.run(self.samples, self.recipe, self._pad_token_id(), pairs=True)
         self.pack_stats, self.samples_per_source = result.stats, result.samples_per_source
         cards.pack_section(current.card["pack"], self.pack_stats, self.samples_per_source)
 

@@ -51,6 +51,12 @@ class RecipeSteps(FlowSpec):
 
         return load_recipe_tokenizer(self.recipe, self.run_dir)
 
+    def _pad_token_id(self):
+        """The pad id the tokenize step recorded (so pack loads no tokenizer); a run made before
+        tokenize recorded it, resumed at pack, loads the tokenizer for it."""
+        recorded = getattr(self, "pad_token_id", None)
+        return recorded if recorded is not None else self._tokenizer().pad_token_id
+
     @step
     def start(self):
         """Resolve the recipe (file + overrides) and the run directory."""
@@ -226,7 +232,7 @@ class RecipeFlow(RecipeSteps):
         epoch and efficiency, in the `pack` card (the body of each recipe's `pack` step)."""
         from posttrain.steps import pack
 
-        result = pack.run(self.samples, self.recipe, self.pad_token_id)  # the tokenize step's
+        result = pack.run(self.samples, self.recipe, self._pad_token_id())
         self.packed_rows, self.pack_stats, self.samples_per_source = result.rows, result.stats, result.samples_per_source
         cards.pack_section(current.card["pack"], self.pack_stats, self.samples_per_source)
 

@@ -41,8 +41,9 @@ from typing import Any, Callable
 # (2,048 against 1,885 CPU-s, one fresh-clone run each, docs/benchmarks.md "Test suite").
 POOL_WORKERS = 2
 # The pool's threads, and every process they start (flow tasks, their Ray, bench runs), run at
-# this niceness; the foreground tests at 0. The foreground is one serial line of tests (most on
-# one core) that ends the session, while the pool's runs are many and can wait: at equal
+# this niceness at least; the foreground tests at the session's (0 from a shell). The foreground
+# is one serial line of tests (most on one core) that ends the session, while the pool's runs
+# are many and can wait: at equal
 # priority the foreground got a quarter of the machine beside three runs and was left running
 # alone, on one core, for minutes after the pool had finished (measured: pool done at 810 s,
 # session at 1,126 s). Lowered, the runs take what the foreground leaves.
@@ -100,8 +101,14 @@ def typing_restored():
 
 def lower_thread_priority() -> None:
     """The calling thread (a pool thread: its `ThreadPoolExecutor` initializer) at
-    `POOL_NICENESS`; Linux keeps niceness per thread and children inherit their thread's."""
-    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), POOL_NICENESS)
+    `POOL_NICENESS`, or left where it is when the session already runs nicer than that (raising
+    the priority back would need privileges); Linux keeps niceness per thread and children
+    inherit their thread's."""
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, max(POOL_NICENESS, os.getpriority(os.PRIO_PROCESS, tid)))
+    except OSError:  # not allowed here: the pool runs at the session's priority
+        pass
 
 
 def single_thread_env(env: dict) -> dict:

@@ -1,5 +1,5 @@
-"""bench/resume_exact.py with small settings: both SIGKILLed runs and a run killed at a random
-moment resume bit for bit."""
+"""bench/resume_exact.py with small settings: both SIGKILLed runs and a chain of randomly
+killed runs resume bit for bit."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_killed_runs_resume_exactly_and_an_interrupted_save_leaves_the_previous_
     done = subprocess.run(
         [sys.executable, str(REPO_ROOT / "bench" / "resume_exact.py"),
          "--steps", "5", "--every", "2", "--kill-after", "3", "--kill-in-save", "4",
-         "--random-kills", "1", "--random-steps", "8"],
+         "--random-kills", "2", "--random-steps", "8"],
         capture_output=True, text=True, timeout=600, env=env, cwd=REPO_ROOT,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -41,9 +41,9 @@ def test_killed_runs_resume_exactly_and_an_interrupted_save_leaves_the_previous_
     assert in_save["complete_checkpoints"] == ["step_00000002"]
     assert in_save["previous_checkpoint_whole"] and in_save["temporary_cleaned"]
     assert in_save["resumed_from"].endswith("step_00000002")
-    # a process SIGKILLed at a seeded random wall-clock point, and the one that resumes it
+    # a chain of processes SIGKILLed at 2 seeded random wall-clock points, each resuming the last
     chain = result["cases"]["random_kills"]["chains"][0]
-    assert result["random_kills"] == 1 and len(chain["attempts"]) == 1 and sum(chain["landed"].values()) == 1
+    assert result["random_kills"] == 2 and len(chain["attempts"]) == 2 and sum(chain["landed"].values()) == 2
     assert chain["steps_mismatched"] == 0 and chain["max_abs_loss_diff"] == 0 and chain["max_abs_weight_diff"] == 0
     assert chain["latest_always_loadable"] and not any(a["finished_before_kill"] for a in chain["attempts"])
     assert chain["steps_reported"] >= 8  # every step of the final run, restored or trained, was compared

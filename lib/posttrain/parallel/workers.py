@@ -44,11 +44,13 @@ from posttrain.parallel.distributed import (FAILURE_GRACE_S, WorkerError, failed
                                             init_distributed, shutdown_distributed)
 
 OBJECT_STORE_BYTES = 512 * 2**20
-# Ray lowers its workers' CPU priority (niceness 15 by default) so that they yield to the driver.
-# Here the actors are the job (training ranks, rollout engines, reward workers) and the driver
-# mostly waits on them: at niceness 15 on a machine busy with anything else they get a few percent
-# of a core (measured: a two-rank train step beside other busy processes on two cores waited
-# four minutes for its first step while its ranks used 9 CPU-seconds each).
+# Ray raises its workers' niceness by 15 by default (lowers their CPU priority) so that they
+# yield to the driver; this increment of 0 leaves them at the priority of the process that
+# starts Ray (only a Ray started here: a cluster keeps its own setting). Here the actors are
+# the job (training ranks, rollout engines, reward workers) and the driver mostly waits on
+# them: at +15 on a machine busy with anything else they get a few percent of a core
+# (measured: a two-rank train step beside other busy processes on two cores waited four
+# minutes for its first step while its ranks used 9 CPU-seconds each).
 WORKER_NICENESS = 0
 
 
