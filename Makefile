@@ -22,13 +22,16 @@ export PATH := $(abspath $(BIN)):$(PATH)
 setup: $(STAMP)
 
 # The packages install with uv (pinned; pip installs it): the same versions pip resolves, in a
-# third of pip's time (measured: 85 s against 206 s for torch and the dev extra on a fresh venv),
-# bytecode compiled up front on every core. uv reads no pip configuration, so the directory of
+# third of pip's time (measured: 85 s against 206 s for torch and the dev extra on a fresh venv).
+# Bytecode is left to Python, which compiles a module the first time it is imported: compiling
+# every file up front (`--compile-bytecode`) took 123 CPU-s against 47 for the install alone, 38 s
+# of a 2-core machine, mostly for files that nothing here imports (docs/benchmarks.md
+# "Test suite"). uv reads no pip configuration, so the directory of
 # local wheels pip is configured with (where this machine keeps the CPU build of torch) is
 # passed on; without one, torch comes from PyPI as it would through pip.
 UV_VERSION := 0.13.9
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
-UV_INSTALL = $(BIN)/uv pip install --python $(BIN)/python --quiet --compile-bytecode $(if $(FIND_LINKS),--find-links $(FIND_LINKS))
+UV_INSTALL = $(BIN)/uv pip install --python $(BIN)/python --quiet $(if $(FIND_LINKS),--find-links $(FIND_LINKS))
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -59,10 +59,9 @@ class RLRecipeFlow(RecipeSteps):
     def _eval_data(self):
         """The held-out prompt records (rewards) and, as conversations, each prompt with its
         reference answer (held-out loss and task metrics)."""
-        from posttrain.steps import rl
         from posttrain.eval.suite_data import EvalData
 
-        return EvalData(chats=[rl.as_chat(r) for r in self.heldout_records], prompts=list(self.heldout_records))
+        return EvalData(chats=[r.as_chat() for r in self.heldout_records], prompts=list(self.heldout_records))
 
     def _overview(self):
         card = current.card["overview"]

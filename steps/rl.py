@@ -44,7 +44,7 @@ import torch
 
 from posttrain.config.schema import GRPOConfig
 from posttrain.data.chat import generation_stop_ids, render_prompt
-from posttrain.data.records import ChatRecord, PromptRecord
+from posttrain.data.records import PromptRecord, Prompts
 from posttrain.data.tokenizer import pad_record
 from posttrain.rl.controller import EngineLost, RLController, RoundResult
 from posttrain.rl.engine import SamplingConfig
@@ -61,19 +61,6 @@ from posttrain.train.trainer import Trainer
 RL_STATE_DIR = "rl_state"
 MAX_ENGINE_RESTARTS = 3  # per task
 KILL_ENGINE_ENV = "POSTTRAIN_KILL_ENGINE_AT_ROUND"  # tests: kill the rollout actor in the middle of round K
-
-
-def as_chat(record: PromptRecord) -> ChatRecord:
-    """The prompt with its reference as the assistant's answer (for held-out loss and exact match)."""
-    return ChatRecord(record.prompt + [{"role": "assistant", "content": record.reference or ""}],
-                      record.source, record.line)
-
-
-@dataclass
-class Prompts:
-    records: list[PromptRecord]
-    ids: list[list[int]]
-    dropped: int  # prompts too long for the context left for a completion
 
 
 def tokenize_prompts(records: list[PromptRecord], tokenizer, config: GRPOConfig, context_length: int | None = None) -> Prompts:

@@ -24,10 +24,12 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from posttrain.config.schema import DistillConfig
+
+if TYPE_CHECKING:  # the plan and evaluation steps unpickle `TeacherSpec` without loading torch
+    import torch
 
 
 class TeacherError(ValueError):

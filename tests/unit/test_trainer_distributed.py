@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from posttrain.objectives.sft import SFTObjective
+from posttrain.parallel.distributed import spawn_local
 from posttrain.train.trainer import Trainer
 
 from test_trainer import T, cat_rows, config, packed_row, tiny_model
@@ -28,24 +28,21 @@ def train_config():
     return config(learning_rate=1e-2, max_grad_norm=0.5)  # clipping active: the norm must be global
 
 
-def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        model = tiny_model(torch.float64)
-        trainer = Trainer(model, train_config(), total_steps=10,
-                          objective=SFTObjective())  # default group, grad_sync auto
-        assert trainer.grad_sync == "allreduce_sum" and trainer.world_size == 2
-        metrics = [trainer.train_step(rank_micro_batches(s)[rank]) for s in range(STEPS)]
-        exported = dict(trainer.export_weights())
-        torch.save({"metrics": metrics, "params": {n: p.detach() for n, p in model.named_parameters()},
-                    "exported": sorted(exported)}, f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _worker() -> dict:
+    """One rank of the default gloo group (`spawn_local`): its metrics, parameters and export."""
+    rank = dist.get_rank()
+    model = tiny_model(torch.float64)
+    trainer = Trainer(model, train_config(), total_steps=10,
+                      objective=SFTObjective())  # default group, grad_sync auto
+    assert trainer.grad_sync == "allreduce_sum" and trainer.world_size == 2
+    metrics = [trainer.train_step(rank_micro_batches(s)[rank]) for s in range(STEPS)]
+    exported = dict(trainer.export_weights())
+    return {"metrics": metrics, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "exported": sorted(exported)}
 
 
-def test_two_ranks_equal_one_process_over_all_micro_batches(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+def test_two_ranks_equal_one_process_over_all_micro_batches():
+    ranks = spawn_local(_worker, 2, backend="gloo")
 
     model = tiny_model(torch.float64)
     single = Trainer(model, train_config(), total_steps=10, process_group=None, objective=SFTObjective())

@@ -66,6 +66,19 @@ class PromptRecord:
     source: str
     line: int
 
+    def as_chat(self) -> ChatRecord:
+        """The prompt with its reference as the assistant's answer (for held-out loss and exact match)."""
+        return ChatRecord(self.prompt + [{"role": "assistant", "content": self.reference or ""}], self.source, self.line)
+
+
+@dataclass
+class Prompts:
+    """An RL recipe's prompts rendered to token ids (`posttrain.steps.rl.tokenize_prompts`), a
+    run artifact: here, beside the records, so the steps that only carry it need no torch."""
+    records: list[PromptRecord]
+    ids: list[list[int]]
+    dropped: int  # prompts too long for the context left for a completion
+
 
 @dataclass(slots=True)
 class SequenceRecord:
