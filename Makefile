@@ -25,8 +25,8 @@ setup: $(STAMP)
 # third of pip's time (measured: 85 s against 206 s for torch and the dev extra on a fresh venv).
 # Bytecode is left to Python, which compiles a module the first time it is imported: compiling
 # every file up front (`--compile-bytecode`) took 123 CPU-s against 47 for the install alone, 38 s
-# of a 2-core machine, mostly for files that nothing here imports (docs/benchmarks.md
-# "Test suite"). uv reads no pip configuration, so the directory of
+# of a 2-core machine (one fresh venv each, 2026-12-04), mostly for files nothing here imports.
+# uv reads no pip configuration, so the directory of
 # local wheels pip is configured with (where this machine keeps the CPU build of torch) is
 # passed on; without one, torch comes from PyPI as it would through pip.
 UV_VERSION := 0.13.9
