@@ -8,7 +8,7 @@ the recipe's next step: SFT trains, distillation prepares its teacher first). Ev
 `RecipeSteps`' foreach over the recipe's suites, on the held-out conversations.
 """
 
-from metaflow import card, current, step
+from metaflow import card, step
 
 import recipe_cards as cards
 from recipe_flow import RecipeFlow
@@ -33,5 +33,5 @@ class ChatRecipeFlow(RecipeFlow):
             from posttrain.data.sources import write_rejected
 
             self.rejected_path = str(write_rejected(self.rejected, Path(self.run_dir) / "rejected.jsonl"))
-        cards.tokenize_section(current.card["tokenize"], self.tokenize_stats)
+        cards.tokenize_section(cards.card("tokenize"), self.tokenize_stats)
         self.next(self.pack)

@@ -21,7 +21,7 @@ cache size), live loss with the KD and CE terms (train), the logit verdict (veri
 evaluation table with the teacher's row and an evidently report (evaluate), an overview (end).
 """
 
-from metaflow import card, current, step
+from metaflow import card, step
 
 import recipe_cards as cards
 from chat_flow import ChatRecipeFlow
@@ -47,7 +47,7 @@ class DistillFlow(ChatRecipeFlow):
         from posttrain.steps import teacher
 
         self.teacher_spec = teacher.run(self.recipe, self._tokenizer(), self.samples, self.run_dir)
-        cards.teacher_section(current.card["teacher"], self.teacher_spec)
+        cards.teacher_section(cards.card("teacher"), self.teacher_spec)
         self.next(self.train)
 
     def _eval_others(self) -> dict:

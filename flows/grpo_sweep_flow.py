@@ -18,7 +18,7 @@ Branches are processes: on a machine with few cores run them one at a time (`--m
 since concurrent torch processes on two cores slow each other down far more than twofold.
 """
 
-from metaflow import card, current, retry, step
+from metaflow import card, retry, step
 
 from posttrain.config.loader import default_config
 
@@ -107,7 +107,7 @@ class GRPOSweepFlow(RLRecipeFlow):
     @step
     def end(self):
         """The sweep's table, then the picked variant's rounds and evaluation."""
-        card = current.card["overview"]
+        card = cards.card("overview")
         card.append(cards.Markdown("## Sweep"))
         card.append(cards.Table([[r["variant"], str(r["overrides"]), f"{r['heldout_reward']:.4f}",
                                   "picked" if r["variant"] == self.variant_index else ""] for r in self.sweep_results],

@@ -12,7 +12,7 @@ Evaluation reads the held-out pairs, and their prompts with the chosen responses
 conversations (`_eval_data`).
 """
 
-from metaflow import card, current, step
+from metaflow import card, step
 
 import recipe_cards as cards
 from recipe_flow import RecipeFlow
@@ -44,7 +44,7 @@ class PairRecipeFlow(RecipeFlow):
         self.rejected = self.rejected + train.rejected + held.rejected
         if train.rejected or held.rejected:
             self.rejected_path = str(write_rejected(self.rejected, Path(self.run_dir) / "rejected.jsonl"))
-        cards.pairs_section(current.card["tokenize"], self.tokenize_stats)
+        cards.pairs_section(cards.card("tokenize"), self.tokenize_stats)
         self.next(self.pack)
 
     @card(type="blank", id="pack")
@@ -61,7 +61,7 @@ class PairRecipeFlow(RecipeFlow):
 
         result = pack.run(self.samples, self.recipe, self._pad_token_id(), pairs=True)
         self.pack_stats, self.samples_per_source = result.stats, result.samples_per_source
-        cards.pack_section(current.card["pack"], self.pack_stats, self.samples_per_source)
+        cards.pack_section(cards.card("pack"), self.pack_stats, self.samples_per_source)
 
     def _eval_data(self):
         """The held-out pairs (tokenized, and as records), and each pair's prompt with its chosen
@@ -97,5 +97,5 @@ class ScoredPairRecipeFlow(PairRecipeFlow):
         scored = (f"{len(self.ref_logps) // 2} pairs scored by `{result.model_dir}` in {result.seconds:.1f}s."
                   if self.ref_logps is not None else
                   f"On the fly: the train step scores each batch with `{result.model_dir}`.")
-        current.card["reference"].append(cards.Markdown(f"## Reference\n{scored}"))
+        cards.card("reference").append(cards.Markdown(f"## Reference\n{scored}"))
         self.next(self.train)

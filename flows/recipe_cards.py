@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import time
 
+from metaflow import current
 from metaflow.cards import Image, Markdown, ProgressBar, Table
 
 
@@ -29,6 +30,28 @@ plt = _OnFirstUse("matplotlib.pyplot")
 plots = _OnFirstUse("posttrain.eval.plots")
 
 MAX_TABLE_ROWS = 50
+
+
+class _NoCard:
+    """What a step draws on when the run renders no cards (`production.cards: false`): every
+    component appended is dropped. The builders that plot check for it first and draw nothing."""
+
+    def append(self, component) -> None:
+        pass
+
+    def refresh(self, data=None) -> None:
+        pass
+
+
+NO_CARD = _NoCard()
+
+
+def card(card_id: str):
+    """The running step's card `card_id` (`current.card[card_id]`), or `NO_CARD` when the run
+    renders none: its steps then carry no `@card` (`flows/recipe_configs.py:apply_production`),
+    and Metaflow sets no `current.card`."""
+    collector = getattr(current, "card", None)
+    return NO_CARD if collector is None else collector[card_id]
 
 
 def figure_image(fig, label: str | None = None) -> Image:
@@ -79,6 +102,8 @@ def semantic_ids_section(card, stats: dict, examples: list) -> None:
 
 
 def tokenize_section(card, stats) -> None:
+    if card is NO_CARD:  # it plots
+        return
     card.append(Markdown(
         f"## Tokenized samples\n{stats.num_samples} samples, {stats.num_tokens} tokens, "
         f"{stats.num_loss_tokens} trained (assistant) tokens"))
@@ -94,6 +119,8 @@ def tokenize_section(card, stats) -> None:
 
 
 def pack_section(card, stats, samples_per_source: dict) -> None:
+    if card is NO_CARD:  # it plots
+        return
     card.append(Markdown(
         f"## Packing (one pass over the mixture)\n{stats.num_samples} samples into {stats.num_rows} rows: "
         f"**efficiency {stats.efficiency:.2%}** real tokens per slot "
@@ -194,6 +221,8 @@ def eval_section(card, metrics: dict) -> None:
 def evaluation_card(card, result, models) -> None:
     """The evaluate step's card: the models under test, the metrics table, each suite's outcome
     (a failed suite with its error), a chart per suite, sample outputs."""
+    if card is NO_CARD:
+        return
     card.append(Markdown("## Models under test\n" + "\n".join(
         f"- **{m.label}**: `{m.model_dir}`" + (f" (registry `{m.reference}`)" if m.reference else "") for m in models)))
     eval_section(card, result.metrics)
@@ -242,6 +271,8 @@ class LiveTrainingCard:
 
     def __init__(self, card, total_steps: int, refresh_s: float):
         self._card = card
+        if card is NO_CARD:  # nothing to draw on: every call returns at once
+            return
         self._total = total_steps
         self._refresh_s = refresh_s
         self._last = 0.0
@@ -259,6 +290,8 @@ class LiveTrainingCard:
         card.refresh()
 
     def __call__(self, metrics: dict) -> None:
+        if self._card is NO_CARD:
+            return
         self._history.append(metrics)
         now = time.monotonic()
         if now - self._last < self._refresh_s and metrics["step"] < self._total:
@@ -289,6 +322,8 @@ def _round_curves(history: list[dict], n: int) -> list[str]:
 
 def rounds_section(card, history: list[dict], n: int) -> None:
     """An RL run's rounds: reward, pass@k, KL, entropy, lengths per round, and the time split."""
+    if card is NO_CARD:
+        return
     card.append(Markdown("## RL rounds"))
     if not history:
         card.append(Markdown("No round has finished yet."))
@@ -308,6 +343,8 @@ class LiveRoundsCard:
 
     def __init__(self, card, n: int, refresh_s: float = 10.0):
         self._card, self._n, self._refresh_s = card, n, refresh_s
+        if card is NO_CARD:  # nothing to draw on: every call returns at once
+            return
         self._last = 0.0
         self._history: list[dict] = []
         self._summary = Markdown("Round starting...")
@@ -319,13 +356,15 @@ class LiveRoundsCard:
         card.refresh()
 
     def __call__(self, result) -> None:
+        if self._card is NO_CARD:
+            return
         self._history.append(result.metrics)
         if time.monotonic() - self._last >= self._refresh_s:
             self.draw()
 
     def draw(self) -> None:
         """Redraw from every round so far (also when the task ends)."""
-        if not self._history:
+        if self._card is NO_CARD or not self._history:
             return
         self._last = time.monotonic()
         m = self._history[-1]

@@ -127,7 +127,8 @@ class ValidateRecipe(FlowMutator):
 
 def apply_production(mutable_flow, production) -> None:
     """The recipe's `production` section as Metaflow decorators (`ProductionConfig`): the
-    schedule and the trigger on the flow, `@retry` and `@resources` on its steps. A step's own
+    schedule and the trigger on the flow, `@retry` and `@resources` on its steps, and no `@card`
+    at all with `cards: false` (the steps then draw on `recipe_cards.NO_CARD`). A step's own
     `@retry` (e.g. `train`'s) is kept."""
     from metaflow import resources, retry, schedule, trigger_on_finish
 
@@ -143,6 +144,8 @@ def apply_production(mutable_flow, production) -> None:
         sized = {**default, **production.resources.get(name, {})}
         if sized:
             step.add_decorator(resources, deco_kwargs=sized)
+        if not production.cards:
+            step.remove_decorator("card")
 
 
 def check_starting_model(recipe) -> None:

@@ -43,7 +43,7 @@ class RecipeSteps(FlowSpec):
         self.rejected, self.rejected_path, self.data_counts = result.rejected, result.rejected_path, result.counts
         self.data_fingerprints = result.fingerprints  # each source's size and SHA-256, for the lineage
         self.data_warnings = result.warnings  # e.g. a source whose every row was rejected
-        cards.ingest_section(current.card["ingest"], self.data_counts, self.rejected, self.data_warnings)
+        cards.ingest_section(cards.card("ingest"), self.data_counts, self.rejected, self.data_warnings)
         return result
 
     def _tokenizer(self):
@@ -85,11 +85,11 @@ class RecipeSteps(FlowSpec):
         self.verdict = (verify.run(self.checkpoint_dir, self.recipe.verify, backend=self.recipe.model.backend,
                                    sequence_classifier=self.sequence_classifier_dir)
                         if self.recipe.verify.enabled else None)
-        cards.verify_section(current.card["verify"], self.verdict)
+        cards.verify_section(cards.card("verify"), self.verdict)
         try:
             self.skew = verify.skew_gate(self.checkpoint_dir, self._tokenizer(), self.train_records, self.recipe)
         finally:
-            cards.skew_section(current.card["verify"], getattr(self, "skew", None))
+            cards.skew_section(cards.card("verify"), getattr(self, "skew", None))
         self.next(self.plan_evaluation)
 
     def _eval_data(self):
@@ -139,7 +139,7 @@ class RecipeSteps(FlowSpec):
         self.eval_metrics, self.eval_examples, self.evidently_html = result.metrics, result.examples, result.report_html
         self.eval_suites = result.suites
         self.eval_errors = result.errors  # suite name -> error; registered with the metrics
-        cards.evaluation_card(current.card["evaluation"], result, self.eval_models)
+        cards.evaluation_card(cards.card("evaluation"), result, self.eval_models)
         self.next(self.register)
 
     @step
@@ -166,7 +166,10 @@ class RecipeSteps(FlowSpec):
         """An overview card of the whole run."""
         from posttrain.eval import plots
 
-        card = current.card["overview"]
+        print(f"[end] model_uri = {self.model_uri}")
+        card = cards.card("overview")
+        if card is cards.NO_CARD:
+            return
         summary = self.train_summary
         card.append(cards.Markdown(
             f"# {self.recipe.name}\nModel registered at `{self.model_uri}`\n\n"
@@ -185,7 +188,6 @@ class RecipeSteps(FlowSpec):
         cards.eval_section(card, self.eval_metrics)
         cards.pack_section(card, self.pack_stats, self.samples_per_source)
         cards.ingest_section(card, self.data_counts, self.rejected, self.data_warnings)
-        print(f"[end] model_uri = {self.model_uri}")
 
 
 class RecipeFlow(RecipeSteps):
@@ -214,7 +216,7 @@ class RecipeFlow(RecipeSteps):
 
         rows_per_epoch = self.pack_stats.num_rows
         total = train.total_steps_for(rows_per_epoch, self.recipe)
-        live = cards.LiveTrainingCard(current.card["training"], total, self.recipe.train.card_refresh_s)
+        live = cards.LiveTrainingCard(cards.card("training"), total, self.recipe.train.card_refresh_s)
         result = train.run(self.recipe, self._tokenizer(), self.samples, rows_per_epoch, self.run_dir, on_step=live,
                            ref_logps=getattr(self, "ref_logps", None), teacher=getattr(self, "teacher_spec", None))
         self._store_train_result(result)
@@ -234,7 +236,7 @@ class RecipeFlow(RecipeSteps):
 
         result = pack.run(self.samples, self.recipe, self._pad_token_id())
         self.packed_rows, self.pack_stats, self.samples_per_source = result.rows, result.stats, result.samples_per_source
-        cards.pack_section(current.card["pack"], self.pack_stats, self.samples_per_source)
+        cards.pack_section(cards.card("pack"), self.pack_stats, self.samples_per_source)
 
     def _store_train_result(self, result):
         """The train step's artifacts from its `TrainResult` (any train step: this one, or the

@@ -9,8 +9,6 @@ step; sets `self.route` to "again" or "done") and `_overview`; `_eval_data` give
 evaluation foreach the held-out prompts (the `rewards` suite scores them with the recipe's rewards).
 """
 
-from metaflow import current
-
 import recipe_cards as cards
 from recipe_flow import RecipeSteps
 
@@ -32,7 +30,7 @@ class RLRecipeFlow(RecipeSteps):
 
             self.teacher_spec = teacher.run(self.recipe, self._tokenizer(), None, self.run_dir)
         lengths = [len(p) for p in self.prompts.ids]
-        current.card["tokenize"].append(cards.Markdown(
+        cards.card("tokenize").append(cards.Markdown(
             f"## Prompts\n{len(self.prompts.ids)} prompts kept, {self.prompts.dropped} dropped (longer than "
             f"pack.row_length - grpo.sampling.max_new_tokens); prompt length {min(lengths)}-{max(lengths)} tokens."))
 
@@ -41,7 +39,7 @@ class RLRecipeFlow(RecipeSteps):
         (rollouts, rewards, advantages, metrics) become the artifact `rounds`."""
         from posttrain.steps import rl
 
-        live = cards.LiveRoundsCard(current.card["rounds"], self.recipe.grpo.sampling.n, self.recipe.train.card_refresh_s)
+        live = cards.LiveRoundsCard(cards.card("rounds"), self.recipe.grpo.sampling.n, self.recipe.train.card_refresh_s)
         rounds_dir = getattr(self, "rounds_dir", None) or self.run_dir  # a sweep's branch has its own
         result = rl.run_task(self.recipe, self._tokenizer(), self.prompts, rounds_dir, self.rl_checkpoint,
                              on_round=live, teacher_spec=self.teacher_spec)
@@ -64,7 +62,7 @@ class RLRecipeFlow(RecipeSteps):
         return EvalData(chats=[r.as_chat() for r in self.heldout_records], prompts=list(self.heldout_records))
 
     def _overview(self):
-        card = current.card["overview"]
+        card = cards.card("overview")
         card.append(cards.Markdown(f"# {self.recipe.name}\nModel registered at `{self.model_uri}`"))
         cards.rounds_section(card, self.history, self.recipe.grpo.sampling.n)
         cards.verify_section(card, self.verdict)

@@ -18,7 +18,7 @@ model trained from scratch on the same histories. The codes (`semantic_ids.json`
 every exported model.
 """
 
-from metaflow import card, current, step
+from metaflow import card, step
 
 import recipe_cards as cards
 from chat_flow import ChatRecipeFlow
@@ -42,7 +42,7 @@ class SemanticIDFlow(ChatRecipeFlow):
         self.train_records, self.heldout_records, self.heldout_cases = data.train, data.heldout, data.cases
         self.train_histories, self.catalogue = data.train_histories, data.catalogue
         self.semantic_ids_path, self.semantic_stats = data.semantic_ids_path, data.stats
-        cards.semantic_ids_section(current.card["ingest"], self.semantic_stats, self.heldout_records[:3])
+        cards.semantic_ids_section(cards.card("ingest"), self.semantic_stats, self.heldout_records[:3])
         self.next(self.tokenize)
 
     def _eval_data(self):

@@ -21,7 +21,7 @@ next items), `valid_cases`, `vocabulary` (what it kept and dropped), and every a
 shared steps write (`history`, `eval_metrics`, `model_path`, ...).
 """
 
-from metaflow import card, current, step
+from metaflow import card, step
 
 import recipe_cards as cards
 from recipe_configs import ValidateRecipe, recipe_configs
@@ -46,7 +46,7 @@ class SequenceFlow(RecipeFlow):
         self.heldout_cases = data.test if self.recipe.sequence.eval_split == "test" else data.valid
         self.catalogue, self.vocabulary = data.catalogue, data.vocabulary
         self.heldout_records = []  # no conversations: the held-out data are next items
-        cards.vocabulary_section(current.card["ingest"], self.vocabulary, len(self.test_cases),
+        cards.vocabulary_section(cards.card("ingest"), self.vocabulary, len(self.test_cases),
                                  data.train_only_users)
         self.next(self.tokenize)
 
@@ -60,7 +60,7 @@ class SequenceFlow(RecipeFlow):
         self.pad_token_id = tokenizer.pad_token_id  # what pack pads rows with (it loads no tokenizer)
         result = sequences.tokenize(self.train_records, tokenizer, self.recipe)
         self.samples, self.tokenize_stats = result.samples, result.stats
-        cards.tokenize_section(current.card["tokenize"], self.tokenize_stats)
+        cards.tokenize_section(cards.card("tokenize"), self.tokenize_stats)
         self.next(self.pack)
 
     def _eval_data(self):

@@ -61,9 +61,9 @@ class SFTMultinodeFlow(SFTFlow):
         on_step = None
         if lead:
             total = train.total_steps_for(self.pack_stats.num_rows, self.recipe)
-            on_step = cards.LiveTrainingCard(current.card["training"], total, self.recipe.train.card_refresh_s)
+            on_step = cards.LiveTrainingCard(cards.card("training"), total, self.recipe.train.card_refresh_s)
         else:
-            current.card["training"].append(cards.Markdown(
+            cards.card("training").append(cards.Markdown(
                 f"Rank {current.parallel.node_index} of {current.parallel.num_nodes}: "
                 "the control task's card shows training."))
         result = node_training.train_this_node(current.parallel, self.recipe, self._tokenizer(), self.samples,

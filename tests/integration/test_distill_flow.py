@@ -38,6 +38,7 @@ distill: {{teacher: "{teacher}", loss: jsd, beta: 0.5, temperature: 2.0, hard_we
 checkpoint: {{every_steps: 6, keep_last: 1}}
 eval: {{max_examples: 16, max_new_tokens: 4, batch_size: 8, report: false, suites: [{{kind: heldout_loss}}]}}
 register: {{registry_dir: "{tmp / 'registry'}", model_name: distill-tiny}}
+production: {{cards: false}}  # this test reads no card: none is rendered (two processes a card)
 """
     path = tmp / "distill.yaml"
     path.write_text(text)

@@ -52,6 +52,7 @@ grpo:
 # suite is one more step process, which the tests' two cores cannot spare
 eval: {{max_examples: 12, max_new_tokens: 4, batch_size: 12, report: false, suites: [{{kind: rewards}}]}}
 register: {{registry_dir: "{tmp / 'registry'}", model_name: grpo-tiny}}
+production: {{cards: false}}  # this test reads no card: none is rendered (two processes a card)
 """
     path = tmp / "grpo.yaml"
     path.write_text(text)

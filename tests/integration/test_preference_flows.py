@@ -102,6 +102,7 @@ train: {{max_steps: 6, micro_batch_size: 8, learning_rate: 0.003, warmup_steps: 
 checkpoint: {{enabled: false}}
 eval: {{max_examples: 8, max_new_tokens: 4, batch_size: 8, report: false, suites: [{{kind: heldout_loss}}]}}
 register: {{registry_dir: "{tmp / 'registry'}", model_name: {CHAIN_SFT_NAME}}}
+production: {{cards: false}}  # this test reads no card: none is rendered (two processes a card)
 """
     path = tmp / "sft_chain.yaml"
     path.write_text(text)
@@ -112,6 +113,7 @@ def recipe_yaml(recipe: str, tmp: Path, bad_source: Path) -> Path:
     section = {"dpo": "dpo:\n  beta: 0.1\n  sft_weight: 1.0\n", "rm": "rm:\n  centering: 0.01\n"}[recipe]
     start = CHAIN_SFT_NAME if recipe == "dpo" else START_NAME
     suites = DPO_SUITES if recipe == "dpo" else ""
+    production = "" if recipe == "dpo" else "production: {cards: false}  # the RM test reads no card\n"
     text = f"""name: {recipe}-tiny
 output_dir: {tmp / 'outputs'}
 data:
@@ -132,7 +134,7 @@ eval:
   batch_size: 8
   report: {"true" if recipe == "dpo" else "false"}
 {suites}register: {{registry_dir: "{tmp / 'registry'}", model_name: {recipe}-tiny}}
-"""
+{production}"""
     path = tmp / f"{recipe}.yaml"
     path.write_text(text)
     return path
@@ -351,3 +353,9 @@ def test_rm_flow_exports_a_sequence_classifier_that_scores_as_ours(rm_run):
     assert classifier.config.num_labels == 1
     lineage = json.loads((model_path.parent / "lineage.json").read_text())
     assert lineage["parent"]["name"] == START_NAME
+    # `production.cards: false`: the steps ran without @card, so no card was rendered (the DPO
+    # test fetches its cards the same way)
+    missing = subprocess.run([sys.executable, str(REPO_ROOT / "flows" / "rm_flow.py"), "card", "get",
+                              f"{rm_run.id}/end/{rm_run['end'].task.id}", str(workspace[0] / "rm-end.html")],
+                             env=flow_env(), cwd=workspace[0], capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "not found" in (missing.stdout + missing.stderr).lower(), missing

@@ -36,6 +36,7 @@ train: {{max_steps: 30, micro_batch_size: 16, learning_rate: 0.005, warmup_steps
 checkpoint: {{every_steps: 30, keep_last: 1}}
 eval: {{max_examples: 40, batch_size: 16, report: false, suites: [{{kind: heldout_loss}}, {{kind: semantic_next_item}}]}}
 register: {{registry_dir: "{tmp / 'registry'}", model_name: semantic-tiny}}
+production: {{cards: false}}  # this test reads no card: none is rendered (two processes a card)
 """
     path = tmp / "semantic.yaml"
     path.write_text(text)

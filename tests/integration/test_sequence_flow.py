@@ -44,6 +44,7 @@ checkpoint: {{every_steps: 30, keep_last: 1}}
 sequence: {{sampled_negatives: 50}}
 eval: {{max_examples: 300, batch_size: 64}}
 register: {{registry_dir: "{tmp / 'registry'}", model_name: sequence-tiny}}
+production: {{cards: false}}  # this test reads no card: none is rendered (two processes a card)
 """
     path = tmp / "sequence.yaml"
     path.write_text(text)

@@ -52,7 +52,8 @@ def multinode_scenario(tmp: Path) -> dict:
     """The 2-task flow whose rank 0 raises once after the step-3 checkpoint (then @retry)."""
     overrides = {"output_dir": str(tmp / "outputs"), "register.registry_dir": str(tmp / "registry"),
                  "data.generate.num_train": 80, "eval.max_examples": 4, "eval.report": False,
-                 "eval.suites": [{"kind": "heldout_loss"}], "train.card_refresh_s": 600}
+                 "eval.suites": [{"kind": "heldout_loss"}], "train.card_refresh_s": 600,
+                 "production.cards": False}  # no card is read here: none is rendered (two processes a card)
     env = single_thread_env({**flow_env(), FAULT_AT_STEP_ENV: "3"})
     running = run_flow(FLOW, env=env, cwd=tmp, config=[("config", str(tmp / "tiny-2workers-llama31.yaml"))],
                        config_value=[("overrides", overrides)])

@@ -101,15 +101,18 @@ class ProductionConfig:
     `schedule` (a cron expression: `@schedule(cron=...)`), `trigger_on_finish` (a flow name:
     `@trigger_on_finish(flow=...)`, e.g. a DPO flow that starts when `SFTFlow` finishes and
     starts from its promoted model through `registry:NAME`), `retry_times` /
-    `retry_minutes_between` (`@retry` on every step that has none) and `resources` (step name,
+    `retry_minutes_between` (`@retry` on every step that has none), `resources` (step name,
     or `default` for every step, to `{cpu, memory, gpu}`: `@resources`, which Argo Workflows
-    and Kubernetes size pods by)."""
+    and Kubernetes size pods by) and `cards` (false: no step carries `@card`, so nothing is
+    drawn for one; each card otherwise costs two `flow.py card create` processes when its step
+    ends, worth dropping for sweeps and scheduled runs nobody opens)."""
 
     schedule: Optional[str] = None
     trigger_on_finish: Optional[str] = None
     retry_times: int = bounded(0, ge=0)
     retry_minutes_between: int = bounded(2, ge=0)
     resources: dict = field(default_factory=dict)
+    cards: bool = True
 
     def validate(self) -> None:
         if self.schedule is not None and len(self.schedule.split()) not in (5, 6):
