@@ -4,8 +4,9 @@
                                  [--random-kills N [--seed S] [--repeats R] [--random-steps 30] [--random-every 1]]
 
 Runs the tiny SFT recipe (`configs/sft/tiny.yaml`: ingest -> tokenize -> pack -> train through
-`posttrain.steps`) for `--steps` steps, checkpointing every `--every`, each run in its own
-subprocess sharing one prepared dataset and tokenizer:
+`posttrain.steps`) for `--steps` steps, checkpointing every `--every`, each run in a process of
+its own (forked from a forkserver that imported the training code once, `CHILD_PRELOAD`)
+sharing one prepared dataset and tokenizer:
 
 1. uninterrupted: the reference loss trajectory and final weights;
 2. killed between checkpoints: the child stops after step `--kill-after` (before that step's
@@ -45,7 +46,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -136,19 +136,67 @@ def prepare(work: Path, steps: int, every: int) -> Path:
     return config
 
 
-def _start(config: Path, run_dir: Path, ckpt_dir: Path, *flags: str, log_name: str = "child.log") -> subprocess.Popen:
+# what a child imports, loaded once by the forkserver every child forks from (each would
+# otherwise spend seconds of a core importing torch and transformers before its first step)
+CHILD_PRELOAD = ["posttrain.config.loader", "posttrain.data.tokenizer", "posttrain.steps.ingest", "posttrain.steps.pack",
+                 "posttrain.steps.tokenize", "posttrain.steps.train", "posttrain.steps.train_state",
+                 "posttrain.train.checkpoint", "transformers.models.auto.tokenization_auto"]
+_FORKSERVER = None
+
+
+def _forkserver():
+    """The multiprocessing context the children start from: a forkserver that imported
+    `CHILD_PRELOAD` and nothing else (no training state: a child resumes from disk only).
+    Bit for bit needs the same reduction order in every process: MKL's dynamic threading may use
+    fewer threads when the machine is busy (a resumed child beside other work) and sum in another
+    order, so the server, and so every child, runs with a fixed thread count."""
+    global _FORKSERVER
+    if _FORKSERVER is None:
+        import multiprocessing
+
+        os.environ.update(MKL_DYNAMIC="FALSE", OMP_DYNAMIC="FALSE")  # read when the server loads OpenMP
+        _FORKSERVER = multiprocessing.get_context("forkserver")
+        _FORKSERVER.set_forkserver_preload(CHILD_PRELOAD)
+    return _FORKSERVER
+
+
+def _child_main(log_path: str, argv: list[str]) -> None:
+    """A child process's body: its output to `log_path`, then `main(argv)` (the `--child` path)."""
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    main(argv)
+
+
+class _Child:
+    """A started child process, with the part of `subprocess.Popen` the parent uses."""
+
+    def __init__(self, process):
+        self._process, self.pid = process, process.pid
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self) -> int:
+        self._process.join()
+        return self._process.exitcode
+
+    def kill(self) -> None:
+        self._process.kill()
+
+
+def _start(config: Path, run_dir: Path, ckpt_dir: Path, *flags: str, log_name: str = "child.log") -> _Child:
+    """A new child process (forked from `_forkserver()`) training `config` with its
+    checkpoints in `ckpt_dir`; its output goes to `run_dir / log_name`."""
     config_with_dir = run_dir / "config.json"
     run_dir.mkdir(parents=True, exist_ok=True)
     data = json.loads(config.read_text())
     data["checkpoint"]["directory"] = str(ckpt_dir)
     config_with_dir.write_text(json.dumps(data))
-    log = open(run_dir / log_name, "w")
-    # bit-for-bit needs the same reduction order in every process: MKL's dynamic threading may
-    # use fewer threads when the machine is busy (a resumed child beside other work) and sum
-    # in another order, so every child runs with a fixed thread count
-    env = {**os.environ, "MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"}
-    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", str(config_with_dir),
-                             "--run-dir", str(run_dir), *flags], stdout=log, stderr=subprocess.STDOUT, env=env)
+    argv = ["--child", str(config_with_dir), "--run-dir", str(run_dir), *flags]
+    process = _forkserver().Process(target=_child_main, args=(str(run_dir / log_name), argv))
+    process.start()
+    return _Child(process)
 
 
 def run_to_end(config: Path, run_dir: Path, ckpt_dir: Path, *flags: str, log_name: str = "child.log") -> tuple[dict, float]:

@@ -16,7 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Not in the background pool (tests/flow_pool.py): its kills land at wall-clock times calibrated on
 # a reference run, so it must not share the cores with other runs.
-@pytest.mark.slow  # nine subprocesses, each importing torch and transformers
+@pytest.mark.slow  # nine training processes (forked from one that imported torch and transformers)
 def test_killed_runs_resume_exactly_and_an_interrupted_save_leaves_the_previous_checkpoint():
     # one thread per child: the pool's flows run beside this test, and a child that got fewer
     # threads than another would sum in another order (the bench also turns dynamic threading off)
