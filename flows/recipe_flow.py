@@ -164,12 +164,11 @@ class RecipeSteps(FlowSpec):
     @step
     def end(self):
         """An overview card of the whole run."""
-        from posttrain.eval import plots
-
         print(f"[end] model_uri = {self.model_uri}")
         card = cards.card("overview")
         if card is cards.NO_CARD:
             return
+        from posttrain.eval import plots  # matplotlib: only where a card is drawn
         summary = self.train_summary
         card.append(cards.Markdown(
             f"# {self.recipe.name}\nModel registered at `{self.model_uri}`\n\n"
