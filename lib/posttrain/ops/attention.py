@@ -27,19 +27,54 @@ Backends (chosen once per forward by `select_backend`, then shared by every laye
   optional `cpu_kernels` decode backend runs these steps in a fused C kernel instead
   (`posttrain.rl.cpu_kernels`: one pass over the keys, one over the values); this is the
   reference.
-- "flex" (future, GPU): FlexAttention with a BlockMask built from the same predicate. It
-  slots in by adding a branch to `build_attention_mask` and `document_attention`; torch 2.13
-  has no FlexAttention backward on CPU, so CPU uses "documents" or "sdpa".
+- "flex" (CUDA; any device for inference): FlexAttention (`torch.nn.attention.flex_attention`)
+  over a block-sparse `BlockMask` built from the same predicate (`attention_predicate`):
+  document, causal, tree (branch) and window rules, evaluated per 128 x 128 tile, so fully
+  masked tiles are skipped and no `[B, 1, T, T]` mask exists (on CUDA the block mask itself
+  is built by a compiled kernel). Rows are padded to a shape bucket (`flex_bucket_length`) so
+  the compiled kernel is reused across steps instead of recompiling for every new length.
+  Attention sinks (GPT-OSS) use its log-sum-exp (`posttrain.ops.sink_attention`). Chosen on
+  CUDA by `select_backend`; torch 2.13 has no FlexAttention backward on CPU, so CPU training
+  uses "documents" or "sdpa" and CPU runs "flex" only without gradients (tests, parity).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("documents", "sdpa", "decode")
+BACKENDS = ("documents", "sdpa", "decode", "flex")
+
+
+def allowed_pairs(q_idx: torch.Tensor, k_idx: torch.Tensor, doc_q: torch.Tensor, doc_k: torch.Tensor,
+                  window: int | None = None, branch_q: torch.Tensor | None = None,
+                  branch_k: torch.Tensor | None = None, pos_q: torch.Tensor | None = None,
+                  pos_k: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention rule, once, for every backend: whether the query at row index `q_idx` may
+    see the key at `k_idx` (broadcastable tensors: whole `[B, T, T]` grids for the dense mask,
+    scalars inside FlexAttention's `mask_mod`). `k <= q` and the same document; for tree
+    documents (branches given) the key's branch is the trunk (0) or the query's own; with a
+    `window`, the query sees itself and the `window - 1` tokens before it, measured in row
+    distance for plain documents and in positions for trees (`document_causal_mask`)."""
+    allowed = (k_idx <= q_idx) & (doc_q == doc_k)
+    if branch_q is not None:
+        allowed = allowed & ((branch_k == 0) | (branch_k == branch_q))
+        if window is not None:
+            allowed = allowed & (pos_q - pos_k < window)
+    elif window is not None:
+        allowed = allowed & (q_idx - k_idx < window)
+    return allowed
+
+
+def _check_mask_inputs(window: int | None, branch_ids_BT: torch.Tensor | None,
+                       position_ids_BT: torch.Tensor | None) -> None:
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window must be >= 1, got {window}")
+    if window is not None and branch_ids_BT is not None and position_ids_BT is None:
+        raise ValueError("a sliding window over tree documents needs position_ids_BT")
 
 
 def document_causal_mask(doc_ids_BT: torch.Tensor, window: int | None = None,
@@ -55,32 +90,37 @@ def document_causal_mask(doc_ids_BT: torch.Tensor, window: int | None = None,
     is the trunk every token of the document may see; a token of branch `j > 0` sees the trunk
     and earlier tokens of branch `j` only (`branch[k] == 0 or branch[k] == branch[q]`). A
     branch's positions continue from the trunk, so within a tree the window is measured in
-    `position_ids_BT` (required with branches and a window), not in row distance.
+    `position_ids_BT` (required with branches and a window), not in row distance. The rule is
+    `allowed_pairs`, which FlexAttention's block masks evaluate too.
     """
+    _check_mask_inputs(window, branch_ids_BT, position_ids_BT)
     T = doc_ids_BT.shape[1]
-    causal_TT = torch.ones(T, T, dtype=torch.bool, device=doc_ids_BT.device).tril()
-    if window is not None and window < 1:
-        raise ValueError(f"sliding window must be >= 1, got {window}")
-    if window is not None and branch_ids_BT is None:
-        causal_TT = causal_TT.triu(-(window - 1))
-    allowed_BTT = (doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]) & causal_TT
-    if branch_ids_BT is not None:
-        key_branch_B1T = branch_ids_BT[:, None, :]
-        allowed_BTT &= (key_branch_B1T == 0) | (key_branch_B1T == branch_ids_BT[:, :, None])
-        if window is not None:
-            if position_ids_BT is None:
-                raise ValueError("a sliding window over tree documents needs position_ids_BT")
-            allowed_BTT &= (position_ids_BT[:, :, None] - position_ids_BT[:, None, :]) < window
+    index_T = torch.arange(T, device=doc_ids_BT.device)
+    trees = branch_ids_BT is not None
+    allowed_BTT = allowed_pairs(
+        index_T[:, None], index_T[None, :], doc_ids_BT[:, :, None], doc_ids_BT[:, None, :], window,
+        branch_ids_BT[:, :, None] if trees else None, branch_ids_BT[:, None, :] if trees else None,
+        position_ids_BT[:, :, None] if trees and window is not None else None,
+        position_ids_BT[:, None, :] if trees and window is not None else None)
     return allowed_BTT[:, None, :, :]
+
+
+def flex_available() -> bool:
+    """Whether this torch has FlexAttention (torch >= 2.5)."""
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def select_backend(device: torch.device | str) -> str:
     """The attention backend for a training forward on `device`: "documents" on CPU (where the
-    mask allows it; `build_attention_mask` falls back to "sdpa"), else "sdpa".
-
-    This is the seam for FlexAttention: return "flex" for CUDA once it is implemented.
-    """
-    return "documents" if torch.device(device).type == "cpu" else "sdpa"
+    mask allows it; `build_attention_mask` falls back to "sdpa"); "flex" on any accelerator
+    where torch has FlexAttention, else "sdpa"."""
+    if torch.device(device).type == "cpu":
+        return "documents"
+    return "flex" if flex_available() else "sdpa"
 
 
 # What one more SDPA call (forward + backward) costs on CPU, in (query, key) pairs of a masked
@@ -102,11 +142,15 @@ def per_document_pays(doc_runs: list[list[int]], T: int) -> bool:
 
 def choose_backend(doc_ids_BT: torch.Tensor, window: int | None = None,
                    branch_ids_BT: torch.Tensor | None = None) -> tuple[str, list[list[int]] | None]:
-    """`(backend, document runs or None)` for a training forward of `doc_ids_BT`: "documents"
-    on CPU for plain document masks where `per_document_pays`, else "sdpa". What
+    """`(backend, document runs or None)` for a training forward of `doc_ids_BT`: "flex" where
+    `select_backend` says so (CUDA), "documents" on CPU for plain document masks where
+    `per_document_pays`, else "sdpa". What
     `build_attention_mask` does without an explicit backend, and what the trainer's FLOP
     accounting asks."""
-    if select_backend(doc_ids_BT.device) != "documents" or window is not None or branch_ids_BT is not None:
+    backend = select_backend(doc_ids_BT.device)
+    if backend == "flex":
+        return "flex", None
+    if backend != "documents" or window is not None or branch_ids_BT is not None:
         return "sdpa", None
     runs = document_runs(doc_ids_BT)
     if runs is None or not per_document_pays(runs, doc_ids_BT.shape[1]):
@@ -148,12 +192,15 @@ class AttentionMask:
     """A document-causal mask prepared once per forward for a given backend."""
 
     backend: str
-    # every backend: boolean, True where attention is allowed; `[B, 1, T, T]`, or `[B, 1, T, S]`
-    # over a KV cache's S slots (`build_cached_attention_mask`)
+    # every backend but "flex": boolean, True where attention is allowed; `[B, 1, T, T]`, or
+    # `[B, 1, T, S]` over a KV cache's S slots (`build_cached_attention_mask`)
     dense_B1TT: torch.Tensor | None = None
     window: int | None = None  # sliding window it was built with (None: full causal)
     # "documents": each row's document lengths in order (`document_runs`); they tile the row
     doc_runs: list[list[int]] | None = None
+    # "flex": the block-sparse mask over rows padded to `padded_length` (`flex_bucket_length`)
+    block_mask: Any = None
+    padded_length: int | None = None
 
 
 def build_attention_mask(doc_ids_BT: torch.Tensor, backend: str | None = None,
@@ -162,21 +209,114 @@ def build_attention_mask(doc_ids_BT: torch.Tensor, backend: str | None = None,
     """Prepare the mask for `doc_ids_BT` (`[B, T]` long, `-1` for padding); `window`,
     `branch_ids_BT` (tree documents) and `position_ids_BT` as in `document_causal_mask`. Models
     with mixed layer types build one mask per type. Without `backend`, `choose_backend` picks
-    ("documents" on CPU where it pays); an explicit "documents" is used wherever it is exact,
-    and falls back to "sdpa" for windows, trees and documents split into several runs. Every
-    mask carries `dense_B1TT`."""
+    ("flex" on CUDA, "documents" on CPU where it pays); an explicit "documents" is used wherever
+    it is exact, and falls back to "sdpa" for windows, trees and documents split into several
+    runs. "flex" masks are block masks (`flex_block_mask`) and carry no dense form; every
+    other mask carries `dense_B1TT`."""
     if backend is None:
         backend, runs = choose_backend(doc_ids_BT, window, branch_ids_BT)
     elif backend == "documents":
         runs = document_runs(doc_ids_BT) if window is None and branch_ids_BT is None else None
-    elif backend == "sdpa":
+    elif backend in ("sdpa", "flex"):
         runs = None
     else:
         raise ValueError(f"unknown attention backend {backend!r}; available: {BACKENDS}")
+    if backend == "flex":
+        block_mask, padded_length = flex_block_mask(doc_ids_BT, window, branch_ids_BT, position_ids_BT)
+        return AttentionMask("flex", window=window, block_mask=block_mask, padded_length=padded_length)
     dense_B1TT = document_causal_mask(doc_ids_BT, window, branch_ids_BT, position_ids_BT)
     if runs is not None:
         return AttentionMask("documents", dense_B1TT=dense_B1TT, doc_runs=runs)
     return AttentionMask("sdpa", dense_B1TT=dense_B1TT, window=window)
+
+
+# FlexAttention's tile: its block masks mark which 128 x 128 (query, key) tiles hold any
+# allowed pair (computed) and which hold only allowed pairs (no mask evaluated inside).
+FLEX_BLOCK = 128
+
+
+def flex_bucket_length(T: int) -> int:
+    """The row length a FlexAttention call runs at for rows of `T`: the next multiple of 128 up
+    to 1,024, then of 1,024. The compiled kernel specialises on the length, so this bounds
+    the distinct compilations (packed training rows have one length; RL rows vary) at a
+    cost of at most 1,023 padded positions, whose tiles the block mask skips."""
+    step = FLEX_BLOCK if T <= 1024 else 1024
+    return max(step, -(-T // step) * step)
+
+
+def flex_block_mask(doc_ids_BT: torch.Tensor, window: int | None = None,
+                    branch_ids_BT: torch.Tensor | None = None,
+                    position_ids_BT: torch.Tensor | None = None) -> tuple[Any, int]:
+    """`(BlockMask, padded length)` for FlexAttention: `allowed_pairs` over rows padded to
+    `flex_bucket_length(T)` (the added slots are padding, document -1: no real query sees
+    them, as keys come after every real position). Off the CPU the mask is built by a compiled
+    kernel that evaluates `allowed_pairs` tile by tile; nothing of size `T x T` is allocated."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    _check_mask_inputs(window, branch_ids_BT, position_ids_BT)
+    B, T = doc_ids_BT.shape
+    padded = flex_bucket_length(T)
+
+    def pad(ids_BT: torch.Tensor | None, value: int) -> torch.Tensor | None:
+        return None if ids_BT is None else F.pad(ids_BT, (0, padded - T), value=value)
+
+    doc_BP, branch_BP = pad(doc_ids_BT, -1), pad(branch_ids_BT, 0)
+    pos_BP = pad(position_ids_BT, 0) if branch_ids_BT is not None and window is not None else None
+
+    def mask_mod(b, h, q_idx, k_idx):
+        return allowed_pairs(
+            q_idx, k_idx, doc_BP[b, q_idx], doc_BP[b, k_idx], window,
+            None if branch_BP is None else branch_BP[b, q_idx], None if branch_BP is None else branch_BP[b, k_idx],
+            None if pos_BP is None else pos_BP[b, q_idx], None if pos_BP is None else pos_BP[b, k_idx])
+
+    compiled = doc_ids_BT.device.type != "cpu"
+    block_mask = create_block_mask(mask_mod, B, None, padded, padded, device=doc_ids_BT.device,
+                                   BLOCK_SIZE=FLEX_BLOCK, _compile=compiled)
+    return block_mask, padded
+
+
+_flex_kernels: dict[bool, Any] = {}
+
+
+def _flex_kernel(compiled: bool):
+    """FlexAttention itself (eager: a reference over dense scores; CPU inference only) or its
+    compiled kernel (accelerators), compiled once per process and shared by every layer."""
+    if compiled not in _flex_kernels:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _flex_kernels[compiled] = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+    return _flex_kernels[compiled]
+
+
+def flex_document_attention(q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor,
+                            mask: AttentionMask, scale: float | None = None,
+                            return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query FlexAttention under a "flex" `mask`: `o_BHTE`, and with `return_lse` also
+    the float32 log-sum-exp of each query's allowed scores `lse_BHT` (natural log). Inputs
+    are padded to the mask's length and the outputs cut back to `T`."""
+    T, padded = q_BHTE.shape[2], mask.padded_length
+    if padded != T:
+        q_BHTE, k_BKTE, v_BKTE = (F.pad(x, (0, 0, 0, padded - T)) for x in (q_BHTE, k_BKTE, v_BKTE))
+    kernel = _flex_kernel(q_BHTE.device.type != "cpu")
+    out = kernel(q_BHTE, k_BKTE, v_BKTE, block_mask=mask.block_mask, scale=scale,
+                 enable_gqa=q_BHTE.shape[1] != k_BKTE.shape[1], **_lse_request(return_lse))
+    if return_lse:
+        o_BHPE, aux = out
+        lse_BHP = aux if torch.is_tensor(aux) else aux.lse
+        return o_BHPE[:, :, :T], lse_BHP[:, :, :T]
+    return out[:, :, :T]
+
+
+def _lse_request(return_lse: bool) -> dict:
+    """FlexAttention's keyword for the log-sum-exp: `return_aux=AuxRequest(lse=True)` where torch
+    has it (2.9 on), else the older `return_lse=True`."""
+    if not return_lse:
+        return {}
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return {"return_lse": True}
+    return {"return_aux": AuxRequest(lse=True)}
 
 
 def build_cached_attention_mask(query_doc_ids_BT: torch.Tensor, query_position_ids_BT: torch.Tensor,
@@ -227,6 +367,8 @@ def document_attention(
         )
     if mask.backend == "decode":
         return _matmul_attention(q_BHTE, k_BKTE, v_BKTE, mask.dense_B1TT, scale)
+    if mask.backend == "flex":
+        return flex_document_attention(q_BHTE, k_BKTE, v_BKTE, mask, scale)
     raise ValueError(f"unknown attention backend {mask.backend!r}; available: {BACKENDS}")
 
 

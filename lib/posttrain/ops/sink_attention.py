@@ -8,7 +8,8 @@ such term, so this is an explicit ("eager") kernel over the dense boolean mask o
 (transformers' eager GPT-OSS attention softmaxes in the activations' dtype: identical in
 float32; in bf16 ours is the more accurate, as fused attention kernels are).
 
-Cost: it computes the full `T x T` score block of every row (what a dense kernel does),
+On a "flex" mask (CUDA) it runs FlexAttention block-sparse and rescales by the sink's share
+(`_flex_sink_attention`). Elsewhere, cost: it computes the full `T x T` score block of every row (what a dense kernel does),
 including the cross-document and padding pairs the mask then removes; memory is
 O(B * H * T^2) floats. The per-document count of `posttrain.train.mfu` is the useful part.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.ops.attention import AttentionMask
+from posttrain.ops.attention import AttentionMask, flex_document_attention
 
 
 def sink_attention(
@@ -42,8 +43,10 @@ def sink_attention(
         raise ValueError(f"query heads {H} not a multiple of key/value heads {K}")
     if sinks_H.shape != (H,):
         raise ValueError(f"sinks must have shape ({H},), got {tuple(sinks_H.shape)}")
+    if mask.backend == "flex":
+        return _flex_sink_attention(q_BHTE, k_BKTE, v_BKTE, sinks_H, mask, scale)
     if mask.dense_B1TT is None:
-        raise ValueError(f"sink attention needs a dense boolean mask; got backend {mask.backend!r}")
+        raise ValueError(f"sink attention needs a dense boolean mask or a flex one; got backend {mask.backend!r}")
     G = H // K
     scale = E**-0.5 if scale is None else scale
     # query heads grouped under their key/value head: no copies of k and v
@@ -55,3 +58,14 @@ def sink_attention(
     probs_BHTS = torch.cat([scores_BHTS, sinks_BHT1], dim=-1).softmax(dim=-1)[..., :S]
     probs_BKGTS = probs_BHTS.to(v_BKTE.dtype).view(B, K, G, T, S)
     return (probs_BKGTS @ v_BKTE[:, :, None]).view(B, H, T, E)
+
+
+def _flex_sink_attention(q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, sinks_H: torch.Tensor,
+                         mask: AttentionMask, scale: float | None) -> torch.Tensor:
+    """Sink attention over a FlexAttention block mask, exactly: with `Z = exp(lse)` the sum of
+    a row's allowed `exp(score)`, the sink's softmax keeps `Z / (Z + exp(sink))` of the plain
+    attention output, i.e. `sigmoid(lse - sink)`; the factor (and its gradient through the
+    log-sum-exp and the sink) is computed in float32."""
+    o_BHTE, lse_BHT = flex_document_attention(q_BHTE, k_BKTE, v_BKTE, mask, scale, return_lse=True)
+    kept_BHT1 = torch.sigmoid(lse_BHT.float() - sinks_H.float()[None, :, None])[..., None]
+    return (o_BHTE.float() * kept_BHT1).to(o_BHTE.dtype)

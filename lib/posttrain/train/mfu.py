@@ -249,17 +249,19 @@ def executed_step_flops(config, batch: dict[str, torch.Tensor], lora: LoraSpec |
     computes it: "sdpa", the dense masked call, computes each row's full `T x T` score block
     whatever the documents and windows (the mask only zeroes entries); "documents" computes
     each run of the row (a document, or the padding) on its own, `L x L` (counted as MFU
-    counts a document: the causal half is not subtracted). The output projection is the same
+    counts a document: the causal half is not subtracted); "flex", block-sparse over 128 x 128
+    tiles, is counted as "documents" (it also computes the masked part of the tiles that
+    straddle a document's edge). The output projection is the same
     (our loss projects the loss tokens only). Hardware FLOPs utilisation (HFU) is these over
     the peak; HFU >= MFU, and the gap is what packing-aware kernels could save."""
     B, T = batch["doc_ids"].shape
     num_loss = int((batch["labels"] != -100).sum()) if num_loss_tokens is None else int(num_loss_tokens)
-    if attention == "documents":
+    if attention in ("documents", "flex"):
         lengths = doc_lengths_from_doc_ids(batch["doc_ids"], include_padding=True)
     elif attention == "sdpa":
         lengths = [[T]] * B
     else:
-        raise ValueError(f"attention must be 'sdpa' or 'documents', got {attention!r}")
+        raise ValueError(f"attention must be 'sdpa', 'documents' or 'flex', got {attention!r}")
     return step_flops(config, lengths, num_loss, lora, output_size=output_size)
 
 

@@ -66,7 +66,7 @@ from torch.distributed.tensor import DTensor
 from posttrain.config.schema import TrainConfig
 from posttrain.models.blocks import decoder_blocks
 from posttrain.models.lora import lora_spec
-from posttrain.ops.attention import choose_backend, keep_per_document_loop_out_of_compiled_graphs
+from posttrain.ops.attention import choose_backend, keep_per_document_loop_out_of_compiled_graphs, select_backend
 from posttrain.ops.precision import head_precision, matmul_dtype_for, resolve_head_precision
 from posttrain.parallel.distributed import is_distributed, world_size
 from posttrain.parallel.grad_norm import clip_grads_with_norm_, total_grad_norm
@@ -221,12 +221,14 @@ class Trainer:
 
     def _attention_backend(self, batch: dict) -> str:
         """The attention backend a training forward of `batch` runs (for `executed_step_flops`):
-        per-document where `posttrain.ops.attention` chooses it, i.e. plain document masks on
-        CPU; models with sliding windows, tree documents and models that are not our decoder
-        (the transformers backend) are counted as dense rows."""
+        what `posttrain.ops.attention` chooses (flex on CUDA, per-document for plain document
+        masks on CPU); on CPU, models with sliding windows or tree documents, and models that
+        are not our decoder (the transformers backend) anywhere, are counted as dense rows."""
         windows = getattr(self.model, "layer_windows", None)
-        if windows is None or set(windows) != {None}:
+        if windows is None:
             return "sdpa"
+        if set(windows) != {None}:
+            return "flex" if select_backend(model_device(self.model)) == "flex" else "sdpa"
         return choose_backend(batch["doc_ids"].to(model_device(self.model)), None, batch.get("branch_ids"))[0]
 
     def forward_context(self):
