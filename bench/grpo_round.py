@@ -87,7 +87,9 @@ def build_workspace(tmp: Path, shape: str, model_dir: str | None, count: int):
     return Path(model_dir), tokenizer, records
 
 
-def run_ours(model_dir: Path, tokenizer, records, args) -> tuple[list[float], list[dict], dict]:
+def run_ours(model_dir: Path, tokenizer, records, args, device: str = "cpu") -> tuple[list[float], list[dict], dict]:
+    """Our rounds (the first one a warm-up, left out of the times): policy, engine and reference
+    all on `device`."""
     from posttrain.config.schema import GRPOSection, TrainConfig
     from posttrain.data.chat import end_of_turn_token_ids, render_prompt
     from posttrain.models.architectures import load_hf_checkpoint
@@ -98,7 +100,7 @@ def run_ours(model_dir: Path, tokenizer, records, args) -> tuple[list[float], li
     from posttrain.rl.rewards import RewardScorer, RewardTerm
     from posttrain.train.trainer import Trainer
 
-    model = load_hf_checkpoint(model_dir)
+    model = load_hf_checkpoint(model_dir, device=device)
     cfg = TrainConfig(learning_rate=LR, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0, lr_schedule="linear")
     grpo = GRPOSection(prompts_per_round=args.prompts, aggregation="token_mean", dynamic_sampling=False,
                        sampling=SamplingConfig(n=args.n, max_new_tokens=args.new_tokens))

@@ -179,7 +179,8 @@ def hf_flat_batches(docs) -> list[dict]:
 class HFStep:
     """One HF training step: micro-batches, HF loss normalised by the step's loss tokens,
     clipping, fused AdamW with the same settings as ours; forward and loss under bf16 autocast
-    with `bf16` (how transformers' Trainer runs `bf16=True` on a CPU)."""
+    on the model's device with `bf16` (how transformers' Trainer runs `bf16=True`). Batches
+    are moved to that device."""
 
     def __init__(self, model, cfg: TrainConfig, compiled: bool, bf16: bool = False):
         self.model = model
@@ -197,8 +198,10 @@ class HFStep:
         num_items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
         self.optimizer.zero_grad(set_to_none=True)
         loss_total = 0.0
+        device = next(self.model.parameters()).device
         for batch in micro_batches:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
                 out = self.forward(**batch, use_cache=False, num_items_in_batch=torch.tensor(num_items))
             out.loss.backward()
             loss_total += float(out.loss.detach())
