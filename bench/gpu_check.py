@@ -19,9 +19,13 @@ Sections:
   with a float32 reference and Flex's error may not exceed dense SDPA's by more than
   `BF16_SLACK`. On CUDA also the time of a forward + backward of each at 8,192 packed tokens.
   On a CPU: forward only (torch has no FlexAttention backward there), at a small size.
-- `bf16_sft_step`: one `Trainer.train_step` with `mixed_precision: bf16` (float32 master
-  weights) against the float32 loss of the same weights and batch; the relative difference
-  must be under `BF16_LOSS_REL`.
+- `bf16_sft_step`: one `Trainer.train_step` under the default `TrainConfig` (on a GPU its
+  "auto" settings: bf16 autocast over float32 master weights, compiled blocks; on a CPU bf16
+  is set explicitly) against the float32 loss of the same weights and batch; the relative
+  difference must be under `BF16_LOSS_REL`. Reports the resolved settings and, on CUDA, the
+  step's memory metrics.
+- `verify_on_device`: the logit verifier (`posttrain.steps.verify.run`, ours against
+  transformers, float32) on this device, over a small random Qwen3 export.
 - `throughput` (CUDA): training tokens/s, MFU and peak memory of a Qwen3-0.6B-shaped model
   (28 layers, hidden 1,024, 16/8 heads of 128, random weights, the real 151,936-token
   vocabulary) on packed rows, ours (FlexAttention, chunked loss, bf16 autocast, eager and with
@@ -61,7 +65,7 @@ from posttrain.ops.attention import (build_attention_mask, document_attention, f
                                     select_backend)
 from posttrain.ops.sink_attention import sink_attention  # noqa: E402
 
-SECTIONS = ("environment", "flex_attention", "bf16_sft_step", "throughput", "grpo_native", "vllm")
+SECTIONS = ("environment", "flex_attention", "bf16_sft_step", "verify_on_device", "throughput", "grpo_native", "vllm")
 FP32_MAX_ABS = 1e-5  # Flex against dense SDPA in float32, outputs (gradients: `FP32_GRAD_MAX_ABS`)
 FP32_GRAD_MAX_ABS = 1e-4  # gradients sum over every query of a key: more terms, more rounding
 BF16_SLACK = 1.5  # Flex's bf16 error against float32 may be at most this x dense SDPA's (+ 1e-3)
@@ -247,7 +251,10 @@ def check_bf16_step(device: torch.device, quick: bool) -> dict:
     rows, row_length = (2, 2048) if device.type == "cuda" and not quick else (1, 128)
     batch = packed_batches(config.vocab_size, rows, row_length, 1)[0]
     fp32 = TrainConfig(device=device.type, warmup_steps=0, learning_rate=1e-5, mixed_precision="no")
-    bf16 = dataclasses.replace(fp32, mixed_precision="bf16", head_precision="bf16")
+    # the defaults a user gets on a GPU ("auto": bf16, compiled blocks); on a CPU bf16 by hand
+    default = TrainConfig(device=device.type, warmup_steps=0, learning_rate=1e-5)
+    bf16 = default if device.type == "cuda" else dataclasses.replace(default, mixed_precision="bf16",
+                                                                      head_precision="bf16")
     model = build_model(config, seed=0, device=device)
     objective = SFTObjective()
     on_device = {k: v.to(device) for k, v in batch.items()}
@@ -258,11 +265,27 @@ def check_bf16_step(device: torch.device, quick: bool) -> dict:
     metrics = trainer.train_step([batch])
     rel = abs(metrics["loss"] - loss_fp32) / abs(loss_fp32)
     masters = sorted({str(p.dtype) for p in model.parameters()})
-    return {"status": "ok" if rel < BF16_LOSS_REL and masters == ["torch.float32"] else "failed",
+    settings = {"mixed_precision": trainer.cfg.mixed_precision, "compile": trainer.cfg.compile}
+    memory = {k: round(v, 3) for k, v in metrics.items() if k.startswith("cuda_")}
+    expected = {"mixed_precision": "bf16", "compile": device.type == "cuda"}
+    passed = rel < BF16_LOSS_REL and masters == ["torch.float32"] and settings == expected
+    return {"status": "ok" if passed else "failed", "settings": settings, "memory": memory,
             "loss_fp32": loss_fp32, "loss_bf16": metrics["loss"], "rel_diff": rel, "bound": BF16_LOSS_REL,
             "head_precision": metrics["head_precision"], "master_weights": masters,
             "attention_backend": select_backend(device), "tokens": metrics["tokens"],
             "model": {k: config.__dict__[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size")}}
+
+
+def check_verify(device: torch.device) -> dict:
+    from posttrain.config.schema import VerifyConfig
+    from posttrain.models.architectures import build_model, save_hf_checkpoint, tiny_config
+    from posttrain.steps import verify
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hf_checkpoint(build_model(tiny_config("qwen3", num_hidden_layers=2), seed=0), tmp)
+        verdict = verify.run(tmp, VerifyConfig(seq_len=64, batch_size=2), device=device)
+    return {"status": "ok" if verdict["passed"] else "failed",
+            **{k: verdict[k] for k in ("arch", "max_abs_diff", "mean_abs_diff", "tolerance")}}
 
 
 def check_throughput(device: torch.device, quick: bool, peak: float, budget_left, save_partial) -> dict:
@@ -460,6 +483,7 @@ def main() -> None:
         "environment": lambda: environment(device),
         "flex_attention": lambda: check_flex(device, args.quick, lambda partial: save("flex_attention", partial)),
         "bf16_sft_step": lambda: check_bf16_step(device, args.quick),
+        "verify_on_device": lambda: check_verify(device),
         "throughput": lambda: check_throughput(device, args.quick, args.peak_flops, budget_left,
                                                lambda partial: save("throughput", partial)),
         "grpo_native": lambda: check_grpo(device, args.quick),

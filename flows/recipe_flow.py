@@ -80,10 +80,11 @@ class RecipeSteps(FlowSpec):
         """Reload the exported checkpoint with transformers and compare logits with ours (a
         reward model: its scores, against `AutoModelForSequenceClassification`); then the
         train/serve skew gate on the exported directory."""
+        from posttrain.parallel.mesh import pick_device
         from posttrain.steps import verify
 
-        self.verdict = (verify.run(self.checkpoint_dir, self.recipe.verify, backend=self.recipe.model.backend,
-                                   sequence_classifier=self.sequence_classifier_dir)
+        self.verdict = (verify.run(self.checkpoint_dir, self.recipe.verify, device=pick_device(self.recipe.train.device),
+                                   backend=self.recipe.model.backend, sequence_classifier=self.sequence_classifier_dir)
                         if self.recipe.verify.enabled else None)
         cards.verify_section(cards.card("verify"), self.verdict)
         try:

@@ -48,6 +48,7 @@ from posttrain.data.records import ChatRecord, PromptRecord
 from posttrain.eval.heldout import evaluate_loss
 from posttrain.eval.suite_data import EvalData, ModelUnderTest  # noqa: F401  (the suites' inputs)
 from posttrain.eval.metrics import exact_match
+from posttrain.parallel.mesh import pick_device
 from posttrain.rl.engine import SamplingConfig
 from posttrain.rl.native import NativeEngine
 from posttrain.rl.rewards import numeric_answer
@@ -306,7 +307,6 @@ def evaluate_rewards(models: dict[str, str], config: GRPOConfig, tokenizer, reco
     `heldout_pass_at_k` (the share of prompts with a success among `grpo.eval_samples` samples
     at the training temperature; `k` is `eval_samples`) and `heldout_sampled_success`. Without
     reward functions (on-policy distillation alone) every model gets an empty dict."""
-    from posttrain.parallel.mesh import pick_device
     from posttrain.recipes import recipe_spec
     from posttrain.rl.controller import completion_text
     from posttrain.steps.rl import catalogue_trie, reward_scorer, stop_token_ids, tokenize_prompts
@@ -521,7 +521,7 @@ def _sequence_model_scores(reference: str, config: RecipeConfig, cases, catalogu
     from posttrain.steps.sequences import context_tokens
 
     model_dir = resolve_model_dir(reference, registry_dir=config.register.registry_dir)
-    model = load_hf_checkpoint(model_dir).eval()
+    model = load_hf_checkpoint(model_dir, device=pick_device(config.train.device)).eval()
     max_tokens = context_tokens(model_dir, default=model.config.max_position_embeddings)
     scores_NI, oov = score_cases(model, ItemCodec(load_tokenizer(str(model_dir))), cases, catalogue,
                                  max_tokens=max_tokens, batch_size=config.eval.batch_size)

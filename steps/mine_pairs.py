@@ -23,6 +23,7 @@ import torch
 
 from posttrain.data.chat import end_of_turn_token_ids, render_prompt
 from posttrain.eval.metrics import exact_match
+from posttrain.parallel.mesh import pick_device
 from posttrain.rl.engine import SamplingConfig
 from posttrain.rl.native import NativeEngine
 
@@ -102,7 +103,7 @@ def generate_preference_demo(config, run_dir: Path) -> Path:
         raise ValueError("data.generate.task 'arithmetic_pairs' answers the problems with the recipe's starting "
                          "model: set model.init_from")
     tokenizer = load_tokenizer(str(start_dir))
-    model = load_causal_lm(start_dir, config.model.backend)
+    model = load_causal_lm(start_dir, config.model.backend, device=pick_device(config.train.device))
     for split, name in (("train", "pairs.jsonl"), ("heldout", "heldout_pairs.jsonl")):
         records, _ = read_chat_records(SourceSpec(name=split, kind="jsonl", path=str(paths[split])))
         questions = [(r.messages[:-1], r.messages[-1]["content"]) for r in records]

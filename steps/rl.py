@@ -154,7 +154,7 @@ def build_engine(config: GRPOConfig, model: torch.nn.Module | None, tokenizer, s
 
     if model is None:
         return NativeEngine.from_pretrained(start_dir, backend=config.model.backend, tokenizer=tokenizer,
-                                            decode_backend=backend)
+                                            device=pick_device(config.train.device), decode_backend=backend)
     return NativeEngine(copy.deepcopy(model).eval().requires_grad_(False), tokenizer=tokenizer, decode_backend=backend)
 
 
@@ -222,9 +222,11 @@ def make_policy_rank(config: GRPOConfig, tokenizer, parent: str) -> LocalPolicy:
 
     torch.manual_seed(config.train.seed)
     spec = recipe_spec(config)
-    model = spec.load_start(config, tokenizer, Start(parent, parent=parent), worker_device())
+    device = worker_device()
+    model = spec.load_start(config, tokenizer, Start(parent, parent=parent), device)
     mesh = build_device_mesh(config.parallel)
-    model = apply_parallelism(model, config.parallel, mesh) if mesh is not None else model
+    model = apply_parallelism(model, config.parallel, mesh, config.train.for_device(device.type).mixed_precision
+                              ) if mesh is not None else model
     return LocalPolicy(Trainer(model, config.train, total_optimizer_steps(config), objective=spec.objective(config),
                                process_group=dp_group(mesh) if mesh is not None else None))
 

@@ -105,7 +105,7 @@ def teacher_identity(model_dir: Path, reference: str) -> dict:
     return {"reference": reference, "directory": str(model_dir), "sha256": digest.hexdigest(), "bytes": size}
 
 
-def load_teacher(spec: TeacherSpec, device: torch.device | str = "cpu") -> torch.nn.Module:
+def load_teacher(spec: TeacherSpec, device: torch.device | str) -> torch.nn.Module:
     """The teacher model on `device`, frozen (eval mode, no gradients)."""
     from posttrain.objectives.distill import freeze_teacher
 
@@ -157,6 +157,7 @@ def student_vocab_size(config, tokenizer) -> int:
 def run(config, tokenizer, samples: dict[str, list] | None, run_dir) -> TeacherSpec:
     """Steps 1-5 of the module docstring (a distillation recipe's teacher, or an RL recipe's
     `grpo.teacher`: steps 1-4); returns the `TeacherSpec` its training reads."""
+    from posttrain.parallel.mesh import pick_device
     from posttrain.steps import verify
 
     started = time.perf_counter()
@@ -167,7 +168,7 @@ def run(config, tokenizer, samples: dict[str, list] | None, run_dir) -> TeacherS
     verdict = None
     if settings.verify and settings.backend == "native":
         try:
-            verdict = verify.run(str(teacher_dir), config.verify)
+            verdict = verify.run(str(teacher_dir), config.verify, device=pick_device(config.train.device))
         except verify.VerificationError as err:
             raise TeacherError(f"{settings.key} {settings.reference} fails the logit verifier: {err}. Fix or re-export "
                                f"the checkpoint, or run it through transformers' own code ({settings.key}_backend: "

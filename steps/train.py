@@ -124,7 +124,8 @@ def train_loop(job: TrainJob, on_step: Callable[[dict], None] | None = None,
     num_params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     mesh = build_device_mesh(config.parallel) if world > 1 else None
-    model = apply_parallelism(model, config.parallel, mesh) if mesh is not None else model
+    model = apply_parallelism(model, config.parallel, mesh, config.train.for_device(device.type).mixed_precision
+                              ) if mesh is not None else model
     dp_rank, dp_size = dp_rank_and_size(mesh)
     if dp_rank:  # dropout masks differ between data-parallel ranks (rank 0 keeps the one-worker seed)
         torch.manual_seed(config.train.seed + dp_rank)

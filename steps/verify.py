@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from posttrain.config.schema import RecipeConfig, VerifyConfig
 from posttrain.recipes import recipe_spec
 from posttrain.verify.logits import verify_checkpoint, verify_sequence_classifier
 from posttrain.verify.skew import SkewError, check_skew
+
+if TYPE_CHECKING:
+    import torch
 
 
 class VerificationError(RuntimeError):
@@ -39,7 +43,7 @@ def not_applicable(model_dir: str, backend: str) -> dict | None:
                       "to compare with; the export is transformers' own save_pretrained)"}
 
 
-def run(model_dir: str, verify: VerifyConfig, device: str = "cpu", backend: str = "native",
+def run(model_dir: str, verify: VerifyConfig, *, device: torch.device | str, backend: str = "native",
         sequence_classifier: str | None = None) -> dict:
     """Verify the export at `model_dir`: logits of our model against transformers' causal LM,
     or, for a reward model (`sequence_classifier`: its transformers export's directory), the

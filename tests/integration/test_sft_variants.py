@@ -44,7 +44,7 @@ def test_other_architectures_train_from_the_recipe_and_export_verified_checkpoin
     assert saved["model_type"] == arch and saved["vocab_size"] == len(tokenizer)
     assert saved["hidden_size"] == config.model.hidden_size and saved["num_hidden_layers"] == 2
     assert saved["eos_token_id"] == tokenizer.eos_token_id and saved["pad_token_id"] == tokenizer.pad_token_id
-    verdict = verify.run(result.checkpoint_dir, VerifyConfig())  # ours vs transformers on the export
+    verdict = verify.run(result.checkpoint_dir, VerifyConfig(), device="cpu")  # ours vs transformers on the export
     assert verdict["passed"] and verdict["max_abs_diff"] <= 1e-4
 
 
@@ -96,7 +96,7 @@ def train_verify_register(tmp_path: Path, config_file: Path, **overrides):
         "train.max_steps": 3, "checkpoint.enabled": False, "register.registry_dir": str(tmp_path / "registry"),
         **overrides})
     result = train.run(config, tokenizer, samples, rows, tmp_path / "run")
-    verdict = verify.run(result.checkpoint_dir, config.verify, backend=config.model.backend)
+    verdict = verify.run(result.checkpoint_dir, config.verify, device="cpu", backend=config.model.backend)
     heldout = ingest.run(config, tmp_path).heldout
     evaluation = evaluate.run(result.base_dir, result.checkpoint_dir, tokenizer, heldout[:4], config)
     entry = register.run(result.checkpoint_dir, config, data_counts={}, metrics={"verify": verdict},

@@ -27,7 +27,8 @@ def report(tmp_path_factory) -> dict:
 
 def test_every_section_ran_or_says_why_not(report):
     sections = report["sections"]
-    assert list(sections) == ["environment", "flex_attention", "bf16_sft_step", "throughput", "grpo_native", "vllm"]
+    assert list(sections) == ["environment", "flex_attention", "bf16_sft_step", "verify_on_device", "throughput",
+                             "grpo_native", "vllm"]
     assert report["ok"] and report["failed"] == []
     assert sections["throughput"] == {"status": "skipped", "reason": "skipped: needs CUDA (no GPU here)",
                                       "seconds": sections["throughput"]["seconds"]}
@@ -49,6 +50,12 @@ def test_a_bf16_step_keeps_float32_masters_and_the_loss(report):
     step = report["sections"]["bf16_sft_step"]
     assert step["status"] == "ok" and step["rel_diff"] < 1e-2
     assert step["master_weights"] == ["torch.float32"]
+    assert step["settings"] == {"mixed_precision": "bf16", "compile": False}  # set by hand on a CPU
+
+
+def test_the_logit_verifier_runs_on_the_device(report):
+    verdict = report["sections"]["verify_on_device"]
+    assert verdict["status"] == "ok" and verdict["max_abs_diff"] <= verdict["tolerance"]
 
 
 def test_the_grpo_round_keeps_every_role_on_the_device(report):

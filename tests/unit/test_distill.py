@@ -247,7 +247,7 @@ def test_a_transformers_backend_teacher_we_do_not_implement(tmp_path, demo_token
     recipe = _recipe(tmp_path, str(tmp_path / "mistral"), teacher_backend="transformers")
     spec = teacher_step.run(recipe, demo_tokenizer, {}, tmp_path / "run")
     assert spec.verdict is None and spec.backend == "transformers"
-    teacher = teacher_step.load_teacher(spec)
+    teacher = teacher_step.load_teacher(spec, "cpu")
     student = _model(0, vocab=len(demo_tokenizer))
     samples = [s.__class__([i % len(demo_tokenizer) for i in s.input_ids], s.loss_mask) for s in _samples()]
     objective = DistillObjective(spec.vocab_size, DistillSection(teacher="", temperature=2.0), teacher=teacher)

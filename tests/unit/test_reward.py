@@ -202,7 +202,7 @@ def test_a_reward_model_of_a_family_we_do_not_implement_trains_on_the_fallback_a
 
     classifier = AutoModelForSequenceClassification.from_pretrained(result.sequence_classifier_dir)
     assert type(classifier).__name__ == "Phi3ForSequenceClassification"
-    verdict = verify.run(result.checkpoint_dir, config.verify, backend="transformers",
+    verdict = verify.run(result.checkpoint_dir, config.verify, device="cpu", backend="transformers",
                          sequence_classifier=result.sequence_classifier_dir)
     assert verdict["passed"] and verdict["max_abs_diff"] <= 1e-4, verdict
     # the recipe's evaluation suite loads the starting and the trained model through the fallback

@@ -4,7 +4,7 @@ health checks, parallelism across workers and checkpoints.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Optional, Union
 
 from posttrain.config.strict import ConfigError, bounded
@@ -52,11 +52,17 @@ class TrainConfig:
 
     `lr_schedule`: linear warmup, then `cosine` or `linear` decay to `min_lr_ratio`.
     `mixed_precision: bf16` runs forward and loss under bf16 autocast (decoder matmuls in
-    bf16); parameters, gradients and optimizer state stay float32. `head_precision`: the dtype
+    bf16); parameters, gradients and optimizer state stay float32 (under FSDP2, parameters are
+    gathered in bf16 and gradients reduced in float32). "auto" (default): bf16 on a GPU, "no"
+    on a CPU (`for_device`). `head_precision`: the dtype
     of the output projection's matmuls in the chunked losses ("auto": bf16 exactly when
     `mixed_precision` is bf16; on a CPU without native bf16, float32 with a notice); its
-    log-sum-exp, softmax and reductions stay float32 (`posttrain.ops.precision`). `activation_checkpointing` recomputes each decoder
-    block in backward; `compile` compiles each decoder block with `torch.compile`.
+    log-sum-exp, softmax and reductions stay float32 (`posttrain.ops.precision`).
+    `activation_checkpointing` recomputes decoder blocks in backward: true for every block, an
+    integer k for every k-th (blocks 0, k, 2k, ...: memory for less recompute); `compile`
+    compiles each decoder block with `torch.compile` ("auto", default: on a GPU for our own
+    models, where it measured 2.1x the eager step on an H200 (docs/benchmarks.md), off on a
+    CPU and for the transformers backend).
     `peak_flops`: the device's peak FLOP/s, a number or a name in
     `posttrain.train.mfu.PEAK_FLOPS` (e.g. "h100-sxm/bf16"); MFU is reported when set.
     `tensorboard`: write TensorBoard event files beside the JSONL metrics; `progress_bar`:
@@ -79,16 +85,27 @@ class TrainConfig:
     log_every: int = bounded(10, ge=1)
     card_refresh_s: float = bounded(10.0, gt=0)
     lr_schedule: Literal["cosine", "linear"] = "cosine"
-    mixed_precision: Literal["no", "bf16"] = "no"
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
     head_precision: Literal["auto", "bf16", "fp32"] = "auto"
-    activation_checkpointing: bool = False
-    compile: bool = False
+    activation_checkpointing: Union[bool, int] = False
+    compile: Union[bool, Literal["auto"]] = "auto"
     peak_flops: Optional[Union[float, str]] = None
     tensorboard: bool = True
     progress_bar: bool = True
     health: HealthConfig = field(default_factory=HealthConfig)
 
+    def for_device(self, device_type: str, native_model: bool = True) -> "TrainConfig":
+        """This config with its "auto" settings decided for a model of ours (`native_model`) or
+        of the transformers backend on a `device_type` ("cpu", "cuda", ...) device."""
+        accelerator = device_type != "cpu"
+        return replace(self, mixed_precision=("bf16" if accelerator else "no") if self.mixed_precision == "auto"
+                       else self.mixed_precision,
+                       compile=(accelerator and native_model) if self.compile == "auto" else self.compile)
+
     def validate(self) -> None:
+        if not isinstance(self.activation_checkpointing, bool) and self.activation_checkpointing < 1:
+            raise ConfigError("train.activation_checkpointing must be true, false or a block interval >= 1, "
+                              f"got {self.activation_checkpointing}")
         if isinstance(self.peak_flops, str):
             from posttrain.catalog import PEAK_FLOPS
 

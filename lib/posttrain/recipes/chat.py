@@ -39,7 +39,8 @@ class DistillSpec(RecipeSpec):
         if inputs.mesh is not None:
             from posttrain.parallel.apply import apply_parallelism
 
-            teacher = apply_parallelism(teacher, config.parallel, inputs.mesh)
+            teacher = apply_parallelism(teacher, config.parallel, inputs.mesh,
+                                        config.train.for_device(inputs.device.type).mixed_precision)
         return DistillObjective(spec.vocab_size, d, teacher=teacher)
 
 

@@ -85,7 +85,7 @@ def check_model_recipe(config: RecipeConfig) -> None:
         if parallel.tp_size > 1:
             raise RecipeModelError(f"parallel.tp_size {parallel.tp_size}: model.backend 'transformers' has no "
                                    "tensor-parallel plan; use parallel.strategy fsdp or ddp (or the native backend)")
-        if config.train.compile:
+        if config.train.compile is True:  # "auto" leaves the transformers backend eager
             raise RecipeModelError("train.compile is not available with model.backend 'transformers'")
     if config.train.micro_batch_size % parallel.dp:
         raise RecipeModelError(f"train.micro_batch_size ({config.train.micro_batch_size}) is the global rows per "

@@ -91,11 +91,13 @@ def _checkpointed(forward: Callable, *args, **kwargs):
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def apply_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute each decoder block's activations in backward (non-reentrant
-    `torch.utils.checkpoint`). Replaces the blocks' `forward` on the instance, so module
-    structure and parameter names stay as they are."""
-    for block in decoder_blocks(model):
+def apply_activation_checkpointing(model: torch.nn.Module, every: int = 1) -> None:
+    """Recompute the activations of every `every`-th decoder block (0, every, 2*every, ...) in
+    backward (non-reentrant `torch.utils.checkpoint`). Replaces those blocks' `forward` on the
+    instance, so module structure and parameter names stay as they are."""
+    for i, block in enumerate(decoder_blocks(model)):
+        if i % every:
+            continue
         if isinstance(block.forward, functools.partial) and block.forward.func is _checkpointed:
             continue  # already applied
         block.forward = functools.partial(_checkpointed, block.forward)
@@ -109,6 +111,19 @@ def apply_compile(model: torch.nn.Module) -> None:
         block.compile()
 
 
+def cuda_memory_metrics(stats: dict) -> dict:
+    """A step's CUDA memory from `torch.cuda.memory_stats` (peaks since the last reset):
+    `cuda_peak_allocated_gib` (tensors), `cuda_peak_reserved_gib` (what the caching allocator
+    holds), `cuda_fragmentation` (the share of the reserved peak that the allocated peak did
+    not use: memory lost to the allocator's splitting and caching) and `cuda_alloc_retries`
+    (cudaMalloc calls that failed and freed the cache first, cumulative; growing means the
+    allocator is thrashing)."""
+    allocated, reserved = stats.get("allocated_bytes.all.peak", 0), stats.get("reserved_bytes.all.peak", 0)
+    return {"cuda_peak_allocated_gib": allocated / 2**30, "cuda_peak_reserved_gib": reserved / 2**30,
+            "cuda_fragmentation": 1.0 - allocated / reserved if reserved else 0.0,
+            "cuda_alloc_retries": int(stats.get("num_alloc_retries", 0))}
+
+
 def resolve_group(process_group):
     """The data-parallel group: the default group when `process_group` is `DEFAULT_GROUP` and
     torch.distributed is initialised, else None (single process)."""
@@ -117,12 +132,21 @@ def resolve_group(process_group):
     return process_group
 
 
+def uses_transformers_backend(model: torch.nn.Module) -> bool:
+    """Whether `model` is, or wraps, the transformers fallback (which `compile: auto` leaves eager)."""
+    from posttrain.models.hf_backend import HFCausalLM
+
+    return any(isinstance(m, HFCausalLM) for m in model.modules())
+
+
 @contextlib.contextmanager
 def training_precision(cfg: TrainConfig, device: torch.device, resolved_head_precision: str | None = None):
     """The precision a trainer of `cfg` on `device` runs its forward in (`Trainer.forward_context`):
-    bf16 autocast with `mixed_precision: bf16`, and the output projection's head precision
-    (`resolved_head_precision`, or resolved here as the trainer resolves it). For forwards
-    outside the trainer's process that must match it (an RL controller's reference model)."""
+    bf16 autocast with `mixed_precision: bf16` (or "auto" on a GPU), and the output
+    projection's head precision (`resolved_head_precision`, or resolved here as the trainer
+    resolves it). For forwards outside the trainer's process that must match it (an RL
+    controller's reference model)."""
+    cfg = cfg.for_device(device.type)
     if resolved_head_precision is None:
         resolved_head_precision = resolve_head_precision(cfg.head_precision, cfg.mixed_precision, device)[0]
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16"), \
@@ -153,6 +177,8 @@ class Trainer:
         if grad_sync not in GRAD_SYNCS:
             raise ValueError(f"grad_sync must be one of {GRAD_SYNCS}, got {grad_sync!r}")
         self.model = model
+        # "auto" settings decided for this device: bf16 and compiled blocks on a GPU, neither on a CPU
+        cfg = cfg.for_device(model_device(model).type, native_model=not uses_transformers_backend(model))
         self.cfg = cfg
         self.total_steps = total_steps
         self.objective = objective
@@ -168,7 +194,8 @@ class Trainer:
                 raise ValueError(f"mixed_precision 'bf16' keeps float32 master weights; parameter {wrong[0]!r} "
                                  f"is {dict(model.named_parameters())[wrong[0]].dtype}")
         if cfg.activation_checkpointing:
-            apply_activation_checkpointing(model)
+            apply_activation_checkpointing(model, every=1 if cfg.activation_checkpointing is True
+                                           else cfg.activation_checkpointing)
         if cfg.compile:
             apply_compile(model)
         self.peak_flops = None
@@ -248,7 +275,8 @@ class Trainer:
         `loss_tokens` (= `count`, for objectives normalised by tokens), `tokens_per_s`,
         `step_time_s`, `mfu` and `hfu` (when `peak_flops` is configured; over every device of
         the job: useful model FLOPs, and the FLOPs the kernels execute, padding and dense
-        full-row attention included), `head_precision`, health flags (`health`, `nonfinite`,
+        full-row attention included), `head_precision`, on CUDA the step's memory
+        (`cuda_memory_metrics`), health flags (`health`, `nonfinite`,
         `loss_spike`, `grad_explosion`), `skipped` and `skipped_steps` (total so far).
         Raises ValueError if the step holds no unit on any rank, TrainingHealthError after
         `max_consecutive_bad_steps` non-finite steps in a row.
@@ -310,6 +338,10 @@ class Trainer:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_time = time.perf_counter() - start
+        memory = {}
+        if device.type == "cuda":
+            memory = cuda_memory_metrics(torch.cuda.memory_stats(device))
+            torch.cuda.reset_peak_memory_stats(device)
         metrics = {
             "step": self.step,
             "loss": loss,
@@ -325,6 +357,7 @@ class Trainer:
             "skipped": verdict.skip,
             "skipped_steps": self.health.skipped_steps,
             "head_precision": self.head_precision,
+            **memory,
             **{name: value / total_count for name, value in zip(objective.metric_names, sums[1:])},
         }
         if objective.unit == "tokens":
