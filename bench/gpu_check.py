@@ -59,7 +59,28 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+
+def map_steps_package() -> None:
+    """`posttrain.steps` is the repository's steps/ (setup.cfg maps it there at install). On a GPU
+    image that runs this checkout without installing it (`PYTHONPATH=lib`), map it the same way."""
+    import importlib.util
+
+    import posttrain
+
+    if "posttrain.steps" in sys.modules or importlib.util.find_spec("posttrain.steps") is not None:
+        return
+    spec = importlib.util.spec_from_file_location("posttrain.steps", REPO / "steps" / "__init__.py",
+                                                  submodule_search_locations=[str(REPO / "steps")])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["posttrain.steps"] = module
+    posttrain.steps = module
+    spec.loader.exec_module(module)
+
+
+map_steps_package()
 
 from posttrain.ops.attention import (build_attention_mask, document_attention, flex_available,  # noqa: E402
                                     select_backend)
@@ -318,15 +339,19 @@ def check_throughput(device: torch.device, quick: bool, peak: float, budget_left
             return
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        torch._dynamo.reset()  # each variant compiles as a fresh training process would (one static shape)
         try:
             step = build()
-            seconds, losses = [], []
+            seconds, losses, peaks = [], [], []
             for i in range(warmup + timed):
                 synchronize(device)
                 began = time.perf_counter()
-                losses.append(step(i))
+                loss, peak_gib = step(i)
                 synchronize(device)
                 seconds.append(time.perf_counter() - began)
+                losses.append(loss)
+                # our trainer reports each step's peak (and resets the counter); others do not reset it
+                peaks.append(peak_gib if peak_gib is not None else torch.cuda.max_memory_allocated(device) / 2**30)
             warmup_s, seconds = sum(seconds[:warmup]), seconds[warmup:]
             per_step = statistics.median(seconds)
             steps = range(warmup, warmup + timed)
@@ -334,7 +359,7 @@ def check_throughput(device: torch.device, quick: bool, peak: float, budget_left
                 "status": "ok", "seconds_per_step": round(per_step, 4),
                 "tokens_per_s": round(statistics.median(tokens[i] for i in steps) / per_step),
                 "mfu": round(statistics.median(useful[i] for i in steps) / per_step / peak, 4),
-                "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2),
+                "peak_memory_gib": round(max(peaks), 2),
                 "loss_first": round(float(losses[0]), 4),
                 "warmup_s": round(warmup_s, 1)}  # compilation happens in the warm-up steps
         except Exception as error:  # a variant this torch/transformers cannot run is reported, not fatal
@@ -346,7 +371,10 @@ def check_throughput(device: torch.device, quick: bool, peak: float, budget_left
         def build():
             trainer = Trainer(build_model(config, seed=0, device=device), dataclasses.replace(cfg, compile=compiled),
                               total_steps=10**6, objective=SFTObjective())
-            return lambda i: trainer.train_step([batches[i]])["loss"]
+            def step(i: int) -> tuple[float, float | None]:
+                metrics = trainer.train_step([batches[i]])
+                return metrics["loss"], metrics.get("cuda_peak_allocated_gib")
+            return step
         return build
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -358,7 +386,7 @@ def check_throughput(device: torch.device, quick: bool, peak: float, budget_left
 
                 model = Qwen3ForCausalLM.from_pretrained(tmp, attn_implementation=attn, dtype=torch.float32).to(device)
                 step = HFStep(model, cfg, compiled=False, bf16=True)
-                return lambda i: step(flat[i])
+                return lambda i: (step(flat[i]), None)
             return build
 
         measure("ours_flex_eager", ours(False))
