@@ -115,3 +115,24 @@ def test_verify_requires_a_device():
 
     with pytest.raises(TypeError):
         verify.run("unused", VerifyConfig())
+
+
+def test_weight_sync_stays_on_the_accelerator_for_an_engine_beside_the_policy():
+    """An in-process engine on the policy's accelerator gets the weights device to device
+    (`export_weights(on_device=True)`); a CPU pair, or an engine elsewhere, goes through the CPU.
+    The "meta" device stands in for an accelerator here."""
+    from types import SimpleNamespace
+
+    from posttrain.rl.controller import RLController
+    from posttrain.rl.policy import LocalPolicy
+
+    def controller(engine_device, model_device):
+        model = torch.nn.Linear(2, 2, device=model_device)
+        return SimpleNamespace(engine=SimpleNamespace(device=engine_device),
+                               policy=LocalPolicy(SimpleNamespace(model=model)))
+
+    beside = RLController._engine_beside_policy
+    assert beside(controller(torch.device("meta"), "meta"))
+    assert not beside(controller(torch.device("cpu"), "cpu"))  # the CPU default: unchanged
+    assert not beside(controller(torch.device("meta"), "cpu"))
+    assert not beside(SimpleNamespace(engine=object(), policy=LocalPolicy(SimpleNamespace(model=None))))

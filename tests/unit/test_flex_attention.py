@@ -145,3 +145,12 @@ def test_a_model_on_a_flex_device_builds_no_dense_mask(monkeypatch, model_type):
     assert built, "the forward built no flex block mask"
     # through every layer: float32 rounding relative to the hidden states' size
     assert ((got - expected).norm() / expected.norm()).item() <= FP32_TOLERANCE
+
+
+def test_an_accelerator_without_flex_falls_back_to_per_document_sdpa(monkeypatch):
+    """Where torch has no FlexAttention, an accelerator runs plain document masks as one causal
+    SDPA call per document (the varlen fallback), not a dense mask."""
+    monkeypatch.setattr(attention, "flex_available", lambda: False)
+    assert select_backend("cuda") == "documents"
+    assert select_backend("cpu") == "documents"
+

@@ -8,7 +8,8 @@ trunk (a preference pair's prompt) and branches (its two responses) that each se
 and themselves, not each other.
 
 Backends (chosen once per forward by `select_backend`, then shared by every layer):
-- "documents" (CPU, plain document-causal masks, where it pays: `per_document_pays`): one
+- "documents" (CPU, plain document-causal masks, where it pays: `per_document_pays`; and the
+  varlen fallback of an accelerator whose torch has no FlexAttention, always): one
   `F.scaled_dot_product_attention` call per document with `is_causal=True`, over that
   document's queries and keys only. The masked
   call below computes every row's full `T x T` block (its CPU kernel skips no masked block);
@@ -115,12 +116,13 @@ def flex_available() -> bool:
 
 
 def select_backend(device: torch.device | str) -> str:
-    """The attention backend for a training forward on `device`: "documents" on CPU (where the
-    mask allows it; `build_attention_mask` falls back to "sdpa"); "flex" on any accelerator
-    where torch has FlexAttention, else "sdpa"."""
-    if torch.device(device).type == "cpu":
-        return "documents"
-    return "flex" if flex_available() else "sdpa"
+    """The attention backend for a training forward on `device`: "flex" on any accelerator
+    where torch has FlexAttention; else "documents" (on an accelerator without Flex, the
+    varlen fallback: one causal SDPA call per document, flash kernels included), which
+    `build_attention_mask` turns into "sdpa" for windows, trees and split documents."""
+    if torch.device(device).type != "cpu" and flex_available():
+        return "flex"
+    return "documents"
 
 
 # What one more SDPA call (forward + backward) costs on CPU, in (query, key) pairs of a masked
@@ -153,7 +155,8 @@ def choose_backend(doc_ids_BT: torch.Tensor, window: int | None = None,
     if backend != "documents" or window is not None or branch_ids_BT is not None:
         return "sdpa", None
     runs = document_runs(doc_ids_BT)
-    if runs is None or not per_document_pays(runs, doc_ids_BT.shape[1]):
+    cpu = doc_ids_BT.device.type == "cpu"  # the break-even below was measured on CPUs
+    if runs is None or (cpu and not per_document_pays(runs, doc_ids_BT.shape[1])):
         return "sdpa", None
     return "documents", runs
 

@@ -61,7 +61,7 @@ from posttrain.rl.advantages import degenerate_groups, group_advantages
 from posttrain.rl.decode_backends import check_resume, engine_identity
 from posttrain.rl.engine import Completion, SamplingConfig, request_seed
 from posttrain.rl.rewards import RewardScorer, Scores
-from posttrain.rl.policy import as_policy
+from posttrain.rl.policy import LocalPolicy, as_policy
 from posttrain.rl.sync import SyncError, check_sync
 from posttrain.rl.trajectories import Trajectory, attach_logps, pack_trajectories
 
@@ -322,9 +322,19 @@ class RLController:
             batch["advantages"] = batch["advantages"] + self.distill_coef * (gap_M - mean_gap)
         return -mean_gap
 
+    def _engine_beside_policy(self) -> bool:
+        """Whether the engine lives in this process on the same accelerator as an in-process
+        policy (`NativeEngine.device`; a Ray actor or a policy group has none here)."""
+        engine_device = getattr(self.engine, "device", None)
+        model = getattr(self.policy, "model", None) if isinstance(self.policy, LocalPolicy) else None
+        if engine_device is None or model is None or torch.device(engine_device).type == "cpu":
+            return False
+        return next(model.parameters()).device == torch.device(engine_device)
+
     def sync_weights(self) -> dict | None:
-        """Push the policy's weights to the engine and (with `sync_check`) verify them."""
-        weights = self.policy.export_weights()
+        """Push the policy's weights to the engine and (with `sync_check`) verify them. An engine
+        in this process on the policy's accelerator gets them device to device (no host copy)."""
+        weights = self.policy.export_weights(on_device=self._engine_beside_policy())
         self.engine.update_weights(weights)
         if not self.grpo.sync_check:
             return None

@@ -8,7 +8,9 @@ Both kinds answer the controller (`posttrain.rl.controller`) through the same me
   the trainer normalises over all of them, so the step is the one-rank step up to float order;
 - `token_logps(batches) -> [M] per batch`: the policy's log-probability of every target, in the
   trainer's precision (old log-probs before several updates on one batch);
-- `export_weights() -> [(hf_name, tensor)]`: the full weights for a rollout engine;
+- `export_weights(on_device=False) -> [(hf_name, tensor)]`: the full weights for a rollout
+  engine, on the CPU, or with `on_device` on the policy's device (an in-process policy only:
+  views of the live parameters, for an engine in this process on the same device);
 - `sync_reference(weights) -> (NativeEngine, recompute)`: what `posttrain.rl.sync.check_sync`
   compares the engine with: a native engine holding the policy's weights, and the trainer's
   own log-prob recomputation of sampled tokens;
@@ -65,8 +67,8 @@ class LocalPolicy:
         """Each batch's `[M]` float32 log-probs of its targets (in eval mode, the trainer's precision)."""
         return model_token_logps(self.model, batches, self.forward_context, vocab_size)
 
-    def export_weights(self) -> list[tuple[str, torch.Tensor]]:
-        return list(self.trainer.export_weights())
+    def export_weights(self, on_device: bool = False) -> list[tuple[str, torch.Tensor]]:
+        return list(self.trainer.export_weights(cpu_offload=not on_device))
 
     def recompute_logprobs(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]):
         from posttrain.rl.sync import recompute_logprobs
@@ -135,7 +137,8 @@ class PolicyGroup:
         results = self._call("token_logps", [(shard, vocab_size) for shard in shard_batches(batches, self.ranks)])
         return [torch.cat([results[r][i] for r in range(self.ranks)]) for i in range(len(batches))]
 
-    def export_weights(self) -> list[tuple[str, torch.Tensor]]:
+    def export_weights(self, on_device: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """On the CPU whatever `on_device` says: the tensors leave the ranks' processes."""
         return self._call("export_weights")[0]
 
     def recompute_logprobs(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]):
