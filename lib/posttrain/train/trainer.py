@@ -178,7 +178,11 @@ class Trainer:
             raise ValueError(f"grad_sync must be one of {GRAD_SYNCS}, got {grad_sync!r}")
         self.model = model
         # "auto" settings decided for this device: bf16 and compiled blocks on a GPU, neither on a CPU
+        requested = cfg
         cfg = cfg.for_device(model_device(model).type, native_model=not uses_transformers_backend(model))
+        if model_device(model).type != "cpu" and "auto" in (requested.mixed_precision, requested.compile):
+            print(f"[train] {model_device(model)}: mixed_precision {cfg.mixed_precision}, compile {cfg.compile} "
+                  "(train.mixed_precision / train.compile 'auto')")
         self.cfg = cfg
         self.total_steps = total_steps
         self.objective = objective
