@@ -13,7 +13,8 @@ from posttrain.config.strict import ConfigError, from_dict
 from posttrain.models.architectures import build_model, tiny_config
 from posttrain.objectives.sft import SFTObjective
 from posttrain.parallel.apply import fsdp_mixed_precision
-from posttrain.train.trainer import Trainer, _checkpointed, apply_activation_checkpointing, cuda_memory_metrics
+from posttrain.train.trainer import (Trainer, _checkpointed, apply_activation_checkpointing, compile_measured,
+                                     cuda_memory_metrics)
 
 
 def test_auto_settings_are_bf16_and_compiled_on_a_gpu_and_plain_on_a_cpu():
@@ -23,7 +24,7 @@ def test_auto_settings_are_bf16_and_compiled_on_a_gpu_and_plain_on_a_cpu():
     assert (gpu.mixed_precision, gpu.compile) == ("bf16", True)
     cpu = auto.for_device("cpu")
     assert (cpu.mixed_precision, cpu.compile) == ("no", False)
-    assert auto.for_device("cuda", native_model=False).compile is False  # the transformers backend stays eager
+    assert auto.for_device("cuda", compile_measured=False).compile is False  # the fallback and MoE stay eager
     pinned = TrainConfig(mixed_precision="no", compile=False).for_device("cuda")
     assert (pinned.mixed_precision, pinned.compile) == ("no", False)  # what a user sets wins
 
@@ -64,3 +65,8 @@ def test_cuda_memory_metrics_read_the_allocator_peaks():
     assert cuda_memory_metrics(stats) == {"cuda_peak_allocated_gib": 3.0, "cuda_peak_reserved_gib": 4.0,
                                           "cuda_fragmentation": 0.25, "cuda_alloc_retries": 2}
     assert cuda_memory_metrics({})["cuda_fragmentation"] == 0.0
+
+
+def test_compile_auto_is_for_dense_decoders_only():
+    assert compile_measured(build_model(tiny_config("qwen3"), seed=0))
+    assert not compile_measured(build_model(tiny_config("qwen3_moe"), seed=0))

@@ -61,8 +61,8 @@ class TrainConfig:
     `activation_checkpointing` recomputes decoder blocks in backward: true for every block, an
     integer k for every k-th (blocks 0, k, 2k, ...: memory for less recompute); `compile`
     compiles each decoder block with `torch.compile` ("auto", default: on a GPU for our own
-    models, where it measured 2.1x the eager step on an H200 (docs/benchmarks.md), off on a
-    CPU and for the transformers backend).
+    dense models, where it measured 2.1x the eager step on an H200 (docs/benchmarks.md); off
+    on a CPU, for the transformers backend and for mixture-of-experts models).
     `peak_flops`: the device's peak FLOP/s, a number or a name in
     `posttrain.train.mfu.PEAK_FLOPS` (e.g. "h100-sxm/bf16"); MFU is reported when set.
     `tensorboard`: write TensorBoard event files beside the JSONL metrics; `progress_bar`:
@@ -94,13 +94,15 @@ class TrainConfig:
     progress_bar: bool = True
     health: HealthConfig = field(default_factory=HealthConfig)
 
-    def for_device(self, device_type: str, native_model: bool = True) -> "TrainConfig":
-        """This config with its "auto" settings decided for a model of ours (`native_model`) or
-        of the transformers backend on a `device_type` ("cpu", "cuda", ...) device."""
+    def for_device(self, device_type: str, compile_measured: bool = True) -> "TrainConfig":
+        """This config with its "auto" settings decided for a `device_type` ("cpu", "cuda", ...)
+        device; `compile_measured`: whether compiling the model's blocks is known to pay (our
+        dense decoders; not the transformers backend or mixture-of-experts models, whose
+        data-dependent routing was not measured compiled)."""
         accelerator = device_type != "cpu"
         return replace(self, mixed_precision=("bf16" if accelerator else "no") if self.mixed_precision == "auto"
                        else self.mixed_precision,
-                       compile=(accelerator and native_model) if self.compile == "auto" else self.compile)
+                       compile=(accelerator and compile_measured) if self.compile == "auto" else self.compile)
 
     def validate(self) -> None:
         if not isinstance(self.activation_checkpointing, bool) and self.activation_checkpointing < 1:

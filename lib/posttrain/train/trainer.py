@@ -132,11 +132,13 @@ def resolve_group(process_group):
     return process_group
 
 
-def uses_transformers_backend(model: torch.nn.Module) -> bool:
-    """Whether `model` is, or wraps, the transformers fallback (which `compile: auto` leaves eager)."""
+def compile_measured(model: torch.nn.Module) -> bool:
+    """Whether compiling `model`'s blocks is known to pay (`TrainConfig.for_device`): our dense
+    decoders; not the transformers fallback nor a mixture-of-experts model, in or around `model`."""
+    from posttrain.models.decoder import MoeDecoderLM
     from posttrain.models.hf_backend import HFCausalLM
 
-    return any(isinstance(m, HFCausalLM) for m in model.modules())
+    return not any(isinstance(m, (HFCausalLM, MoeDecoderLM)) for m in model.modules())
 
 
 @contextlib.contextmanager
@@ -179,7 +181,7 @@ class Trainer:
         self.model = model
         # "auto" settings decided for this device: bf16 and compiled blocks on a GPU, neither on a CPU
         requested = cfg
-        cfg = cfg.for_device(model_device(model).type, native_model=not uses_transformers_backend(model))
+        cfg = cfg.for_device(model_device(model).type, compile_measured=compile_measured(model))
         if model_device(model).type != "cpu" and "auto" in (requested.mixed_precision, requested.compile):
             print(f"[train] {model_device(model)}: mixed_precision {cfg.mixed_precision}, compile {cfg.compile} "
                   "(train.mixed_precision / train.compile 'auto')")
