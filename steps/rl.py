@@ -46,7 +46,7 @@ from posttrain.config.schema import GRPOConfig
 from posttrain.data.chat import generation_stop_ids, render_prompt
 from posttrain.data.records import PromptRecord, Prompts
 from posttrain.data.tokenizer import pad_record
-from posttrain.rl.controller import EngineLost, RLController, RoundResult
+from posttrain.rl.controller import EngineLost, RLController, RoundResult, engine_beside_policy
 from posttrain.rl.engine import SamplingConfig
 from posttrain.rl.policy import LocalPolicy, PolicyGroup
 from posttrain.rl.rewards import RewardScorer, RewardTerm
@@ -313,10 +313,10 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
                                   teacher_vocab=teacher_spec.vocab_size if teacher_spec is not None else None)
         if previous is not None:
             controller.load_state_dict(policy.run(_load_round, state_dir, fingerprint, previous))
-            engine.update_weights(policy.export_weights())
+            engine.update_weights(policy.export_weights(on_device=engine_beside_policy(engine, policy)))
             print(f"[rl_round] resumed at round {controller.round} from {previous}")
         elif model is None:  # a worker group: the engine starts from the starting model's directory
-            engine.update_weights(policy.export_weights())
+            engine.update_weights(policy.export_weights(on_device=engine_beside_policy(engine, policy)))
         results, restarts = [], 0
         last = min(config.grpo.rounds, controller.round + config.grpo.rounds_per_task)
         while controller.round < last:
@@ -334,7 +334,7 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
                 controller.engine = engine = build_engine(config, model, tokenizer, parent)
                 if redo:
                     controller.load_state_dict(state)
-                    engine.update_weights(policy.export_weights())
+                    engine.update_weights(policy.export_weights(on_device=engine_beside_policy(engine, policy)))
                     continue
                 result = lost.result
                 sync = controller.sync_weights()

@@ -31,9 +31,14 @@ def training_fingerprint(config: RecipeConfig) -> dict:
     """The parts of the recipe the loss trajectory depends on (a resumed run must match them)."""
     full = to_dict(config)
     train = {k: v for k, v in full["train"].items() if k not in COSMETIC_TRAIN_KEYS}
+    # "auto" as this machine's device resolves it (a GPU run resumed on a CPU differs); compile
+    # as for a dense model of ours (the MoE exception needs the model, and changes it alike on
+    # both sides of a resume)
+    device = pick_device(config.train.device)
+    resolved = config.train.for_device(device.type, compile_measured=config.model.backend != "transformers")
+    train["mixed_precision"], train["compile"] = resolved.mixed_precision, resolved.compile
     # what the output projection really ran in on this machine (auto, or a CPU without bf16)
-    train["head_precision"] = resolve_head_precision(config.train.head_precision, config.train.mixed_precision,
-                                                     pick_device(config.train.device))[0]
+    train["head_precision"] = resolve_head_precision(config.train.head_precision, resolved.mixed_precision, device)[0]
     recipe = {k: v for k, v in full.items() if k not in BASE_SECTIONS}  # a recipe's own section (dpo, rm, ...)
     return {"seed": full["seed"], "data": full["data"], "tokenizer": full["tokenizer"], "model": full["model"],
             "pack": full["pack"], "train": train, **recipe}

@@ -5,6 +5,8 @@ takes a per-block interval, and a CUDA step reports its memory."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -25,6 +27,8 @@ def test_auto_settings_are_bf16_and_compiled_on_a_gpu_and_plain_on_a_cpu():
     cpu = auto.for_device("cpu")
     assert (cpu.mixed_precision, cpu.compile) == ("no", False)
     assert auto.for_device("cuda", compile_measured=False).compile is False  # the fallback and MoE stay eager
+    other = auto.for_device("mps")  # devices nobody measured keep the CPU's choices
+    assert (other.mixed_precision, other.compile) == ("no", False)
     pinned = TrainConfig(mixed_precision="no", compile=False).for_device("cuda")
     assert (pinned.mixed_precision, pinned.compile) == ("no", False)  # what a user sets wins
 
@@ -70,3 +74,24 @@ def test_cuda_memory_metrics_read_the_allocator_peaks():
 def test_compile_auto_is_for_dense_decoders_only():
     assert compile_measured(build_model(tiny_config("qwen3"), seed=0))
     assert not compile_measured(build_model(tiny_config("qwen3_moe"), seed=0))
+
+
+def test_the_resume_fingerprint_records_what_auto_resolved_to(monkeypatch):
+    """A checkpoint records the precision that really ran: "auto" is resolved for the recipe's
+    device, so a GPU run (bf16) and a CPU run (float32) refuse each other's checkpoints, and a
+    CPU checkpoint written before the defaults became "auto" (explicit "no", false) still matches."""
+    from posttrain.config.loader import load_sft_config
+    from posttrain.steps import train_state
+
+    def demo(**train):
+        return load_sft_config(Path(__file__).resolve().parents[2] / "configs" / "sft" / "demo.yaml",
+                               overrides={f"train.{k}": v for k, v in train.items()})
+
+    cpu = train_state.training_fingerprint(demo())["train"]
+    assert (cpu["mixed_precision"], cpu["compile"], cpu["head_precision"]) == ("no", False, "fp32")
+    assert train_state.training_fingerprint(demo(mixed_precision="no", compile=False)) == \
+        train_state.training_fingerprint(demo())
+    assert train_state.training_fingerprint(demo(mixed_precision="bf16"))["train"]["mixed_precision"] == "bf16"
+    monkeypatch.setattr(train_state, "pick_device", lambda name: torch.device("cuda"))
+    gpu = train_state.training_fingerprint(demo())["train"]
+    assert (gpu["mixed_precision"], gpu["compile"], gpu["head_precision"]) == ("bf16", True, "bf16")

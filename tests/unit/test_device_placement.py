@@ -123,16 +123,15 @@ def test_weight_sync_stays_on_the_accelerator_for_an_engine_beside_the_policy():
     The "meta" device stands in for an accelerator here."""
     from types import SimpleNamespace
 
-    from posttrain.rl.controller import RLController
+    from posttrain.rl.controller import engine_beside_policy
     from posttrain.rl.policy import LocalPolicy
 
-    def controller(engine_device, model_device):
+    def pair(engine_device, model_device):
         model = torch.nn.Linear(2, 2, device=model_device)
-        return SimpleNamespace(engine=SimpleNamespace(device=engine_device),
-                               policy=LocalPolicy(SimpleNamespace(model=model)))
+        return SimpleNamespace(device=engine_device), LocalPolicy(SimpleNamespace(model=model))
 
-    beside = RLController._engine_beside_policy
-    assert beside(controller(torch.device("meta"), "meta"))
-    assert not beside(controller(torch.device("cpu"), "cpu"))  # the CPU default: unchanged
-    assert not beside(controller(torch.device("meta"), "cpu"))
-    assert not beside(SimpleNamespace(engine=object(), policy=LocalPolicy(SimpleNamespace(model=None))))
+    assert engine_beside_policy(*pair(torch.device("meta"), "meta"))
+    assert not engine_beside_policy(*pair(torch.device("cpu"), "cpu"))  # the CPU default: unchanged
+    assert not engine_beside_policy(*pair(torch.device("meta"), "cpu"))
+    assert not engine_beside_policy(object(), LocalPolicy(SimpleNamespace(model=torch.nn.Linear(2, 2))))
+    assert not engine_beside_policy(SimpleNamespace(device=torch.device("meta")), object())  # a policy group

@@ -147,10 +147,23 @@ def test_a_model_on_a_flex_device_builds_no_dense_mask(monkeypatch, model_type):
     assert ((got - expected).norm() / expected.norm()).item() <= FP32_TOLERANCE
 
 
-def test_an_accelerator_without_flex_falls_back_to_per_document_sdpa(monkeypatch):
-    """Where torch has no FlexAttention, an accelerator runs plain document masks as one causal
-    SDPA call per document (the varlen fallback), not a dense mask."""
+def test_cuda_without_flex_and_other_devices_take_the_per_document_backend(monkeypatch):
+    """Flex is CUDA's; devices nobody measured (mps, xpu) and CUDA without FlexAttention take
+    the backend `choose_backend` applies to CPU rows: one causal SDPA call per document (the
+    varlen fallback) for plain document masks, a masked call for windows and trees."""
+    assert select_backend("mps") == "documents" and select_backend("xpu") == "documents"
     monkeypatch.setattr(attention, "flex_available", lambda: False)
     assert select_backend("cuda") == "documents"
-    assert select_backend("cpu") == "documents"
 
+
+
+def test_windowed_masks_are_unchanged_by_the_shifted_comparison():
+    """The window rule compares against a shifted index (no `[T, T]` integer temporary): the
+    same mask as the row-distance definition, for plain rows and for trees (positions)."""
+    gen = torch.Generator().manual_seed(5)
+    doc_ids_BT = packed_rows(gen, 2, 96)
+    T = doc_ids_BT.shape[1]
+    q_TT, k_TT = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    for window in (1, 7, 40):
+        expected_BTT = (doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]) & (k_TT <= q_TT) & (q_TT - k_TT < window)
+        assert torch.equal(attention.document_causal_mask(doc_ids_BT, window)[:, 0], expected_BTT)

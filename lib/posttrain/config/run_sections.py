@@ -52,9 +52,12 @@ class TrainConfig:
 
     `lr_schedule`: linear warmup, then `cosine` or `linear` decay to `min_lr_ratio`.
     `mixed_precision: bf16` runs forward and loss under bf16 autocast (decoder matmuls in
-    bf16); parameters, gradients and optimizer state stay float32 (under FSDP2, parameters are
-    gathered in bf16 and gradients reduced in float32). "auto" (default): bf16 on a GPU, "no"
-    on a CPU (`for_device`). `head_precision`: the dtype
+    bf16); parameters, gradients and optimizer state stay float32. Under FSDP2 on GPUs the
+    float32 shards stay the masters but the forward runs on bf16 copies of the parameters,
+    with its inputs cast to bf16 (`MixedPrecisionPolicy`, `posttrain.parallel.apply`): the
+    residual stream and norms are bf16 there, unlike single-GPU autocast, and gradients are
+    reduced in float32. "auto" (default): bf16 on CUDA, "no" elsewhere (`for_device`).
+    `head_precision`: the dtype
     of the output projection's matmuls in the chunked losses ("auto": bf16 exactly when
     `mixed_precision` is bf16; on a CPU without native bf16, float32 with a notice); its
     log-sum-exp, softmax and reductions stay float32 (`posttrain.ops.precision`).
@@ -99,10 +102,10 @@ class TrainConfig:
         device; `compile_measured`: whether compiling the model's blocks is known to pay (our
         dense decoders; not the transformers backend or mixture-of-experts models, whose
         data-dependent routing was not measured compiled)."""
-        accelerator = device_type != "cpu"
-        return replace(self, mixed_precision=("bf16" if accelerator else "no") if self.mixed_precision == "auto"
+        gpu = device_type == "cuda"  # measured there; other devices keep the CPU's choices
+        return replace(self, mixed_precision=("bf16" if gpu else "no") if self.mixed_precision == "auto"
                        else self.mixed_precision,
-                       compile=(accelerator and compile_measured) if self.compile == "auto" else self.compile)
+                       compile=(gpu and compile_measured) if self.compile == "auto" else self.compile)
 
     def validate(self) -> None:
         if not isinstance(self.activation_checkpointing, bool) and self.activation_checkpointing < 1:

@@ -8,8 +8,8 @@ trunk (a preference pair's prompt) and branches (its two responses) that each se
 and themselves, not each other.
 
 Backends (chosen once per forward by `select_backend`, then shared by every layer):
-- "documents" (CPU, plain document-causal masks, where it pays: `per_document_pays`; and the
-  varlen fallback of an accelerator whose torch has no FlexAttention, always): one
+- "documents" (CPU, plain document-causal masks, where it pays: `per_document_pays`; the same
+  on CUDA where torch has no FlexAttention, the varlen fallback): one
   `F.scaled_dot_product_attention` call per document with `is_causal=True`, over that
   document's queries and keys only. The masked
   call below computes every row's full `T x T` block (its CPU kernel skips no masked block);
@@ -63,10 +63,10 @@ def allowed_pairs(q_idx: torch.Tensor, k_idx: torch.Tensor, doc_q: torch.Tensor,
     allowed = (k_idx <= q_idx) & (doc_q == doc_k)
     if branch_q is not None:
         allowed = allowed & ((branch_k == 0) | (branch_k == branch_q))
-        if window is not None:
-            allowed = allowed & (pos_q - pos_k < window)
+        if window is not None:  # pos_q - pos_k < window, without a [T, T] integer temporary
+            allowed = allowed & (pos_k > pos_q - window)
     elif window is not None:
-        allowed = allowed & (q_idx - k_idx < window)
+        allowed = allowed & (k_idx > q_idx - window)
     return allowed
 
 
@@ -116,11 +116,11 @@ def flex_available() -> bool:
 
 
 def select_backend(device: torch.device | str) -> str:
-    """The attention backend for a training forward on `device`: "flex" on any accelerator
-    where torch has FlexAttention; else "documents" (on an accelerator without Flex, the
-    varlen fallback: one causal SDPA call per document, flash kernels included), which
-    `build_attention_mask` turns into "sdpa" for windows, trees and split documents."""
-    if torch.device(device).type != "cpu" and flex_available():
+    """The attention backend for a training forward on `device`: "flex" on CUDA where torch has
+    FlexAttention; else "documents" (on CUDA without Flex, the varlen fallback: one causal SDPA
+    call per document, flash kernels included), which `build_attention_mask` turns into
+    "sdpa" for windows, trees and split documents."""
+    if torch.device(device).type == "cuda" and flex_available():
         return "flex"
     return "documents"
 
@@ -155,8 +155,7 @@ def choose_backend(doc_ids_BT: torch.Tensor, window: int | None = None,
     if backend != "documents" or window is not None or branch_ids_BT is not None:
         return "sdpa", None
     runs = document_runs(doc_ids_BT)
-    cpu = doc_ids_BT.device.type == "cpu"  # the break-even below was measured on CPUs
-    if runs is None or (cpu and not per_document_pays(runs, doc_ids_BT.shape[1])):
+    if runs is None or not per_document_pays(runs, doc_ids_BT.shape[1]):
         return "sdpa", None
     return "documents", runs
 
@@ -242,7 +241,8 @@ def flex_bucket_length(T: int) -> int:
     """The row length a FlexAttention call runs at for rows of `T`: the next multiple of 128 up
     to 1,024, then of 1,024. The compiled kernel specialises on the length, so this bounds
     the distinct compilations (packed training rows have one length; RL rows vary) at a
-    cost of at most 1,023 padded positions, whose tiles the block mask skips."""
+    cost of at most 1,023 padded positions. They join the row's padding document (-1), so the
+    tiles where padding sees padding are computed (and discarded); no real token's are."""
     step = FLEX_BLOCK if T <= 1024 else 1024
     return max(step, -(-T // step) * step)
 
@@ -287,6 +287,8 @@ _flex_kernels: dict[bool, Any] = {}
 # evaluation's no-grad ones, bf16 and float32. Past torch's default of 8 per function, dynamo
 # silently runs FlexAttention eagerly over dense scores: measured on an H200, a forward +
 # backward of 8,192 packed tokens then took 93 ms against dense SDPA's 6.4 ms (docs/benchmarks.md).
+# The limit is dynamo's, per function but set for the whole process: compiled decoder blocks
+# get it too.
 FLEX_RECOMPILE_LIMIT = 64
 
 

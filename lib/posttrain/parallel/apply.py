@@ -116,8 +116,11 @@ def fsdp_mixed_precision(mixed_precision: str, device_type: str) -> dict:
     """FSDP2's keyword for a training precision: with `mixed_precision` "bf16" on a GPU,
     parameters are all-gathered and computed in bf16 (half the traffic of float32) while the
     sharded masters stay float32 and gradients are reduced in float32
-    (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)`); elsewhere nothing (gloo
-    on a CPU: float32 throughout, bf16 autocast alone)."""
+    (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)`, torchtitan's default).
+    Its forward inputs are cast to bf16 too, so the whole forward (residual stream, norms,
+    an fp32 `head_precision`'s weights) runs on bf16 values: close to, not equal to, one GPU
+    under autocast. Elsewhere nothing (gloo on a CPU: float32 throughout, autocast alone).
+    Not yet run on more than one GPU."""
     if mixed_precision != "bf16" or device_type == "cpu":
         return {}
     from torch.distributed.fsdp import MixedPrecisionPolicy

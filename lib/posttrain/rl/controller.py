@@ -144,6 +144,17 @@ def completion_text(tokenizer, completion: Completion) -> str:
     return tokenizer.decode(completion.content_ids, skip_special_tokens=True)
 
 
+def engine_beside_policy(engine, policy) -> bool:
+    """Whether `engine` lives in this process on the same accelerator as an in-process `policy`
+    (`NativeEngine.device`; a Ray actor or a policy group has none here): then weights go to
+    it device to device (`export_weights(on_device=True)`)."""
+    engine_device = getattr(engine, "device", None)
+    model = policy.model if isinstance(policy, LocalPolicy) else None
+    if engine_device is None or model is None or torch.device(engine_device).type == "cpu":
+        return False
+    return next(model.parameters()).device == torch.device(engine_device)
+
+
 class RLController:
     """Drives one round at a time (module docstring). `prompts[i]` are the token ids of
     `records[i]` (a `PromptRecord`: what the reward reads). `grpo`: the recipe's section (the
@@ -322,19 +333,10 @@ class RLController:
             batch["advantages"] = batch["advantages"] + self.distill_coef * (gap_M - mean_gap)
         return -mean_gap
 
-    def _engine_beside_policy(self) -> bool:
-        """Whether the engine lives in this process on the same accelerator as an in-process
-        policy (`NativeEngine.device`; a Ray actor or a policy group has none here)."""
-        engine_device = getattr(self.engine, "device", None)
-        model = getattr(self.policy, "model", None) if isinstance(self.policy, LocalPolicy) else None
-        if engine_device is None or model is None or torch.device(engine_device).type == "cpu":
-            return False
-        return next(model.parameters()).device == torch.device(engine_device)
-
     def sync_weights(self) -> dict | None:
         """Push the policy's weights to the engine and (with `sync_check`) verify them. An engine
         in this process on the policy's accelerator gets them device to device (no host copy)."""
-        weights = self.policy.export_weights(on_device=self._engine_beside_policy())
+        weights = self.policy.export_weights(on_device=engine_beside_policy(self.engine, self.policy))
         self.engine.update_weights(weights)
         if not self.grpo.sync_check:
             return None
