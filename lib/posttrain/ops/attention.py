@@ -29,7 +29,7 @@ Backends (chosen once per forward by `select_backend`, then shared by every laye
   (`posttrain.rl.cpu_kernels`: one pass over the keys, one over the values); this is the
   reference.
 - "flex" (CUDA; any device for inference): FlexAttention (`torch.nn.attention.flex_attention`)
-  over a block-sparse `BlockMask` built from the same predicate (`attention_predicate`):
+  over a block-sparse `BlockMask` built from the same rule (`allowed_pairs`):
   document, causal, tree (branch) and window rules, evaluated per 128 x 128 tile, so fully
   masked tiles are skipped and no `[B, 1, T, T]` mask exists (on CUDA the block mask itself
   is built by a compiled kernel). Rows are padded to a shape bucket (`flex_bucket_length`) so
@@ -41,6 +41,7 @@ Backends (chosen once per forward by `select_backend`, then shared by every laye
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -292,6 +293,7 @@ _flex_kernels: dict[bool, Any] = {}
 FLEX_RECOMPILE_LIMIT = 64
 
 
+@functools.cache  # once per process: block masks are built every forward
 def _allow_flex_recompiles() -> None:
     import torch._dynamo
 
