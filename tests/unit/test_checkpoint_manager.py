@@ -137,6 +137,36 @@ def test_a_crafted_metadata_pickle_is_refused_before_it_runs(tmp_path):
     assert not marker.exists()
 
 
+def test_enum_members_pickled_through_getattr_load_and_other_getattrs_are_refused():
+    """CPython 3.11.0-3.11.4 (Debian 12's 3.11.2, say) pickle an enum member as `getattr(cls,
+    name)`: a `.metadata` written so loads, and a `getattr` that reaches anything else is refused."""
+    import io
+    import pathlib
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as Encoding
+
+    from posttrain.train.checkpoint import _MetadataUnpickler
+
+    class ThroughGetattr(pickle.Pickler):
+        def reducer_override(self, obj):
+            if obj is Encoding.TORCH_CHANNELS_LAST:
+                return getattr, (Encoding, obj.name)
+            if obj is pathlib.Path.home:
+                return getattr, (pathlib.Path, "home")
+            return NotImplemented
+
+    def load(obj):
+        buffer = io.BytesIO()
+        ThroughGetattr(buffer).dump(obj)
+        assert b"getattr" in buffer.getvalue()
+        return _MetadataUnpickler(io.BytesIO(buffer.getvalue())).load()
+
+    assert load([Encoding.TORCH_CHANNELS_LAST]) == [Encoding.TORCH_CHANNELS_LAST]
+    with pytest.raises(TrainingCheckpointError, match=r"getattr\(<class 'pathlib.Path'>, 'home'\).*not an enum member"):
+        load(pathlib.Path.home)
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_crash_inside_save_leaves_the_previous_checkpoint_whole(tmp_path, stage):
     class Crash(Exception):

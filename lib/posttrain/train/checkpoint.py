@@ -37,6 +37,7 @@ barriers around those moves. The root must be on storage every rank sees.
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import pickle
@@ -168,8 +169,19 @@ _METADATA_GLOBALS = {
 _REFUSED = "refusing to unpickle it"
 
 
+def _enum_member(enum_cls: Any, name: str) -> enum.Enum:
+    """What `getattr` may do in a `.metadata` pickle: name a member of an enum the allowlist let
+    in (CPython 3.11.0-3.11.4 pickle enum members as `getattr(cls, name)`; Debian 12's 3.11.2 does)."""
+    if isinstance(enum_cls, type) and issubclass(enum_cls, enum.Enum) and name in enum_cls.__members__:
+        return enum_cls[name]
+    raise TrainingCheckpointError(f"checkpoint .metadata calls getattr({enum_cls!r}, {name!r}), which is not an "
+                                  f"enum member: {_REFUSED}")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
+        if name == "getattr" and module in ("builtins", "__builtin__"):  # __builtin__: protocols 0-2
+            return _enum_member
         allowed = _METADATA_GLOBALS.get(module, set())
         if allowed is None or name in allowed:
             return super().find_class(module, name)
