@@ -153,7 +153,8 @@ def _remove_tree(path: Path) -> None:
 
 
 # what DCP's `.metadata` pickle may name: its metadata dataclasses and enums, the reader's
-# storage records, torch sizes/dtypes/layouts, and paths; anything else is refused
+# storage records, torch sizes/dtypes/layouts, and paths; anything else is refused, except that
+# `getattr` is replaced by `_enum_member` (a member of one of these enums, nothing else)
 _METADATA_GLOBALS = {
     "torch.distributed.checkpoint.metadata": None,  # every name in DCP's metadata module
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
