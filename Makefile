@@ -1,6 +1,18 @@
 # `make run` (the SFT demo flow), `make test` (everything CI runs) and `make test-fast` (the
 # quick unit tier). Each sets up .venv first.
-PYTHON ?= python3
+# The interpreter the venv is built on (`make PYTHON=python3.12 ...` to choose): `python3`, unless
+# its executable loads libpython as a shared library (CPython's --enable-shared, which pyenv
+# builds by default) while /usr/bin/python3 is a 3.11+ executable with libpython linked in.
+# Calls into a shared libpython go through the PLT and cannot be inlined, and this suite is
+# mostly interpreter work (imports of torch, transformers and Ray in ~250 processes): on the
+# same 2-core machine `make test` took 27 min 5 s on pyenv's 3.11.7 and 18 min 7 s on Debian's
+# 3.11.2 (docs/benchmarks.md, "Test suite").
+ifeq ($(origin PYTHON),undefined)
+LINKS_LIBPYTHON = ldd "$$($(1) -c 'import sys; print(sys.executable)' 2>/dev/null)" 2>/dev/null | grep -q libpython
+PYTHON := $(shell if $(call LINKS_LIBPYTHON,python3) && ! $(call LINKS_LIBPYTHON,/usr/bin/python3) \
+  && /usr/bin/python3 -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; \
+  then echo /usr/bin/python3; else echo python3; fi)
+endif
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed

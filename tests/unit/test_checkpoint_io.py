@@ -228,3 +228,39 @@ def test_tokenizer_files_and_eos(tmp_path):
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == 1
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 1
     assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == 1
+
+
+def test_loading_and_evaluating_a_checkpoint_imports_no_compiler_or_checkpoint_machinery(tmp_path):
+    """A fresh interpreter loads every architecture's checkpoint (built on meta) and takes a
+    held-out loss without importing `torch._dynamo` (torch's meta `normal_` would, from an
+    `nn.Embedding` drawing weights on meta) or `torch.distributed.checkpoint`: ~5 CPU-s more for
+    each evaluation or rollout process otherwise. The equal-init half: on the CPU, our
+    `Embedding` draws what `nn.Embedding` draws."""
+    import subprocess
+    import sys
+
+    from posttrain.models.layers import Embedding
+
+    torch.manual_seed(3)
+    expected = torch.nn.Embedding(11, 4, padding_idx=0).weight
+    torch.manual_seed(3)
+    assert torch.equal(Embedding(11, 4, padding_idx=0).weight, expected)
+
+    script = f"""
+import sys
+import torch
+from posttrain.eval.heldout import evaluate_loss
+from posttrain.models.architectures import ARCHITECTURES, build_model, load_hf_checkpoint, save_hf_checkpoint, tiny_config
+
+for i, model_type in enumerate(ARCHITECTURES):
+    save_hf_checkpoint(build_model(tiny_config(model_type), seed=0), {str(tmp_path)!r} + f"/{{i}}")
+    model = load_hf_checkpoint({str(tmp_path)!r} + f"/{{i}}").eval()
+ids = torch.randint(0, 250, (2, 8))
+batch = {{"input_ids": ids, "labels": ids, "position_ids": torch.arange(8).expand(2, 8),
+          "doc_ids": torch.zeros(2, 8, dtype=torch.long)}}
+print(evaluate_loss(build_model(tiny_config("qwen3"), seed=0), [batch]) > 0)
+print(sorted(m for m in ("torch._dynamo", "torch.distributed.checkpoint") if m in sys.modules))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-2:] == ["True", "[]"]

@@ -7,7 +7,7 @@ from typing import Iterable
 import torch
 
 from posttrain.ops.losses import causal_lm_loss
-from posttrain.train.trainer import batch_to, model_device
+from posttrain.train.placement import batch_to, model_device
 
 
 @torch.no_grad()

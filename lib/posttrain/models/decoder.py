@@ -29,7 +29,7 @@ from torch import nn
 
 from posttrain.models.hf_config import FULL, SLIDING
 from posttrain.models.kv_cache import KVCache, LayerKV
-from posttrain.models.layers import GroupedQueryAttention, RMSNorm, ScaledEmbedding, SwiGLU
+from posttrain.models.layers import Embedding, GroupedQueryAttention, RMSNorm, ScaledEmbedding, SwiGLU
 from posttrain.models.moe import load_balancing_loss
 from posttrain.models.rope import RotaryEmbedding
 from posttrain.ops.attention import AttentionMask, build_attention_mask, build_cached_attention_mask
@@ -96,7 +96,7 @@ class DecoderLM(nn.Module):
         self.layer_types = list(getattr(config, "layer_types", None) or [FULL] * L)
         self.layer_windows = [config.sliding_window if t == SLIDING else None for t in self.layer_types]
         if embedding_scale is None:
-            self.tok_embeddings = nn.Embedding(V, D, padding_idx=padding_idx)
+            self.tok_embeddings = Embedding(V, D, padding_idx=padding_idx)
         else:
             self.tok_embeddings = ScaledEmbedding(V, D, scale=embedding_scale, padding_idx=padding_idx)
         self.rotary = rotary if rotary is not None else RotaryEmbedding(

@@ -1,5 +1,6 @@
 """Shared decoder layers: RMSNorm, applying the rotary embedding (the tables are
-`posttrain.models.rope`'s), SwiGLU MLP, grouped-query attention, scaled embedding.
+`posttrain.models.rope`'s), SwiGLU MLP, grouped-query attention, the token embedding (plain
+and scaled).
 
 Shape suffixes follow docs/architecture.md: B batch, T time, D hidden, H query heads,
 K key/value heads, E head dim, F MLP intermediate size.
@@ -36,7 +37,22 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-class ScaledEmbedding(nn.Embedding):
+class Embedding(nn.Embedding):
+    """`nn.Embedding` that draws no initial weights on the meta device.
+
+    A model is built on meta and then loaded or initialised by `init_weights`, so the draw
+    `nn.Embedding` makes in its constructor is wasted there; on meta it is worse than wasted:
+    torch's meta `normal_` runs through a decomposition that imports `torch._dynamo`, about
+    5 CPU-seconds in a process that otherwise never needs it (an evaluation or rollout
+    worker). Anywhere else it initialises exactly as `nn.Embedding` does.
+    """
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
+class ScaledEmbedding(Embedding):
     """Embedding lookup times `scale`, the scale first rounded to the weight's dtype (as
     transformers' Gemma does: in bfloat16, sqrt(1152) becomes 34.0)."""
 

@@ -73,18 +73,10 @@ from posttrain.parallel.grad_norm import clip_grads_with_norm_, total_grad_norm
 from posttrain.train.health import HealthMonitor
 from posttrain.train.objective import Objective
 from posttrain.train.optim import build_optimizer, build_scheduler
+from posttrain.train.placement import batch_to, model_device
 
 DEFAULT_GROUP = "default"
 GRAD_SYNCS = ("auto", "none", "allreduce_sum")
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-def batch_to(batch: dict, device: torch.device) -> dict:
-    """The batch with every tensor on `device` (a no-op for tensors already there)."""
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def _checkpointed(forward: Callable, *args, **kwargs):
