@@ -99,7 +99,7 @@ FULL = {
 }
 QUICK = {
     "heavy": dict(row_length=128, batch_rows=8, samples=3_000, window=64, fraction=0.1),
-    "real": dict(row_length=512, batch_rows=2, window=64, fraction=0.03, per_source=60),
+    "real": dict(row_length=512, batch_rows=2, window=64, fraction=0.015, per_source=60),
 }
 
 

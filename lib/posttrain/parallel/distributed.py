@@ -11,9 +11,9 @@ one place that checks whether torch.distributed is initialised.
 `spawn_local(fn, world_size, *args)` runs `fn(*args)` on `world_size` fresh local
 processes, each with the process group initialised, and returns the per-rank results in rank
 order. The ranks fork from multiprocessing's "forkserver", a server process started once
-(per calling process) that has imported torch and this module: a rank starts without
-importing torch again (~2.5 CPU-s each), and, as under "spawn", shares no state with the
-caller beyond `fn` and `args` (pickled) and the caller's environment at the call (applied
+(per calling process) that has imported torch, this module and torch._dynamo
+(`FORKSERVER_PRELOAD`): a rank starts without importing them again (~6 CPU-s each), and, as
+under "spawn", shares no state with the caller beyond `fn` and `args` (pickled) and the caller's environment at the call (applied
 first; the server's was the environment of its own start). A rank that raises makes `spawn_local` raise
 `WorkerError` carrying the traceback of the rank that failed first (its peers, whose
 collectives lose it, fail after it: they get `FAILURE_GRACE_S` to report, then all are
@@ -160,8 +160,9 @@ def first_failure(failures: dict[int, tuple[float, str]]) -> WorkerError:
     return WorkerError(rank, failures[rank][1] + note)
 
 
-# what the fork server imports once, before it forks any rank
-FORKSERVER_PRELOAD = ["posttrain.parallel.distributed"]
+# what the fork server imports once, before it forks any rank: torch (with this module) and
+# torch._dynamo, which an optimizer's step imports (~3 CPU-s in each rank otherwise)
+FORKSERVER_PRELOAD = ["posttrain.parallel.distributed", "torch._dynamo"]
 
 
 def _spawned(rank: int, world_size: int, port: int, backend: str | None, fn: Callable, args: tuple,
