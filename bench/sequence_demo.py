@@ -35,7 +35,7 @@ from posttrain.eval.suite_data import EvalData  # noqa: E402
 from posttrain.steps.paths import resolve_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-QUICK = {"data.generate.world.num_users": 600, "data.generate.world.num_items": 200, "train.max_steps": 150,
+QUICK = {"data.generate.world.num_users": 600, "data.generate.world.num_items": 200, "train.max_steps": 60,
          "train.log_every": 50, "eval.max_examples": 600, "sequence.sampled_negatives": 0}
 BASELINES = ("popularity", "markov")
 
