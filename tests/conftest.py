@@ -249,3 +249,13 @@ def _start_background_runs(request):
     `make test-fast`), so the runs go on beside every test that does not."""
     if any(_waits_for_pool(item) for item in request.session.items):
         request.getfixturevalue("flow_pool")
+
+
+def pytest_collection_finish(session):
+    """Move everything collection created (torch, transformers and every test module: about two
+    million objects) out of the cyclic collector's reach, so the session's full collections
+    scan only what tests create (`gc.freeze`; this process only)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
