@@ -42,8 +42,8 @@ class Embedding(nn.Embedding):
 
     A model is built on meta and then loaded or initialised by `init_weights`, so the draw
     `nn.Embedding` makes in its constructor is wasted there; on meta it is worse than wasted:
-    torch's meta `normal_` runs through a decomposition that imports `torch._dynamo`, about
-    5 CPU-seconds in a process that otherwise never needs it (an evaluation or rollout
+    torch's meta `normal_` runs through a decomposition that imports `torch._dynamo`, 3-5
+    CPU-seconds in a process that otherwise never needs it (an evaluation or rollout
     worker). Anywhere else it initialises exactly as `nn.Embedding` does.
     """
 

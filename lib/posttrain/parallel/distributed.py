@@ -13,13 +13,13 @@ processes, each with the process group initialised, and returns the per-rank res
 order. The ranks fork from multiprocessing's "forkserver", a server process started once
 (per calling process) that has imported torch, this module and torch._dynamo
 (`FORKSERVER_PRELOAD`): a rank starts without importing them again (~6 CPU-s each), and, as
-under "spawn", shares no state with the caller beyond `fn` and `args` (pickled) and the caller's environment at the call (applied
-first; the server's was the environment of its own start). A rank that raises makes `spawn_local` raise
-`WorkerError` carrying the traceback of the rank that failed first (its peers, whose
-collectives lose it, fail after it: they get `FAILURE_GRACE_S` to report, then all are
-terminated). It is what
-the unit tests use; the Ray driver (`posttrain.parallel.workers`) does the same with actors.
-`fn` and `args` must be picklable (module-level functions).
+under "spawn", shares no state with the caller beyond `fn` and `args` (pickled) and the
+caller's environment at the call (applied first; the server's was the environment of its own
+start). A rank that raises makes `spawn_local` raise `WorkerError` carrying the traceback of
+the rank that failed first (its peers, whose collectives lose it, fail after it: they get
+`FAILURE_GRACE_S` to report, then all are terminated). It is what the unit tests use; the
+Ray driver (`posttrain.parallel.workers`) does the same with actors. `fn` and `args` must be
+picklable (module-level functions).
 """
 
 from __future__ import annotations
