@@ -252,9 +252,9 @@ def _start_background_runs(request):
 
 
 def pytest_collection_finish(session):
-    """Move everything collection created (torch, transformers and every test module: about two
-    million objects) out of the cyclic collector's reach, so the session's full collections
-    scan only what tests create (`gc.freeze`; this process only)."""
+    """Move everything collection created (torch, transformers and every test module) out of the
+    cyclic collector's reach, so the session's full collections scan only what tests create
+    (`gc.freeze`; this process only)."""
     import gc
 
     gc.collect()

@@ -233,7 +233,7 @@ def test_tokenizer_files_and_eos(tmp_path):
 def test_loading_and_evaluating_a_checkpoint_imports_no_compiler_or_checkpoint_machinery(tmp_path):
     """A fresh interpreter loads every architecture's checkpoint (built on meta) and takes a
     held-out loss without importing `torch._dynamo` (torch's meta `normal_` would, from an
-    `nn.Embedding` drawing weights on meta) or `torch.distributed.checkpoint`: ~5 CPU-s more for
+    `nn.Embedding` drawing weights on meta) or `torch.distributed.checkpoint`: 3-7 CPU-s more for
     each evaluation or rollout process otherwise. The equal-init half: on the CPU, our
     `Embedding` draws what `nn.Embedding` draws."""
     import subprocess
