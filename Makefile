@@ -27,6 +27,12 @@ export TRANSFORMERS_OFFLINE ?= 1
 export METAFLOW_USER ?= posttrain
 export MALLOC_MMAP_MAX_ := 0
 export MALLOC_TRIM_THRESHOLD_ := 68719476736
+# Python caches each module's compiled bytecode (__pycache__, gitignored) the first time it is
+# imported. An environment that turns that off (PYTHONDONTWRITEBYTECODE, which Python images
+# often set) makes every process compile every module it imports from source again: torch's
+# import took 2.7 CPU-s instead of 1.4, and the test suite's ~400 processes import torch,
+# transformers, Ray and Metaflow (docs/benchmarks.md, "Test suite").
+unexport PYTHONDONTWRITEBYTECODE
 export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: setup browser gpu-check run sft-3digit dpo-demo kto-demo orpo-demo rm-demo grpo-demo distill-demo sequence-demo semantic-demo semantic-rl-demo test test-fast bench clean setup-vllm test-vllm
@@ -35,9 +41,10 @@ setup: $(STAMP)
 
 # The packages install with uv (pinned; pip installs it): the same versions pip resolves, in a
 # third of pip's time (measured: 85 s against 206 s for torch and the dev extra on a fresh venv).
-# Bytecode is left to Python, which compiles a module the first time it is imported: compiling
-# every file up front (`--compile-bytecode`) took 123 CPU-s against 47 for the install alone, 38 s
-# of a 2-core machine (one fresh venv each, 2026-12-04), mostly for files nothing here imports.
+# Bytecode is left to Python, which compiles and caches a module the first time it is imported
+# (see PYTHONDONTWRITEBYTECODE above): compiling every file up front (`--compile-bytecode`) took
+# 123 CPU-s against 47 for the install alone, 38 s of a 2-core machine (one fresh venv each,
+# 2026-12-04), mostly for files nothing here imports.
 # uv reads no pip configuration, so the directory of
 # local wheels pip is configured with (where this machine keeps the CPU build of torch) is
 # passed on; without one, torch comes from PyPI as it would through pip.
