@@ -186,8 +186,8 @@ def flow_pool(request, tmp_path_factory):
     from concurrent.futures import ThreadPoolExecutor
 
     import torch  # noqa: F401  (before Metaflow's Runner: its typing patch breaks later torch imports)
-    from flow_pool import (POOL_WORKERS, SCENARIOS, FlowPool, lower_thread_priority, timed, typing_restored,
-                           write_timeline)
+    from flow_pool import (POOL_THREAD_PREFIX, POOL_WORKERS, SCENARIOS, FlowPool, capture_session_environ,
+                           lower_thread_priority, timed, typing_restored, write_timeline)
 
     modules = {_module(item) for item in request.session.items if _waits_for_pool(item)}
     wanted = sorted(((name, s) for name, s in SCENARIOS.items() if s.module in modules),
@@ -202,7 +202,8 @@ def flow_pool(request, tmp_path_factory):
     for name, scenario in wanted:
         tmp = tmp_path_factory.mktemp(f"bg_{name}")
         args[name] = scenario.prepare(tmp) if scenario.prepare is not None else tmp
-    pool = ThreadPoolExecutor(max_workers=POOL_WORKERS, thread_name_prefix="background",
+    capture_session_environ()
+    pool = ThreadPoolExecutor(max_workers=POOL_WORKERS, thread_name_prefix=POOL_THREAD_PREFIX,
                               initializer=lower_thread_priority)
     timeline: dict[str, list[float]] = {}
     futures = {name: pool.submit(timed(scenario.launch, name, timeline), args[name]) for name, scenario in wanted}

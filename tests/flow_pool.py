@@ -48,6 +48,7 @@ POOL_WORKERS = 2
 # alone, on one core, for minutes after the pool had finished (measured: pool done at 810 s,
 # session at 1,126 s). Lowered, the runs take what the foreground leaves.
 POOL_NICENESS = 5
+POOL_THREAD_PREFIX = "background"  # the pool's thread names (`launch_environ` tells its threads by it)
 
 
 @dataclass
@@ -81,10 +82,31 @@ def background_command(name: str, module: str, argv: list[str], cwd: Path, timeo
     in the pool with one torch thread, its `subprocess.CompletedProcess` (text output) the result."""
 
     def launch(_tmp: Path) -> subprocess.CompletedProcess:
-        env = single_thread_env({**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+        env = single_thread_env({**launch_environ(), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
 
     SCENARIOS[name] = Scenario(launch, priority, None, module, "bench")
+
+
+_SESSION_ENVIRON: dict[str, str] = {}
+
+
+def capture_session_environ() -> None:
+    """Keep the session's environment as it is now (the pool's fixture, before its first launch)."""
+    _SESSION_ENVIRON.clear()
+    _SESSION_ENVIRON.update(os.environ)
+
+
+def launch_environ() -> dict[str, str]:
+    """A copy of the environment for a process started from the calling thread. In the pool's
+    threads: the session's, as `capture_session_environ` kept it. A foreground test may change
+    `os.environ` for its duration (`monkeypatch.setenv`: a fault to inject, a compiler that
+    fails, the hub online), and a background run launched meanwhile must not inherit that: a
+    bench smoke run once died of the fault meant for a foreground test's workers. Elsewhere:
+    `os.environ`."""
+    if threading.current_thread().name.startswith(POOL_THREAD_PREFIX) and _SESSION_ENVIRON:
+        return dict(_SESSION_ENVIRON)
+    return dict(os.environ)
 
 
 @contextlib.contextmanager
@@ -179,13 +201,17 @@ def run_flow(flow_file: Path, *, env: dict, cwd: Path, resume_origin: str | None
     pool thread, to the end; returns the `ExecutingRun`. A Runner's construction and launch
     reload Metaflow's CLI modules in this process and may change directory, so one thread at a
     time does them (under a lock, until the run has started); the waiting is concurrent. The
-    returned run's `run` is read anew once the run has ended (the tags its steps added)."""
+    returned run's `run` is read anew once the run has ended (the tags its steps added). The run's
+    environment is `env` exactly: the Runner starts from a copy of `os.environ`, which a
+    foreground test may have changed for the moment (`launch_environ`)."""
     from metaflow import Runner
 
     loop = asyncio.new_event_loop()
     try:
         with _RUNNER_LOCK:
             runner = Runner(str(flow_file), show_output=False, env=env, cwd=str(cwd), **runner_kwargs)
+            assert isinstance(runner.env_vars, dict), "metaflow.Runner keeps its environment elsewhere now"
+            runner.env_vars = dict(env)
             start = runner.async_resume(origin_run_id=resume_origin) if resume_origin else runner.async_run()
             running = loop.run_until_complete(start)
         loop.run_until_complete(running.wait())

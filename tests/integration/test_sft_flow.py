@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flow_pool import background_flow, run_flow, single_thread_env, typing_restored  # noqa: F401
+from flow_pool import background_flow, launch_environ, run_flow, single_thread_env, typing_restored  # noqa: F401
 from posttrain.registry import resolve_model_dir
 from posttrain.registry.local import uri_to_path
 
@@ -24,7 +24,7 @@ TINY = REPO_ROOT / "configs" / "sft" / "tiny.yaml"
 
 
 def flow_env() -> dict:
-    env = dict(os.environ)  # includes the session's METAFLOW_DATASTORE_SYSROOT_LOCAL (conftest)
+    env = launch_environ()  # includes the session's METAFLOW_DATASTORE_SYSROOT_LOCAL (conftest)
     env["METAFLOW_USER"] = "posttrain-tests"
     # local Metaflow workers start the `python` on PATH: make it this interpreter's
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
