@@ -16,6 +16,7 @@ _OASST_FIELDS = {"text": "text", "role": "role", "replies": "replies", "rank": "
 # format name -> {logical field: default column (None: unmapped unless set)}
 FORMAT_FIELDS: dict[str, dict[str, str | None]] = {
     "chat": {"messages": "messages", "prompt": None, "response": None},
+    "prompt_completion": {"prompt": "prompt", "completion": "completion"},
     "oasst_tree": _OASST_FIELDS,
     "oasst_tree_all": _OASST_FIELDS,
     "gsm8k_chat": {"question": "question", "answer": "answer"},

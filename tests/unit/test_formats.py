@@ -201,6 +201,32 @@ def test_prompt_and_sequence():
     assert reason("sequence", {"ids": [1, "2"]}) == "ids[1]: not an integer (got str)"
 
 
+def test_prompt_completion_plain_and_conversational(tmp_path):
+    (rec,) = parse_row("prompt_completion", {"prompt": "2+2?", "completion": "4"}, source="s", line=3,
+                       system_prompt="Be brief.")
+    assert rec == ChatRecord([{"role": "system", "content": "Be brief."}, U("2+2?"), A("4")], "s", 3)
+    conversation = {"prompt": [U("Hi"), A("Hello"), U("2+2?")], "completion": [A("4")]}
+    (rec,) = parse_row("prompt_completion", conversation)
+    assert rec.messages == [U("Hi"), A("Hello"), U("2+2?"), A("4")]
+    (rec,) = parse_row("prompt_completion", {"q": "x?", "a": "y"}, fields={"prompt": "q", "completion": "a"})
+    assert rec.messages == [U("x?"), A("y")]
+    assert reason("prompt_completion", {"prompt": "x?"}) == "missing 'completion' field"
+    assert reason("prompt_completion", {"prompt": "x?", "completion": 4}) == \
+        "field 'completion' is neither a string nor a list of messages (got int)"
+    assert reason("prompt_completion", {"prompt": "x?", "completion": [U("y")]}) == \
+        "field 'completion' must start with an assistant turn (got a user turn)"
+    assert reason("prompt_completion", {"prompt": "x?", "completion": []}) == \
+        "field 'completion' must start with an assistant turn (got no message)"
+    assert reason("prompt_completion", {"prompt": "x?", "completion": " "}) == "message 1: empty content"
+
+    rows = [{"prompt": "1+1?", "completion": "2"}, {"prompt": "3+3?"}, {"prompt": [U("Hi")], "completion": [A("Yo")]}]
+    path = write_jsonl(tmp_path / "pc.jsonl", rows)
+    records, rejected = read_chat_records(SourceSpec(name="pc", kind="jsonl", path=str(path),
+                                                     format="prompt_completion"))
+    assert [(r.line, r.messages) for r in records] == [(1, [U("1+1?"), A("2")]), (3, [U("Hi"), A("Yo")])]
+    assert [(r.source, r.line, r.reason) for r in rejected] == [(str(path), 2, "missing 'completion' field")]
+
+
 def test_field_mapping_on_custom_columns():
     rows = [
         ("gsm8k_prompt", {"problem": "Q", "sol": {"text": "x #### 7"}}, {"question": "problem", "answer": "sol.text"}),

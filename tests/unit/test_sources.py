@@ -1,4 +1,5 @@
-"""Sources: JSONL (plain, gzip), Parquet and `datasets` rows become records or rejected rows."""
+"""Sources: JSONL (plain, gzip, zstd), Parquet, Arrow and `datasets` rows become records or
+rejected rows, streamed."""
 
 from __future__ import annotations
 
@@ -77,11 +78,24 @@ def write_mixed(path: Path) -> tuple[dict[int, dict], dict[int, str]]:
     lines.append(b'{"messages": "\xff\xfe"}')  # raw bytes that are not UTF-8
     bad[len(lines)] = "not valid UTF-8"
     data = b"\n".join(lines) + b"\n"
-    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+    path.write_bytes(compress(data, path))
     return good, bad
 
 
-@pytest.mark.parametrize("name", ["mixed.jsonl", "mixed.jsonl.gz"])
+def compress(data: bytes, path: Path) -> bytes:
+    """`data` compressed as `path`'s suffix says (.gz, .zst; else as it is); a .zst file in
+    two frames, as a writer that flushes by chunks leaves it."""
+    if path.suffix == ".gz":
+        return gzip.compress(data)
+    if path.suffix == ".zst":
+        import zstandard
+
+        half = len(data) // 2
+        return zstandard.ZstdCompressor().compress(data[:half]) + zstandard.ZstdCompressor().compress(data[half:])
+    return data
+
+
+@pytest.mark.parametrize("name", ["mixed.jsonl", "mixed.jsonl.gz", "mixed.jsonl.zst"])
 def test_jsonl_good_rows_kept_bad_rows_reported(tmp_path, name):
     path = tmp_path / name
     good, bad = write_mixed(path)
@@ -112,9 +126,11 @@ def test_limit_counts_rows_not_blank_lines(tmp_path):
     assert [r.line for r in records] == [1, 3, 5] and not rejected
 
 
-def test_truncated_gzip_keeps_the_rows_before_the_break_and_reports_it(tmp_path):
-    path = tmp_path / "broken.jsonl.gz"
-    data = gzip.compress(("\n".join(json.dumps(GOOD[1]) for _ in range(2000)) + "\n").encode())
+@pytest.mark.parametrize("suffix", [".gz", ".zst"])
+def test_truncated_compressed_file_keeps_the_rows_before_the_break_and_reports_it(tmp_path, suffix):
+    path = tmp_path / f"broken.jsonl{suffix}"
+    rows = "\n".join(json.dumps({**GOOD[1], "id": i}) for i in range(2000)) + "\n"  # no two alike: cut mid-frame
+    data = compress(rows.encode(), path)
     path.write_bytes(data[: len(data) // 2])
     records, rejected = read_chat_records(SourceSpec(name="b", kind="jsonl", path=str(path)))
     assert len(records) > 100 and [r.line for r in records] == list(range(1, len(records) + 1))
@@ -173,6 +189,45 @@ def test_parquet(tmp_path):
     )
     records, rejected = read_chat_records(spec)
     assert len(records) == 1 and [r.reason for r in rejected] == ["message 1: empty content"]
+
+
+@pytest.mark.parametrize("layout", ["file", "stream"])
+def test_arrow_ipc_rows_by_index_in_either_layout(tmp_path, layout):
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    rows = [GOOD[0], {"messages": [{"role": "user", "content": "hi"}]}, GOOD[1], GOOD[0]]
+    table = pa.Table.from_pylist([{"messages": r["messages"]} for r in rows])
+    path = tmp_path / "shards" / f"chat-{layout}.arrow"
+    path.parent.mkdir()
+    writer = (ipc.new_file if layout == "file" else ipc.new_stream)(str(path), table.schema)
+    for batch in table.to_batches(max_chunksize=2):  # two record batches: the index runs across them
+        writer.write_batch(batch)
+    writer.close()
+    records, rejected = read_chat_records(SourceSpec(name="arrow", kind="arrow", path=str(path.parent)))
+    assert [r.line for r in records] == [0, 2, 3] and records[1].messages == GOOD[1]["messages"]
+    assert [(r.source, r.line, r.reason) for r in rejected] == [(str(path), 1, "no assistant turn")]
+
+
+def test_records_stream_as_rows_are_read(tmp_path):
+    """`iter_records` gives a row's records before reading the next row: the first records of a
+    file come out although a later line is past what a reader could hold (the file is still
+    being written)."""
+    from posttrain.data.records import RejectedRow
+    from posttrain.data.sources import iter_records
+
+    path = tmp_path / "growing.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(GOOD[0]) + "\n{broken\n")
+        f.flush()
+        items = iter_records(SourceSpec(name="g", kind="jsonl", path=str(path)))
+        first = next(items)
+        assert first.line == 1 and first.messages == GOOD[0]["messages"]
+        second = next(items)
+        assert isinstance(second, RejectedRow) and second.line == 2 and "invalid JSON" in second.reason
+        f.write(json.dumps(GOOD[1]) + "\n")  # written after the first two rows were read
+        f.flush()
+        assert [r.line for r in items] == [3]
 
 
 def test_hf_datasets_local_json(tmp_path):

@@ -20,7 +20,7 @@ VOCABULARY = "${vocabulary}"  # tokenizer.name_or_path: the vocabulary the run b
 @dataclass
 class SourceConfig:
     """One dataset source. `kind` picks the reader, `format` the adapter that turns a row into
-    records (`posttrain.data.formats`: chat, oasst_tree, oasst_tree_all, gsm8k_chat,
+    records (`posttrain.data.formats`: chat, prompt_completion, oasst_tree, oasst_tree_all, gsm8k_chat,
     gsm8k_prompt, hh_rlhf, orca_dpo, preference, prompt, sequence) and `fields` maps the
     format's logical fields to the row's columns (dotted paths allowed), e.g.
     `{prompt: question, reference: final}`. `messages_field` / `prompt_field` /
@@ -32,7 +32,7 @@ class SourceConfig:
     `sequence` record per user in time order."""
 
     name: str
-    kind: Literal["jsonl", "parquet", "hf", "movielens"]
+    kind: Literal["jsonl", "parquet", "arrow", "hf", "movielens"]
     path: str
     split: str = "train"
     subset: Optional[str] = None  # "hf": the dataset's configuration name (e.g. "main" for openai/gsm8k)

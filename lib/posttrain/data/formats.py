@@ -19,6 +19,11 @@ Registered formats (record kind; logical fields = default columns):
 - `chat` (ChatRecord; messages=messages, prompt=-, response=-): a list of messages, or,
   when `prompt` and `response` are mapped, a user turn and an assistant turn from two
   string columns (the legacy `messages_field` / `prompt_field` / `response_field`).
+- `prompt_completion` (ChatRecord; prompt, completion): the prompt-completion layout of TRL
+  and `datasets` hubs, plain or conversational: `prompt` a string (a user turn) or a list of
+  messages, `completion` a string (one assistant turn) or a list of messages that starts with
+  an assistant turn. Every assistant turn trains, as in `chat`: a conversational prompt's own
+  assistant turns too.
 - `oasst_tree` (ChatRecord; text, role, replies, rank, deleted): an OpenAssistant message
   tree gives ONE conversation: from the root, follow the best-ranked reply at each level
   (lowest `rank`; unranked replies come after ranked ones, in listed order).
@@ -227,6 +232,17 @@ def _chat(row: Row) -> list:
     turns = [{"role": "user", "content": row.string("prompt")},
              {"role": "assistant", "content": row.string("response")}]
     return [ChatRecord(validate_chat({"messages": row.with_system(turns)}), row.source, row.line)]
+
+
+@register_format("prompt_completion", ChatRecord)
+def _prompt_completion(row: Row) -> list:
+    prompt = _messages(row, "prompt", "user")
+    completion = _messages(row, "completion", "assistant")
+    first = completion[0] if completion else None
+    if not isinstance(first, dict) or first.get("role") != "assistant":
+        got = "no message" if first is None else f"a {first.get('role') if isinstance(first, dict) else _type_name(first)} turn"
+        raise RecordError(f"field '{row.column('completion')}' must start with an assistant turn (got {got})")
+    return [ChatRecord(validate_chat({"messages": prompt + completion}), row.source, row.line)]
 
 
 # ---------------------------------------------------------------- OpenAssistant trees

@@ -1,17 +1,18 @@
-"""Dataset sources: read rows from JSONL, Parquet or Hugging Face `datasets` into records.
+"""Dataset sources: read rows from JSONL, Parquet, Arrow or Hugging Face `datasets` into records.
 
-`SourceSpec` names one source (the config layer builds it). Readers yield
-`(line, raw)` per row: `raw` is the undecoded line (`str`, or `bytes` when it is not valid
-UTF-8) for JSONL and a dict for Parquet / `datasets`. `line` is the 1-based file line for
-JSONL (blank lines are skipped and are not rows, but keep their numbers) and the 0-based
-row index for Parquet and `datasets`.
+`SourceSpec` names one source (the config layer builds it). Readers stream: they yield
+`(line, raw)` per row and hold no more than a batch of rows. `raw` is the undecoded line
+(`str`, or `bytes` when it is not valid UTF-8) for JSONL (plain, `.gz` or `.zst`) and a dict
+for Parquet, Arrow and `datasets`. `line` is the 1-based file line for JSONL (blank lines are
+skipped and are not rows, but keep their numbers) and the 0-based row index for the others.
 
-`read_records(spec)` turns every row into the records of `spec.format` (see
+`iter_records(spec)` turns each row, as it is read, into the records of `spec.format` (see
 `posttrain.data.formats`: one row may give several, e.g. an OpenAssistant tree) or, when
 anything is wrong with it (bad JSON, bad UTF-8, missing field, failed validation), a
-`RejectedRow` with file, line and reason. Only file-level problems raise: a missing file
-(`FileNotFoundError`) or an unreadable stream such as a truncated gzip (`SourceError`).
-`read_chat_records(spec)` is the same for formats that make `ChatRecord`s.
+`RejectedRow` with file, line and reason; `read_records(spec)` collects them into two lists.
+Only file-level problems raise: a missing file (`FileNotFoundError`) or an unreadable stream
+such as a truncated gzip or zstd file under `strict` (`SourceError`).
+`read_chat_records(spec)` is `read_records` for formats that make `ChatRecord`s.
 
 Field mapping: `spec.fields` maps the format's logical fields to columns (dotted paths such
 as "input.messages" reach into nested objects). For the default `chat` format the older
@@ -24,17 +25,19 @@ from __future__ import annotations
 
 import glob
 import gzip
+import io
 import json
 import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 from posttrain.data.formats import get_format, parse_row, resolve_columns
 from posttrain.data.records import ChatRecord, RecordError, RejectedRow, raw_text
 
-KINDS = ("jsonl", "parquet", "hf", "movielens")
+KINDS = ("jsonl", "parquet", "arrow", "hf", "movielens")
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 _GLOB_CHARS = set("*?[")
 
 
@@ -47,10 +50,11 @@ class SourceSpec:
     """One dataset source.
 
     `path`: for "movielens" a MovieLens `ratings.dat` or `ratings.csv` (or a directory of
-    them: `iter_movielens`, one `sequence` row per user); for "jsonl" a `.jsonl` / `.jsonl.gz`
-    file (gzip detected by the `.gz` suffix),
-    a directory (its `*.jsonl` and `*.jsonl.gz` files) or a glob; for "parquet" a file, a
-    directory (its `*.parquet` files) or a glob; for "hf" a local data file or glob (loaded
+    them: `iter_movielens`, one `sequence` row per user); for "jsonl" a `.jsonl`, `.jsonl.gz`
+    or `.jsonl.zst` file (compression told by the suffix),
+    a directory (its files with those suffixes) or a glob; for "parquet" a file, a
+    directory (its `*.parquet` files) or a glob; for "arrow" Arrow IPC files (`*.arrow`,
+    file or stream format, as `datasets.save_to_disk` writes them) the same way; for "hf" a local data file or glob (loaded
     with the builder for its suffix: json, parquet, csv, arrow), a `save_to_disk` directory,
     or a dataset directory / hub id for `datasets.load_dataset(path, split=...)`.
     `split`, `subset` (the dataset's configuration name, e.g. "main" for `openai/gsm8k`) and
@@ -144,22 +148,77 @@ class BrokenStream:
         return f"unreadable after line {self.after_line} ({self.position}): {self.error}; the rows before it are kept"
 
 
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a Zstandard stream of one or more frames (what `zstd` and
+    chunked writers produce). Input that ends inside a frame raises `EOFError`: zstandard's own
+    stream reader stops there quietly, which would drop a truncated file's tail unreported."""
+
+    def __init__(self, raw: BinaryIO):
+        import zstandard
+
+        self._raw, self._zstd = raw, zstandard.ZstdDecompressor()
+        self._frame = None  # the current frame's decompressor; None between frames
+        self._out = bytearray()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._out:
+            chunk = self._raw.read(1 << 17)
+            if not chunk:
+                if self._frame is not None:
+                    raise EOFError("the compressed stream ends inside a frame (truncated)")
+                return 0
+            while chunk:
+                if self._frame is None:
+                    self._frame = self._zstd.decompressobj()
+                self._out += self._frame.decompress(chunk)
+                chunk = b""
+                if self._frame.eof:  # the frame ended: what follows it starts the next one
+                    chunk, self._frame = self._frame.unused_data, None
+        n = min(len(buffer), len(self._out))
+        buffer[:n] = self._out[:n]
+        del self._out[:n]
+        return n
+
+
+def _decompressed(raw: BinaryIO, path: str) -> BinaryIO:
+    """`raw` (a file opened in binary mode) read through the decompressor its suffix names:
+    `.gz` gzip, `.zst` Zstandard, else as it is."""
+    if path.endswith(".gz"):
+        return gzip.open(raw, "rb")
+    if path.endswith(".zst"):
+        return io.BufferedReader(_ZstdFrames(raw), buffer_size=1 << 17)
+    return raw
+
+
+def _stream_errors() -> tuple[type[BaseException], ...]:
+    """What a decompressor raises when its input stops being readable mid-way."""
+    errors: tuple[type[BaseException], ...] = (OSError, EOFError, zlib.error)
+    try:
+        import zstandard
+    except ImportError:
+        return errors
+    return errors + (zstandard.ZstdError,)
+
+
 def iter_jsonl(path: str, strict: bool = False) -> Iterator[tuple[int, str | bytes | BrokenStream]]:
-    """Yield `(line_number, line_text)` for each non-blank line of a JSONL file (`.gz` aware).
+    """Yield `(line_number, line_text)` for each non-blank line of a JSONL file (`.gz` and
+    `.zst` aware), one line at a time.
 
     Lines that are not valid UTF-8 are yielded as `bytes` (the caller rejects them).
     A byte-order mark on the first line is removed. If the stream itself breaks (e.g. a
-    gzip file truncated or corrupted mid-way), the lines before the break have been yielded
+    compressed file truncated or corrupted mid-way), the lines before the break have been yielded
     and a final `(line_number + 1, BrokenStream)` says where it broke; with `strict`, it
     raises `SourceError` instead, naming the last line read.
     """
-    gzipped = str(path).endswith(".gz")
-    opener = gzip.open if gzipped else open
+    path = str(path)
     line_number = 0
     with open(path, "rb") as raw:
         size = os.fstat(raw.fileno()).st_size
         try:
-            with opener(raw, "rb") if gzipped else raw as f:
+            with _decompressed(raw, path) as f:
                 for line_number, data in enumerate(f, start=1):
                     if line_number == 1 and data.startswith(b"\xef\xbb\xbf"):
                         data = data[3:]
@@ -169,7 +228,7 @@ def iter_jsonl(path: str, strict: bool = False) -> Iterator[tuple[int, str | byt
                         yield line_number, data.decode("utf-8").rstrip("\r\n")
                     except UnicodeDecodeError:
                         yield line_number, data
-        except (OSError, EOFError, zlib.error) as err:
+        except _stream_errors() as err:
             if strict:
                 raise SourceError(f"{path}: unreadable after line {line_number}: {err}") from err
             where = f"near compressed byte {raw.tell():,} of {size:,}" if not raw.closed else f"file of {size:,} bytes"
@@ -185,6 +244,27 @@ def iter_parquet(path: str, batch_size: int = 1024) -> Iterator[tuple[int, dict]
         for row in batch.to_pylist():
             yield index, row
             index += 1
+
+
+def iter_arrow(path: str) -> Iterator[tuple[int, dict]]:
+    """Yield `(row_index, row_dict)` for each row of an Arrow IPC file (0-based index), in
+    either IPC layout: the file format (random access) or the stream format (what
+    `datasets.save_to_disk` writes). The file is memory-mapped and read a record batch at a time."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    index = 0
+    with pa.memory_map(str(path)) as source:
+        try:
+            reader = ipc.open_file(source)
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        except pa.ArrowInvalid:  # not the file format: the stream format
+            source.seek(0)
+            batches = iter(ipc.open_stream(source))
+        for batch in batches:
+            for row in batch.to_pylist():
+                yield index, row
+                index += 1
 
 
 _HF_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
@@ -284,9 +364,11 @@ def iter_rows(spec: SourceSpec) -> Iterator[tuple[str, int, Any]]:
     `source` is the file the row came from (for "hf": `path[split]`).
     """
     if spec.kind == "jsonl":
-        streams = ((f, iter_jsonl(f, spec.strict)) for f in _expand(spec.path, (".jsonl", ".jsonl.gz")))
+        streams = ((f, iter_jsonl(f, spec.strict)) for f in _expand(spec.path, JSONL_SUFFIXES))
     elif spec.kind == "parquet":
         streams = ((f, iter_parquet(f)) for f in _expand(spec.path, (".parquet",)))
+    elif spec.kind == "arrow":
+        streams = ((f, iter_arrow(f)) for f in _expand(spec.path, (".arrow",)))
     elif spec.kind == "movielens":
         streams = ((f, iter_movielens(f)) for f in _expand(spec.path, (".dat", ".csv")))
     else:
@@ -314,29 +396,34 @@ def _decode(raw: Any) -> Any:
     return raw
 
 
-def read_records(spec: SourceSpec) -> tuple[list, list[RejectedRow]]:
-    """Read every row of `spec` through its format: good rows become records, malformed ones `RejectedRow`s.
-
-    Order follows the source (a row that gives several records gives them in a row).
-    Every row read ends up either as at least one record or as exactly one `RejectedRow`.
-    """
+def iter_records(spec: SourceSpec) -> Iterator[Any]:
+    """Every row of `spec` through its format, as it is read: good rows give their records,
+    a malformed one a `RejectedRow` (file, line, reason, the raw text), in the source's order
+    (a row that gives several records gives them in a row). Every row read ends up either as
+    at least one record or as exactly one `RejectedRow`; nothing is held beyond the row."""
     columns = spec.columns
-    records: list = []
-    rejected: list[RejectedRow] = []
     for source, line, raw in iter_rows(spec):
         if isinstance(raw, BrokenStream):
-            rejected.append(RejectedRow(source, line, raw.reason, ""))
+            yield RejectedRow(source, line, raw.reason, "")
             continue
         if isinstance(raw, BadLine):
-            rejected.append(RejectedRow(source, line, raw.reason, raw_text(raw.raw)))
+            yield RejectedRow(source, line, raw.reason, raw_text(raw.raw))
             continue
         try:
             made = parse_row(spec.format, _decode(raw), columns=columns, source=source, line=line,
                              system_prompt=spec.system_prompt)
         except RecordError as err:
-            rejected.append(RejectedRow(source, line, err.reason, raw_text(raw)))
+            yield RejectedRow(source, line, err.reason, raw_text(raw))
         else:
-            records.extend(made)
+            yield from made
+
+
+def read_records(spec: SourceSpec) -> tuple[list, list[RejectedRow]]:
+    """`iter_records(spec)` collected: `(records, rejected)`, each in the source's order."""
+    records: list = []
+    rejected: list[RejectedRow] = []
+    for item in iter_records(spec):
+        (rejected if isinstance(item, RejectedRow) else records).append(item)
     return records, rejected
 
 
