@@ -24,7 +24,7 @@ class ChatRecipeFlow(RecipeFlow):
         tokenizer = self._tokenizer()
         self.pad_token_id = tokenizer.pad_token_id  # what pack pads rows with (it loads no tokenizer)
         result = tokenize.run(self.train_records, tokenizer, self.recipe.tokenizer.chat_template_kwargs,
-                              self.recipe.data.filters, self.recipe.pack)
+                              self.recipe.data.filters, self.recipe.pack, self.recipe.data.tokenize)
         self.samples, self.tokenize_stats = result.samples, result.stats
         self.rejected = self.rejected + result.rejected
         if result.rejected:  # keep the filters' rejections aside too, with ingest's

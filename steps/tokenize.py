@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from posttrain.config.schema import FilterConfig, PackConfig
-from posttrain.data.chat import ChatTemplateError, TokenizedSample, render_conversation
+from posttrain.config.schema import FilterConfig, PackConfig, TokenizeConfig
+from posttrain.data.chat import ChatTemplateError, TokenizedSample
 from posttrain.data.filters import RecordFilter
 from posttrain.data.length_stats import LengthStats
 from posttrain.data.preference import PairError, PairSample, fit_pair, render_pair
 from posttrain.data.records import ChatRecord, PreferenceRecord, RejectedRow
+from posttrain.data.render_pool import num_procs_for, render_all
 
 
 @dataclass
@@ -42,13 +43,16 @@ class TokenizeResult:
 
 
 def _render_each(records: list[ChatRecord], tokenizer, template_kwargs: dict, desc: str,
-                 admit=lambda record: True):
+                 admit=lambda record: True, num_proc: int | None = 1):
     """`(record, sample)` per record `admit` lets through, in order; `sample` is None when
-    nothing in it trains."""
-    for record in tqdm(records, desc=f"[{desc}]", unit="rec", mininterval=2.0):
-        if not admit(record):
-            continue
-        sample = render_conversation(tokenizer, record.messages, **template_kwargs)
+    nothing in it trains. Rendered on `num_proc` processes (`render_pool.num_procs_for`)."""
+    admitted = [record for record in records if admit(record)]
+    procs = num_procs_for(num_proc, len(admitted))
+    if procs > 1:
+        print(f"[{desc}] rendering {len(admitted):,} conversations on {procs} processes")
+    rendered = render_all(tokenizer, (record.messages for record in admitted), template_kwargs, procs)
+    for record, sample in tqdm(zip(admitted, rendered), total=len(admitted), desc=f"[{desc}]", unit="rec",
+                               mininterval=2.0):
         yield record, (sample if any(sample.loss_mask) else None)
 
 
@@ -69,12 +73,15 @@ def render(records: list[ChatRecord], tokenizer, template_kwargs: dict | None = 
 
 
 def run(records: dict[str, list[ChatRecord]], tokenizer, template_kwargs: dict | None = None,
-        filters: FilterConfig | None = None, pack: PackConfig | None = None) -> TokenizeResult:
+        filters: FilterConfig | None = None, pack: PackConfig | None = None,
+        tokenize: TokenizeConfig | None = None) -> TokenizeResult:
     """Render every source's records, then apply the filters (dedup across sources, in config
     order). With the recipe's `pack` section, records too long to fit a row are rejected
     before tokenization where their length alone shows it (`data.filters.max_chars`), samples
     that truncation to the row would leave untrained are rejected, and samples longer than a
-    row are counted per source (`stats.filters[name]["over_row_length"]`)."""
+    row are counted per source (`stats.filters[name]["over_row_length"]`). `tokenize`
+    (`data.tokenize`) sets how many processes render; the samples are the same whatever it says."""
+    num_proc = (tokenize or TokenizeConfig()).num_proc
     record_filter = RecordFilter.from_config(filters or FilterConfig(), dedup_on="tokens", pack=pack)
     lengths = LengthStats()
     samples: dict[str, list[TokenizedSample]] = {}
@@ -82,7 +89,8 @@ def run(records: dict[str, list[ChatRecord]], tokenizer, template_kwargs: dict |
     for name, source_records in records.items():
         kept_records, rendered = [], []
         for record, sample in _render_each(source_records, tokenizer, template_kwargs or {}, f"tokenize {name}",
-                                           admit=lambda record: record_filter.check_chars(name, record)):
+                                           admit=lambda record: record_filter.check_chars(name, record),
+                                           num_proc=num_proc):
             if sample is None:
                 record_filter.reject_untrainable(name, record)
             else:

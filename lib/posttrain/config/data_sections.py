@@ -151,12 +151,22 @@ class FilterConfig:
 
 
 @dataclass
+class TokenizeConfig:
+    """How the tokenize step renders conversations (`posttrain.data.render_pool`): on
+    `num_proc` worker processes (None: every core the step may use; 1: in the step's own
+    process). Fewer than 2,048 conversations render in the step's process."""
+
+    num_proc: Optional[int] = bounded(None, ge=1)
+
+
+@dataclass
 class DataConfig:
     sources: list[SourceConfig]
     heldout: Optional[SourceConfig] = None
     heldout_fraction: float = bounded(0.0, ge=0.0, lt=1.0)
     generate: Optional[GenerateConfig] = None
     filters: FilterConfig = field(default_factory=FilterConfig)
+    tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
 
     def validate(self) -> None:
         if not self.sources:
