@@ -83,7 +83,7 @@ def child(config_path: Path, run_dir: Path, pause_after_step: int | None, pause_
     tokenizer = load_tokenizer(config.tokenizer.name_or_path)
     data = ingest.run(config, run_dir)
     samples = tokenize.run(data.train, tokenizer, config.tokenizer.chat_template_kwargs, config.data.filters,
-                           config.pack).samples
+                           config.pack, config.data.tokenize).samples
     rows = pack.run(samples, config, tokenizer.pad_token_id).stats.num_rows
     resume = train_state.resume_point(config, train_state.checkpoint_manager(config, run_dir))
     resume_step = CheckpointManager.info(resume).step if resume is not None else 0

@@ -50,7 +50,7 @@ def run_once(config, prepare_train=None) -> dict:
         tokenizer = load_tokenizer(resolve_tokenizer(config, run_dir))
         seconds["ingest"], clock = time.perf_counter() - clock, time.perf_counter()
         samples = tokenize.run(data.train, tokenizer, config.tokenizer.chat_template_kwargs, config.data.filters,
-                               config.pack)
+                               config.pack, config.data.tokenize)
         seconds["tokenize"], clock = time.perf_counter() - clock, time.perf_counter()
         pack_stats = pack.run(samples.samples, config, tokenizer.pad_token_id).stats
         seconds["pack"], clock = time.perf_counter() - clock, time.perf_counter()

@@ -45,7 +45,9 @@ class TokenizeResult:
 def _render_each(records: list[ChatRecord], tokenizer, template_kwargs: dict, desc: str,
                  admit=lambda record: True, num_proc: int | None = 1):
     """`(record, sample)` per record `admit` lets through, in order; `sample` is None when
-    nothing in it trains. Rendered on `num_proc` processes (`render_pool.num_procs_for`)."""
+    nothing in it trains. Rendered on `num_proc` processes (`render_pool.num_procs_for`).
+    `admit` sees every record before any is rendered, so what it rejects comes before the
+    rejections of rendering in the rejected list."""
     admitted = [record for record in records if admit(record)]
     procs = num_procs_for(num_proc, len(admitted))
     if procs > 1:

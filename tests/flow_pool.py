@@ -88,13 +88,13 @@ def background_command(name: str, module: str, argv: list[str], cwd: Path, timeo
     SCENARIOS[name] = Scenario(launch, priority, None, module, "bench")
 
 
-_SESSION_ENVIRON: dict[str, str] = {}
+_SESSION_ENVIRON: dict[str, str] | None = None  # replaced whole, never changed in place
 
 
 def capture_session_environ() -> None:
     """Keep the session's environment as it is now (the pool's fixture, before its first launch)."""
-    _SESSION_ENVIRON.clear()
-    _SESSION_ENVIRON.update(os.environ)
+    global _SESSION_ENVIRON
+    _SESSION_ENVIRON = dict(os.environ)
 
 
 def launch_environ() -> dict[str, str]:
@@ -104,8 +104,9 @@ def launch_environ() -> dict[str, str]:
     fails, the hub online), and a background run launched meanwhile must not inherit that: a
     bench smoke run once died of the fault meant for a foreground test's workers. Elsewhere:
     `os.environ`."""
-    if threading.current_thread().name.startswith(POOL_THREAD_PREFIX) and _SESSION_ENVIRON:
-        return dict(_SESSION_ENVIRON)
+    snapshot = _SESSION_ENVIRON
+    if snapshot is not None and threading.current_thread().name.startswith(POOL_THREAD_PREFIX):
+        return dict(snapshot)
     return dict(os.environ)
 
 

@@ -3,6 +3,7 @@
 formats with their logical fields (and default columns), and the known devices' peak FLOP/s.
 
 `posttrain.data.formats` registers one parser per name of `FORMAT_FIELDS` (and only those);
+`posttrain.data.sources` reads the kinds of `SOURCE_KINDS`, which the config layer accepts;
 `posttrain.train.mfu` reads `PEAK_FLOPS`. A new format is declared here and parsed there.
 """
 
@@ -12,6 +13,11 @@ import difflib
 from typing import Any, Callable, Mapping
 
 _OASST_FIELDS = {"text": "text", "role": "role", "replies": "replies", "rank": "rank", "deleted": "deleted"}
+
+# data source readers (`posttrain.data.sources`); the file kinds are the ones read by local path
+SOURCE_KINDS = ("jsonl", "parquet", "arrow", "hf", "movielens")
+FILE_SOURCE_KINDS = ("jsonl", "parquet", "arrow", "movielens")
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 
 # format name -> {logical field: default column (None: unmapped unless set)}
 FORMAT_FIELDS: dict[str, dict[str, str | None]] = {

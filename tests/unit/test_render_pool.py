@@ -11,6 +11,8 @@ from posttrain.data import render_pool
 from posttrain.data.chat import ChatTemplateError, render_conversation
 from posttrain.data.records import ChatRecord
 
+pytestmark = pytest.mark.subprocess  # worker processes: not in the fast tier
+
 
 def conversations(n: int) -> list[list[dict]]:
     out = []
@@ -41,23 +43,26 @@ def test_a_worker_error_is_raised_in_the_caller(qwen3_tokenizer):
         list(render_pool.render_all(qwen3_tokenizer, convs, {}, num_proc=2, chunk_size=4))
 
 
-def test_the_tokenize_step_gives_the_same_result_on_any_number_of_processes(qwen3_tokenizer, monkeypatch):
+def test_the_tokenize_step_gives_the_same_result_on_any_number_of_processes(qwen3_tokenizer, monkeypatch, capsys):
     from posttrain.config.schema import FilterConfig, PackConfig, TokenizeConfig
     from posttrain.steps import tokenize
 
     records = {"a": [ChatRecord(m, "a.jsonl", i + 1) for i, m in enumerate(conversations(120))],
                "b": [ChatRecord(m, "b.jsonl", i + 1) for i, m in enumerate(conversations(40))]}  # duplicates of a's
-    monkeypatch.setattr(render_pool, "PARALLEL_MIN_RECORDS", 1)  # parallel even for this small input
+    monkeypatch.setattr(render_pool, "PARALLEL_MIN_RECORDS", 1)  # parallel even for this small input,
+    monkeypatch.setattr(render_pool, "CHUNK_SIZE", 16)  # in several chunks
     results = {procs: tokenize.run(records, qwen3_tokenizer, {}, FilterConfig(), PackConfig(row_length=64, window=32),
                                    TokenizeConfig(num_proc=procs)) for procs in (1, 2)}
     one, two = results[1], results[2]
+    assert "[tokenize a] rendering 120 conversations on 2 processes" in capsys.readouterr().out
     assert {k: [(s.input_ids, s.loss_mask) for s in v] for k, v in two.samples.items()} == \
         {k: [(s.input_ids, s.loss_mask) for s in v] for k, v in one.samples.items()}
     assert [(r.source, r.line, r.reason) for r in two.rejected] == [(r.source, r.line, r.reason) for r in one.rejected]
     assert two.stats == one.stats and len(one.samples["b"]) == 0  # b's rows are a's: de-duplicated
 
 
-def test_small_inputs_render_in_process():
+def test_small_inputs_render_in_process_and_workers_never_outnumber_chunks():
     assert render_pool.num_procs_for(None, render_pool.PARALLEL_MIN_RECORDS - 1) == 1
     assert render_pool.num_procs_for(3, render_pool.PARALLEL_MIN_RECORDS) == 3
-    assert render_pool.num_procs_for(None, 10**6) == render_pool.usable_cores()
+    chunks = -(-render_pool.PARALLEL_MIN_RECORDS // render_pool.CHUNK_SIZE)
+    assert render_pool.num_procs_for(10_000, render_pool.PARALLEL_MIN_RECORDS) == chunks

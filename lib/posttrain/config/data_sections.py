@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from posttrain.catalog import SOURCE_KINDS
 from posttrain.config.strict import ConfigError, bounded
 
 
@@ -32,7 +33,7 @@ class SourceConfig:
     `sequence` record per user in time order."""
 
     name: str
-    kind: Literal["jsonl", "parquet", "arrow", "hf", "movielens"]
+    kind: Literal[SOURCE_KINDS]
     path: str
     split: str = "train"
     subset: Optional[str] = None  # "hf": the dataset's configuration name (e.g. "main" for openai/gsm8k)
@@ -154,7 +155,8 @@ class FilterConfig:
 class TokenizeConfig:
     """How the tokenize step renders conversations (`posttrain.data.render_pool`): on
     `num_proc` worker processes (None: every core the step may use; 1: in the step's own
-    process). Fewer than 2,048 conversations render in the step's process."""
+    process). A source with fewer than 2,048 conversations to render (after `data.filters.max_chars`)
+    renders in the step's process."""
 
     num_proc: Optional[int] = bounded(None, ge=1)
 

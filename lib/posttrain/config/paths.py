@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
+from posttrain.catalog import FILE_SOURCE_KINDS
 from posttrain.config.strict import ConfigError
 
 GENERATED = "${generated}"
@@ -77,7 +78,7 @@ def check_recipe_paths(config: Any) -> None:
         if GENERATED in value or value == VOCABULARY or \
                 (kind is None and value.startswith((BUILTIN_PREFIX, REGISTRY_PREFIX))):
             continue  # made by the run, shipped with the package, or a registry entry (checked by the flow)
-        if looks_local(value) or kind in ("jsonl", "parquet", "arrow", "movielens"):
+        if looks_local(value) or kind in FILE_SOURCE_KINDS:
             if not _exists(value):
                 raise ConfigError(f"{what} ({key}): no such file or directory: {value} "
                                   f"(relative paths are taken from {Path.cwd()})")

@@ -107,12 +107,13 @@ def write_arithmetic_dataset(out_dir, num_train: int, num_heldout: int, seed: in
 
 def _corpus_texts(corpus_paths: Iterable, texts: Iterable[str] | None) -> list[str]:
     """Message roles and contents of chat JSONL files (via the normal reader), plus `texts`."""
+    from posttrain.catalog import JSONL_SUFFIXES
     from posttrain.data.sources import SourceSpec, read_chat_records
 
     out: list[str] = []
     for path in corpus_paths or ():
         path = str(path)
-        if path.endswith((".jsonl", ".jsonl.gz")):
+        if path.endswith(JSONL_SUFFIXES):
             records, _ = read_chat_records(SourceSpec(name="tokenizer-corpus", kind="jsonl", path=path))
             for record in records:
                 for message in record.messages:

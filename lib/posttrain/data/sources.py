@@ -1,7 +1,7 @@
 """Dataset sources: read rows from JSONL, Parquet, Arrow or Hugging Face `datasets` into records.
 
 `SourceSpec` names one source (the config layer builds it). Readers stream: they yield
-`(line, raw)` per row and hold no more than a batch of rows. `raw` is the undecoded line
+`(line, raw)` per row and hold at most a batch of rows (MovieLens, grouped by user, excepted). `raw` is the undecoded line
 (`str`, or `bytes` when it is not valid UTF-8) for JSONL (plain, `.gz` or `.zst`) and a dict
 for Parquet, Arrow and `datasets`. `line` is the 1-based file line for JSONL (blank lines are
 skipped and are not rows, but keep their numbers) and the 0-based row index for the others.
@@ -33,11 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
+from posttrain.catalog import JSONL_SUFFIXES, SOURCE_KINDS
 from posttrain.data.formats import get_format, parse_row, resolve_columns
 from posttrain.data.records import ChatRecord, RecordError, RejectedRow, raw_text
 
-KINDS = ("jsonl", "parquet", "arrow", "hf", "movielens")
-JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 _GLOB_CHARS = set("*?[")
 
 
@@ -87,8 +86,8 @@ class SourceSpec:
 
     def __post_init__(self):
         object.__setattr__(self, "path", str(self.path))
-        if self.kind not in KINDS:
-            raise ValueError(f"source '{self.name}': unknown kind {self.kind!r}; expected one of {KINDS}")
+        if self.kind not in SOURCE_KINDS:
+            raise ValueError(f"source '{self.name}': unknown kind {self.kind!r}; expected one of {SOURCE_KINDS}")
         if not self.path:
             raise ValueError(f"source '{self.name}': empty path")
         if (self.prompt_field is None) != (self.response_field is None):
@@ -246,10 +245,11 @@ def iter_parquet(path: str, batch_size: int = 1024) -> Iterator[tuple[int, dict]
             index += 1
 
 
-def iter_arrow(path: str) -> Iterator[tuple[int, dict]]:
+def iter_arrow(path: str, batch_size: int = 1024) -> Iterator[tuple[int, dict]]:
     """Yield `(row_index, row_dict)` for each row of an Arrow IPC file (0-based index), in
     either IPC layout: the file format (random access) or the stream format (what
-    `datasets.save_to_disk` writes). The file is memory-mapped and read a record batch at a time."""
+    `datasets.save_to_disk` writes). The file is memory-mapped; rows become Python objects
+    `batch_size` at a time (a record batch may hold the whole file)."""
     import pyarrow as pa
     import pyarrow.ipc as ipc
 
@@ -262,9 +262,10 @@ def iter_arrow(path: str) -> Iterator[tuple[int, dict]]:
             source.seek(0)
             batches = iter(ipc.open_stream(source))
         for batch in batches:
-            for row in batch.to_pylist():
-                yield index, row
-                index += 1
+            for start in range(0, batch.num_rows, batch_size):
+                for row in batch.slice(start, batch_size).to_pylist():
+                    yield index, row
+                    index += 1
 
 
 _HF_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
@@ -428,7 +429,8 @@ def read_records(spec: SourceSpec) -> tuple[list, list[RejectedRow]]:
 
 
 def read_chat_records(spec: SourceSpec) -> tuple[list[ChatRecord], list[RejectedRow]]:
-    """`read_records` for a format that makes `ChatRecord`s (`chat`, `oasst_tree*`, `gsm8k_chat`).
+    """`read_records` for a format that makes `ChatRecord`s (`chat`, `prompt_completion`,
+    `oasst_tree*`, `gsm8k_chat`).
 
     Raises `ValueError` for a format that makes another record kind.
     """
