@@ -34,11 +34,12 @@ class PairRecipeFlow(RecipeFlow):
         tokenizer, kw = self._tokenizer(), self.recipe.tokenizer.chat_template_kwargs
         self.pad_token_id = tokenizer.pad_token_id  # what pack pads rows with (it loads no tokenizer)
         shared, spec = self.recipe.shared_prompt, recipe_spec(self.recipe)
-        train = tokenize.run_pairs(self.train_records, tokenizer, kw, self.recipe.pack, shared)
+        parallel = self.recipe.data.tokenize
+        train = tokenize.run_pairs(self.train_records, tokenizer, kw, self.recipe.pack, shared, tokenize=parallel)
         self.samples = spec.prepare_pairs(train.pairs, self.recipe)
         first = 1 + max((p.pair_id for group in self.samples.values() for p in group), default=-1)
         held = tokenize.run_pairs({"heldout": self.heldout_records}, tokenizer, kw, self.recipe.pack, shared,
-                                  first_id=first)  # ids after the training pairs' (one reference table)
+                                  first_id=first, tokenize=parallel)  # ids after the training pairs' (one reference table)
         self.heldout_pairs = held.pairs["heldout"]
         self.tokenize_stats = {**train.stats, "heldout": held.stats["heldout"]}
         self.rejected = self.rejected + train.rejected + held.rejected

@@ -22,7 +22,7 @@ from posttrain.data.filters import RecordFilter
 from posttrain.data.length_stats import LengthStats
 from posttrain.data.preference import PairError, PairSample, fit_pair, render_pair
 from posttrain.data.records import ChatRecord, PreferenceRecord, RejectedRow
-from posttrain.data.render_pool import num_procs_for, render_all
+from posttrain.data.render_pool import num_procs_for, parallel_map, render_all
 
 
 @dataclass
@@ -126,28 +126,46 @@ class PairTokenizeResult:
     stats: dict[str, dict]
 
 
+def _fitted_pair(context: tuple, record: PreferenceRecord) -> tuple[PairSample, bool] | str:
+    """`(pair, truncated)` for one record (`pair_id` unset), or the reason it cannot train; run
+    in `render_pool` workers."""
+    tokenizer, template_kwargs, row_length, shared_prompt = context
+    try:
+        pair = render_pair(tokenizer, record, **template_kwargs)
+        return fit_pair(pair, row_length, shared=shared_prompt)
+    except (PairError, ChatTemplateError) as err:  # a template that cannot mask this pair's turns
+        return str(err) if isinstance(err, PairError) else f"chat template: {err}"
+
+
 def run_pairs(records: dict[str, list[PreferenceRecord]], tokenizer, template_kwargs: dict | None,
-              pack: PackConfig, shared_prompt: bool = True, first_id: int = 0) -> PairTokenizeResult:
+              pack: PackConfig, shared_prompt: bool = True, first_id: int = 0,
+              tokenize: TokenizeConfig | None = None) -> PairTokenizeResult:
     """Render every source's preference records as pairs (`posttrain.data.preference`): a pair
     that cannot train (a response without a trained token, identical responses, a prompt that
     leaves no room in a row) is rejected with source, line and reason; an over-long pair keeps
-    its prompt and has its responses cut, counted per source."""
+    its prompt and has its responses cut, counted per source. Kept pairs are numbered from
+    `first_id` in order. `tokenize` (`data.tokenize`) sets how many processes render; the
+    pairs are the same whatever it says."""
     pairs: dict[str, list[PairSample]] = {}
     rejected: list[RejectedRow] = []
     stats: dict[str, dict] = {}
     next_id = first_id
+    context = (tokenizer, dict(template_kwargs or {}), pack.row_length, shared_prompt)
     for name, source_records in records.items():
         kept, reasons, truncated, tokens = [], {}, 0, 0
-        for record in tqdm(source_records, desc=f"[tokenize {name}]", unit="pair", mininterval=2.0):
-            try:
-                pair = render_pair(tokenizer, record, pair_id=next_id, **(template_kwargs or {}))
-                pair, cut = fit_pair(pair, pack.row_length, shared=shared_prompt)
-            except (PairError, ChatTemplateError) as err:  # a template that cannot mask this pair's turns
-                reason = str(err) if isinstance(err, PairError) else f"chat template: {err}"
-                rejected.append(RejectedRow(record.source, record.line, reason, ""))
-                kind = reason.split(":")[0][:60]
+        procs = num_procs_for((tokenize or TokenizeConfig()).num_proc, len(source_records))
+        if procs > 1:
+            print(f"[tokenize {name}] rendering {len(source_records):,} pairs on {procs} processes")
+        outcomes = parallel_map(_fitted_pair, source_records, context, procs)
+        for record, outcome in tqdm(zip(source_records, outcomes), total=len(source_records),
+                                    desc=f"[tokenize {name}]", unit="pair", mininterval=2.0):
+            if isinstance(outcome, str):
+                rejected.append(RejectedRow(record.source, record.line, outcome, ""))
+                kind = outcome.split(":")[0][:60]
                 reasons[kind] = reasons.get(kind, 0) + 1
                 continue
+            pair, cut = outcome
+            pair.pair_id = next_id
             truncated += cut
             tokens += len(pair)
             kept.append(pair)

@@ -66,3 +66,29 @@ def test_small_inputs_render_in_process_and_workers_never_outnumber_chunks():
     assert render_pool.num_procs_for(3, render_pool.PARALLEL_MIN_RECORDS) == 3
     chunks = -(-render_pool.PARALLEL_MIN_RECORDS // render_pool.CHUNK_SIZE)
     assert render_pool.num_procs_for(10_000, render_pool.PARALLEL_MIN_RECORDS) == chunks
+
+
+def test_pairs_render_the_same_on_any_number_of_processes(qwen3_tokenizer, monkeypatch, capsys):
+    from posttrain.config.schema import PackConfig, TokenizeConfig
+    from posttrain.data.records import PreferenceRecord
+    from posttrain.steps import tokenize
+
+    def pair(i: int) -> PreferenceRecord:
+        prompt = [{"role": "user", "content": f"What is {i} + {i % 5}?"}]
+        wrong = str(i + i % 5 + 1)
+        right = wrong if i % 11 == 0 else str(i + i % 5) + " is the answer" * (i % 4)  # every 11th: identical
+        return PreferenceRecord(prompt, [{"role": "assistant", "content": right}],
+                                [{"role": "assistant", "content": wrong}], "pairs.jsonl", i + 1)
+
+    records = {"pairs": [pair(i) for i in range(90)]}
+    monkeypatch.setattr(render_pool, "PARALLEL_MIN_RECORDS", 1)
+    monkeypatch.setattr(render_pool, "CHUNK_SIZE", 8)
+    results = {procs: tokenize.run_pairs(records, qwen3_tokenizer, {"enable_thinking": False},
+                                         PackConfig(row_length=32, window=16), first_id=5,
+                                         tokenize=TokenizeConfig(num_proc=procs)) for procs in (1, 2)}
+    assert "[tokenize pairs] rendering 90 pairs on 2 processes" in capsys.readouterr().out
+    one, two = results[1], results[2]
+    assert two.pairs == one.pairs and two.stats == one.stats
+    assert [(r.line, r.reason) for r in two.rejected] == [(r.line, r.reason) for r in one.rejected]
+    assert [p.pair_id for p in one.pairs["pairs"]] == list(range(5, 5 + len(one.pairs["pairs"])))
+    assert len(one.rejected) == 9 and one.stats["pairs"]["truncated"] > 0  # identical pairs out, long ones cut

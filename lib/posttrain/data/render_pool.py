@@ -1,11 +1,13 @@
-"""Render conversations on several processes, in order (`render_all`).
+"""Render conversations (or preference pairs) on several processes, in order.
 
 Rendering a conversation through the chat template and deriving its assistant mask
 (`posttrain.data.chat.render_conversation`) is Python work on one core, hundreds of
 conversations a second with a real template; a corpus of millions takes hours on one process.
-`render_all` spreads chunks of conversations over `num_proc` worker processes and gives the
-samples back in input order, identical to rendering them one after another (a test checks
-it). On Linux the workers are forked (they inherit the loaded tokenizer; no re-import);
+`parallel_map(work, items, context, num_proc)` spreads chunks of items over `num_proc` worker
+processes, each holding `context` (the tokenizer and what else `work` needs), and gives
+`work(context, item)` back in input order: the same results as a loop over the items (a test
+checks it). `render_all` is that for conversations; the tokenize step's pair rendering passes
+its own `work`, a module-level function (spawned workers import it by name). On Linux the workers are forked (they inherit the loaded tokenizer; no re-import);
 elsewhere they are spawned with the tokenizer pickled, as the platform's default is. At most `2 * num_proc` chunks are in
 flight, so a long input streams through in bounded memory. An error in a worker (a template
 that cannot be masked) is raised in the caller.
@@ -24,14 +26,14 @@ import multiprocessing
 import os
 import sys
 from collections import deque
-from typing import Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from posttrain.data.chat import TokenizedSample, render_conversation
 
 PARALLEL_MIN_RECORDS = 2048
 CHUNK_SIZE = 256  # conversations a worker renders per task: large enough to amortise the hand-off
 
-_WORKER: dict = {}  # in a worker: its tokenizer and template kwargs
+_WORKER: dict = {}  # in a worker: its `work` and `context`
 
 
 def usable_cores() -> int:
@@ -55,43 +57,45 @@ def num_procs_for(requested: int | None, num_records: int) -> int:
     return max(1, min(procs, math.ceil(num_records / CHUNK_SIZE)))
 
 
-def _start_worker(tokenizer, template_kwargs: dict) -> None:
+def _start_worker(work: Callable[[Any, Any], Any], context: Any) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
-    _WORKER["tokenizer"], _WORKER["kwargs"] = tokenizer, template_kwargs
+    _WORKER["work"], _WORKER["context"] = work, context
 
 
-def _render_chunk(conversations: list[list[dict]]) -> list[tuple[list[int], list[int]]]:
-    tokenizer, kwargs = _WORKER["tokenizer"], _WORKER["kwargs"]
-    out = []
-    for messages in conversations:
-        sample = render_conversation(tokenizer, messages, **kwargs)
-        out.append((sample.input_ids, sample.loss_mask))
-    return out
+def _work_chunk(items: list) -> list:
+    work, context = _WORKER["work"], _WORKER["context"]
+    return [work(context, item) for item in items]
+
+
+def parallel_map(work: Callable[[Any, Any], Any], items: Iterable, context: Any, num_proc: int = 1,
+                 chunk_size: int | None = None) -> Iterator:
+    """`work(context, item)` for each item, in order, on `num_proc` processes (one: in this
+    process), `chunk_size` (default `CHUNK_SIZE`) items per task; what `work` raises is raised
+    here. Results travel back pickled."""
+    if num_proc <= 1:
+        for item in items:
+            yield work(context, item)
+        return
+    chunk_size = chunk_size or CHUNK_SIZE
+    start = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    chunks = iter(lambda it=iter(items): list(itertools.islice(it, chunk_size)), [])
+    with start.Pool(num_proc, initializer=_start_worker, initargs=(work, context)) as pool:
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(_work_chunk, (chunk,)))
+            if len(pending) >= 2 * num_proc:
+                yield from pending.popleft().get()
+        while pending:
+            yield from pending.popleft().get()
+
+
+def _render(context: tuple, messages: list[dict]) -> TokenizedSample:
+    tokenizer, template_kwargs = context
+    return render_conversation(tokenizer, messages, **template_kwargs)
 
 
 def render_all(tokenizer, conversations: Iterable[list[dict]], template_kwargs: dict | None = None,
                num_proc: int = 1, chunk_size: int | None = None) -> Iterator[TokenizedSample]:
     """`render_conversation(tokenizer, messages, **template_kwargs)` for each conversation, in
-    order, on `num_proc` processes (one: in this process), `chunk_size` (default `CHUNK_SIZE`)
-    conversations per task."""
-    kwargs = dict(template_kwargs or {})
-    chunk_size = chunk_size or CHUNK_SIZE
-    if num_proc <= 1:
-        for messages in conversations:
-            yield render_conversation(tokenizer, messages, **kwargs)
-        return
-    context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    chunks = iter(lambda it=iter(conversations): list(itertools.islice(it, chunk_size)), [])
-    with context.Pool(num_proc, initializer=_start_worker, initargs=(tokenizer, kwargs)) as pool:
-        pending: deque = deque()
-        for chunk in chunks:
-            pending.append(pool.apply_async(_render_chunk, (chunk,)))
-            if len(pending) >= 2 * num_proc:
-                yield from _samples(pending.popleft().get())
-        while pending:
-            yield from _samples(pending.popleft().get())
-
-
-def _samples(rendered: list[tuple[list[int], list[int]]]) -> Iterator[TokenizedSample]:
-    for input_ids, loss_mask in rendered:
-        yield TokenizedSample(input_ids, loss_mask)
+    order (`parallel_map`)."""
+    return parallel_map(_render, conversations, (tokenizer, dict(template_kwargs or {})), num_proc, chunk_size)
