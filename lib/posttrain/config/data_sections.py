@@ -134,15 +134,30 @@ class GenerateConfig:
 
 
 @dataclass
+class NearDedupConfig:
+    """Near-duplicate removal (`posttrain.data.near_dedup`): a record whose text shares at least
+    `threshold` of its word `ngram`-grams (estimated Jaccard similarity, `num_perm` MinHash
+    functions, seeded) with an earlier record of any source is rejected as a near duplicate.
+    Memory: about `4 * num_perm` bytes and a few dict entries per kept record."""
+
+    threshold: float = bounded(0.8, gt=0.0, le=1.0)
+    ngram: int = bounded(5, ge=1)
+    num_perm: int = bounded(64, ge=4)
+    seed: int = 0
+
+
+@dataclass
 class FilterConfig:
     """Record filters (`posttrain.data.filters`): token-length bounds on tokenized samples
     (None: no bound), a character bound checked before tokenization (`max_chars`), and exact
     de-duplication (first occurrence kept). Samples that truncation to the row length would
-    leave with no trained token are rejected too."""
+    leave with no trained token are rejected too. `near_dedup` (off when absent) also rejects
+    near duplicates."""
 
     min_tokens: Optional[int] = bounded(None, ge=1)
     max_tokens: Optional[int] = bounded(None, ge=1)
     dedup: bool = True
+    near_dedup: Optional[NearDedupConfig] = None
     # checked before tokenization; None: 32 x pack.row_length (unbounded under on_overflow: split)
     max_chars: Optional[int] = bounded(None, ge=1)
 

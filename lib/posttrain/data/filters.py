@@ -1,4 +1,4 @@
-"""Record filters: invalid records, token-length bounds, exact de-duplication.
+"""Record filters: invalid records, token-length bounds, exact and near de-duplication.
 
 `RecordFilter(min_tokens=None, max_tokens=None, dedup=True, dedup_on="content")` decides,
 record by record and in the order it sees them, whether a record is kept:
@@ -13,7 +13,10 @@ record by record and in the order it sees them, whether a record is kept:
 4. duplicate: its key was seen before, in any source (first occurrence kept). The key is
    a hash of the normalised content (`content_key`: record kind and content, not its
    origin; strings NFC-normalised, CRLF -> LF, outer whitespace stripped) or, with
-   `dedup_on="tokens"`, of the token ids (`token_key`).
+   `dedup_on="tokens"`, of the token ids (`token_key`);
+5. near_duplicate: with `near_dedup` (a `posttrain.data.near_dedup.NearDuplicates`), a record
+   whose text nearly duplicates an earlier record's (MinHash LSH over word n-grams; a
+   `SequenceRecord` has no text and is not checked).
 
 The token count is `tokens` as given to `check`: an int, or anything with a length (a
 list of ids, a `TokenizedSample`); a `SequenceRecord` counts its own ids when `tokens` is
@@ -47,7 +50,7 @@ from posttrain.data.records import (
     validate_record,
 )
 
-REASONS = ("invalid", "too_short", "too_long", "untrainable", "truncated_untrainable", "duplicate")
+REASONS = ("invalid", "too_short", "too_long", "untrainable", "truncated_untrainable", "duplicate", "near_duplicate")
 OVERFLOW_POLICIES = ("truncate", "split", "drop", "error")
 # no tokenizer averages more characters per token than this over a whole sample; a record with
 # more than this many characters per row slot cannot fit a row, whatever the tokenizer
@@ -130,6 +133,17 @@ def token_key(tokens: Any) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
+def content_text(value: Any) -> str:
+    """Every string of a record's content, in order, one per line (what near de-duplication reads)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return "\n".join(content_text(v) for k, v in value.items() if k != "kind")
+    if isinstance(value, (list, tuple)):
+        return "\n".join(content_text(v) for v in value)
+    return ""
+
+
 def content_chars(value: Any) -> int:
     """Characters of every string in a record's content (message texts, field values)."""
     if isinstance(value, str):
@@ -167,7 +181,7 @@ class RecordFilter:
 
     def __init__(self, min_tokens: int | None = None, max_tokens: int | None = None, dedup: bool = True,
                  dedup_on: str = "content", max_chars: int | None = None, row_length: int | None = None,
-                 on_overflow: str = "truncate"):
+                 on_overflow: str = "truncate", near_dedup: Any = None):
         if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({min_tokens}) > max_tokens ({max_tokens})")
         if dedup_on not in DEDUP_ON:
@@ -177,13 +191,14 @@ class RecordFilter:
         self.min_tokens, self.max_tokens = min_tokens, max_tokens
         self.dedup, self.dedup_on = dedup, dedup_on
         self.max_chars, self.row_length, self.on_overflow = max_chars, row_length, on_overflow
+        self.near_dedup = near_dedup
         self.stats = FilterStats()
         self.rejected: list[RejectedRow] = []
         self._first: dict[bytes, tuple[str, int]] = {}
 
     @classmethod
     def from_config(cls, config: Any, dedup_on: str = "content", pack: Any = None) -> "RecordFilter":
-        """From a `FilterConfig` (`min_tokens`, `max_tokens`, `dedup`, `max_chars`) and, when
+        """From a `FilterConfig` (`min_tokens`, `max_tokens`, `dedup`, `max_chars`, `near_dedup`) and, when
         given, the recipe's `PackConfig` (`row_length`, `on_overflow`): rows of that length
         bound what a sample can train. `max_chars` None means `CHARS_PER_TOKEN_BOUND x
         row_length`, except under `on_overflow: split`, where long samples train in pieces."""
@@ -192,8 +207,13 @@ class RecordFilter:
         max_chars = getattr(config, "max_chars", None)
         if max_chars is None and row_length is not None and on_overflow != "split":
             max_chars = CHARS_PER_TOKEN_BOUND * row_length
+        near = getattr(config, "near_dedup", None)
+        if near is not None:
+            from posttrain.data.near_dedup import NearDuplicates
+
+            near = NearDuplicates(near.threshold, near.ngram, near.num_perm, near.seed)
         return cls(config.min_tokens, config.max_tokens, config.dedup, dedup_on, max_chars=max_chars,
-                   row_length=row_length, on_overflow=on_overflow)
+                   row_length=row_length, on_overflow=on_overflow, near_dedup=near)
 
     @property
     def needs_tokens(self) -> bool:
@@ -212,6 +232,7 @@ class RecordFilter:
                 return "too_short", f"too short: {n} tokens < min_tokens {self.min_tokens}"
             if self.max_tokens is not None and n > self.max_tokens:
                 return "too_long", f"too long: {n} tokens > max_tokens {self.max_tokens}"
+        key = None
         if self.dedup:
             if self.dedup_on == "tokens":
                 if tokens is None and not isinstance(record, SequenceRecord):
@@ -222,6 +243,13 @@ class RecordFilter:
             first = self._first.get(key)
             if first is not None:
                 return "duplicate", f"duplicate of {first[0]} line {first[1]}"
+        if self.near_dedup is not None and not isinstance(record, SequenceRecord):
+            origin = (record.source, record.line)
+            first = self.near_dedup.check(content_text(record_content(record)), origin)
+            if first is not None:
+                return "near_duplicate", (f"near duplicate of {first[0]} line {first[1]} (estimated Jaccard "
+                                          f">= {self.near_dedup.threshold} over word {self.near_dedup.ngram}-grams)")
+        if key is not None:
             self._first[key] = (record.source, record.line)
         return None
 
