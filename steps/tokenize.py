@@ -2,7 +2,7 @@
 (`run`); or render each preference record as a pair fitted to a row (`run_pairs`).
 
 Produces `TokenizedSample`s (token ids + assistant-only loss mask) per source. Filters
-(`data.filters`: token-length bounds, exact de-duplication across sources) and records that
+(`data.filters`: token-length bounds, exact and, when set, near de-duplication across sources) and records that
 render to no trainable token are rejected with source, line and reason and counted per
 source, never silently dropped. A template that cannot be masked at all stops the run
 (`ChatTemplateError`); for pairs, a pair whose turns the template cannot mask (e.g. Qwen3's,

@@ -40,7 +40,12 @@ def training_fingerprint(config: RecipeConfig) -> dict:
     # what the output projection really ran in on this machine (auto, or a CPU without bf16)
     train["head_precision"] = resolve_head_precision(config.train.head_precision, resolved.mixed_precision, device)[0]
     recipe = {k: v for k, v in full.items() if k not in BASE_SECTIONS}  # a recipe's own section (dpo, rm, ...)
-    return {"seed": full["seed"], "data": full["data"], "tokenizer": full["tokenizer"], "model": full["model"],
+    # how many processes render changes no sample; near de-duplication, when off, leaves out the
+    # key that checkpoints written before it existed lack
+    data = {k: v for k, v in full["data"].items() if k != "tokenize"}
+    if data["filters"].get("near_dedup") is None:
+        data["filters"] = {k: v for k, v in data["filters"].items() if k != "near_dedup"}
+    return {"seed": full["seed"], "data": data, "tokenizer": full["tokenizer"], "model": full["model"],
             "pack": full["pack"], "train": train, **recipe}
 
 

@@ -72,6 +72,20 @@ def test_a_recipe_section_is_part_of_the_training_fingerprint():
     assert isinstance(sft, SFTConfig) and "rm" not in training_fingerprint(sft) and sft.shared_prompt is True
 
 
+def test_render_processes_and_an_unset_near_dedup_leave_the_fingerprint_as_it_was():
+    """`data.tokenize` changes no sample, and checkpoints written before `data.filters.near_dedup`
+    existed lack its key: neither is in the fingerprint; a set `near_dedup` changes the data."""
+    from posttrain.steps.train_state import training_fingerprint
+
+    sft = load_recipe_config(CONFIGS / "sft" / "tiny.yaml", "sft")
+    data = training_fingerprint(sft)["data"]
+    assert "tokenize" not in data and "near_dedup" not in data["filters"] and "dedup" in data["filters"]
+    two = load_recipe_config(CONFIGS / "sft" / "tiny.yaml", "sft", overrides={"data.tokenize.num_proc": 2})
+    assert training_fingerprint(two) == training_fingerprint(sft)
+    near = load_recipe_config(CONFIGS / "sft" / "tiny.yaml", "sft", overrides={"data.filters.near_dedup": {}})
+    assert training_fingerprint(near)["data"]["filters"]["near_dedup"]["threshold"] == 0.8
+
+
 def test_random_init_offers_every_native_architecture():
     """`model.arch` (config imports no model code) names exactly the registered architectures."""
     import dataclasses

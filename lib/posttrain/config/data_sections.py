@@ -137,8 +137,9 @@ class GenerateConfig:
 class NearDedupConfig:
     """Near-duplicate removal (`posttrain.data.near_dedup`): a record whose text shares at least
     `threshold` of its word `ngram`-grams (estimated Jaccard similarity, `num_perm` MinHash
-    functions, seeded) with an earlier record of any source is rejected as a near duplicate.
-    Memory: about `4 * num_perm` bytes and a few dict entries per kept record."""
+    functions, seeded) with an earlier kept record of any source is rejected as a near duplicate.
+    It filters conversations (SFT, distillation); preference pairs are not filtered. Memory:
+    about 1-1.5 KB per kept record at the defaults."""
 
     threshold: float = bounded(0.8, gt=0.0, le=1.0)
     ngram: int = bounded(5, ge=1)

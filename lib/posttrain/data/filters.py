@@ -15,7 +15,7 @@ record by record and in the order it sees them, whether a record is kept:
    origin; strings NFC-normalised, CRLF -> LF, outer whitespace stripped) or, with
    `dedup_on="tokens"`, of the token ids (`token_key`);
 5. near_duplicate: with `near_dedup` (a `posttrain.data.near_dedup.NearDuplicates`), a record
-   whose text nearly duplicates an earlier record's (MinHash LSH over word n-grams; a
+   whose text nearly duplicates an earlier kept record's (MinHash LSH over word n-grams; a
    `SequenceRecord` has no text and is not checked).
 
 The token count is `tokens` as given to `check`: an int, or anything with a length (a
@@ -192,6 +192,7 @@ class RecordFilter:
         self.dedup, self.dedup_on = dedup, dedup_on
         self.max_chars, self.row_length, self.on_overflow = max_chars, row_length, on_overflow
         self.near_dedup = near_dedup
+        self._near_pending = None  # (signature, origin) of the record being checked, registered once kept
         self.stats = FilterStats()
         self.rejected: list[RejectedRow] = []
         self._first: dict[bytes, tuple[str, int]] = {}
@@ -244,8 +245,9 @@ class RecordFilter:
             if first is not None:
                 return "duplicate", f"duplicate of {first[0]} line {first[1]}"
         if self.near_dedup is not None and not isinstance(record, SequenceRecord):
-            origin = (record.source, record.line)
-            first = self.near_dedup.check(content_text(record_content(record)), origin)
+            signature = self.near_dedup.signature(content_text(record_content(record)))
+            first = self.near_dedup.find(signature)
+            self._near_pending = (signature, (record.source, record.line))
             if first is not None:
                 return "near_duplicate", (f"near duplicate of {first[0]} line {first[1]} (estimated Jaccard "
                                           f">= {self.near_dedup.threshold} over word {self.near_dedup.ngram}-grams)")
@@ -290,8 +292,11 @@ class RecordFilter:
 
     def check(self, name: str, record: Any, tokens: Any = None) -> bool:
         """True when `record` (from source `name`) is kept; otherwise it is recorded as rejected."""
+        self._near_pending = None
         verdict = self._reason(record, tokens) or (self._row_reason(tokens) if tokens is not None else None)
         if verdict is None:
+            if self._near_pending is not None:  # only kept records are near-duplicate originals
+                self.near_dedup.add(*self._near_pending)
             self.stats.add_kept(name)
             n = token_count(record, tokens)
             if self.row_length is not None and n is not None and n > self.row_length:

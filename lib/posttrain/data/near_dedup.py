@@ -7,14 +7,17 @@ MinHash signature estimates it: `num_perm` hash functions (multiply-shift hashin
 shingle's 64-bit BLAKE2b digest, seeded), and for each the smallest value over the shingles;
 the fraction of equal positions in two signatures is an unbiased estimate of the similarity.
 
-LSH finds candidates without comparing every pair: the signature is cut into `bands` bands of
-`rows` values (`bands * rows == num_perm`, chosen so that `(1 / bands) ** (1 / rows)`, the
-similarity at which two texts collide in some band with probability ~1/2, is closest to
-`threshold`); texts that share a band are candidates, and a candidate whose estimated
-similarity with the text it collided with reaches `threshold` is a near duplicate. The first
-text seen is kept; `check` returns what an earlier text it duplicates was registered with.
+LSH finds candidates without comparing every pair: the first `bands * rows <= num_perm` values
+of the signature are cut into `bands` bands of `rows` values, chosen so that `(1 / bands) **
+(1 / rows)`, the usual approximation of the similarity where the chance that two texts share
+some band rises steeply (about 2/3 there), is closest to `threshold`. Every registered text
+that shares a band with a new one is a candidate, and a candidate whose estimated similarity
+(over the whole signature) reaches `threshold` makes the new text a near duplicate. A text
+without a word is never a near duplicate. `find` looks a text up; `add` registers it (the
+caller registers only the texts it keeps).
 
-Memory: every kept text's signature (`4 * num_perm` bytes) and one bucket entry per band.
+Memory per registered text: its signature (`4 * num_perm` bytes) plus a bucket entry per band,
+about 1-1.5 KB at the defaults with Python's overheads.
 """
 
 from __future__ import annotations
@@ -26,14 +29,13 @@ from typing import Any
 import numpy as np
 
 _WORD = re.compile(r"\w+", re.UNICODE)
-_MASK32 = np.uint64(0xFFFFFFFF)
 
 
 def bands_and_rows(num_perm: int, threshold: float) -> tuple[int, int]:
-    """`(bands, rows)` with `bands * rows == num_perm` whose collision threshold
-    `(1 / bands) ** (1 / rows)` is closest to `threshold`."""
-    options = [(b, num_perm // b) for b in range(1, num_perm + 1) if num_perm % b == 0]
-    return min(options, key=lambda br: abs((1 / br[0]) ** (1 / br[1]) - threshold))
+    """`(bands, rows)` with `bands * rows <= num_perm` whose collision threshold `(1 / bands)
+    ** (1 / rows)` is closest to `threshold`, the one using more of the signature on a tie."""
+    options = [(b, r) for r in range(1, num_perm + 1) for b in range(1, num_perm // r + 1)]
+    return min(options, key=lambda br: (round(abs((1 / br[0]) ** (1 / br[1]) - threshold), 3), -br[0] * br[1]))
 
 
 class NearDuplicates:
@@ -50,41 +52,65 @@ class NearDuplicates:
         # multiply-shift hashing: odd 64-bit multipliers, 64-bit offsets, the top 32 bits kept
         self._mult = rng.integers(0, 2**63, size=num_perm, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
         self._add = rng.integers(0, 2**63, size=num_perm, dtype=np.uint64)
-        self._buckets: list[dict[bytes, int]] = [{} for _ in range(self.bands)]
+        self._buckets: list[dict[bytes, list[int]]] = [{} for _ in range(self.bands)]
         self._signatures: list[np.ndarray] = []
         self._labels: list[Any] = []
 
     def shingles(self, text: str) -> np.ndarray:
-        """64-bit digests of the text's word `ngram`-grams (uint64, deduplicated)."""
+        """64-bit digests of the text's word `ngram`-grams (uint64, deduplicated; empty
+        without a word)."""
         words = _WORD.findall(text.lower())
+        if not words:
+            return np.zeros(0, dtype=np.uint64)
         grams = {" ".join(words[i:i + self.ngram]) for i in range(max(1, len(words) - self.ngram + 1))}
         digests = [int.from_bytes(hashlib.blake2b(g.encode("utf-8"), digest_size=8).digest(), "little")
                    for g in grams]
         return np.asarray(digests, dtype=np.uint64)
 
-    def signature(self, text: str) -> np.ndarray:
-        """The text's MinHash signature (`num_perm` uint32 values)."""
+    def signature(self, text: str) -> np.ndarray | None:
+        """The text's MinHash signature (`num_perm` uint32 values); None without a word."""
         digests = self.shingles(text)
+        if not len(digests):
+            return None
         with np.errstate(over="ignore"):  # multiply-shift works modulo 2**64
             hashed = (digests[:, None] * self._mult[None, :] + self._add[None, :]) >> np.uint64(32)
-        return (hashed.min(axis=0) & _MASK32).astype(np.uint32)
+        return hashed.min(axis=0).astype(np.uint32)
 
     def similarity(self, a: np.ndarray, b: np.ndarray) -> float:
         """Estimated Jaccard similarity of two signatures."""
         return float(np.mean(a == b))
 
-    def check(self, text: str, label: Any) -> Any | None:
-        """The label of an earlier text `text` nearly duplicates (estimated similarity >=
-        `threshold`), or None: then `text` is registered under `label` for later checks."""
-        signature = self.signature(text)
-        keys = [signature[i * self.rows:(i + 1) * self.rows].tobytes() for i in range(self.bands)]
-        for band, key in enumerate(keys):
-            earlier = self._buckets[band].get(key)
-            if earlier is not None and self.similarity(signature, self._signatures[earlier]) >= self.threshold:
-                return self._labels[earlier]
+    def _keys(self, signature: np.ndarray) -> list[bytes]:
+        return [signature[i * self.rows:(i + 1) * self.rows].tobytes() for i in range(self.bands)]
+
+    def find(self, signature: np.ndarray | None) -> Any | None:
+        """The label of the first registered text that `signature`'s text nearly duplicates
+        (estimated similarity >= `threshold`), or None."""
+        if signature is None:
+            return None
+        seen: set[int] = set()
+        for band, key in enumerate(self._keys(signature)):
+            for earlier in self._buckets[band].get(key, ()):
+                if earlier not in seen:
+                    seen.add(earlier)
+                    if self.similarity(signature, self._signatures[earlier]) >= self.threshold:
+                        return self._labels[earlier]
+        return None
+
+    def add(self, signature: np.ndarray | None, label: Any) -> None:
+        """Register a text (by its signature) under `label` for later lookups."""
+        if signature is None:
+            return
         index = len(self._signatures)
         self._signatures.append(signature)
         self._labels.append(label)
-        for band, key in enumerate(keys):
-            self._buckets[band].setdefault(key, index)
-        return None
+        for band, key in enumerate(self._keys(signature)):
+            self._buckets[band].setdefault(key, []).append(index)
+
+    def check(self, text: str, label: Any) -> Any | None:
+        """`find` for `text`; when it finds nothing, `text` is registered under `label`."""
+        signature = self.signature(text)
+        earlier = self.find(signature)
+        if earlier is None:
+            self.add(signature, label)
+        return earlier
