@@ -49,9 +49,7 @@ def _render_each(records: list[ChatRecord], tokenizer, template_kwargs: dict, de
     `admit` sees every record before any is rendered, so what it rejects comes before the
     rejections of rendering in the rejected list."""
     admitted = [record for record in records if admit(record)]
-    procs = num_procs_for(num_proc, len(admitted))
-    if procs > 1:
-        print(f"[{desc}] rendering {len(admitted):,} conversations on {procs} processes")
+    procs = num_procs_for(num_proc, len(admitted), f"[{desc}] rendering {len(admitted):,} conversations")
     rendered = render_all(tokenizer, (record.messages for record in admitted), template_kwargs, procs)
     for record, sample in tqdm(zip(admitted, rendered), total=len(admitted), desc=f"[{desc}]", unit="rec",
                                mininterval=2.0):
@@ -153,9 +151,8 @@ def run_pairs(records: dict[str, list[PreferenceRecord]], tokenizer, template_kw
     context = (tokenizer, dict(template_kwargs or {}), pack.row_length, shared_prompt)
     for name, source_records in records.items():
         kept, reasons, truncated, tokens = [], {}, 0, 0
-        procs = num_procs_for((tokenize or TokenizeConfig()).num_proc, len(source_records))
-        if procs > 1:
-            print(f"[tokenize {name}] rendering {len(source_records):,} pairs on {procs} processes")
+        procs = num_procs_for((tokenize or TokenizeConfig()).num_proc, len(source_records),
+                              f"[tokenize {name}] rendering {len(source_records):,} pairs")
         outcomes = parallel_map(_fitted_pair, source_records, context, procs)
         for record, outcome in tqdm(zip(source_records, outcomes), total=len(source_records),
                                     desc=f"[tokenize {name}]", unit="pair", mininterval=2.0):

@@ -16,7 +16,7 @@ _OASST_FIELDS = {"text": "text", "role": "role", "replies": "replies", "rank": "
 
 # data source readers (`posttrain.data.sources`); the file kinds are the ones read by local path
 SOURCE_KINDS = ("jsonl", "parquet", "arrow", "hf", "movielens")
-FILE_SOURCE_KINDS = ("jsonl", "parquet", "arrow", "movielens")
+FILE_SOURCE_KINDS = tuple(kind for kind in SOURCE_KINDS if kind != "hf")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 
 # format name -> {logical field: default column (None: unmapped unless set)}

@@ -49,12 +49,15 @@ def usable_cores() -> int:
     return max(1, cores)
 
 
-def num_procs_for(requested: int | None, num_records: int) -> int:
-    """The worker count for rendering `num_records` conversations (module docstring)."""
-    if num_records < PARALLEL_MIN_RECORDS:
-        return 1
-    procs = usable_cores() if requested is None else requested
-    return max(1, min(procs, math.ceil(num_records / CHUNK_SIZE)))
+def num_procs_for(requested: int | None, num_records: int, announce: str | None = None) -> int:
+    """The worker count for rendering `num_records` items (module docstring); with more than
+    one, `announce` (e.g. "[tokenize a] rendering 9,000 pairs") is printed with the count."""
+    procs = 1
+    if num_records >= PARALLEL_MIN_RECORDS:
+        procs = max(1, min(usable_cores() if requested is None else requested, math.ceil(num_records / CHUNK_SIZE)))
+    if announce and procs > 1:
+        print(f"{announce} on {procs} processes")
+    return procs
 
 
 def _start_worker(work: Callable[[Any, Any], Any], context: Any) -> None:

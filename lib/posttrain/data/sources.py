@@ -194,12 +194,9 @@ def _decompressed(raw: BinaryIO, path: str) -> BinaryIO:
 
 def _stream_errors() -> tuple[type[BaseException], ...]:
     """What a decompressor raises when its input stops being readable mid-way."""
-    errors: tuple[type[BaseException], ...] = (OSError, EOFError, zlib.error)
-    try:
-        import zstandard
-    except ImportError:
-        return errors
-    return errors + (zstandard.ZstdError,)
+    import zstandard
+
+    return OSError, EOFError, zlib.error, zstandard.ZstdError
 
 
 def iter_jsonl(path: str, strict: bool = False) -> Iterator[tuple[int, str | bytes | BrokenStream]]:
