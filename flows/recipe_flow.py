@@ -88,10 +88,14 @@ class RecipeSteps(FlowSpec):
                         if self.recipe.verify.enabled else None)
         cards.verify_section(cards.card("verify"), self.verdict)
         try:
-            self.skew = verify.skew_gate(self.checkpoint_dir, self._tokenizer(), self.train_records, self.recipe)
+            self.skew = verify.skew_gate(self.checkpoint_dir, self._tokenizer(), self._skew_records(), self.recipe)
         finally:
             cards.skew_section(cards.card("verify"), getattr(self, "skew", None))
         self.next(self.plan_evaluation)
+
+    def _skew_records(self):
+        """The training records the skew gate draws from (by source)."""
+        return self.train_records
 
     def _eval_data(self):
         """The held-out data the suites read (`EvalData`): a chat recipe's held-out conversations."""

@@ -18,14 +18,17 @@ recipes sample prompts (`kind="prompts"`) and sequence recipes read interaction 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import re
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from posttrain.config.schema import GenerateConfig, RecipeConfig, SourceConfig
 from posttrain.data.records import ChatRecord, PreferenceRecord, PromptRecord, RejectedRow, SequenceRecord
-from posttrain.data.sources import SourceSpec, fingerprint, read_records, write_rejected
+from posttrain.data.sources import SourceSpec, fingerprint, iter_records, read_records, write_rejected
 from posttrain.steps.paths import generated_directory, resolve
 
 
@@ -154,7 +157,8 @@ def read_conversations(source: SourceConfig, run_dir: Path, kind: str = "convers
     return [RECORD_KINDS[kind](r, source) for r in records], rejected
 
 
-def run(config: RecipeConfig, run_dir: Path, kind: str = "conversations") -> IngestResult:
+def generate(config: RecipeConfig, run_dir: Path) -> None:
+    """Write the demo data `data.generate` names, if any, before anything reads it."""
     if config.data.generate is not None and config.data.generate.task == "arithmetic_pairs":
         from posttrain.steps.mine_pairs import generate_preference_demo
 
@@ -165,6 +169,16 @@ def run(config: RecipeConfig, run_dir: Path, kind: str = "conversations") -> Ing
         write_session_prompts(config, run_dir)
     elif config.data.generate is not None:
         generate_demo_data(config.data.generate, run_dir)
+
+
+def source_fingerprints(config: RecipeConfig, run_dir: Path) -> dict[str, dict]:
+    """Every source's `sources.fingerprint` (the held-out source's too), by name."""
+    sources = [*config.data.sources, *([config.data.heldout] if config.data.heldout is not None else [])]
+    return {source.name: fingerprint(resolve(source.path, run_dir)) for source in sources}
+
+
+def run(config: RecipeConfig, run_dir: Path, kind: str = "conversations") -> IngestResult:
+    generate(config, run_dir)
     train: dict[str, list[ChatRecord]] = {}
     rejected: list[RejectedRow] = []
     counts: dict[str, dict[str, int]] = {}
@@ -200,10 +214,97 @@ def run(config: RecipeConfig, run_dir: Path, kind: str = "conversations") -> Ing
                         f"{reasons}{where}")
     for warning in warnings:
         print(f"[ingest] WARNING: {warning}")
-    sources = [*config.data.sources, *([config.data.heldout] if config.data.heldout is not None else [])]
-    fingerprints = {source.name: fingerprint(resolve(source.path, run_dir)) for source in sources}
     return IngestResult(train=train, heldout=heldout, rejected=rejected, counts=counts, rejected_path=rejected_path,
-                        warnings=warnings, fingerprints=fingerprints)
+                        warnings=warnings, fingerprints=source_fingerprints(config, run_dir))
+
+
+@dataclass
+class RecordPart:
+    """Up to `part_records` consecutive records of one source (`index`: the part's place in
+    the source, from 0), split into those that train and those held out, with the rows the
+    reader rejected among them."""
+
+    index: int
+    train: list
+    heldout: list
+    rejected: list[RejectedRow]
+
+    @property
+    def read(self) -> int:
+        return len(self.train) + len(self.heldout) + len(self.rejected)
+
+
+def part_seed(seed: int, index: int) -> int:
+    """The held-out split's seed for part `index` (part 0: `seed` itself, so a source of one
+    part is split exactly as `split_heldout` splits it whole)."""
+    return seed if index == 0 else zlib.crc32(f"{seed}:{index}".encode())
+
+
+def stream_parts(source: SourceConfig, run_dir: Path, kind: str = "conversations", heldout_fraction: float = 0.0,
+                 seed: int = 0, part_records: int = 16384) -> Iterator[RecordPart]:
+    """The source's records as `kind`, streamed in parts of `part_records` records (the last
+    part may be shorter; a source with no record gives one empty part): at most one part is
+    held at a time. Each part holds out `heldout_fraction` of its records (`split_heldout`
+    with `part_seed`)."""
+    convert = RECORD_KINDS[kind]
+    records: list = []
+    rejected: list[RejectedRow] = []
+    index = 0
+
+    def part() -> RecordPart:
+        train, held = split_heldout(records, heldout_fraction, part_seed(seed, index))
+        return RecordPart(index, train, held, rejected)
+
+    for item in iter_records(_spec(source, run_dir)):
+        if isinstance(item, RejectedRow):
+            rejected.append(item)
+            continue
+        records.append(convert(item, source))
+        if len(records) == part_records:
+            yield part()
+            records, rejected, index = [], [], index + 1
+    if records or rejected or index == 0:
+        yield part()
+
+
+def head_records(config: RecipeConfig, run_dir: Path, n: int, kind: str = "conversations") -> dict[str, list]:
+    """The first `n` records of every training source (as `kind`), read no further."""
+    heads = {}
+    for source in config.data.sources:
+        records = (item for item in iter_records(_spec(source, run_dir)) if not isinstance(item, RejectedRow))
+        heads[source.name] = [RECORD_KINDS[kind](r, source) for r in itertools.islice(records, n)]
+    return heads
+
+
+def read_heldout_source(config: RecipeConfig, run_dir: Path, kind: str = "conversations"
+                        ) -> tuple[list, list[RejectedRow], dict[str, int] | None]:
+    """The records of `data.heldout` (a source of its own, read whole: it is an evaluation
+    set), the rows it rejected, and its counts; `([], [], None)` without one."""
+    if config.data.heldout is None:
+        return [], [], None
+    heldout, bad = read_conversations(config.data.heldout, run_dir, kind)
+    print(f"[ingest] {config.data.heldout.name} (held out): {len(heldout)} records kept, {len(bad)} rejected")
+    return heldout, bad, {"kept": len(heldout), "rejected": len(bad), "read": len(heldout) + len(bad)}
+
+
+def check_usable(config: RecipeConfig, counts: dict[str, dict[str, int]],
+                 rejected_by_source: dict[str, list[RejectedRow]], rejected_path: str | None) -> list[str]:
+    """The warnings of sources whose every row was rejected (printed); raises `DataError`
+    when no source has a usable record."""
+    names = [s.name for s in config.data.sources]
+    warnings = []
+    for name in names:
+        count, bad = counts.get(name, {}), rejected_by_source.get(name, [])
+        if count.get("rejected") and not count.get("kept"):
+            warnings.append(f"source '{name}': all {count['rejected']} rows were rejected: {reason_summary(bad)}")
+    if not any(counts.get(name, {}).get("kept") for name in names):
+        rejected = [r for name in names for r in rejected_by_source.get(name, [])]
+        where = f"; every rejected row is in {rejected_path}" if rejected_path else ""
+        reasons = f": {reason_summary(rejected)}" if rejected else " (the sources are empty)"
+        raise DataError(f"no usable training records in data.sources {names}{reasons}{where}")
+    for warning in warnings:
+        print(f"[ingest] WARNING: {warning}")
+    return warnings
 
 
 def split_heldout(records: list[ChatRecord], fraction: float, seed: int) -> tuple[list, list]:

@@ -157,8 +157,8 @@ def test_malformed_rows_are_reported_kept_aside_and_no_good_row_is_lost(tiny_run
         assert fragment in reported[line]
     kept_aside = [json.loads(line) for line in Path(data.rejected_path).read_text().splitlines()]
     assert sorted(r["line"] for r in kept_aside if r["source"] == mixed) == sorted(BAD_LINES) + [8]
-    read = [r.messages for r in data.train_records["mixed"]]
-    assert read == [row["messages"] for row in GOOD_ROWS] + [GOOD_ROWS[0]["messages"]]
+    # every good row trains (the shards name each sample's line): the repeat of line 1 is line 8
+    assert data.samples["mixed"].lines().tolist() == sorted(set(range(1, 8)) - set(BAD_LINES))
     # the repeated row is removed by de-duplication, kept aside with its reason
     assert data.tokenize_stats.filters["mixed"] == {"kept": 3, "rejected": {"duplicate": 1}}
     duplicate = [r for r in data.rejected if r.source == mixed and r.line == 8]
@@ -247,8 +247,11 @@ def test_cards_show_training_curves_verdict_and_evaluation(tiny_run):
     assert "held-out loss" in evaluation and "<iframe srcdoc=" not in evaluation
     report = get_card(run, tmp, "evaluate", "report").read_text()  # a whole HTML page: the evidently report
     assert "output_length" in report and "__MF_DATA__" not in report
-    ingest = card_data("ingest", "ingest")
-    assert "Rejected rows (7)" in ingest and "unknown role" in ingest
+    # a chat recipe's sources stream in the tokenize step: every rejected row is in its card,
+    # the reader's (7, 3 of them every row of `all_bad`) and the filters'
+    ingest = card_data("tokenize", "tokenize")
+    assert f"Rejected rows ({len(run.data.rejected)})" in ingest and "unknown role" in ingest
+    assert len(run.data.rejected) > 7 and "duplicate of" in ingest
     assert "Warning:" in ingest and "all 3 rows were rejected" in ingest
 
 
@@ -302,7 +305,7 @@ def test_every_card_renders_readably_in_a_headless_browser(tiny_run):
     for label, metrics in data.eval_metrics.items():  # the base-vs-tuned table, with its values
         assert label in evaluation and f"{metrics['heldout_loss']:.4f}" in evaluation
     assert "output_length" in visible["report"]  # the evidently report rendered, not its source
-    assert "Rejected rows (7)" in visible["ingest"] and "unknown role" in visible["ingest"]
+    assert f"Rejected rows ({len(run.data.rejected)})" in visible["tokenize"] and "unknown role" in visible["tokenize"]
     assert "Logit verification against transformers" in visible["verify"]
 
 

@@ -55,8 +55,8 @@ def test_the_tokenize_step_gives_the_same_result_on_any_number_of_processes(qwen
                                    TokenizeConfig(num_proc=procs)) for procs in (1, 2)}
     one, two = results[1], results[2]
     assert "[tokenize a] rendering 120 conversations on 2 processes" in capsys.readouterr().out
-    assert {k: [(s.input_ids, s.loss_mask) for s in v] for k, v in two.samples.items()} == \
-        {k: [(s.input_ids, s.loss_mask) for s in v] for k, v in one.samples.items()}
+    assert {k: [(s.input_ids.tolist(), s.loss_mask.tolist()) for s in v] for k, v in two.samples.items()} == \
+        {k: [(s.input_ids.tolist(), s.loss_mask.tolist()) for s in v] for k, v in one.samples.items()}
     assert [(r.source, r.line, r.reason) for r in two.rejected] == [(r.source, r.line, r.reason) for r in one.rejected]
     assert two.stats == one.stats and len(one.samples["b"]) == 0  # b's rows are a's: de-duplicated
 

@@ -172,9 +172,15 @@ class TokenizeConfig:
     """How the tokenize step renders conversations (`posttrain.data.render_pool`): on
     `num_proc` worker processes (None: every core the step may use; 1: in the step's own
     process). A source with fewer than 2,048 conversations to render (after `data.filters.max_chars`)
-    renders in the step's process."""
+    renders in the step's process. Chat recipes stream their sources in parts of
+    `part_records` records into Arrow shards under `cache_dir` (`posttrain.steps.tokenize`)."""
 
     num_proc: Optional[int] = bounded(None, ge=1)
+    # where tokenized shards are kept, by fingerprint (None: `<output_dir>/tokenized`); shared by
+    # every run and recipe under it, so the same data is tokenized once
+    cache_dir: Optional[str] = None
+    # records per part: what a shard holds at most, and what a killed step loses at most
+    part_records: int = bounded(16384, ge=1)
 
 
 @dataclass

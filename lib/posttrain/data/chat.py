@@ -39,7 +39,7 @@ from __future__ import annotations
 import bisect
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _SENTINELS = ("Qz7 sentinel one", "Qz7 sentinel two")
@@ -52,8 +52,12 @@ class ChatTemplateError(ValueError):
 
 @dataclass(slots=True)
 class TokenizedSample:
-    input_ids: list[int]
-    loss_mask: list[int]
+    """A rendered conversation: `input_ids` and its `loss_mask` (1 where a token trains), lists
+    as rendering gives them, numpy arrays (int32 ids, uint8 mask) once the tokenize step has
+    them (`posttrain.steps.tokenize`, `posttrain.data.token_shards`)."""
+
+    input_ids: Sequence[int]
+    loss_mask: Sequence[int]
 
     def __len__(self) -> int:
         return len(self.input_ids)

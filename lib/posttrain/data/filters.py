@@ -98,6 +98,18 @@ class FilterStats:
             out.setdefault(n, {"kept": 0, "rejected": {}})["over_row_length"] = count
         return out
 
+    @classmethod
+    def from_dict(cls, counts: dict[str, dict[str, Any]]) -> "FilterStats":
+        """The stats `as_dict` gave (what a resumed tokenize step starts from)."""
+        stats = cls()
+        for name, entry in counts.items():
+            stats.kept[name] = entry["kept"]
+            if entry["rejected"]:
+                stats.rejected[name] = dict(entry["rejected"])
+            if "over_row_length" in entry:
+                stats.over_row_length[name] = entry["over_row_length"]
+        return stats
+
 
 # ---------------------------------------------------------------- keys
 
@@ -161,7 +173,7 @@ def surviving_loss_tokens(tokens: Any, row_length: int) -> int:
     mask = getattr(tokens, "loss_mask", None)
     if mask is None:
         return 1  # no mask known: nothing to say
-    return int(sum(mask[1:row_length]))
+    return int(np.count_nonzero(np.asarray(mask[1:row_length])))
 
 
 def token_count(record: Any, tokens: Any = None) -> int | None:
@@ -181,7 +193,7 @@ class RecordFilter:
 
     def __init__(self, min_tokens: int | None = None, max_tokens: int | None = None, dedup: bool = True,
                  dedup_on: str = "content", max_chars: int | None = None, row_length: int | None = None,
-                 on_overflow: str = "truncate", near_dedup: Any = None):
+                 on_overflow: str = "truncate", near_dedup: Any = None, seen: Any = None):
         if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({min_tokens}) > max_tokens ({max_tokens})")
         if dedup_on not in DEDUP_ON:
@@ -195,14 +207,17 @@ class RecordFilter:
         self._near_pending = None  # (signature, origin) of the record being checked, registered once kept
         self.stats = FilterStats()
         self.rejected: list[RejectedRow] = []
-        self._first: dict[bytes, tuple[str, int]] = {}
+        # key -> (source, line) of its first kept record: a dict, or `seen_keys.SeenKeys` on disk
+        self._first = {} if seen is None else seen
 
     @classmethod
-    def from_config(cls, config: Any, dedup_on: str = "content", pack: Any = None) -> "RecordFilter":
+    def from_config(cls, config: Any, dedup_on: str = "content", pack: Any = None, seen: Any = None
+                    ) -> "RecordFilter":
         """From a `FilterConfig` (`min_tokens`, `max_tokens`, `dedup`, `max_chars`, `near_dedup`) and, when
         given, the recipe's `PackConfig` (`row_length`, `on_overflow`): rows of that length
         bound what a sample can train. `max_chars` None means `CHARS_PER_TOKEN_BOUND x
-        row_length`, except under `on_overflow: split`, where long samples train in pieces."""
+        row_length`, except under `on_overflow: split`, where long samples train in pieces.
+        `seen`: where kept keys are remembered (default a dict; `posttrain.data.seen_keys.SeenKeys`)."""
         row_length = getattr(pack, "row_length", None)
         on_overflow = getattr(pack, "on_overflow", "truncate")
         max_chars = getattr(config, "max_chars", None)
@@ -214,7 +229,7 @@ class RecordFilter:
 
             near = NearDuplicates(near.threshold, near.ngram, near.num_perm, near.seed)
         return cls(config.min_tokens, config.max_tokens, config.dedup, dedup_on, max_chars=max_chars,
-                   row_length=row_length, on_overflow=on_overflow, near_dedup=near)
+                   row_length=row_length, on_overflow=on_overflow, near_dedup=near, seen=seen)
 
     @property
     def needs_tokens(self) -> bool:
@@ -265,14 +280,16 @@ class RecordFilter:
                     f"{self.row_length}), none of its trained tokens would survive")
         return None
 
+    def admits_chars(self, record: Any) -> bool:
+        """What `check_chars` says of `record`, without recording anything."""
+        return self.max_chars is None or content_chars(record_content(record)) <= self.max_chars
+
     def check_chars(self, name: str, record: Any) -> bool:
         """Before tokenization: False (the record rejected as too long) when its text has more
         than `max_chars` characters; True otherwise. Saves tokenizing what cannot train."""
-        if self.max_chars is None:
+        if self.admits_chars(record):
             return True
         chars = content_chars(record_content(record))
-        if chars <= self.max_chars:
-            return True
         rows = f"; rows hold {self.row_length} tokens" if self.row_length else ""
         self._reject(name, record, "too_long", f"too long: {chars:,} characters > data.filters.max_chars "
                                                f"{self.max_chars:,}{rows} (not tokenized)")

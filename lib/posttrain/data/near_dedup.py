@@ -107,6 +107,13 @@ class NearDuplicates:
         for band, key in enumerate(self._keys(signature)):
             self._buckets[band].setdefault(key, []).append(index)
 
+    def __len__(self) -> int:
+        return len(self._signatures)
+
+    def entries_since(self, start: int) -> tuple[list[np.ndarray], list[Any]]:
+        """The signatures and labels registered from entry `start` on (what a resumed run adds back)."""
+        return self._signatures[start:], self._labels[start:]
+
     def check(self, text: str, label: Any) -> Any | None:
         """`find` for `text`; when it finds nothing, `text` is registered under `label`."""
         signature = self.signature(text)

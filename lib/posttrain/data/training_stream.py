@@ -49,20 +49,21 @@ def _items(mixer: Mixer, limit: int | None = None, start: int = 0) -> Iterator[T
 
 
 def pack_one_pass(mixer: Mixer, pack: PackConfig, pad_id: int, packer: StreamPacker | None = None,
-                  layout: Callable[[Any], Any] | None = None) -> tuple[Any, PackStats]:
+                  layout: Callable[[Any], Any] | None = None, keep_rows: int | None = None) -> tuple[Any, PackStats]:
     """The rows of one pass over the mixture (`mixer.pass_size` samples) and their stats;
-    `packer` and `layout` as in `training_batches` (the rows are `packer.empty_rows`' kind)."""
+    `packer` and `layout` as in `training_batches` (the rows are `packer.empty_rows`' kind).
+    `keep_rows`: only the first that many rows are kept (the stats still count every row), so
+    a pass over millions of samples is packed in bounded memory."""
     packer = packer if packer is not None else packer_for(pack, pad_id)
     samples = tqdm(_items(mixer, mixer.pass_size), total=mixer.pass_size, desc="[pack]", unit="sample",
                    mininterval=2.0)
     if layout is not None:
         samples = map(layout, samples)
-    if type(packer) is StreamPacker:
-        return packer.pack_all(samples), packer.stats
     plans = []
     source = iter(samples)
     while (plan := packer.next_plan(source)) is not None:
-        plans.append(plan)
+        if keep_rows is None or len(plans) < keep_rows:
+            plans.append(plan)
     rows = packer.empty_rows(len(plans))
     for r, plan in enumerate(plans):
         packer.write_plan(rows, r, plan)

@@ -9,6 +9,8 @@ records it, so a retried or resumed task runs through); `POSTTRAIN_FAULT_TIMES=n
 raise on the first n attempts that reach step K. `POSTTRAIN_FAULT_MODE=kill` SIGKILLs the
 process instead of raising; `kill_flow` SIGKILLs its parent first (the local Metaflow
 runtime that launched the task: the whole run dies, as a lost machine would) and then itself.
+`POSTTRAIN_FAULT_AT_PART=K` does the same in the tokenize step, after its K-th finished part
+(`maybe_inject_fault(k, marker_dir, at_env=FAULT_AT_PART_ENV)`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 from pathlib import Path
 
 FAULT_AT_STEP_ENV = "POSTTRAIN_FAULT_AT_STEP"
+FAULT_AT_PART_ENV = "POSTTRAIN_FAULT_AT_PART"
 FAULT_TIMES_ENV = "POSTTRAIN_FAULT_TIMES"
 FAULT_MODE_ENV = "POSTTRAIN_FAULT_MODE"
 FAULT_MODES = ("raise", "kill", "kill_flow")
@@ -26,12 +29,14 @@ class InjectedFault(RuntimeError):
     """Raised by the `POSTTRAIN_FAULT_AT_STEP` fault-injection hook."""
 
 
-def maybe_inject_fault(step: int, marker_dir: Path) -> None:
-    """The `POSTTRAIN_FAULT_AT_STEP` hook (module docstring); a no-op unless it is set."""
-    at = os.environ.get(FAULT_AT_STEP_ENV)
+def maybe_inject_fault(step: int, marker_dir: Path, at_env: str = FAULT_AT_STEP_ENV) -> None:
+    """The `POSTTRAIN_FAULT_AT_STEP` hook (module docstring), or the one `at_env` names; a
+    no-op unless it is set."""
+    at = os.environ.get(at_env)
     if not at or int(at) != step:
         return
-    marker = Path(marker_dir) / f"fault_injected_at_step_{step}"
+    what = "step" if at_env == FAULT_AT_STEP_ENV else "part"
+    marker = Path(marker_dir) / f"fault_injected_at_{what}_{step}"
     fired = int(marker.read_text()) if marker.exists() else 0
     if fired >= int(os.environ.get(FAULT_TIMES_ENV, "1")):
         return
@@ -43,9 +48,9 @@ def maybe_inject_fault(step: int, marker_dir: Path) -> None:
     if mode != "raise":
         import signal
 
-        print(f"[fault] {FAULT_MODE_ENV}={mode}: SIGKILL after step {step}", flush=True)
+        print(f"[fault] {FAULT_MODE_ENV}={mode}: SIGKILL after {what} {step}", flush=True)
         if mode == "kill_flow":
             os.kill(os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
-    raise InjectedFault(f"{FAULT_AT_STEP_ENV}={at}: injected failure after step {step} "
+    raise InjectedFault(f"{at_env}={at}: injected failure after {what} {step} "
                         f"(attempt {fired + 1}; marker {marker})")

@@ -1,0 +1,54 @@
+"""The exact de-duplication filter's memory of keys already kept, in memory or on disk.
+
+`RecordFilter` asks `seen.get(key)` (the `(source, line)` that first had the key, or None) and
+records a kept record with `seen[key] = (source, line)`. A dict does for a few thousand
+records; for millions, the tokenize step gives `SeenKeys(path)`, an SQLite table on disk
+(its page cache bounded, so memory stays flat whatever the corpus size). Keys are tagged with
+the part being filtered (`part`, a number that grows through the run); `commit()` makes the
+keys so far durable, and `forget_from(part)` drops every key of that part and later ones: a
+tokenize step resumed after a kill filters its unfinished parts again against exactly the
+keys of its finished ones.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+CACHE_KIB = 32 << 10  # SQLite's page cache: the most memory the table takes
+
+
+class SeenKeys:
+    def __init__(self, path: str | Path):
+        self.path = str(path)
+        self._db = sqlite3.connect(self.path, isolation_level=None)
+        self._db.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS seen (key BLOB PRIMARY KEY, source TEXT, line INTEGER, "
+                         "part INTEGER) WITHOUT ROWID")
+        self._db.execute("BEGIN")
+        self.part = 0
+
+    def get(self, key: bytes) -> tuple[str, int] | None:
+        row = self._db.execute("SELECT source, line FROM seen WHERE key = ?", (key,)).fetchone()
+        return None if row is None else (row[0], row[1])
+
+    def __setitem__(self, key: bytes, origin: tuple[str, int]) -> None:
+        self._db.execute("INSERT OR IGNORE INTO seen VALUES (?, ?, ?, ?)", (key, origin[0], origin[1], self.part))
+
+    def __len__(self) -> int:
+        return self._db.execute("SELECT COUNT(*) FROM seen").fetchone()[0]
+
+    def commit(self) -> None:
+        self._db.execute("COMMIT")
+        self._db.execute("BEGIN")
+
+    def forget_from(self, part: int) -> None:
+        """Drop the keys of `part` and every later part (committed)."""
+        self._db.execute("DELETE FROM seen WHERE part >= ?", (part,))
+        self.commit()
+
+    def close(self) -> None:
+        self._db.execute("COMMIT")
+        self._db.close()

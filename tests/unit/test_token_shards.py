@@ -1,0 +1,149 @@
+"""Tokenized samples in Arrow shards (`posttrain.data.token_shards`) and the tokenize step that
+writes them part by part (`posttrain.steps.tokenize.run_parts` with a `ShardStore`): the same
+samples as the in-memory path, artifacts of a few hundred bytes, a finished store read back
+without rendering, and a step killed half-way resumed from its finished parts with exactly the
+samples, rejections and held-out records of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from posttrain.config.schema import FilterConfig, PackConfig, SourceConfig
+from posttrain.data.chat import TokenizedSample
+from posttrain.data.token_shards import TokenShards, shard_name, write_shard
+from posttrain.steps import ingest, tokenize
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_shards_read_back_every_sample_lazily_and_pickle_as_references(tmp_path):
+    rng = np.random.default_rng(0)
+    samples = [TokenizedSample(rng.integers(0, 150_000, n).tolist(), rng.integers(0, 2, n).tolist())
+               for n in rng.integers(1, 300, 50)]
+    write_shard(tmp_path / shard_name(0), samples[:20], list(range(1, 21)))
+    write_shard(tmp_path / shard_name(1), samples[20:], list(range(21, 51)))
+    shards = TokenShards(tmp_path, [shard_name(0), shard_name(1)], [20, 30])
+    assert len(shards) == 50
+    for got, want in zip(pickle.loads(pickle.dumps(shards)), samples):
+        assert got.input_ids.tolist() == want.input_ids and got.loss_mask.tolist() == want.loss_mask
+    assert shards[-1].input_ids.tolist() == samples[-1].input_ids
+    assert shards.lines().tolist() == list(range(1, 51))
+    assert shards.lengths().tolist() == [len(s.input_ids) for s in samples]
+    assert shards.loss_tokens() == sum(sum(s.loss_mask) for s in samples)
+    assert len(pickle.dumps(shards)) < 400  # a reference, whatever the corpus size
+    with pytest.raises(IndexError):
+        shards[50]
+
+
+def test_a_shard_written_over_is_replaced_whole(tmp_path):
+    path = tmp_path / shard_name(0)
+    write_shard(path, [TokenizedSample([1, 2], [0, 1])], [1])
+    write_shard(path, [TokenizedSample([3, 4, 5], [0, 1, 1])], [7])
+    assert not list(tmp_path.glob("*.tmp"))
+    assert TokenShards(tmp_path, [path.name], [1])[0].input_ids.tolist() == [3, 4, 5]
+
+
+def chats(n: int) -> list[dict]:
+    """`n` distinct conversations, a few of them repeating an earlier one (rows 17, 33 and 38)."""
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} + {i}?"},
+                          {"role": "assistant", "content": f"{2 * i}"}]} for i in range(n)]
+    rows[17], rows[33], rows[38] = rows[3], rows[12], rows[35]  # duplicates across and inside parts
+    return rows
+
+
+def write_source(tmp_path: Path, n: int = 48) -> SourceConfig:
+    lines = [json.dumps(row) for row in chats(n)]
+    lines[25] = '{"messages": ['  # a malformed row, kept aside with its line
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return SourceConfig(name="chats", kind="jsonl", path=str(path), format="chat")
+
+
+def parts_of(source: SourceConfig, tmp_path: Path):
+    return {source.name: ingest.stream_parts(source, tmp_path, "conversations", heldout_fraction=0.1, seed=3,
+                                             part_records=10)}
+
+
+def summary(result) -> dict:
+    return {
+        "samples": {k: [(s.input_ids.tolist(), s.loss_mask.tolist()) for s in v] for k, v in result.samples.items()},
+        "rejected": [(r.source, r.line, r.reason) for r in result.rejected],
+        "heldout": [(r.line, r.messages) for r in result.heldout],
+        "counts": result.counts, "stats": result.stats,
+    }
+
+
+PACK = PackConfig(row_length=64, window=8)
+
+
+def test_shards_hold_what_the_in_memory_path_gives_and_a_finished_store_is_read_not_rendered(
+        tmp_path, qwen3_tokenizer, monkeypatch):
+    source = write_source(tmp_path)
+    in_memory = tokenize.run_parts(parts_of(source, tmp_path), qwen3_tokenizer, {}, FilterConfig(), PACK)
+    store = tokenize.ShardStore(tmp_path / "cache", "key")
+    sharded = tokenize.run_parts(parts_of(source, tmp_path), qwen3_tokenizer, {}, FilterConfig(), PACK, store=store)
+    assert isinstance(sharded.samples["chats"], TokenShards) and len(sharded.samples["chats"].files) == 5
+    assert summary(sharded) == summary(in_memory)
+    assert sorted((r[2].split(":")[0].split(" of ")[0], r[1]) for r in summary(sharded)["rejected"])[-1] == \
+        ("invalid JSON", 26)
+    assert sum(r[2].startswith("duplicate of") for r in summary(sharded)["rejected"]) == 3
+    assert sharded.counts["chats"] == {"kept": 47, "rejected": 1, "read": 48} and len(sharded.heldout) == 4
+
+    def no_rendering(*args, **kwargs):
+        raise AssertionError("a finished store is read, not rendered")
+
+    monkeypatch.setattr(tokenize, "render_conversation", no_rendering)
+    again = tokenize.run_parts(parts_of(source, tmp_path), qwen3_tokenizer, {}, FilterConfig(), PACK, store=store)
+    assert summary(again) == summary(in_memory)
+
+
+KILLED_CHILD = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from posttrain.config.schema import FilterConfig, PackConfig, SourceConfig
+    from posttrain.data.tokenizer import load_tokenizer
+    from posttrain.steps import ingest, tokenize
+    tmp = Path(sys.argv[1])
+    source = SourceConfig(name="chats", kind="jsonl", path=str(tmp / "chats.jsonl"), format="chat")
+    parts = {"chats": ingest.stream_parts(source, tmp, "conversations", heldout_fraction=0.1, seed=3,
+                                          part_records=10)}
+    tokenize.run_parts(parts, load_tokenizer("builtin:qwen3"), {}, FilterConfig(),
+                       PackConfig(row_length=64, window=8), store=tokenize.ShardStore(tmp / "cache", "key"))
+""")
+
+
+@pytest.mark.subprocess
+def test_a_step_killed_after_two_parts_resumes_from_them_with_the_uninterrupted_result(
+        tmp_path, qwen3_tokenizer, monkeypatch):
+    source = write_source(tmp_path)
+    uninterrupted = tokenize.run_parts(parts_of(source, tmp_path), qwen3_tokenizer, {}, FilterConfig(), PACK)
+    env = {**os.environ, "POSTTRAIN_FAULT_AT_PART": "2", "POSTTRAIN_FAULT_MODE": "kill", "OMP_NUM_THREADS": "1"}
+    child = subprocess.run([sys.executable, "-c", KILLED_CHILD, str(tmp_path)], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    finished = sorted(p.name for p in (tmp_path / "cache" / "key" / "chats").glob("part-*.json"))
+    assert finished == ["part-00000.json", "part-00001.json"]
+    rendered = []
+    real_render = tokenize.render_conversation
+
+    def counting(tokenizer, messages, **kwargs):
+        rendered.append(messages)
+        return real_render(tokenizer, messages, **kwargs)
+
+    monkeypatch.setattr(tokenize, "render_conversation", counting)
+    resumed = tokenize.run_parts(parts_of(source, tmp_path), qwen3_tokenizer, {}, FilterConfig(), PACK,
+                                 store=tokenize.ShardStore(tmp_path / "cache", "key"))
+    assert summary(resumed) == summary(uninterrupted)
+    # only the unfinished parts (2, 3 and 4) rendered: every record they train on, no other
+    unfinished = [r.messages for p in parts_of(source, tmp_path)["chats"] if p.index >= 2 for r in p.train]
+    assert rendered == unfinished and len(unfinished) >= 20
