@@ -401,7 +401,9 @@ def run_posttrain(jsonl, tokenizer_dir, row_length: int, num_proc: int, work_dir
 
     seconds["import"], clock = time.perf_counter() - clock, time.perf_counter()
     config = load_sft_config(REPO / "configs" / "sft" / "demo.yaml", overrides={
-        "data.generate": None, "data.heldout": None, "data.heldout_fraction": 0.0,
+        "data.generate": None, "data.heldout_fraction": 0.0,  # a held-out set apart: every row trains
+        "data.heldout": {"name": "heldout", "kind": "jsonl", "path": str(SHARED_DATA / "gsm8k" / "test.jsonl"),
+                         "format": "gsm8k_chat", "limit": 200},
         "data.sources": [{"name": "chats", "kind": "jsonl", "path": str(jsonl), "format": "chat"}],
         "data.tokenize.num_proc": num_proc, "tokenizer.name_or_path": str(tokenizer_dir),
         "output_dir": str(work_dir), "pack.row_length": row_length})

@@ -37,13 +37,16 @@ all-ones (or empty) mask.
 from __future__ import annotations
 
 import bisect
+import json
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _SENTINELS = ("Qz7 sentinel one", "Qz7 sentinel two")
 _PROBE_USERS = ("Probe question one", "Probe question two")
+_MARKERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> {(template, kwargs): marker}
 
 
 class ChatTemplateError(ValueError):
@@ -125,9 +128,18 @@ def end_of_turn_marker(tokenizer, **template_kwargs) -> str:
     """The text that closes an assistant turn (e.g. "<|im_end|>"), found from the template.
 
     Renders [user, assistant(S1), user, assistant(S2)] and takes what follows each sentinel
-    content up to and including the first added/special token; both must agree.
+    content up to and including the first added/special token; both must agree. Remembered
+    per tokenizer, template and arguments (every conversation rendered asks for it).
     """
-    _template_source(tokenizer, template_kwargs)
+    source = _template_source(tokenizer, template_kwargs)
+    key = (source, json.dumps(template_kwargs, sort_keys=True, default=repr))
+    known = _MARKERS.setdefault(tokenizer, {})
+    if key not in known:
+        known[key] = _find_end_of_turn_marker(tokenizer, template_kwargs)
+    return known[key]
+
+
+def _find_end_of_turn_marker(tokenizer, template_kwargs: dict) -> str:
     probe = [
         {"role": "user", "content": _PROBE_USERS[0]},
         {"role": "assistant", "content": _SENTINELS[0]},
@@ -247,9 +259,14 @@ def render_conversation(tokenizer, messages: list[dict], **template_kwargs) -> T
         _check_mask(mask, "the template's {% generation %} markers")
         return TokenizedSample(input_ids, mask)
     text = _render(tokenizer, messages, False, template_kwargs)
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = list(encoding["input_ids"])
-    offsets = [tuple(o) for o in encoding["offset_mapping"]]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # a fast tokenizer: its Rust encoder directly (what __call__ runs, less overhead)
+        encoding = backend.encode(text, add_special_tokens=False)
+        input_ids, offsets = encoding.ids, encoding.offsets
+    else:
+        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        input_ids = list(encoding["input_ids"])
+        offsets = [tuple(o) for o in encoding["offset_mapping"]]
     mask = _mask_from_spans(offsets, _assistant_spans(tokenizer, messages, text, template_kwargs))
     _check_mask(mask, "the derived mask")
     return TokenizedSample(input_ids, mask)
