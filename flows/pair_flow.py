@@ -1,11 +1,14 @@
 """The steps the preference-pair recipes share (DPO, reward models, KTO, ORPO): ingest pairs,
 tokenize them, pack them, and for the recipes that score a reference, score it.
 
-`PairRecipeFlow` is a `RecipeFlow` whose `ingest` reads preference records (the demo mines
-them from the starting model's own answers) and whose `tokenize` renders each pair through
-the chat template, prompt once, masks on the responses, fitted to a row (responses cut, never
-the prompt; unusable pairs kept aside with file, line and reason), then hands the pairs to the
-recipe's spec (`prepare_pairs`: e.g. KTO's split into labelled examples). `pack` goes on to
+`PairRecipeFlow` is a `RecipeFlow` whose training sources stream, as a chat recipe's do
+(`chat_flow`): `ingest` fingerprints them (the demo first mines its pairs from the starting
+model's own answers into JSONL) and reads the held-out source; `tokenize` reads the training
+pairs in parts and renders each through the chat template, prompt once, masks on the
+responses, fitted to a row (responses cut, never the prompt; unusable pairs kept aside with
+file, line and reason), into Arrow shards of pairs (`TokenShards`, referenced by the
+artifacts), then hands the pairs to the recipe's spec (`prepare_pairs`: e.g. KTO's split into
+labelled examples, which builds its examples in memory). `pack` goes on to
 `train`. `ScoredPairRecipeFlow` (DPO, KTO: their spec's `scores_reference`) goes from `pack` to
 `reference`, which scores every pair once with the frozen starting model, then to `train`.
 Evaluation reads the held-out pairs, and their prompts with the chosen responses as
@@ -19,32 +22,43 @@ from recipe_flow import RecipeFlow
 
 
 class PairRecipeFlow(RecipeFlow):
+    @card(type="blank", id="ingest")
+    @step
+    def ingest(self):
+        """Write the demo's pairs (mined from the starting model) when the recipe generates them,
+        fingerprint every source and read the held-out one; the training pairs stream in `tokenize`."""
+        self._prepare_streamed_sources()
+        self.next(self.tokenize)
+
+    def _skew_records(self):
+        """The first pairs of every training source (the skew gate renders a few)."""
+        from pathlib import Path
+
+        from posttrain.steps import ingest
+
+        return ingest.head_records(self.recipe, Path(self.run_dir), self.recipe.verify.skew_samples, kind="pairs")
+
     @card(type="blank", id="tokenize")
     @step
     def tokenize(self):
         """Render each pair through the chat template (prompt once, masks on the responses),
-        fitted to a row: responses cut, never the prompt; unusable pairs kept aside."""
-        from pathlib import Path
-
-        from posttrain.data.sources import write_rejected
-        from posttrain.steps import tokenize
-
+        fitted to a row: responses cut, never the prompt; unusable pairs kept aside. The
+        training sources stream in parts into shards (`tokenize.run_streamed_pairs`)."""
         from posttrain.recipes import recipe_spec
+        from posttrain.steps import tokenize
 
         tokenizer, kw = self._tokenizer(), self.recipe.tokenizer.chat_template_kwargs
         self.pad_token_id = tokenizer.pad_token_id  # what pack pads rows with (it loads no tokenizer)
         shared, spec = self.recipe.shared_prompt, recipe_spec(self.recipe)
         parallel = self.recipe.data.tokenize
-        train = tokenize.run_pairs(self.train_records, tokenizer, kw, self.recipe.pack, shared, tokenize=parallel)
+        train = tokenize.run_streamed_pairs(self.recipe, self.run_dir, tokenizer, self.data_fingerprints)
+        self._store_streamed(train)
         self.samples = spec.prepare_pairs(train.pairs, self.recipe)
-        first = 1 + max((p.pair_id for group in self.samples.values() for p in group), default=-1)
         held = tokenize.run_pairs({"heldout": self.heldout_records}, tokenizer, kw, self.recipe.pack, shared,
-                                  first_id=first, tokenize=parallel)  # ids after the training pairs' (one reference table)
+                                  first_id=train.next_id, tokenize=parallel)  # ids after the training pairs' (one reference table)
         self.heldout_pairs = held.pairs["heldout"]
         self.tokenize_stats = {**train.stats, "heldout": held.stats["heldout"]}
-        self.rejected = self.rejected + train.rejected + held.rejected
-        if train.rejected or held.rejected:
-            self.rejected_path = str(write_rejected(self.rejected, Path(self.run_dir) / "rejected.jsonl"))
+        self._store_rejected(held.rejected)
         cards.pairs_section(cards.card("tokenize"), self.tokenize_stats)
         self.next(self.pack)
 

@@ -46,6 +46,52 @@ class RecipeSteps(FlowSpec):
         cards.ingest_section(cards.card("ingest"), self.data_counts, self.rejected, self.data_warnings)
         return result
 
+    def _prepare_streamed_sources(self):
+        """The body of the `ingest` step of a recipe whose training sources stream in its
+        `tokenize` step: the demo data written, every source fingerprinted, the held-out source
+        read (an evaluation set, read whole)."""
+        from pathlib import Path
+
+        from posttrain.recipes import recipe_spec
+        from posttrain.steps import ingest
+
+        run_dir = Path(self.run_dir)
+        ingest.generate(self.recipe, run_dir)
+        self.data_fingerprints = ingest.source_fingerprints(self.recipe, run_dir)
+        self.heldout_records, self.rejected, counts = ingest.read_heldout_source(self.recipe, run_dir,
+                                                                                 recipe_spec(self.recipe).records)
+        self.data_counts = {} if counts is None else {self.recipe.data.heldout.name: counts}
+        self.rejected_path, self.data_warnings = None, []
+        print(f"[ingest] {len(self.recipe.data.sources)} training sources stream into the tokenize step")
+        cards.ingest_section(cards.card("ingest"), self.data_counts, self.rejected, self.data_warnings)
+
+    def _store_streamed(self, result):
+        """What a `tokenize` step that streamed the training sources stores beside its samples
+        (a `TokenizeResult` or `PairTokenizeResult`): the counts, rejected rows and held-out
+        records of the reading, after the held-out source's; the warnings, and a `DataError`
+        when no source has a usable record; the rows in the `tokenize` card."""
+        from posttrain.steps import ingest
+
+        self.heldout_records = result.heldout + self.heldout_records
+        self.data_counts = {**result.counts, **self.data_counts}
+        self._store_rejected(result.rejected, first=False)
+        self.data_warnings = ingest.check_usable(self.recipe, self.data_counts, result.rejected_by_source,
+                                                 self.rejected_path)
+        cards.ingest_section(cards.card("tokenize"), self.data_counts, self.rejected, self.data_warnings)
+
+    def _store_rejected(self, rejected: list, first: bool = True):
+        """Add `rejected` to the run's rejected rows (after them, or before with `first=False`)
+        and write them all to `rejected.jsonl` in the run directory."""
+        if not rejected:
+            return
+        from pathlib import Path
+
+        from posttrain.data.sources import write_rejected
+
+        self.rejected = self.rejected + rejected if first else rejected + self.rejected
+        self.rejected_path = str(write_rejected(self.rejected, Path(self.run_dir) / "rejected.jsonl"))
+        print(f"[tokenize] {len(self.rejected)} rejected rows kept aside in {self.rejected_path}")
+
     def _tokenizer(self):
         from posttrain.steps.paths import load_recipe_tokenizer
 

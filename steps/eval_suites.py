@@ -118,7 +118,8 @@ def heldout_loss(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext
 def _prompts_and_references(data: EvalData, ctx: SuiteContext, kind: str):
     """The held-out prompts (messages and rendered ids), their references and the stop ids."""
     config, tokenizer = ctx.config, ctx.tokenizer
-    records = ctx.head(_needs(data.chats, "held-out conversations", kind))
+    conversations = [r for r in data.chats if hasattr(r, "messages")]  # plain text has no prompt to answer
+    records = ctx.head(_needs(conversations, "held-out conversations", kind))
     template_kwargs = config.tokenizer.chat_template_kwargs
     prompts, references = zip(*(prompt_and_reference(r) for r in records))
     prompt_ids = [render_prompt(tokenizer, messages, **template_kwargs) for messages in prompts]

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Iterator
 
 from posttrain.config.schema import GenerateConfig, RecipeConfig, SourceConfig
-from posttrain.data.records import ChatRecord, PreferenceRecord, PromptRecord, RejectedRow, SequenceRecord
+from posttrain.data.records import (ChatRecord, PreferenceRecord, PromptRecord, RejectedRow, SequenceRecord,
+                                    TextRecord)
 from posttrain.data.sources import SourceSpec, fingerprint, iter_records, read_records, write_rejected
 from posttrain.steps.paths import generated_directory, resolve
 
@@ -101,15 +102,17 @@ def _spec(source: SourceConfig, run_dir: Path) -> SourceSpec:
     return SourceSpec(**values)
 
 
-def as_conversation(record, source: SourceConfig) -> ChatRecord:
-    """The conversation SFT trains on: a chat record itself, or a preference pair's prompt + chosen."""
-    if isinstance(record, ChatRecord):
+def as_conversation(record, source: SourceConfig) -> ChatRecord | TextRecord:
+    """What SFT trains on: a chat record itself, or a preference pair's prompt + chosen; or
+    plain text (continued pre-training), itself."""
+    if isinstance(record, (ChatRecord, TextRecord)):
         return record
     if isinstance(record, PreferenceRecord):
         return ChatRecord(record.prompt + record.chosen, record.source, record.line)
     raise ValueError(
         f"source '{source.name}' (format '{source.format}') gives {type(record).__name__}s; SFT trains on "
-        "conversations: use a chat format (chat, oasst_tree, gsm8k_chat) or a preference format (chosen side)"
+        "conversations: use a chat format (chat, prompt_completion, oasst_tree, gsm8k_chat), a preference format "
+        "(chosen side) or plain text (text)"
     )
 
 
@@ -232,6 +235,16 @@ class RecordPart:
     @property
     def read(self) -> int:
         return len(self.train) + len(self.heldout) + len(self.rejected)
+
+    @property
+    def kept(self) -> int:
+        """Records the reader made (trained or held out)."""
+        return len(self.train) + len(self.heldout)
+
+    @property
+    def malformed(self) -> int:
+        """Rows the reader rejected."""
+        return len(self.rejected)
 
 
 def part_seed(seed: int, index: int) -> int:

@@ -27,6 +27,8 @@ import hashlib
 import itertools
 import json
 import os
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -39,15 +41,12 @@ from posttrain.data.chat import ChatTemplateError, TokenizedSample, render_conve
 from posttrain.data.filters import FilterStats, RecordFilter
 from posttrain.data.length_stats import LengthStats
 from posttrain.data.preference import PairError, PairSample, fit_pair, render_pair
-from posttrain.data.records import ChatRecord, PreferenceRecord, RejectedRow
-from posttrain.data.render_pool import num_procs_for, parallel_map, render_all
+from posttrain.data.records import ChatRecord, PreferenceRecord, RejectedRow, TextRecord
+from posttrain.data.render_pool import num_procs_for, parallel_map
 from posttrain.data.seen_keys import SeenKeys
 from posttrain.data.token_shards import TokenShards, shard_name, write_shard
 from posttrain.steps.ingest import RecordPart
 from posttrain.train.faults import FAULT_AT_PART_ENV, maybe_inject_fault
-
-SHARD_FORMAT_VERSION = 1  # bump when what a shard or a part record holds changes
-
 
 @dataclass
 class TokenizeStats:
@@ -98,53 +97,98 @@ class ShardStore:
 
 def tokenizer_fingerprint(tokenizer, template_kwargs: dict | None = None) -> str:
     """SHA-256 of what rendering depends on: the tokenizer's full definition (`tokenizer.json`
-    as the fast tokenizer serialises it, else its vocabulary), its chat template and the
-    template's arguments."""
+    as the fast tokenizer serialises it, else its vocabulary), its special tokens, its chat
+    template and the template's arguments."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     body = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     digest = hashlib.sha256(body.encode())
-    digest.update(json.dumps([getattr(tokenizer, "chat_template", None), template_kwargs or {}],
-                             sort_keys=True, default=str).encode())
+    digest.update(json.dumps([getattr(tokenizer, "chat_template", None), template_kwargs or {},
+                              getattr(tokenizer, "special_tokens_map", {}),
+                              getattr(tokenizer, "split_special_tokens", False)], sort_keys=True, default=str).encode())
+    return digest.hexdigest()
+
+
+def _code_fingerprint() -> str:
+    """SHA-256 of the code samples are made by (reading, formats, rendering, filtering, shards,
+    this step): a change to any of it tokenizes again rather than serve samples it would not make."""
+    from posttrain.data import chat, filters, formats, near_dedup, preference, records, sources, token_shards
+
+    from posttrain.steps import ingest
+
+    digest = hashlib.sha256()
+    for module in (chat, filters, formats, near_dedup, preference, records, sources, token_shards, ingest,
+                   sys.modules[__name__]):
+        digest.update(Path(module.__file__).read_bytes())
     return digest.hexdigest()
 
 
 def tokenize_fingerprint(sources: Sequence, fingerprints: dict[str, dict], tokenizer, template_kwargs: dict | None,
                          filters: FilterConfig, pack: PackConfig | None, heldout_fraction: float, seed: int,
-                         part_records: int) -> str | None:
-    """The name of a `ShardStore` directory: 24 hex digits of a hash over every source's
-    configuration and bytes (`sources.fingerprint`), the tokenizer (`tokenizer_fingerprint`),
-    the filters, the row length and overflow policy, the held-out split and the part size.
-    None when a source's bytes are unknown (a hub dataset): such data is never served from a cache."""
-    if any(fingerprints.get(s.name, {}).get("sha256") is None for s in sources):
-        return None
+                         part_records: int, extra: dict | None = None) -> tuple[str, bool]:
+    """`(key, known)`: the name of a `ShardStore` directory, 24 hex digits of a hash over every
+    source's configuration and bytes (`sources.fingerprint`), the tokenizer
+    (`tokenizer_fingerprint`), the filters, the row length and overflow policy, the held-out
+    split, the part size, the code (`_code_fingerprint`) and `extra` (e.g. the record kind);
+    `known` is False when a source's bytes are unknown (a hub dataset): such data is never
+    served from a shared cache."""
+    known = all(fingerprints.get(s.name, {}).get("sha256") is not None for s in sources)
     described = {
-        "sources": [{**dataclasses.asdict(s), "bytes": fingerprints[s.name]["sha256"]} for s in sources],
+        "sources": [{**dataclasses.asdict(s), "bytes": fingerprints.get(s.name, {}).get("sha256")} for s in sources],
         "tokenizer": tokenizer_fingerprint(tokenizer, template_kwargs),
         "filters": dataclasses.asdict(filters),
         "pack": None if pack is None else [pack.row_length, pack.on_overflow],
-        "heldout": [heldout_fraction, seed],
+        "heldout": [heldout_fraction, seed if heldout_fraction > 0 else None],
         "part_records": part_records,
-        "version": SHARD_FORMAT_VERSION,
+        "code": _code_fingerprint(),
+        "extra": extra or {},
     }
     for source in described["sources"]:  # how the mixer weighs a source does not change its samples
         source.pop("weight", None), source.pop("cap", None)
     text = json.dumps(described, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
+    return hashlib.sha256(text.encode()).hexdigest()[:24], known
 
 
-_END_OF_PART = "end of part"
+class _EndOfPart:
+    """The item that closes a part in the render stream (it passes through the workers)."""
 
 
 def _render_item(context: tuple, item: Any) -> Any:
     """In a render worker: a record's sample (ids int32, mask uint8), None when nothing in it
-    trains; `item` False (a record `max_chars` turned away) and the end-of-part marker pass through."""
-    if item is False or isinstance(item, str):
+    trains; `item` False (a record `max_chars` turned away) and the end-of-part marker pass through.
+    A record with tools of its own renders with them (in place of `tools` in the template's arguments)."""
+    if item is False or isinstance(item, _EndOfPart):
         return item
     tokenizer, template_kwargs = context
-    sample = render_conversation(tokenizer, item.messages, **template_kwargs)
+    if isinstance(item, TextRecord):
+        return _text_sample(tokenizer, item.text)
+    tools = getattr(item, "tools", None)  # a row's own tools take the place of the recipe's
+    sample = render_conversation(tokenizer, item.messages, **({**template_kwargs, "tools": tools} if tools else
+                                                              template_kwargs))
     if not any(sample.loss_mask):
         return None
     return TokenizedSample(np.asarray(sample.input_ids, dtype=np.int32), np.asarray(sample.loss_mask, dtype=np.uint8))
+
+
+def _text_sample(tokenizer, text: str) -> TokenizedSample:
+    """Plain text as continued pre-training trains on it: its tokens (with the special tokens
+    the tokenizer itself adds, e.g. a BOS), then the EOS token, every one trained."""
+    ids = list(tokenizer(text)["input_ids"])
+    if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
+        ids.append(tokenizer.eos_token_id)
+    return TokenizedSample(np.asarray(ids, dtype=np.int32), np.ones(len(ids), dtype=np.uint8))
+
+
+def _fitted_pair(context: tuple, record: Any) -> tuple[PairSample, bool] | str | _EndOfPart:
+    """In a render worker: `(pair, truncated)` for one record (`pair_id` unset), or the reason
+    it cannot train; the end-of-part marker passes through."""
+    if isinstance(record, _EndOfPart):
+        return record
+    tokenizer, template_kwargs, row_length, shared_prompt = context
+    try:
+        pair = render_pair(tokenizer, record, **template_kwargs)
+        return fit_pair(pair, row_length, shared=shared_prompt)
+    except (PairError, ChatTemplateError) as err:  # a template that cannot mask this pair's turns
+        return str(err) if isinstance(err, PairError) else f"chat template: {err}"
 
 
 def _as_parts(records: Iterable | Iterable[RecordPart]) -> Iterator[RecordPart]:
@@ -159,19 +203,289 @@ def _row(row: RejectedRow) -> dict:
     return {"source": row.source, "line": row.line, "reason": row.reason, "raw": row.raw}
 
 
-def _chat(record: ChatRecord) -> dict:
-    return {"messages": record.messages, "source": record.source, "line": record.line}
+def _held_json(record: Any) -> dict:
+    """A held-out record as a part's JSON record keeps it (`_held_record` reads it back)."""
+    if isinstance(record, TextRecord):
+        return {"text": record.text, "source": record.source, "line": record.line}
+    if isinstance(record, PreferenceRecord):
+        return {"prompt": record.prompt, "chosen": record.chosen, "rejected": record.rejected,
+                "source": record.source, "line": record.line}
+    return {"messages": record.messages, "source": record.source, "line": record.line,
+            "tools": getattr(record, "tools", None)}
 
 
-def render(records: list[ChatRecord], tokenizer, template_kwargs: dict | None = None,
+def _held_record(entry: dict) -> Any:
+    if "text" in entry:
+        return TextRecord(**entry)
+    return PreferenceRecord(**entry) if "chosen" in entry else ChatRecord(**entry)
+
+
+class _Conversations:
+    """How conversations and text go through `_stream_parts`: rendered by `_render_item`,
+    kept or rejected by the `RecordFilter` (whose cumulative stats a part's record keeps, and
+    whose near-duplicate signatures a part saves beside its shard)."""
+
+    layout, unit, work = "tokens", "conversations", staticmethod(_render_item)
+
+    def __init__(self, record_filter: RecordFilter):
+        self.filter = record_filter
+        self.near_mark = 0  # near-duplicate entries saved with a finished part
+
+    def admit(self, record: Any) -> Any:
+        return record if self.filter.admits_chars(record) else False
+
+    def keep(self, name: str, part: RecordPart, results: list) -> tuple[list, list[int], list[RejectedRow]]:
+        """The part's kept samples and their lines, and every row it rejected (the reader's
+        first, then `max_chars`, then rendering and the filters)."""
+        record_filter = self.filter
+        first = len(record_filter.rejected)
+        admitted = [(record, sample) for record, sample in zip(part.train, results)
+                    if sample is not False or record_filter.check_chars(name, record)]
+        rendered = []
+        for record, sample in admitted:
+            if sample is None:
+                record_filter.reject_untrainable(name, record)
+            else:
+                rendered.append((record, sample))
+        kept = [(record, sample) for record, sample in rendered if record_filter.check(name, record, sample)]
+        return ([sample for _, sample in kept], [record.line for record, _ in kept],
+                [*part.rejected, *record_filter.rejected[first:]])
+
+    def save(self, out_dir: Path, part: RecordPart) -> dict:
+        """What a finished part's record adds: the cumulative filter stats, and the file of the
+        near-duplicate signatures registered in this part."""
+        entry = {"filter_stats": self.filter.stats.as_dict(), "near": None}
+        near_dedup = self.filter.near_dedup
+        if near_dedup is not None:
+            entry["near"] = f"part-{part.index:05d}.near.npz"
+            signatures, labels = near_dedup.entries_since(self.near_mark)
+            np.savez(out_dir / entry["near"],
+                     signatures=(np.stack(signatures).astype(np.uint32) if signatures else
+                                 np.zeros((0, near_dedup.num_perm), dtype=np.uint32)),
+                     sources=np.asarray([s for s, _ in labels], dtype=str),
+                     lines=np.asarray([line for _, line in labels], dtype=np.int64))
+            self.near_mark = len(near_dedup)
+        return entry
+
+    def restore(self, out_dir: Path, entry: dict) -> None:
+        """Take up a finished part of a resumed step: its stats, its near-duplicate signatures."""
+        self.filter.stats = FilterStats.from_dict(entry["filter_stats"])
+        if self.filter.near_dedup is not None and entry.get("near"):
+            saved = np.load(out_dir / entry["near"])
+            for signature, source, line in zip(saved["signatures"], saved["sources"], saved["lines"]):
+                self.filter.near_dedup.add(signature, (str(source), int(line)))
+            self.near_mark = len(self.filter.near_dedup)
+
+
+class _Pairs:
+    """How preference pairs go through `_stream_parts`: rendered and fitted to a row by
+    `_fitted_pair`, numbered from `first_id` in order, counted per source (kept, rejected by
+    reason, truncated, tokens)."""
+
+    layout, unit, work = "pairs", "pairs", staticmethod(_fitted_pair)
+
+    def __init__(self, first_id: int = 0):
+        self.next_id = first_id
+        self.stats: dict[str, dict] = {}
+
+    def admit(self, record: Any) -> Any:
+        return record
+
+    def keep(self, name: str, part: RecordPart, results: list) -> tuple[list, list[int], list[RejectedRow]]:
+        stats = self.stats.setdefault(name, {"kept": 0, "rejected": {}, "truncated": 0, "tokens": 0})
+        kept, rejected = [], list(part.rejected)
+        for record, outcome in zip(part.train, results):
+            if isinstance(outcome, str):
+                rejected.append(RejectedRow(record.source, record.line, outcome, ""))
+                kind = outcome.split(":")[0][:60]
+                stats["rejected"][kind] = stats["rejected"].get(kind, 0) + 1
+                continue
+            pair, cut = outcome
+            pair.pair_id = self.next_id
+            self.next_id += 1
+            stats["kept"] += 1
+            stats["truncated"] += cut
+            stats["tokens"] += len(pair)
+            kept.append(pair)
+        return kept, [pair.line for pair in kept], rejected
+
+    def save(self, out_dir: Path, part: RecordPart) -> dict:
+        return {"pair_stats": self.stats, "next_id": self.next_id}
+
+    def restore(self, out_dir: Path, entry: dict) -> None:
+        self.stats, self.next_id = entry["pair_stats"], entry["next_id"]
+
+
+@dataclass
+class _Counted:
+    """A finished part of a resumed step, as the stream keeps it: its counts (`RecordPart`'s)."""
+
+    index: int
+    read: int
+    kept: int
+    malformed: int
+
+
+@dataclass
+class _Streamed:
+    """What `_stream_parts` gives, by source: samples (lists, or `TokenShards`), rejected rows
+    and counts (rows read, records kept, rows the reader rejected); and the held-out records."""
+
+    samples: dict[str, Sequence]
+    rejected: dict[str, list[RejectedRow]]
+    heldout: list
+    counts: dict[str, dict[str, int]]
+
+
+def _stream_parts(parts: Mapping[str, Iterable], kind, context: tuple, num_proc: int | None,
+                  store: ShardStore | None, seen: SeenKeys | None) -> _Streamed:
+    """Every source's parts through `kind.work` on the render pool (one pool a source; parts
+    follow each other in it without a pause), each part's results kept or rejected by `kind`
+    in order, and with `store` written as a shard and a part record (last: its presence marks
+    the part finished). A finished part found in the store is not rendered: its record stands
+    for it (`kind.restore`), and the de-duplication keys of every later part, which a killed
+    step may have left, are dropped before the first unfinished part is filtered."""
+    samples: dict[str, Sequence] = {}
+    rejected: dict[str, list[RejectedRow]] = {}
+    heldout: list = []
+    counts: dict[str, dict[str, int]] = {}
+    part_id = 0  # numbers every part of every source, in order: the de-duplication keys' tag
+    forgotten = False
+    for name, source_parts in parts.items():
+        out_dir = store.source_dir(name) if store is not None else None
+        files, rows, in_memory = [], [], []
+        source_rejected = rejected[name] = []
+        count = counts[name] = {"kept": 0, "rejected": 0, "read": 0}
+        held = 0
+        finished: dict[int, dict] = {}
+        pending: dict[int, tuple[RecordPart, int]] = {}
+
+        def feed(source_parts, out_dir=out_dir, finished=finished, pending=pending):
+            nonlocal part_id, forgotten
+            for part in source_parts:
+                record_path = None if out_dir is None else ShardStore.part_record(out_dir, part.index)
+                if record_path is not None and record_path.exists():  # finished before a kill: not rendered
+                    finished[part.index] = json.loads(record_path.read_text())
+                elif seen is not None and not forgotten:
+                    seen.forget_from(part_id)  # keys of parts a killed step left unfinished
+                    forgotten = True
+                if part.index in finished:  # only its counts are needed: hold no records
+                    part = _Counted(part.index, part.read, len(part.train) + len(part.heldout), len(part.rejected))
+                pending[part.index] = (part, part_id)
+                part_id += 1
+                if part.index not in finished:
+                    yield from (kind.admit(record) for record in part.train)
+                yield _EndOfPart()
+
+        source_parts = _as_parts(source_parts)
+        first = next(source_parts)  # a source of more than one part has a full first part
+        procs = num_procs_for(num_proc, len(first.train),
+                              f"[tokenize {name}] rendering {len(first.train):,} {kind.unit}")
+        results: list = []
+        progress = tqdm(desc=f"[tokenize {name}]", unit="row", mininterval=2.0)
+        for outcome in parallel_map(kind.work, feed(itertools.chain([first], source_parts)), context, procs):
+            if not isinstance(outcome, _EndOfPart):
+                results.append(outcome)
+                continue
+            part, global_id = pending.pop(min(pending))
+            if part.index in finished:
+                entry = finished.pop(part.index)
+                kind.restore(out_dir, entry)
+                part_rejected = [RejectedRow(**r) for r in entry["rejected"]]
+                part_held = [_held_record(r) for r in entry["heldout"]]
+                if entry["shard"] is not None:
+                    files.append(entry["shard"]), rows.append(entry["kept"])
+            else:
+                if len(results) != len(part.train):
+                    raise RuntimeError(f"part {part.index}: {len(part.train)} records but {len(results)} rendered")
+                if seen is not None:
+                    seen.part = global_id
+                kept, lines, part_rejected = kind.keep(name, part, results)
+                part_held = part.heldout
+                if out_dir is None:
+                    in_memory.extend(kept)
+                else:
+                    shard = shard_name(part.index) if kept else None
+                    if shard is not None:
+                        write_shard(out_dir / shard, kept, lines, kind.layout)
+                        files.append(shard), rows.append(len(kept))
+                    if seen is not None:
+                        seen.commit()
+                    entry = {"shard": shard, "kept": len(kept), **kind.save(out_dir, part),
+                             "rejected": [_row(r) for r in part_rejected],
+                             "heldout": [_held_json(r) for r in part_held]}
+                    _write_json(ShardStore.part_record(out_dir, part.index), entry)
+                    maybe_inject_fault(global_id + 1, store.directory, at_env=FAULT_AT_PART_ENV)
+            results = []
+            progress.update(part.read)
+            source_rejected.extend(part_rejected)
+            heldout.extend(part_held)
+            held += len(part_held)
+            count["read"] += part.read
+            count["kept"] += part.kept
+            count["rejected"] += part.malformed
+        progress.close()
+        samples[name] = in_memory if out_dir is None else TokenShards(out_dir, files, rows, kind.layout)
+        print(f"[tokenize] {name}: {count['read']:,} rows read, {count['rejected']:,} rejected as malformed; "
+              f"{len(samples[name]):,} {kind.unit} kept, {len(source_rejected) - count['rejected']:,} rejected "
+              f"after reading, {held:,} held out")
+    return _Streamed(samples, rejected, heldout, counts)
+
+
+def _write_json(path: Path, value: dict) -> None:
+    """`value` as JSON at `path`, atomically and durably (on disk before it is in place)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(json.dumps(value, ensure_ascii=False))
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+@contextmanager
+def _holding(store: ShardStore | None):
+    """Hold `store` for this process alone (an exclusive lock on `<store>/lock`: two runs on the
+    same data wait for each other rather than write one store at once); yields what
+    `_read_complete` reads when the store is complete, else None."""
+    if store is None:
+        yield None
+        return
+    import fcntl
+
+    with open(store.directory / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield _read_complete(store) if store.complete_path.exists() else None
+
+
+def _write_complete(store: ShardStore, streamed: _Streamed, stats: dict) -> None:
+    """The store's completion record: everything `_read_complete` needs but the shards."""
+    _write_json(store.complete_path, {
+        "samples": {name: group.__getstate__() for name, group in streamed.samples.items()},
+        "rejected": {name: [_row(r) for r in rows] for name, rows in streamed.rejected.items()},
+        "heldout": [_held_json(r) for r in streamed.heldout], "counts": streamed.counts, "stats": stats})
+
+
+def _read_complete(store: ShardStore) -> tuple[_Streamed, dict]:
+    record = json.loads(store.complete_path.read_text())
+    print(f"[tokenize] the data is tokenized already: {store.directory} (fingerprint {store.fingerprint})")
+    # the shards are where the store is now (a cache moved or mounted elsewhere still reads)
+    samples = {name: TokenShards(**{**state, "directory": store.directory / name})
+               for name, state in record["samples"].items()}
+    streamed = _Streamed(samples=samples,
+                         rejected={name: [RejectedRow(**r) for r in rows] for name, rows in record["rejected"].items()},
+                         heldout=[_held_record(r) for r in record["heldout"]], counts=record["counts"])
+    return streamed, record["stats"]
+
+
+def render(records: list, tokenizer, template_kwargs: dict | None = None,
            desc: str = "tokenize") -> tuple[list[TokenizedSample], list[RejectedRow]]:
     """Render records in order, unfiltered (held-out sets); those with no trainable token are
     rejected (returned aside)."""
     samples, rejected = [], []
-    rendered = render_all(tokenizer, (record.messages for record in records), template_kwargs)
-    for record, sample in tqdm(zip(records, rendered), total=len(records), desc=f"[{desc}]", unit="rec",
-                               mininterval=2.0):
-        if any(sample.loss_mask):
+    context = (tokenizer, dict(template_kwargs or {}))
+    for record in tqdm(records, total=len(records), desc=f"[{desc}]", unit="rec", mininterval=2.0):
+        sample = _render_item(context, record)
+        if sample is not None:
             samples.append(sample)
         else:
             rejected.append(RejectedRow(record.source, record.line, "no trainable assistant token", ""))
@@ -200,119 +514,47 @@ def run_parts(parts: Mapping[str, Iterable], tokenizer, template_kwargs: dict | 
     `parts[name]`: the source's records (a list) or its `RecordPart`s. With `store`, each
     part's samples are written as a shard there and the result's samples are `TokenShards`
     (module docstring: a complete store is read back without rendering; a partial one resumes)."""
-    template_kwargs = dict(template_kwargs or {})
-    if store is not None and store.complete_path.exists():
-        return _read_complete(store)
-    seen = SeenKeys(store.directory / "seen.sqlite") if store is not None else None
-    record_filter = RecordFilter.from_config(filters or FilterConfig(), dedup_on="tokens", pack=pack, seen=seen)
-    num_proc = (tokenize or TokenizeConfig()).num_proc
-    context = (tokenizer, template_kwargs)
-    samples: dict[str, Sequence[TokenizedSample]] = {}
-    rejected: dict[str, list[RejectedRow]] = {}
-    heldout: list = []
-    counts: dict[str, dict[str, int]] = {}
-    part_id = 0  # numbers every part of every source, in order: the de-duplication keys' tag
-    resumed = False
-    near_mark = [0]  # near-duplicate entries already saved with a finished part
-    try:
-        for name, source_parts in parts.items():
-            out_dir = store.source_dir(name) if store is not None else None
-            files, rows, in_memory = [], [], []
-            source_rejected = rejected[name] = []
-            held = 0
-            count = counts[name] = {"kept": 0, "rejected": 0, "read": 0}
-            finished: dict[int, dict] = {}
-            pending: dict[int, RecordPart] = {}
-
-            def feed(source_parts, out_dir=out_dir, finished=finished, pending=pending):
-                nonlocal part_id, resumed
-                for part in source_parts:
-                    done = out_dir is not None and ShardStore.part_record(out_dir, part.index).exists()
-                    if done:  # a finished part of a resumed step: its record stands for it
-                        finished[part.index] = json.loads(ShardStore.part_record(out_dir, part.index).read_text())
-                    elif seen is not None and not resumed:
-                        seen.forget_from(part_id)  # keys of a part a killed step left unfinished
-                        resumed = True
-                    pending[part.index] = (part, part_id)
-                    part_id += 1
-                    if not done:
-                        yield from (record if record_filter.admits_chars(record) else False for record in part.train)
-                    yield _END_OF_PART
-
-            source_parts = _as_parts(source_parts)
-            first = next(source_parts)  # a source of more than one part has a full first part
-            source_parts = itertools.chain([first], source_parts)
-            procs = num_procs_for(num_proc, len(first.train),
-                                  f"[tokenize {name}] rendering {len(first.train):,} conversations")
-            results: list = []
-            progress = tqdm(desc=f"[tokenize {name}]", unit="rec", mininterval=2.0)
-            for outcome in parallel_map(_render_item, feed(source_parts), context, procs):
-                if not (isinstance(outcome, str) and outcome == _END_OF_PART):
-                    results.append(outcome)
-                    continue
-                part, global_id = pending.pop(min(pending))
-                if seen is not None:
-                    seen.part = global_id
-                if part.index in finished:
-                    entry = finished.pop(part.index)
-                    record_filter.stats = FilterStats.from_dict(entry["filter_stats"])
-                    part_rejected = [RejectedRow(**r) for r in entry["rejected"]]
-                    part_held = [ChatRecord(**r) for r in entry["heldout"]]
-                    kept_count = entry["kept"]
-                    if entry["shard"] is not None:
-                        files.append(entry["shard"]), rows.append(entry["kept"])
-                    if record_filter.near_dedup is not None and entry.get("near"):
-                        _add_near(record_filter.near_dedup, out_dir / entry["near"])
-                        near_mark[0] = len(record_filter.near_dedup)
-                else:
-                    kept, part_rejected = _filter_part(record_filter, name, part, results)
-                    part_held = part.heldout
-                    kept_count = len(kept)
-                    if out_dir is None:
-                        in_memory.extend(sample for _, sample in kept)
-                    else:
-                        entry = _finish_part(out_dir, part, kept, part_rejected, record_filter, seen, near_mark)
-                        maybe_inject_fault(global_id + 1, store.directory, at_env=FAULT_AT_PART_ENV)
-                        if entry["shard"] is not None:
-                            files.append(entry["shard"]), rows.append(kept_count)
-                progress.update(part.read)
-                results = []
-                source_rejected.extend(part_rejected)
-                heldout.extend(part_held)
-                held += len(part_held)
-                count["read"] += part.read
-                count["kept"] += len(part.train) + len(part.heldout)
-                count["rejected"] += len(part.rejected)
-            progress.close()
-            samples[name] = in_memory if out_dir is None else TokenShards(out_dir, files, rows)
-            print(f"[tokenize] {name}: {count['read']:,} rows read, {count['rejected']:,} rejected as malformed; "
-                  f"{len(samples[name]):,} samples kept, {len(source_rejected) - count['rejected']:,} rejected by "
-                  f"the filters, {held:,} held out")
-    finally:
-        if seen is not None:
-            seen.close()
-    stats = _stats(samples, record_filter)
-    result = TokenizeResult(samples=samples, rejected=[r for group in rejected.values() for r in group], stats=stats,
-                            heldout=heldout, counts=counts, rejected_by_source=rejected)
-    if store is not None:
-        _write_complete(store, result)
-    return result
+    with _holding(store) as complete:
+        if complete is not None:
+            streamed, stats = complete
+            return _tokenize_result(streamed, TokenizeStats(**stats))
+        seen = SeenKeys(store.directory / "seen.sqlite") if store is not None else None
+        record_filter = RecordFilter.from_config(filters or FilterConfig(), dedup_on="tokens", pack=pack, seen=seen)
+        try:
+            streamed = _stream_parts(parts, _Conversations(record_filter), (tokenizer, dict(template_kwargs or {})),
+                                     (tokenize or TokenizeConfig()).num_proc, store, seen)
+        finally:
+            if seen is not None:
+                seen.close()
+        stats = _stats(streamed.samples, record_filter)
+        if store is not None:
+            _write_complete(store, streamed, dataclasses.asdict(stats))
+    return _tokenize_result(streamed, stats)
 
 
-def shard_store(config, run_dir: str | Path, tokenizer, fingerprints: dict[str, dict]) -> ShardStore:
-    """The recipe's `ShardStore`: under `data.tokenize.cache_dir` (default `<output_dir>/tokenized`),
-    named by `tokenize_fingerprint`; a run-private one (under the run directory) when a
-    source's bytes are unknown."""
-    from posttrain.steps.paths import resolve
+def _tokenize_result(streamed: _Streamed, stats: TokenizeStats) -> TokenizeResult:
+    return TokenizeResult(samples=streamed.samples, rejected=[r for rows in streamed.rejected.values() for r in rows],
+                          stats=stats, heldout=streamed.heldout, counts=streamed.counts,
+                          rejected_by_source=streamed.rejected)
 
+
+def shard_store(config, run_dir: str | Path, tokenizer, fingerprints: dict[str, dict], kind: str = "conversations"
+                ) -> ShardStore:
+    """The recipe's `ShardStore` for its training sources read as `kind` ("conversations",
+    "pairs"): under `data.tokenize.cache_dir` (default `<output_dir>/tokenized`), named by
+    `tokenize_fingerprint`; a run-private one (under the run directory, named by everything but
+    the bytes) when a source's bytes are unknown (a hub dataset)."""
     settings = config.data.tokenize
-    sources = [dataclasses.replace(s, path=resolve(s.path, Path(run_dir))) for s in config.data.sources]
-    key = tokenize_fingerprint(sources, fingerprints, tokenizer, config.tokenizer.chat_template_kwargs,
-                               config.data.filters, config.pack, config.data.heldout_fraction if
-                               config.data.heldout is None else 0.0, config.seed, settings.part_records)
-    if key is None:
-        return ShardStore(Path(run_dir) / "tokenized", "run")
-    root = settings.cache_dir or str(Path(config.output_dir).expanduser().resolve() / "tokenized")
+    fraction = config.data.heldout_fraction if config.data.heldout is None else 0.0
+    extra = {"kind": kind}
+    if kind == "pairs":
+        extra["shared_prompt"] = config.shared_prompt
+    key, known = tokenize_fingerprint(config.data.sources, fingerprints, tokenizer,
+                                      config.tokenizer.chat_template_kwargs, config.data.filters, config.pack,
+                                      fraction, config.seed, settings.part_records, extra)
+    if not known:
+        return ShardStore(Path(run_dir) / "tokenized", f"run-{key}")
+    root = Path(settings.cache_dir or Path(config.output_dir) / "tokenized").expanduser().resolve()
     return ShardStore(root, key)
 
 
@@ -320,69 +562,28 @@ def run_streamed(config, run_dir: str | Path, tokenizer, fingerprints: dict[str,
     """A chat recipe's training sources, read in parts (`ingest.stream_parts`, holding out
     `data.heldout_fraction` of each part unless `data.heldout` is a source of its own),
     rendered, filtered and written to the recipe's `shard_store`: `run_parts` from the config."""
+    store = shard_store(config, run_dir, tokenizer, fingerprints)
+    return run_parts(_source_parts(config, run_dir, "conversations", store), tokenizer,
+                     config.tokenizer.chat_template_kwargs, config.data.filters, config.pack, config.data.tokenize,
+                     store=store)
+
+
+def run_streamed_pairs(config, run_dir: str | Path, tokenizer, fingerprints: dict[str, dict]) -> PairTokenizeResult:
+    """A preference recipe's training sources as `run_streamed` reads conversations: pairs in
+    parts, rendered, fitted to a row and written to the recipe's `shard_store`."""
+    store = shard_store(config, run_dir, tokenizer, fingerprints, kind="pairs")
+    return run_pairs(_source_parts(config, run_dir, "pairs", store), tokenizer,
+                     config.tokenizer.chat_template_kwargs, config.pack, config.shared_prompt,
+                     tokenize=config.data.tokenize, store=store)
+
+
+def _source_parts(config, run_dir: str | Path, kind: str, store: ShardStore) -> dict[str, Iterator[RecordPart]]:
     from posttrain.steps.ingest import stream_parts
 
-    fraction = config.data.heldout_fraction if config.data.heldout is None else 0.0
-    store = shard_store(config, run_dir, tokenizer, fingerprints)
     print(f"[tokenize] shards in {store.directory}")
-    parts = {source.name: stream_parts(source, Path(run_dir), "conversations", fraction, config.seed,
-                                       config.data.tokenize.part_records) for source in config.data.sources}
-    return run_parts(parts, tokenizer, config.tokenizer.chat_template_kwargs, config.data.filters, config.pack,
-                     config.data.tokenize, store=store)
-
-
-def _filter_part(record_filter: RecordFilter, name: str, part: RecordPart, results: list
-                 ) -> tuple[list[tuple[Any, TokenizedSample]], list[RejectedRow]]:
-    """The part's kept `(record, sample)`s in order, and every row it rejected (the reader's
-    first, then `max_chars`, then rendering and the filters, as the single-process path did)."""
-    first = len(record_filter.rejected)
-    if len(results) != len(part.train):
-        raise RuntimeError(f"part {part.index}: {len(part.train)} records but {len(results)} rendered")
-    admitted = [(record, sample) for record, sample in zip(part.train, results)
-                if sample is not False or record_filter.check_chars(name, record)]
-    rendered = []
-    for record, sample in admitted:
-        if sample is None:
-            record_filter.reject_untrainable(name, record)
-        else:
-            rendered.append((record, sample))
-    kept = [(record, sample) for record, sample in rendered if record_filter.check(name, record, sample)]
-    return kept, [*part.rejected, *record_filter.rejected[first:]]
-
-
-def _finish_part(out_dir: Path, part: RecordPart, kept: list, rejected: list[RejectedRow],
-                 record_filter: RecordFilter, seen: SeenKeys | None, near_mark: list[int]) -> dict:
-    """Write the part's shard (when it kept a sample) and near-duplicate signatures (those
-    registered after entry `near_mark[0]`, which moves past them), commit its de-duplication
-    keys, and last its JSON record (whose presence marks the part finished); returns the record."""
-    shard = None
-    if kept:
-        shard = shard_name(part.index)
-        write_shard(out_dir / shard, [sample for _, sample in kept], [record.line for record, _ in kept])
-    near = None
-    if record_filter.near_dedup is not None:
-        near = f"part-{part.index:05d}.near.npz"
-        signatures, labels = record_filter.near_dedup.entries_since(near_mark[0])
-        np.savez(out_dir / near, signatures=np.asarray(signatures, dtype=np.uint32).reshape(len(signatures), -1),
-                 sources=np.asarray([s for s, _ in labels], dtype=object).astype(str),
-                 lines=np.asarray([line for _, line in labels], dtype=np.int64))
-        near_mark[0] = len(record_filter.near_dedup)
-    if seen is not None:
-        seen.commit()
-    entry = {"shard": shard, "kept": len(kept), "near": near, "filter_stats": record_filter.stats.as_dict(),
-             "rejected": [_row(r) for r in rejected], "heldout": [_chat(r) for r in part.heldout]}
-    path = ShardStore.part_record(out_dir, part.index)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(entry, ensure_ascii=False))
-    os.replace(tmp, path)
-    return entry
-
-
-def _add_near(near_dedup, path: Path) -> None:
-    """Register a finished part's kept signatures again (a resumed step)."""
-    saved = np.load(path)
-    for signature, source, line in zip(saved["signatures"], saved["sources"], saved["lines"]):
-        near_dedup.add(signature, (str(source), int(line)))
+    fraction = config.data.heldout_fraction if config.data.heldout is None else 0.0
+    return {source.name: stream_parts(source, Path(run_dir), kind, fraction, config.seed,
+                                      config.data.tokenize.part_records) for source in config.data.sources}
 
 
 def _stats(samples: dict[str, Sequence[TokenizedSample]], record_filter: RecordFilter) -> TokenizeStats:
@@ -402,83 +603,48 @@ def _stats(samples: dict[str, Sequence[TokenizedSample]], record_filter: RecordF
                          filters=record_filter.stats.as_dict())
 
 
-def _write_complete(store: ShardStore, result: TokenizeResult) -> None:
-    """The store's completion record: everything `_read_complete` needs but the shards."""
-    record = {"samples": {name: group.__getstate__() for name, group in result.samples.items()},
-              "rejected": {name: [_row(r) for r in rows] for name, rows in result.rejected_by_source.items()},
-              "heldout": [_chat(r) for r in result.heldout],
-              "counts": result.counts, "stats": dataclasses.asdict(result.stats)}
-    tmp = store.complete_path.with_name("complete.json.tmp")
-    tmp.write_text(json.dumps(record, ensure_ascii=False))
-    os.replace(tmp, store.complete_path)
-
-
-def _read_complete(store: ShardStore) -> TokenizeResult:
-    record = json.loads(store.complete_path.read_text())
-    print(f"[tokenize] the data is tokenized already: {store.directory} (fingerprint {store.fingerprint})")
-    by_source = {name: [RejectedRow(**r) for r in rows] for name, rows in record["rejected"].items()}
-    return TokenizeResult(
-        samples={name: TokenShards(**state) for name, state in record["samples"].items()},
-        rejected=[r for rows in by_source.values() for r in rows], stats=TokenizeStats(**record["stats"]),
-        heldout=[ChatRecord(**r) for r in record["heldout"]], counts=record["counts"], rejected_by_source=by_source)
-
-
 @dataclass
 class PairTokenizeResult:
-    """`pairs[source]`: rendered and row-fitted pairs, `pair_id` numbering all of them in config
-    order (what the reference table is indexed by); `stats[source]`: kept, rejected (by
-    reason), truncated (responses cut to fit a row), and token totals."""
+    """`pairs[source]`: rendered and row-fitted pairs (lists, or `TokenShards` of pairs), `pair_id`
+    numbering all of them in config order from the first id asked for (what the reference table is
+    indexed by), `next_id` the id after the last; `stats[source]`: kept, rejected (by reason),
+    truncated (responses cut to fit a row), and token totals; `heldout`, `counts` and
+    `rejected_by_source` as in `TokenizeResult`."""
 
-    pairs: dict[str, list[PairSample]]
+    pairs: dict[str, Sequence[PairSample]]
     rejected: list[RejectedRow]
     stats: dict[str, dict]
+    next_id: int = 0
+    heldout: list = field(default_factory=list)
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    rejected_by_source: dict[str, list[RejectedRow]] = field(default_factory=dict)
 
 
-def _fitted_pair(context: tuple, record: PreferenceRecord) -> tuple[PairSample, bool] | str:
-    """`(pair, truncated)` for one record (`pair_id` unset), or the reason it cannot train; run
-    in `render_pool` workers."""
-    tokenizer, template_kwargs, row_length, shared_prompt = context
-    try:
-        pair = render_pair(tokenizer, record, **template_kwargs)
-        return fit_pair(pair, row_length, shared=shared_prompt)
-    except (PairError, ChatTemplateError) as err:  # a template that cannot mask this pair's turns
-        return str(err) if isinstance(err, PairError) else f"chat template: {err}"
-
-
-def run_pairs(records: dict[str, list[PreferenceRecord]], tokenizer, template_kwargs: dict | None,
+def run_pairs(records: Mapping[str, Iterable], tokenizer, template_kwargs: dict | None,
               pack: PackConfig, shared_prompt: bool = True, first_id: int = 0,
-              tokenize: TokenizeConfig | None = None) -> PairTokenizeResult:
+              tokenize: TokenizeConfig | None = None, store: ShardStore | None = None) -> PairTokenizeResult:
     """Render every source's preference records as pairs (`posttrain.data.preference`): a pair
     that cannot train (a response without a trained token, identical responses, a prompt that
     leaves no room in a row) is rejected with source, line and reason; an over-long pair keeps
     its prompt and has its responses cut, counted per source. Kept pairs are numbered from
     `first_id` in order. `tokenize` (`data.tokenize`) sets how many processes render; the
-    pairs are the same whatever it says."""
-    pairs: dict[str, list[PairSample]] = {}
-    rejected: list[RejectedRow] = []
-    stats: dict[str, dict] = {}
-    next_id = first_id
-    context = (tokenizer, dict(template_kwargs or {}), pack.row_length, shared_prompt)
-    for name, source_records in records.items():
-        kept, reasons, truncated, tokens = [], {}, 0, 0
-        procs = num_procs_for((tokenize or TokenizeConfig()).num_proc, len(source_records),
-                              f"[tokenize {name}] rendering {len(source_records):,} pairs")
-        outcomes = parallel_map(_fitted_pair, source_records, context, procs)
-        for record, outcome in tqdm(zip(source_records, outcomes), total=len(source_records),
-                                    desc=f"[tokenize {name}]", unit="pair", mininterval=2.0):
-            if isinstance(outcome, str):
-                rejected.append(RejectedRow(record.source, record.line, outcome, ""))
-                kind = outcome.split(":")[0][:60]
-                reasons[kind] = reasons.get(kind, 0) + 1
-                continue
-            pair, cut = outcome
-            pair.pair_id = next_id
-            truncated += cut
-            tokens += len(pair)
-            kept.append(pair)
-            next_id += 1
-        pairs[name] = kept
-        stats[name] = {"kept": len(kept), "rejected": reasons, "truncated": truncated, "tokens": tokens}
-        print(f"[tokenize] {name}: {len(kept)} pairs kept, {sum(reasons.values())} rejected, "
-              f"{truncated} truncated to fit {pack.row_length}-token rows")
-    return PairTokenizeResult(pairs, rejected, stats)
+    pairs are the same whatever it says. `records[name]`: a list, or `RecordPart`s; with
+    `store`, written as shards part by part, as `run_parts` writes conversations."""
+    with _holding(store) as complete:
+        if complete is not None:
+            streamed, stats = complete
+            kind = _Pairs()
+            kind.stats, kind.next_id = stats["pairs"], stats["next_id"]
+        else:
+            kind = _Pairs(first_id)
+            context = (tokenizer, dict(template_kwargs or {}), pack.row_length, shared_prompt)
+            streamed = _stream_parts(records, kind, context, (tokenize or TokenizeConfig()).num_proc, store, None)
+            if store is not None:
+                _write_complete(store, streamed, {"pairs": kind.stats, "next_id": kind.next_id})
+    for name in streamed.samples:
+        stats = kind.stats.setdefault(name, {"kept": 0, "rejected": {}, "truncated": 0, "tokens": 0})
+        print(f"[tokenize] {name}: {stats['kept']} pairs kept, {sum(stats['rejected'].values())} rejected, "
+              f"{stats['truncated']} truncated to fit {pack.row_length}-token rows")
+    return PairTokenizeResult(pairs=streamed.samples, rejected=[r for rows in streamed.rejected.values() for r in rows],
+                              stats={name: kind.stats[name] for name in streamed.samples}, next_id=kind.next_id,
+                              heldout=streamed.heldout, counts=streamed.counts, rejected_by_source=streamed.rejected)

@@ -21,8 +21,9 @@ JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 
 # format name -> {logical field: default column (None: unmapped unless set)}
 FORMAT_FIELDS: dict[str, dict[str, str | None]] = {
-    "chat": {"messages": "messages", "prompt": None, "response": None},
-    "prompt_completion": {"prompt": "prompt", "completion": "completion"},
+    "chat": {"messages": "messages", "prompt": None, "response": None, "tools": "tools"},
+    "prompt_completion": {"prompt": "prompt", "completion": "completion", "tools": "tools"},
+    "text": {"text": "text"},
     "oasst_tree": _OASST_FIELDS,
     "oasst_tree_all": _OASST_FIELDS,
     "gsm8k_chat": {"question": "question", "answer": "answer"},

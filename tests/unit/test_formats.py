@@ -18,6 +18,7 @@ from posttrain.data.records import (  # noqa: E402
     ChatRecord,
     PreferenceRecord,
     PromptRecord,
+    TextRecord,
     RecordError,
     SequenceRecord,
     validate_preference,
@@ -225,6 +226,49 @@ def test_prompt_completion_plain_and_conversational(tmp_path):
                                                      format="prompt_completion"))
     assert [(r.line, r.messages) for r in records] == [(1, [U("1+1?"), A("2")]), (3, [U("Hi"), A("Yo")])]
     assert [(r.source, r.line, r.reason) for r in rejected] == [(str(path), 2, "missing 'completion' field")]
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string"}}}}}
+
+
+def test_a_row_s_tools_travel_with_its_conversation_and_malformed_tools_are_reported(tmp_path):
+    (rec,) = parse_row("chat", {"messages": [U("Weather in Oslo?"), A("Rainy.")], "tools": [WEATHER]})
+    assert rec.tools == [WEATHER]
+    assert parse_row("chat", {"messages": [U("Hi"), A("Yo")], "tools": None})[0].tools is None
+    (rec,) = parse_row("prompt_completion", {"prompt": "Weather?", "completion": "Sunny.", "spec": [{"name": "f"}]},
+                       fields={"tools": "spec"})
+    assert rec.tools == [{"name": "f"}]
+    assert reason("chat", {"messages": [U("a"), A("b")], "tools": {"name": "f"}}) == \
+        "tools: not a list of tool schemas (got dict)"
+    assert reason("chat", {"messages": [U("a"), A("b")], "tools": []}) == \
+        "tools: empty list (leave it out for a row without tools)"
+    assert reason("chat", {"messages": [U("a"), A("b")], "tools": [WEATHER, {"function": {"name": " "}}]}) == \
+        "tools: tool 1: no function name"
+
+    rows = [{"messages": [U("Weather in Oslo?"), A("Rainy.")], "tools": [WEATHER]},
+            {"messages": [U("a"), A("b")], "tools": ["get_weather"]},
+            {"messages": [U("Hi"), A("Yo")]}]
+    path = write_jsonl(tmp_path / "tools.jsonl", rows)
+    records, rejected = read_chat_records(SourceSpec(name="t", kind="jsonl", path=str(path)))
+    assert [(r.line, r.tools) for r in records] == [(1, [WEATHER]), (3, None)]
+    assert [(r.source, r.line, r.reason) for r in rejected] == [(str(path), 2, "tools: tool 0: not an object (got str)")]
+
+
+def test_text_rows_for_continued_pretraining_and_malformed_ones_reported(tmp_path):
+    (rec,) = parse_row("text", {"text": "The cat sat."}, source="s", line=4)
+    assert rec == TextRecord("The cat sat.", "s", 4)
+    (rec,) = parse_row("text", {"body": "x"}, fields={"text": "body"})
+    assert rec.text == "x"
+    assert reason("text", {"text": "  "}) == "field 'text' is empty"
+    assert reason("text", {"text": 3}) == "field 'text' is not a string (got int)"
+    assert reason("text", {"content": "x"}) == "missing 'text' field"
+    path = write_jsonl(tmp_path / "text.jsonl", [{"text": "One."}, '{"text": ', {"text": ""}, {"text": "Two."}])
+    records, rejected = read_records(SourceSpec(name="t", kind="jsonl", path=str(path), format="text"))
+    assert [(r.line, r.text) for r in records] == [(1, "One."), (4, "Two.")]
+    assert [(r.source, r.line, r.reason.split(":")[0]) for r in rejected] == \
+        [(str(path), 2, "invalid JSON"), (str(path), 3, "field 'text' is empty")]
 
 
 def test_field_mapping_on_custom_columns():

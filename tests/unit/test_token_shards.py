@@ -147,3 +147,94 @@ def test_a_step_killed_after_two_parts_resumes_from_them_with_the_uninterrupted_
     # only the unfinished parts (2, 3 and 4) rendered: every record they train on, no other
     unfinished = [r.messages for p in parts_of(source, tmp_path)["chats"] if p.index >= 2 for r in p.train]
     assert rendered == unfinished and len(unfinished) >= 20
+
+
+def test_a_conversation_renders_with_its_row_s_own_tools(qwen3_tokenizer):
+    from posttrain.data.records import ChatRecord
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": "Rainy."}]
+    records = {"s": [ChatRecord(messages, "s.jsonl", 1, tools=[weather]), ChatRecord(messages, "s.jsonl", 2)]}
+    pack = PackConfig(row_length=512)  # the tools take a long system turn
+    with_tools, without = tokenize.run(records, qwen3_tokenizer, {}, FilterConfig(), pack).samples["s"]
+    assert "get_weather" in qwen3_tokenizer.decode(with_tools.input_ids)
+    assert "get_weather" not in qwen3_tokenizer.decode(without.input_ids)  # not a duplicate: the tools differ
+    assert qwen3_tokenizer.decode(with_tools.input_ids[with_tools.loss_mask == 1]).endswith("Rainy.<|im_end|>")
+
+
+def test_plain_text_trains_every_token_and_ends_with_eos(qwen3_tokenizer):
+    from posttrain.data.records import TextRecord
+
+    records = {"t": [TextRecord("The cat sat on the mat.", "t.jsonl", 1), TextRecord("The cat sat on the mat.", "t.jsonl", 2)]}
+    result = tokenize.run(records, qwen3_tokenizer, {}, FilterConfig(), PACK)
+    (sample,) = result.samples["t"]  # the second row repeats the first: de-duplicated
+    assert qwen3_tokenizer.decode(sample.input_ids) == "The cat sat on the mat." + qwen3_tokenizer.eos_token
+    assert sample.loss_mask.tolist() == [1] * len(sample.input_ids)
+    assert [(r.line, r.reason.split(" of ")[0]) for r in result.rejected] == [(2, "duplicate")]
+
+
+def test_near_duplicates_are_removed_across_parts_even_where_a_part_keeps_nothing(tmp_path, qwen3_tokenizer):
+    from posttrain.config.schema import NearDedupConfig
+
+    rows = [{"messages": [{"role": "user", "content": f"Tell me about the number {i} and its many friends today"},
+                          {"role": "assistant", "content": "It is a fine number with many friends."}]}
+            for i in range(12)]
+    rows[10:] = [rows[0], rows[0]]  # the last part (rows 10, 11) holds only near duplicates: it keeps nothing
+    path = tmp_path / "near.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = SourceConfig(name="near", kind="jsonl", path=str(path), format="chat")
+    filters = FilterConfig(dedup=False, near_dedup=NearDedupConfig(threshold=0.5))
+    parts = {"near": ingest.stream_parts(source, tmp_path, "conversations", part_records=5)}
+    in_memory = tokenize.run_parts(parts, qwen3_tokenizer, {}, filters, PACK)
+    parts = {"near": ingest.stream_parts(source, tmp_path, "conversations", part_records=5)}
+    sharded = tokenize.run_parts(parts, qwen3_tokenizer, {}, filters, PACK, store=tokenize.ShardStore(tmp_path, "k"))
+    assert summary(sharded) == summary(in_memory)
+    assert sharded.stats.filters["near"]["rejected"]["near_duplicate"] >= 2
+    assert sorted((tmp_path / "k" / "near").glob("*.near.npz"))[-1].name == "part-00002.near.npz"
+
+
+def test_pairs_go_through_shards_as_they_go_through_memory(tmp_path, qwen3_tokenizer):
+    rows = [{"prompt": f"What is {i} + {i}?", "chosen": f"{2 * i}", "rejected": f"{2 * i + 1}"} for i in range(23)]
+    rows[7] = {"prompt": "Same?", "chosen": "x", "rejected": "x"}  # identical responses: rejected
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = SourceConfig(name="pairs", kind="jsonl", path=str(path), format="preference")
+
+    def parts():
+        return {"pairs": ingest.stream_parts(source, tmp_path, "pairs", heldout_fraction=0.1, seed=1, part_records=10)}
+
+    in_memory = tokenize.run_pairs(parts(), qwen3_tokenizer, {}, PACK, first_id=5)
+    sharded = tokenize.run_pairs(parts(), qwen3_tokenizer, {}, PACK, first_id=5,
+                                 store=tokenize.ShardStore(tmp_path / "cache", "pairs"))
+    assert isinstance(sharded.pairs["pairs"], TokenShards) and sharded.pairs["pairs"].layout == "pairs"
+    assert list(sharded.pairs["pairs"]) == in_memory.pairs["pairs"]  # PairSamples equal field by field
+    assert [p.pair_id for p in sharded.pairs["pairs"]] == list(range(5, 5 + len(in_memory.pairs["pairs"])))
+    assert sharded.next_id == in_memory.next_id == 5 + len(in_memory.pairs["pairs"])
+    assert sharded.stats == in_memory.stats and sharded.counts == in_memory.counts
+    assert [(r.line, r.reason) for r in sharded.rejected] == [(8, "chosen and rejected are identical")]
+    assert [r.line for r in sharded.heldout] == [r.line for r in in_memory.heldout] and sharded.heldout
+    again = tokenize.run_pairs(parts(), qwen3_tokenizer, {}, PACK, first_id=5,
+                               store=tokenize.ShardStore(tmp_path / "cache", "pairs"))
+    assert list(again.pairs["pairs"]) == in_memory.pairs["pairs"] and again.next_id == sharded.next_id
+
+
+@pytest.mark.subprocess
+def test_a_resumed_step_on_two_render_processes_gives_the_uninterrupted_result(tmp_path, qwen3_tokenizer,
+                                                                                monkeypatch):
+    from posttrain.config.schema import TokenizeConfig
+    from posttrain.data import render_pool
+
+    monkeypatch.setattr(render_pool, "PARALLEL_MIN_RECORDS", 1)
+    monkeypatch.setattr(render_pool, "CHUNK_SIZE", 3)
+    source = write_source(tmp_path)
+    two = TokenizeConfig(num_proc=2)
+    uninterrupted = tokenize.run_parts(parts_of(source, tmp_path), qwen3_tokenizer, {}, FilterConfig(), PACK, two)
+    monkeypatch.setenv("POSTTRAIN_FAULT_AT_PART", "3")  # raise after the third finished part
+    store = tokenize.ShardStore(tmp_path / "cache", "key")
+    from posttrain.train.faults import InjectedFault
+
+    with pytest.raises(InjectedFault):
+        tokenize.run_parts(parts_of(source, tmp_path), qwen3_tokenizer, {}, FilterConfig(), PACK, two, store=store)
+    resumed = tokenize.run_parts(parts_of(source, tmp_path), qwen3_tokenizer, {}, FilterConfig(), PACK, two,
+                                 store=store)
+    assert summary(resumed) == summary(uninterrupted)

@@ -260,7 +260,9 @@ def render_conversation(tokenizer, messages: list[dict], **template_kwargs) -> T
         return TokenizedSample(input_ids, mask)
     text = _render(tokenizer, messages, False, template_kwargs)
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:  # a fast tokenizer: its Rust encoder directly (what __call__ runs, less overhead)
+    if (backend is not None and backend.truncation is None and backend.padding is None
+            and not getattr(tokenizer, "split_special_tokens", False)):
+        # a fast tokenizer with nothing for __call__ to set first: its Rust encoder directly (less overhead)
         encoding = backend.encode(text, add_special_tokens=False)
         input_ids, offsets = encoding.ids, encoding.offsets
     else:

@@ -16,14 +16,19 @@ preference / orca_dpo / prompt). Message-list prompts are used as they are.
 
 Registered formats (record kind; logical fields = default columns):
 
-- `chat` (ChatRecord; messages=messages, prompt=-, response=-): a list of messages, or,
+- `chat` (ChatRecord; messages=messages, prompt=-, response=-, tools=tools): a list of messages, or,
   when `prompt` and `response` are mapped, a user turn and an assistant turn from two
   string columns (the legacy `messages_field` / `prompt_field` / `response_field`).
-- `prompt_completion` (ChatRecord; prompt, completion): the prompt-completion layout of TRL
+  `tools`, read when the row has it (and is not null): the tool schemas the row offers, given
+  to the chat template with this conversation (`validate_tools`), as for `prompt_completion`.
+- `prompt_completion` (ChatRecord; prompt, completion, tools): the prompt-completion layout of TRL
   and `datasets` hubs, plain or conversational: `prompt` a string (a user turn) or a list of
   messages, `completion` a string (one assistant turn) or a list of messages that starts with
   an assistant turn. Every assistant turn trains, as in `chat`: a conversational prompt's own
   assistant turns too.
+- `text` (TextRecord; text): plain text for continued pre-training; the tokenize step
+  tokenizes it as it is (the tokenizer's own special tokens, then the EOS token) and trains
+  every token.
 - `oasst_tree` (ChatRecord; text, role, replies, rank, deleted): an OpenAssistant message
   tree gives ONE conversation: from the root, follow the best-ranked reply at each level
   (lowest `rank`; unranked replies come after ranked ones, in listed order).
@@ -68,10 +73,13 @@ from posttrain.data.records import (
     PromptRecord,
     RecordError,
     SequenceRecord,
+    TextRecord,
     validate_chat,
     validate_preference,
     validate_prompt,
     validate_sequence,
+    validate_text,
+    validate_tools,
 )
 
 
@@ -224,14 +232,19 @@ def _preference(row: Row, prompt: list[dict], chosen: Any, rejected: Any) -> lis
 # ---------------------------------------------------------------- chat
 
 
+def _tools(row: Row) -> list[dict] | None:
+    return validate_tools(row.find("tools"), field=row.column("tools") or "tools")
+
+
 @register_format("chat", ChatRecord)
 def _chat(row: Row) -> list:
     if row.column("prompt") is None:
         field = row.column("messages")
-        return [ChatRecord(validate_chat({field: row.get("messages")}, field=field), row.source, row.line)]
+        return [ChatRecord(validate_chat({field: row.get("messages")}, field=field), row.source, row.line,
+                           _tools(row))]
     turns = [{"role": "user", "content": row.string("prompt")},
              {"role": "assistant", "content": row.string("response")}]
-    return [ChatRecord(validate_chat({"messages": row.with_system(turns)}), row.source, row.line)]
+    return [ChatRecord(validate_chat({"messages": row.with_system(turns)}), row.source, row.line, _tools(row))]
 
 
 @register_format("prompt_completion", ChatRecord)
@@ -242,7 +255,12 @@ def _prompt_completion(row: Row) -> list:
     if not isinstance(first, dict) or first.get("role") != "assistant":
         got = "no message" if first is None else f"a {first.get('role') if isinstance(first, dict) else _type_name(first)} turn"
         raise RecordError(f"field '{row.column('completion')}' must start with an assistant turn (got {got})")
-    return [ChatRecord(validate_chat({"messages": prompt + completion}), row.source, row.line)]
+    return [ChatRecord(validate_chat({"messages": prompt + completion}), row.source, row.line, _tools(row))]
+
+
+@register_format("text", TextRecord)
+def _text(row: Row) -> list:
+    return [TextRecord(validate_text(row.get("text"), field=row.column("text")), row.source, row.line)]
 
 
 # ---------------------------------------------------------------- OpenAssistant trees

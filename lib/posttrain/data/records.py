@@ -4,7 +4,11 @@ Contracts (docs/architecture.md, "Data"). Every record carries `source` (the fil
 dataset the row came from) and `line` (its JSONL line, 1-based, or its Parquet / `datasets`
 row index, 0-based):
 
-- `ChatRecord(messages, source, line)`: a conversation for SFT (`validate_chat`).
+- `ChatRecord(messages, source, line, tools=None)`: a conversation for SFT (`validate_chat`),
+  with the tools its row offers the model, if any (`validate_tools`: the JSON schemas the chat
+  template renders into the prompt, as `apply_chat_template(tools=...)` takes them).
+- `TextRecord(text, source, line)`: plain text for continued pre-training, trained on every
+  token (`validate_text`: a string that is not blank).
 - `PreferenceRecord(prompt, chosen, rejected, source, line)`: `prompt` messages, then two
   alternative continuations, each a list of messages that starts and ends with an assistant
   turn (usually a single assistant message) (`validate_preference`).
@@ -45,6 +49,16 @@ class RecordError(ValueError):
 @dataclass(slots=True)
 class ChatRecord:
     messages: list[dict]
+    source: str
+    line: int
+    tools: list[dict] | None = None  # the row's tool schemas, passed to the chat template with it
+
+
+@dataclass(slots=True)
+class TextRecord:
+    """Plain text for continued pre-training: every token of it trains."""
+
+    text: str
     source: str
     line: int
 
@@ -90,7 +104,7 @@ class SequenceRecord:
     user: str | None = None
 
 
-Record = Union[ChatRecord, PreferenceRecord, PromptRecord, SequenceRecord]
+Record = Union[ChatRecord, TextRecord, PreferenceRecord, PromptRecord, SequenceRecord]
 RECORD_KINDS = (ChatRecord, PreferenceRecord, PromptRecord, SequenceRecord)
 
 
@@ -184,6 +198,34 @@ def _validate_message(i: int, message: Any) -> dict:
     if not content.strip() and not calls_tools:
         raise RecordError(f"message {i}: empty content")
     return message
+
+
+def validate_text(text: Any, field: str = "text") -> str:
+    """A text row's text: a string that is not empty or whitespace-only."""
+    if not isinstance(text, str):
+        raise RecordError(f"field '{field}' is not a string (got {_type_name(text)})")
+    if not text.strip():
+        raise RecordError(f"field '{field}' is empty")
+    return text
+
+
+def validate_tools(tools: Any, field: str = "tools") -> list[dict] | None:
+    """A row's tool schemas: None (absent or null) or a non-empty list of objects, each naming
+    its function (`name`, or `function.name` in the OpenAI layout), as `apply_chat_template`
+    takes them. Tools are numbered from 0 in reasons ("tools: tool 1: no function name")."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise RecordError(f"{field}: not a list of tool schemas (got {_type_name(tools)})")
+    if not tools:
+        raise RecordError(f"{field}: empty list (leave it out for a row without tools)")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise RecordError(f"{field}: tool {i}: not an object (got {_type_name(tool)})")
+        function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+        if not isinstance(function.get("name"), str) or not function["name"].strip():
+            raise RecordError(f"{field}: tool {i}: no function name")
+    return tools
 
 
 # ---------------------------------------------------------------- other record kinds
@@ -317,6 +359,9 @@ def validate_record(record: Any) -> None:
     """Check a built record of any kind; raises `RecordError(reason)` when it is not valid."""
     if isinstance(record, ChatRecord):
         validate_chat({"messages": record.messages})
+        validate_tools(getattr(record, "tools", None))
+    elif isinstance(record, TextRecord):
+        validate_text(record.text)
     elif isinstance(record, PreferenceRecord):
         validate_preference(record.prompt, record.chosen, record.rejected)
     elif isinstance(record, PromptRecord):
@@ -334,7 +379,10 @@ def record_content(record: Record) -> dict:
     row, it is not what a model sees or is scored against).
     """
     if isinstance(record, ChatRecord):
-        return {"kind": "chat", "messages": record.messages}
+        tools = getattr(record, "tools", None)
+        return {"kind": "chat", "messages": record.messages, **({"tools": tools} if tools else {})}
+    if isinstance(record, TextRecord):
+        return {"kind": "text", "text": record.text}
     if isinstance(record, PreferenceRecord):
         return {"kind": "preference", "prompt": record.prompt, "chosen": record.chosen, "rejected": record.rejected}
     if isinstance(record, PromptRecord):

@@ -23,8 +23,9 @@ class SeenKeys:
         self.path = str(path)
         self._db = sqlite3.connect(self.path, isolation_level=None)
         self._db.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
+        self._db.execute("PRAGMA locking_mode=EXCLUSIVE")  # one writer (the store's lock); no -shm on shared disks
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA synchronous=FULL")  # one commit a part: a part's keys outlive a lost machine
         self._db.execute("CREATE TABLE IF NOT EXISTS seen (key BLOB PRIMARY KEY, source TEXT, line INTEGER, "
                          "part INTEGER) WITHOUT ROWID")
         self._db.execute("BEGIN")

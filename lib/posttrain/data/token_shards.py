@@ -1,21 +1,29 @@
 """Tokenized samples on disk: Arrow IPC shards written part by part, read back lazily.
 
 A source's tokenized samples live in one directory as Arrow IPC files (`part-00000.arrow`,
-...), one record batch each, with the columns `input_ids` (list<int32>), `loss_mask`
-(list<uint8>) and `line` (int64: the sample's line in its source file, for inspection).
-`write_shard(path, samples, lines)` writes one atomically (a temporary file renamed into
-place), so a shard that exists is complete.
+...), one record batch each, in one of two layouts (`LAYOUTS`):
 
-`TokenShards(directory, files, rows)` is the samples of a list of shards as a read-only
-`Sequence` of `TokenizedSample`s whose `input_ids` / `loss_mask` are numpy views into the
-memory-mapped files: what the mixer and the packer read, one sample at a time, without the
-corpus ever being loaded. It pickles as its directory and file list (a Metaflow artifact of a
-few hundred bytes, whatever the corpus size) and maps the files again where it is unpickled,
-so every reader (the pack step, the train step, Ray workers on a shared filesystem) sees the
-same samples. Mapped pages a reader has touched count in its resident memory until released,
-so after every `RELEASE_BYTES` read the mappings are told the pages are no longer needed
+- `tokens` (`TokenizedSample`s: conversations, text): `input_ids` (list<int32>), `loss_mask`
+  (list<uint8>) and `line` (int64: the sample's line in its source file, for inspection);
+- `pairs` (`PairSample`s: preference pairs): `prompt_ids`, `chosen_ids`, `rejected_ids`
+  (list<int32>), `chosen_mask`, `rejected_mask` (list<uint8>), `pair_id`, `line` (int64) and
+  `source` (string).
+
+`write_shard(path, samples, lines, layout)` writes one atomically (a temporary file renamed
+into place), so a shard that exists is complete.
+
+`TokenShards(directory, files, rows, layout)` is the samples of a list of shards as a
+read-only `Sequence`: what the mixer and the packer read, one sample at a time, without the
+corpus ever being loaded. A `TokenizedSample`'s `input_ids` / `loss_mask` are numpy views
+into the memory-mapped files; a `PairSample`'s fields are lists, as the pair code takes them.
+It pickles as its directory and file list (a Metaflow artifact of a few hundred bytes,
+whatever the corpus size) and maps the files again where it is unpickled, so every reader
+(the pack step, the train step, Ray workers on a shared filesystem) sees the same samples.
+Mapped pages a reader has touched count in its resident memory until released, so after
+every `RELEASE_BYTES` read the mappings are told the pages are no longer needed
 (`madvise(MADV_DONTNEED)`): the pages stay in the page cache, resident memory stays bounded
-whatever the corpus size.
+whatever the corpus size. At most `MAX_MAPPED` shards are mapped at once (a mapping holds a
+file descriptor), the least recently read unmapped first.
 """
 
 from __future__ import annotations
@@ -23,61 +31,106 @@ from __future__ import annotations
 import mmap
 import os
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
 
 from posttrain.data.chat import TokenizedSample
+from posttrain.data.preference import PairSample
 
-SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8())), ("line", pa.int64())])
 RELEASE_BYTES = 256 << 20
+PAGES_PER_SAMPLE = 4 * mmap.PAGESIZE  # the least a sample's random read brings in (ids and mask, fault-around)
+MAX_MAPPED = 512  # shards mapped at once (each holds a file descriptor); the least recently read is unmapped
+_IDS, _MASK = (pa.int32(), np.int32), (pa.uint8(), np.uint8)
+
+
+class _Layout:
+    """One kind of sample as shard columns: its token lists (name -> (arrow type, numpy
+    type)) and its scalar columns, and how a sample is built back from a row."""
+
+    def __init__(self, name: str, lists: dict, scalars: dict, build):
+        self.name, self.lists, self.scalars, self.build = name, lists, scalars, build
+        self.schema = pa.schema([(c, pa.list_(t)) for c, (t, _) in lists.items()] +
+                                [(c, t) for c, t in scalars.items()])
+
+
+def _token_sample(views: dict, scalars: dict) -> TokenizedSample:
+    return TokenizedSample(views["input_ids"], views["loss_mask"])
+
+
+def _pair_sample(views: dict, scalars: dict) -> PairSample:
+    lists = {name: view.tolist() for name, view in views.items()}
+    return PairSample(lists["prompt_ids"], lists["chosen_ids"], lists["chosen_mask"], lists["rejected_ids"],
+                      lists["rejected_mask"], int(scalars["pair_id"]), str(scalars["source"]), int(scalars["line"]))
+
+
+LAYOUTS = {
+    "tokens": _Layout("tokens", {"input_ids": _IDS, "loss_mask": _MASK}, {"line": pa.int64()}, _token_sample),
+    "pairs": _Layout("pairs", {"prompt_ids": _IDS, "chosen_ids": _IDS, "chosen_mask": _MASK, "rejected_ids": _IDS,
+                               "rejected_mask": _MASK},
+                     {"pair_id": pa.int64(), "line": pa.int64(), "source": pa.string()}, _pair_sample),
+}
 
 
 def shard_name(part: int) -> str:
     return f"part-{part:05d}.arrow"
 
 
-def write_shard(path: str | Path, samples: Sequence[TokenizedSample], lines: Sequence[int]) -> int:
-    """Write `samples` (their source `lines`) as one Arrow IPC file at `path`, atomically;
-    returns the bytes written."""
-    path = Path(path)
-    lengths = np.fromiter((len(s.input_ids) for s in samples), dtype=np.int64, count=len(samples))
-    offsets = np.zeros(len(samples) + 1, dtype=np.int64)
+def _list_column(values: list, arrow_type, numpy_type) -> pa.ListArray:
+    lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
+    offsets = np.zeros(len(values) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     if offsets[-1] >= 2**31:
-        raise ValueError(f"a shard holds at most 2**31 - 1 tokens; these {len(samples)} samples have {offsets[-1]}")
-    offsets32 = pa.array(offsets.astype(np.int32))
-    ids = np.concatenate([np.asarray(s.input_ids, dtype=np.int32) for s in samples]) if len(samples) else \
-        np.zeros(0, np.int32)
-    mask = np.concatenate([np.asarray(s.loss_mask, dtype=np.uint8) for s in samples]) if len(samples) else \
-        np.zeros(0, np.uint8)
-    batch = pa.record_batch([pa.ListArray.from_arrays(offsets32, pa.array(ids)),
-                             pa.ListArray.from_arrays(offsets32, pa.array(mask)),
-                             pa.array(np.asarray(lines, dtype=np.int64))], schema=SCHEMA)
+        raise ValueError(f"a shard column holds at most 2**31 - 1 tokens; these {len(values)} samples have "
+                         f"{offsets[-1]}")
+    flat = np.concatenate([np.asarray(v, dtype=numpy_type) for v in values]) if values else np.zeros(0, numpy_type)
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat, type=arrow_type))
+
+
+def write_shard(path: str | Path, samples: Sequence[Any], lines: Sequence[int], layout: str = "tokens") -> int:
+    """Write `samples` (their source `lines`) as one Arrow IPC file at `path` in `layout`,
+    atomically; returns the bytes written."""
+    path, kind = Path(path), LAYOUTS[layout]
+    columns = [_list_column([getattr(s, name) for s in samples], arrow, numpy)
+               for name, (arrow, numpy) in kind.lists.items()]
+    for name, arrow in kind.scalars.items():
+        values = list(lines) if name == "line" else [getattr(s, name) for s in samples]
+        columns.append(pa.array(values, type=arrow))
+    batch = pa.record_batch(columns, schema=kind.schema)
     tmp = path.with_name(path.name + ".tmp")
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, kind.schema) as writer:
         writer.write_batch(batch)
+    descriptor = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)  # on disk before it is in place: a shard that exists is whole, also after a crash
+    finally:
+        os.close(descriptor)
     os.replace(tmp, path)
     return path.stat().st_size
 
 
 class _MappedShard:
-    """One shard file memory-mapped: numpy views of its offsets, ids, mask and lines."""
+    """One shard file memory-mapped: numpy views of its list columns (offsets, values) and its
+    scalar columns."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, kind: _Layout):
         with open(path, "rb") as handle:
             self.map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
         batch = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(self.map))).get_batch(0)
-        ids, mask = batch.column(0), batch.column(1)
-        self.offsets = ids.offsets.to_numpy()
-        self.ids = ids.values.to_numpy()
-        self.mask = mask.values.to_numpy()
-        self.lines = batch.column(2).to_numpy()
+        self.kind = kind
+        self.lists = {}
+        for name in kind.lists:
+            column = batch.column(name)
+            self.lists[name] = (column.offsets.to_numpy(), column.values.to_numpy())
+        self.scalars = {name: batch.column(name).to_numpy(zero_copy_only=False) for name in kind.scalars}
 
-    def sample(self, row: int) -> TokenizedSample:
-        start, end = self.offsets[row], self.offsets[row + 1]
-        return TokenizedSample(self.ids[start:end], self.mask[start:end])
+    def sample(self, row: int) -> Any:
+        views = {name: values[offsets[row]:offsets[row + 1]] for name, (offsets, values) in self.lists.items()}
+        return self.kind.build(views, {name: column[row] for name, column in self.scalars.items()})
+
+    def bytes(self, row: int) -> int:
+        return sum(int(offsets[row + 1] - offsets[row]) * values.itemsize for offsets, values in self.lists.values())
 
     def release(self) -> None:
         self.map.madvise(mmap.MADV_DONTNEED)
@@ -85,32 +138,36 @@ class _MappedShard:
 
 class TokenShards(Sequence):
     """The samples of `files` (shard names under `directory`, `rows[i]` samples in file `i`),
-    in order, as a lazy read-only sequence (module docstring)."""
+    in order, as a lazy read-only sequence of `layout`'s samples (module docstring)."""
 
-    def __init__(self, directory: str | Path, files: Sequence[str], rows: Sequence[int]):
+    def __init__(self, directory: str | Path, files: Sequence[str], rows: Sequence[int], layout: str = "tokens"):
         if len(files) != len(rows):
             raise ValueError(f"{len(files)} shard files but {len(rows)} row counts")
         self.directory, self.files, self.rows = str(directory), list(files), [int(r) for r in rows]
+        self.layout, self._kind = layout, LAYOUTS[layout]
         self._starts = np.concatenate([[0], np.cumsum(self.rows, dtype=np.int64)])
         self._mapped: dict[int, _MappedShard] = {}
         self._read_bytes = 0
 
     def __getstate__(self) -> dict:
-        return {"directory": self.directory, "files": self.files, "rows": self.rows}
+        return {"directory": self.directory, "files": self.files, "rows": self.rows, "layout": self.layout}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["directory"], state["files"], state["rows"])
+        self.__init__(state["directory"], state["files"], state["rows"], state.get("layout", "tokens"))
 
     def __repr__(self) -> str:
-        return f"TokenShards({len(self):,} samples in {len(self.files)} shards under {self.directory})"
+        return f"TokenShards({len(self):,} {self.layout} samples in {len(self.files)} shards under {self.directory})"
 
     def __len__(self) -> int:
         return int(self._starts[-1])
 
     def _shard(self, index: int) -> _MappedShard:
-        shard = self._mapped.get(index)
+        shard = self._mapped.pop(index, None)
         if shard is None:
-            shard = self._mapped[index] = _MappedShard(os.path.join(self.directory, self.files[index]))
+            if len(self._mapped) >= MAX_MAPPED:
+                self._mapped.pop(next(iter(self._mapped)))  # its map closes once no sample views it
+            shard = _MappedShard(os.path.join(self.directory, self.files[index]), self._kind)
+        self._mapped[index] = shard  # most recently read last
         return shard
 
     def __getitem__(self, i):
@@ -122,34 +179,42 @@ class TokenShards(Sequence):
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} of {len(self)}")
         index = int(np.searchsorted(self._starts, i, side="right")) - 1
-        sample = self._shard(index).sample(i - int(self._starts[index]))
-        self._read_bytes += 5 * len(sample.input_ids)
+        shard, row = self._shard(index), i - int(self._starts[index])
+        self._read_bytes += max(shard.bytes(row), PAGES_PER_SAMPLE)  # a random read touches whole pages
         if self._read_bytes >= RELEASE_BYTES:  # keep the touched pages from piling up in resident memory
             self._read_bytes = 0
-            for shard in self._mapped.values():
-                shard.release()
-        return sample
+            for mapped in self._mapped.values():
+                mapped.release()
+        return shard.sample(row)
 
-    def __iter__(self) -> Iterator[TokenizedSample]:
+    def __iter__(self) -> Iterator[Any]:
         for i in range(len(self)):
             yield self[i]
 
+    def _column(self, name: str) -> np.ndarray:
+        if not self.files:
+            return np.zeros(0, np.int64)
+        return np.concatenate([self._shard(i).scalars[name] for i in range(len(self.files))])
+
     def lines(self) -> np.ndarray:
         """Every sample's line in its source file, in order."""
-        return np.concatenate([self._shard(i).lines for i in range(len(self.files))]) if self.files else \
-            np.zeros(0, np.int64)
+        return self._column("line")
 
     def lengths(self) -> np.ndarray:
-        """Every sample's token count, in order (from the shards' offsets; no token is read)."""
-        return np.concatenate([np.diff(self._shard(i).offsets) for i in range(len(self.files))]) if self.files \
-            else np.zeros(0, np.int64)
+        """Every sample's token count (a pair's: prompt and both responses), in order (from the
+        shards' offsets; no token is read)."""
+        if not self.files:
+            return np.zeros(0, np.int64)
+        return np.concatenate([sum(np.diff(offsets) for name, (offsets, _) in self._shard(i).lists.items()
+                                   if not name.endswith("mask")) for i in range(len(self.files))])
 
     def loss_tokens(self) -> int:
-        """Tokens with `loss_mask == 1` over every sample."""
+        """Tokens with a mask of 1 (`loss_mask`, or both responses' masks) over every sample."""
         total = 0
         for i in range(len(self.files)):
             shard = self._shard(i)
-            total += int(np.count_nonzero(shard.mask))
+            total += sum(int(np.count_nonzero(values)) for name, (_, values) in shard.lists.items()
+                         if name.endswith("mask"))
             shard.release()
         return total
 
