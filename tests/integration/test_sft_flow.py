@@ -210,6 +210,7 @@ def test_notebook_inspects_the_latest_run(tiny_run):
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     text = "".join(o.get("text", "") for o in outputs)
     assert run.pathspec in text and "model_uri:" in text
+    assert "TokenShards(" in text and "trained tokens: '" in text  # the samples, read from their shards
     images = [o for o in outputs if "image/png" in o.get("data", {})]
     assert len(images) >= 3  # length histogram, loss curve, throughput
 

@@ -319,3 +319,32 @@ def test_real_oasst_conversations_match_generation_markers(qwen3):
         )
         assert derived.input_ids == list(reference["input_ids"]), record.line
         assert derived.loss_mask == list(reference["assistant_masks"]), record.line
+
+
+def test_a_generation_prompt_is_taken_as_appended_only_where_the_template_shows_it():
+    from posttrain.data.chat import _appends_generation_prompt
+
+    loop = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
+    assert _appends_generation_prompt(loop + "{% if add_generation_prompt %}<assistant>{% endif %}")
+    assert _appends_generation_prompt(
+        loop + "{%- if add_generation_prompt %}<a>{% if think is defined and think is false %}<t/>{% endif %}{% endif %}")
+    for template in (
+        loop,  # no generation prompt at all: rendered, never assumed
+        loop + "{% if add_generation_prompt %}<a>{% else %}<end>{% endif %}",  # changes the text without it too
+        loop + "{% if add_generation_prompt %}<a>{% endif %}tail",  # something follows the block
+        loop + "{% if add_generation_prompt %}{{ messages[-1].role }}{% endif %}",  # reads the conversation
+        loop + "{% if add_generation_prompt %}{% if messages %}<a>{% endif %}{% endif %}",
+        loop + "{% set n = 1 %}{% if add_generation_prompt %}{% if n %}<a>{% endif %}{% endif %}",  # a set name
+        loop + "{% if add_generation_prompt %}{{ strftime_now('%Y') }}{% endif %}",  # a call
+        "{% if add_generation_prompt %}<x>{% endif %}" + loop + "{% if add_generation_prompt %}<a>{% endif %}",
+        "{% if messages %}" + loop + "{% if add_generation_prompt %}<a>{% endif %}{% endif %}",  # not the last statement
+    ):
+        assert not _appends_generation_prompt(template), template
+
+
+def test_the_generation_prompt_suffix_of_qwen3_is_its_assistant_header(qwen3_tokenizer):
+    from posttrain.data.chat import generation_prompt_suffix
+
+    assert generation_prompt_suffix(qwen3_tokenizer) == "<|im_start|>assistant\n"
+    assert generation_prompt_suffix(qwen3_tokenizer, enable_thinking=False) == \
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"

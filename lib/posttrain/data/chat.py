@@ -21,7 +21,9 @@ derived from renders of the same template, never from a copy of it:
    no sound mask: `ChatTemplateError`). The turn starts at the longest common prefix of `T`
    and `P_k = render(messages[:k], add_generation_prompt=True)`: the generation prompt is
    not trained, and whatever the template puts after it (Qwen3's `<think>` block for turns
-   after the last user message) is.
+   after the last user message) is. When the template's source shows that
+   `add_generation_prompt` only appends one constant text at its end (Qwen3's, Qwen2.5's,
+   Llama 3's; `generation_prompt_suffix`), `P_k` is `C_k` plus that text, not rendered again.
 3. The end-of-turn marker is found by rendering a probe conversation and reading what
    follows a sentinel assistant content, up to and including the first added or special
    token (the same after a non-final and a final assistant turn, else error). The turn
@@ -42,6 +44,8 @@ import re
 import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+from jinja2 import nodes
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _SENTINELS = ("Qz7 sentinel one", "Qz7 sentinel two")
@@ -139,6 +143,59 @@ def end_of_turn_marker(tokenizer, **template_kwargs) -> str:
     return known[key]
 
 
+_CALL_VARIABLES = ("messages", "tools", "documents", "raise_exception", "strftime_now")  # vary from call to call
+_CONSTANT_NODES = (nodes.If, nodes.Output, nodes.TemplateData, nodes.Const, nodes.Name, nodes.Test, nodes.And,
+                   nodes.Or, nodes.Not, nodes.Compare, nodes.Operand)
+
+
+def _appends_generation_prompt(source: str) -> bool:
+    """Whether the template's `add_generation_prompt` only appends a constant text at the end:
+    its last statement is `{% if add_generation_prompt %}...{% endif %}` (no else), the name
+    appears nowhere else, and the block holds only literal output and conditions on names that
+    are the same in every call with the same template arguments (not the conversation, not a
+    variable the template sets, no function call). Then rendering with it is rendering without
+    it plus one text, whatever the conversation: a fact read from the template, not assumed."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        tree = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                             extensions=["jinja2.ext.loopcontrols"]).parse(source)
+    except Exception:  # a tag of transformers' own environment: not this shortcut
+        return False
+    last = tree.body[-1] if tree.body else None
+    if not (isinstance(last, nodes.If) and isinstance(last.test, nodes.Name)
+            and last.test.name == "add_generation_prompt" and not last.elif_ and not last.else_):
+        return False
+    if sum(n.name == "add_generation_prompt" for n in tree.find_all(nodes.Name)) != 1:
+        return False
+    assigned = {n.name for n in tree.find_all(nodes.Name) if n.ctx in ("store", "param")}
+    for statement in last.body:
+        for node in (statement, *statement.find_all(nodes.Node)):
+            if not isinstance(node, _CONSTANT_NODES):
+                return False
+            if isinstance(node, nodes.Name) and (node.name in assigned or node.name in _CALL_VARIABLES):
+                return False
+    return True
+
+
+def generation_prompt_suffix(tokenizer, **template_kwargs) -> str | None:
+    """What `add_generation_prompt=True` appends to any conversation's render (e.g.
+    "<|im_start|>assistant\n"), when the template proves it only appends one constant text
+    (`_appends_generation_prompt`); None otherwise. Remembered like the end-of-turn marker."""
+    source = _template_source(tokenizer, template_kwargs)
+    key = ("generation prompt", source, json.dumps(template_kwargs, sort_keys=True, default=repr))
+    known = _MARKERS.setdefault(tokenizer, {})
+    if key not in known:
+        suffix = None
+        if _appends_generation_prompt(source):
+            probe = [{"role": "user", "content": _PROBE_USERS[0]}]
+            without = _render(tokenizer, probe, False, template_kwargs)
+            with_prompt = _render(tokenizer, probe, True, template_kwargs)
+            suffix = with_prompt[len(without):] if with_prompt.startswith(without) else None
+        known[key] = suffix
+    return known[key]
+
+
 def _find_end_of_turn_marker(tokenizer, template_kwargs: dict) -> str:
     probe = [
         {"role": "user", "content": _PROBE_USERS[0]},
@@ -192,6 +249,7 @@ def generation_stop_ids(tokenizer, **template_kwargs) -> list[int]:
 def _assistant_spans(tokenizer, messages: list[dict], text: str, template_kwargs: dict) -> list[tuple[int, int]]:
     """Character spans `[start, end)` of what each assistant turn generates in `text`."""
     marker = end_of_turn_marker(tokenizer, **template_kwargs)
+    suffix = generation_prompt_suffix(tokenizer, **template_kwargs)  # P_k = C_k + suffix: one render a turn
     turns = [k for k, m in enumerate(messages) if m.get("role") == "assistant"]
     spans: list[tuple[int, int]] = []
     contexts: list[int] = []
@@ -205,7 +263,7 @@ def _assistant_spans(tokenizer, messages: list[dict], text: str, template_kwargs
                 "differently on its own than inside the full conversation, so the start of assistant "
                 f"turn {k} cannot be located"
             )
-        prompt = _render(tokenizer, messages[:k], True, template_kwargs)
+        prompt = context + suffix if suffix is not None else _render(tokenizer, messages[:k], True, template_kwargs)
         start = max(_common_prefix_len(text, prompt), len(context))
         end = text.find(marker, start)
         if end < 0:

@@ -14,16 +14,15 @@ into place), so a shard that exists is complete.
 
 `TokenShards(directory, files, rows, layout)` is the samples of a list of shards as a
 read-only `Sequence`: what the mixer and the packer read, one sample at a time, without the
-corpus ever being loaded. A `TokenizedSample`'s `input_ids` / `loss_mask` are numpy views
-into the memory-mapped files; a `PairSample`'s fields are lists, as the pair code takes them.
-It pickles as its directory and file list (a Metaflow artifact of a few hundred bytes,
-whatever the corpus size) and maps the files again where it is unpickled, so every reader
-(the pack step, the train step, Ray workers on a shared filesystem) sees the same samples.
-Mapped pages a reader has touched count in its resident memory until released, so after
-every `RELEASE_BYTES` read the mappings are told the pages are no longer needed
-(`madvise(MADV_DONTNEED)`): the pages stay in the page cache, resident memory stays bounded
-whatever the corpus size. At most `MAX_MAPPED` shards are mapped at once (a mapping holds a
-file descriptor), the least recently read unmapped first.
+corpus ever being loaded. A `TokenizedSample`'s `input_ids` / `loss_mask` are numpy arrays
+read from the file for that sample alone (`os.pread`: a memory map would leave every page a
+random read touched resident, and the kernel maps whole folios around each); a `PairSample`'s
+fields are lists, as the pair code takes them. What stays in memory is each open shard's
+offsets and line numbers, a few bytes a sample. It pickles as its directory and file list (a
+Metaflow artifact of a few hundred bytes, whatever the corpus size) and opens the files again
+where it is unpickled, so every reader (the pack step, the train step, Ray workers on a shared
+filesystem) sees the same samples. At most `MAX_OPEN` shards are open at once (each holds a
+file descriptor), the least recently read closed first.
 """
 
 from __future__ import annotations
@@ -39,9 +38,7 @@ import pyarrow as pa
 from posttrain.data.chat import TokenizedSample
 from posttrain.data.preference import PairSample
 
-RELEASE_BYTES = 256 << 20
-PAGES_PER_SAMPLE = 4 * mmap.PAGESIZE  # the least a sample's random read brings in (ids and mask, fault-around)
-MAX_MAPPED = 512  # shards mapped at once (each holds a file descriptor); the least recently read is unmapped
+MAX_OPEN = 512  # shards open at once (each holds a file descriptor); the least recently read is closed
 _IDS, _MASK = (pa.int32(), np.int32), (pa.uint8(), np.uint8)
 
 
@@ -110,30 +107,44 @@ def write_shard(path: str | Path, samples: Sequence[Any], lines: Sequence[int], 
     return path.stat().st_size
 
 
-class _MappedShard:
-    """One shard file memory-mapped: numpy views of its list columns (offsets, values) and its
-    scalar columns."""
+class _ShardFile:
+    """One open shard: its list columns' offsets and scalar columns in memory (a few bytes a
+    sample), and for each list column where its values lie in the file, read a sample at a time
+    with `os.pread` (no mapping: nothing of the tokens stays resident)."""
 
     def __init__(self, path: str, kind: _Layout):
-        with open(path, "rb") as handle:
-            self.map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-        batch = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(self.map))).get_batch(0)
         self.kind = kind
-        self.lists = {}
-        for name in kind.lists:
-            column = batch.column(name)
-            self.lists[name] = (column.offsets.to_numpy(), column.values.to_numpy())
-        self.scalars = {name: batch.column(name).to_numpy(zero_copy_only=False) for name in kind.scalars}
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            base = np.frombuffer(mapped, dtype=np.uint8)
+            start = base.ctypes.data
+            batch = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(mapped))).get_batch(0)
+            self.lists = {}
+            for name, (_, numpy_type) in kind.lists.items():
+                column = batch.column(name)
+                itemsize = np.dtype(numpy_type).itemsize
+                where = column.values.buffers()[1].address - start + column.values.offset * itemsize
+                self.lists[name] = (np.array(column.offsets.to_numpy(), dtype=np.int64), where, np.dtype(numpy_type))
+            self.scalars = {name: np.array(batch.column(name).to_numpy(zero_copy_only=False)) for name in kind.scalars}
+            del batch, column, base  # nothing may view the mapping once it closes
+        self.descriptor = os.open(path, os.O_RDONLY)
+
+    def _read(self, offsets: np.ndarray, where: int, dtype: np.dtype, row: int) -> np.ndarray:
+        first, end = int(offsets[row]), int(offsets[row + 1])
+        data = os.pread(self.descriptor, (end - first) * dtype.itemsize, where + first * dtype.itemsize)
+        return np.frombuffer(data, dtype=dtype)
 
     def sample(self, row: int) -> Any:
-        views = {name: values[offsets[row]:offsets[row + 1]] for name, (offsets, values) in self.lists.items()}
+        views = {name: self._read(offsets, where, dtype, row) for name, (offsets, where, dtype) in self.lists.items()}
         return self.kind.build(views, {name: column[row] for name, column in self.scalars.items()})
 
-    def bytes(self, row: int) -> int:
-        return sum(int(offsets[row + 1] - offsets[row]) * values.itemsize for offsets, values in self.lists.values())
+    def close(self) -> None:
+        os.close(self.descriptor)
 
-    def release(self) -> None:
-        self.map.madvise(mmap.MADV_DONTNEED)
+    def __del__(self):
+        try:
+            self.close()
+        except OSError:
+            pass
 
 
 class TokenShards(Sequence):
@@ -146,8 +157,7 @@ class TokenShards(Sequence):
         self.directory, self.files, self.rows = str(directory), list(files), [int(r) for r in rows]
         self.layout, self._kind = layout, LAYOUTS[layout]
         self._starts = np.concatenate([[0], np.cumsum(self.rows, dtype=np.int64)])
-        self._mapped: dict[int, _MappedShard] = {}
-        self._read_bytes = 0
+        self._open: dict[int, _ShardFile] = {}
 
     def __getstate__(self) -> dict:
         return {"directory": self.directory, "files": self.files, "rows": self.rows, "layout": self.layout}
@@ -161,13 +171,13 @@ class TokenShards(Sequence):
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    def _shard(self, index: int) -> _MappedShard:
-        shard = self._mapped.pop(index, None)
+    def _shard(self, index: int) -> _ShardFile:
+        shard = self._open.pop(index, None)
         if shard is None:
-            if len(self._mapped) >= MAX_MAPPED:
-                self._mapped.pop(next(iter(self._mapped)))  # its map closes once no sample views it
-            shard = _MappedShard(os.path.join(self.directory, self.files[index]), self._kind)
-        self._mapped[index] = shard  # most recently read last
+            if len(self._open) >= MAX_OPEN:
+                self._open.pop(next(iter(self._open))).close()
+            shard = _ShardFile(os.path.join(self.directory, self.files[index]), self._kind)
+        self._open[index] = shard  # most recently read last
         return shard
 
     def __getitem__(self, i):
@@ -179,13 +189,7 @@ class TokenShards(Sequence):
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} of {len(self)}")
         index = int(np.searchsorted(self._starts, i, side="right")) - 1
-        shard, row = self._shard(index), i - int(self._starts[index])
-        self._read_bytes += max(shard.bytes(row), PAGES_PER_SAMPLE)  # a random read touches whole pages
-        if self._read_bytes >= RELEASE_BYTES:  # keep the touched pages from piling up in resident memory
-            self._read_bytes = 0
-            for mapped in self._mapped.values():
-                mapped.release()
-        return shard.sample(row)
+        return self._shard(index).sample(i - int(self._starts[index]))
 
     def __iter__(self) -> Iterator[Any]:
         for i in range(len(self)):
@@ -205,20 +209,29 @@ class TokenShards(Sequence):
         shards' offsets; no token is read)."""
         if not self.files:
             return np.zeros(0, np.int64)
-        return np.concatenate([sum(np.diff(offsets) for name, (offsets, _) in self._shard(i).lists.items()
+        return np.concatenate([sum(np.diff(offsets) for name, (offsets, _, _) in self._shard(i).lists.items()
                                    if not name.endswith("mask")) for i in range(len(self.files))])
 
     def loss_tokens(self) -> int:
-        """Tokens with a mask of 1 (`loss_mask`, or both responses' masks) over every sample."""
+        """Tokens with a mask of 1 (`loss_mask`, or both responses' masks) over every sample,
+        read a shard's mask column at a time."""
         total = 0
         for i in range(len(self.files)):
             shard = self._shard(i)
-            total += sum(int(np.count_nonzero(values)) for name, (_, values) in shard.lists.items()
-                         if name.endswith("mask"))
-            shard.release()
+            for name, (offsets, where, dtype) in shard.lists.items():
+                if name.endswith("mask"):
+                    data = os.pread(shard.descriptor, int(offsets[-1]) * dtype.itemsize, where)
+                    total += int(np.count_nonzero(np.frombuffer(data, dtype=dtype)))
         return total
 
     @property
     def num_bytes(self) -> int:
         """Bytes of the shard files on disk."""
         return sum(os.path.getsize(os.path.join(self.directory, f)) for f in self.files)
+
+
+def samples(run) -> dict[str, Sequence[Any]]:
+    """A finished (or running) flow run's tokenized training samples by source, from the Metaflow
+    Client API (`metaflow.Run`): its `samples` artifact, whose `TokenShards` open the shards
+    where they are read, one sample at a time (`samples(run)["gsm8k"][0].input_ids`)."""
+    return run["tokenize"].task.data.samples
