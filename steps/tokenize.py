@@ -356,7 +356,7 @@ def _stream_parts(parts: Mapping[str, Iterable], kind, context: tuple, num_proc:
         files, rows, in_memory = [], [], []
         source_rejected = rejected[name] = []
         count = counts[name] = {"kept": 0, "rejected": 0, "read": 0}
-        held = 0
+        held = reused = 0
         finished: dict[int, dict] = {}
         pending: dict[int, tuple[RecordPart, int]] = {}
 
@@ -391,6 +391,7 @@ def _stream_parts(parts: Mapping[str, Iterable], kind, context: tuple, num_proc:
             if part.index in finished:
                 entry = finished.pop(part.index)
                 kind.restore(out_dir, entry)
+                reused += 1
                 part_rejected = [RejectedRow(**r) for r in entry["rejected"]]
                 part_held = [_held_record(r) for r in entry["heldout"]]
                 if entry["shard"] is not None:
@@ -425,6 +426,9 @@ def _stream_parts(parts: Mapping[str, Iterable], kind, context: tuple, num_proc:
             count["kept"] += part.kept
             count["rejected"] += part.malformed
         progress.close()
+        if reused:
+            print(f"[tokenize] {name}: {reused} finished part{'s' if reused > 1 else ''} read from the store, "
+                  "not rendered again")
         samples[name] = in_memory if out_dir is None else TokenShards(out_dir, files, rows, kind.layout)
         print(f"[tokenize] {name}: {count['read']:,} rows read, {count['rejected']:,} rejected as malformed; "
               f"{len(samples[name]):,} {kind.unit} kept, {len(source_rejected) - count['rejected']:,} rejected "
