@@ -28,7 +28,7 @@ import itertools
 import json
 import os
 import sys
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -383,48 +383,50 @@ def _stream_parts(parts: Mapping[str, Iterable], kind, context: tuple, num_proc:
                               f"[tokenize {name}] rendering {len(first.train):,} {kind.unit}")
         results: list = []
         progress = tqdm(desc=f"[tokenize {name}]", unit="row", mininterval=2.0)
-        for outcome in parallel_map(kind.work, feed(itertools.chain([first], source_parts)), context, procs):
-            if not isinstance(outcome, _EndOfPart):
-                results.append(outcome)
-                continue
-            part, global_id = pending.pop(min(pending))
-            if part.index in finished:
-                entry = finished.pop(part.index)
-                kind.restore(out_dir, entry)
-                reused += 1
-                part_rejected = [RejectedRow(**r) for r in entry["rejected"]]
-                part_held = [_held_record(r) for r in entry["heldout"]]
-                if entry["shard"] is not None:
-                    files.append(entry["shard"]), rows.append(entry["kept"])
-            else:
-                if len(results) != len(part.train):
-                    raise RuntimeError(f"part {part.index}: {len(part.train)} records but {len(results)} rendered")
-                if seen is not None:
-                    seen.part = global_id
-                kept, lines, part_rejected = kind.keep(name, part, results)
-                part_held = part.heldout
-                if out_dir is None:
-                    in_memory.extend(kept)
+        # closed on the way out, a failure's too: the render workers stop now, not when the generator is collected
+        with closing(parallel_map(kind.work, feed(itertools.chain([first], source_parts)), context, procs)) as outcomes:
+            for outcome in outcomes:
+                if not isinstance(outcome, _EndOfPart):
+                    results.append(outcome)
+                    continue
+                part, global_id = pending.pop(min(pending))
+                if part.index in finished:
+                    entry = finished.pop(part.index)
+                    kind.restore(out_dir, entry)
+                    reused += 1
+                    part_rejected = [RejectedRow(**r) for r in entry["rejected"]]
+                    part_held = [_held_record(r) for r in entry["heldout"]]
+                    if entry["shard"] is not None:
+                        files.append(entry["shard"]), rows.append(entry["kept"])
                 else:
-                    shard = shard_name(part.index) if kept else None
-                    if shard is not None:
-                        write_shard(out_dir / shard, kept, lines, kind.layout)
-                        files.append(shard), rows.append(len(kept))
+                    if len(results) != len(part.train):
+                        raise RuntimeError(f"part {part.index}: {len(part.train)} records but {len(results)} rendered")
                     if seen is not None:
-                        seen.commit()
-                    entry = {"shard": shard, "kept": len(kept), **kind.save(out_dir, part),
-                             "rejected": [_row(r) for r in part_rejected],
-                             "heldout": [_held_json(r) for r in part_held]}
-                    _write_json(ShardStore.part_record(out_dir, part.index), entry)
-                    maybe_inject_fault(global_id + 1, store.directory, at_env=FAULT_AT_PART_ENV)
-            results = []
-            progress.update(part.read)
-            source_rejected.extend(part_rejected)
-            heldout.extend(part_held)
-            held += len(part_held)
-            count["read"] += part.read
-            count["kept"] += part.kept
-            count["rejected"] += part.malformed
+                        seen.part = global_id
+                    kept, lines, part_rejected = kind.keep(name, part, results)
+                    part_held = part.heldout
+                    if out_dir is None:
+                        in_memory.extend(kept)
+                    else:
+                        shard = shard_name(part.index) if kept else None
+                        if shard is not None:
+                            write_shard(out_dir / shard, kept, lines, kind.layout)
+                            files.append(shard), rows.append(len(kept))
+                        if seen is not None:
+                            seen.commit()
+                        entry = {"shard": shard, "kept": len(kept), **kind.save(out_dir, part),
+                                 "rejected": [_row(r) for r in part_rejected],
+                                 "heldout": [_held_json(r) for r in part_held]}
+                        _write_json(ShardStore.part_record(out_dir, part.index), entry)
+                        maybe_inject_fault(global_id + 1, store.directory, at_env=FAULT_AT_PART_ENV)
+                results = []
+                progress.update(part.read)
+                source_rejected.extend(part_rejected)
+                heldout.extend(part_held)
+                held += len(part_held)
+                count["read"] += part.read
+                count["kept"] += part.kept
+                count["rejected"] += part.malformed
         progress.close()
         if reused:
             print(f"[tokenize] {name}: {reused} finished part{'s' if reused > 1 else ''} read from the store, "

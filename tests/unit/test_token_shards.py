@@ -218,23 +218,50 @@ def test_pairs_go_through_shards_as_they_go_through_memory(tmp_path, qwen3_token
     assert list(again.pairs["pairs"]) == in_memory.pairs["pairs"] and again.next_id == sharded.next_id
 
 
-@pytest.mark.subprocess
-def test_a_resumed_step_on_two_render_processes_gives_the_uninterrupted_result(tmp_path, qwen3_tokenizer,
-                                                                                monkeypatch):
-    from posttrain.config.schema import TokenizeConfig
+TWO_PROCESS_CHILD = textwrap.dedent("""
+    import dataclasses, json, sys
+    from pathlib import Path
+    from posttrain.config.schema import FilterConfig, PackConfig, SourceConfig, TokenizeConfig
     from posttrain.data import render_pool
-
-    monkeypatch.setattr(render_pool, "PARALLEL_MIN_RECORDS", 1)
-    monkeypatch.setattr(render_pool, "CHUNK_SIZE", 3)
-    source = write_source(tmp_path)
-    two = TokenizeConfig(num_proc=2)
-    uninterrupted = tokenize.run_parts(parts_of(source, tmp_path), qwen3_tokenizer, {}, FilterConfig(), PACK, two)
-    monkeypatch.setenv("POSTTRAIN_FAULT_AT_PART", "3")  # raise after the third finished part
-    store = tokenize.ShardStore(tmp_path / "cache", "key")
+    from posttrain.data.tokenizer import load_tokenizer
+    from posttrain.steps import ingest, tokenize
     from posttrain.train.faults import InjectedFault
+    render_pool.PARALLEL_MIN_RECORDS, render_pool.CHUNK_SIZE = 1, 3  # two workers, several chunks a part
+    tmp = Path(sys.argv[1])
+    source = SourceConfig(name="chats", kind="jsonl", path=str(tmp / "chats.jsonl"), format="chat")
+    def run():
+        parts = {"chats": ingest.stream_parts(source, tmp, "conversations", heldout_fraction=0.1, seed=3,
+                                              part_records=10)}
+        return tokenize.run_parts(parts, load_tokenizer("builtin:qwen3"), {}, FilterConfig(),
+                                  PackConfig(row_length=64, window=8), TokenizeConfig(num_proc=2),
+                                  store=tokenize.ShardStore(tmp / "cache", "key"))
+    try:
+        run()
+    except InjectedFault:
+        print("faulted", file=sys.stderr)
+    result = run()
+    print(json.dumps({"samples": [(s.input_ids.tolist(), s.loss_mask.tolist()) for s in result.samples["chats"]],
+                      "rejected": [(r.source, r.line, r.reason) for r in result.rejected],
+                      "heldout": [r.line for r in result.heldout], "counts": result.counts,
+                      "stats": dataclasses.asdict(result.stats)}))
+""")
 
-    with pytest.raises(InjectedFault):
-        tokenize.run_parts(parts_of(source, tmp_path), qwen3_tokenizer, {}, FilterConfig(), PACK, two, store=store)
-    resumed = tokenize.run_parts(parts_of(source, tmp_path), qwen3_tokenizer, {}, FilterConfig(), PACK, two,
-                                 store=store)
-    assert summary(resumed) == summary(uninterrupted)
+
+@pytest.mark.subprocess
+def test_a_resumed_step_on_two_render_processes_gives_the_uninterrupted_result(tmp_path, qwen3_tokenizer):
+    """In a fresh interpreter (a pool forks its workers: not from a test process full of threads)."""
+    import dataclasses
+
+    source = write_source(tmp_path)
+    uninterrupted = tokenize.run_parts(parts_of(source, tmp_path), qwen3_tokenizer, {}, FilterConfig(), PACK)
+    env = {**os.environ, "POSTTRAIN_FAULT_AT_PART": "3", "OMP_NUM_THREADS": "1"}  # raise after the third part
+    child = subprocess.run([sys.executable, "-c", TWO_PROCESS_CHILD, str(tmp_path)], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == 0 and "faulted" in child.stderr, child.stderr
+    resumed = json.loads(child.stdout.strip().splitlines()[-1])
+    assert "1 finished part" not in child.stderr and "3 finished parts read from the store" in child.stdout
+    assert resumed["samples"] == [[s.input_ids.tolist(), s.loss_mask.tolist()] for s in uninterrupted.samples["chats"]]
+    assert resumed["rejected"] == [list(r) for r in summary(uninterrupted)["rejected"]]
+    assert resumed["heldout"] == [r.line for r in uninterrupted.heldout]
+    assert resumed["counts"] == uninterrupted.counts and resumed["stats"] == json.loads(
+        json.dumps(dataclasses.asdict(uninterrupted.stats)))
