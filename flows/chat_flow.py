@@ -1,7 +1,7 @@
 """The steps the recipes that train on conversations share (SFT, distillation, semantic IDs):
 ingest chats, tokenize them, pack them.
 
-`ChatRecipeFlow` is a `RecipeFlow` whose training sources stream (`RecipeFlow`'s
+`ChatRecipeFlow` is a `RecipeFlow`, whose training sources stream (`RecipeFlow`'s `ingest`,
 `_prepare_streamed_sources` and `_store_streamed`): `ingest` writes the demo data when the
 recipe generates it, fingerprints every source and reads the held-out source (an evaluation
 set, read whole); `tokenize` reads the training sources in parts, holds out
@@ -25,26 +25,6 @@ from recipe_flow import RecipeFlow
 
 
 class ChatRecipeFlow(RecipeFlow):
-    @card(type="blank", id="ingest")
-    @step
-    def ingest(self):
-        """Fingerprint every source and read the held-out one; the training sources stream in `tokenize`."""
-        self._prepare_streamed_sources()
-        self.next(self.tokenize)
-
-    def _skew_records(self):
-        """The conversations a recipe built in its ingest, or the first conversations of every
-        training source (the skew gate renders a few; plain text has no template to skew)."""
-        from pathlib import Path
-
-        from posttrain.steps import ingest
-
-        built = getattr(self, "train_records", None)
-        if built is not None:
-            return built
-        heads = ingest.head_records(self.recipe, Path(self.run_dir), self.recipe.verify.skew_samples)
-        return {name: [r for r in records if hasattr(r, "messages")] for name, records in heads.items()}
-
     @card(type="blank", id="tokenize")
     @step
     def tokenize(self):

@@ -22,22 +22,6 @@ from recipe_flow import RecipeFlow
 
 
 class PairRecipeFlow(RecipeFlow):
-    @card(type="blank", id="ingest")
-    @step
-    def ingest(self):
-        """Write the demo's pairs (mined from the starting model) when the recipe generates them,
-        fingerprint every source and read the held-out one; the training pairs stream in `tokenize`."""
-        self._prepare_streamed_sources()
-        self.next(self.tokenize)
-
-    def _skew_records(self):
-        """The first pairs of every training source (the skew gate renders a few)."""
-        from pathlib import Path
-
-        from posttrain.steps import ingest
-
-        return ingest.head_records(self.recipe, Path(self.run_dir), self.recipe.verify.skew_samples, kind="pairs")
-
     @card(type="blank", id="tokenize")
     @step
     def tokenize(self):

@@ -4,7 +4,7 @@ A recipe flow (`SFTFlow`, `DPOFlow`) subclasses `RecipeFlow`, names its recipe k
 (`RECIPE`, the `kind` of its config class and the key of its `posttrain.recipes` spec),
 declares its `config` / `overrides` Metaflow `Config`s from it (`recipe_configs(RECIPE)`) and
 its `@ValidateRecipe` launch check, and defines the steps that differ: `tokenize`, `pack`
-(and e.g. `reference`). `start`, `ingest` (what it reads is the spec's `records`), `train`,
+(and e.g. `reference`). `start`, `ingest` (it fingerprints the sources, which stream into `tokenize`), `train`,
 `verify`, the evaluation, `register` and `end` are written once, here; each calls one plain
 function of `posttrain.steps`. `RecipeSteps` holds all of them but
 `train`: the RL recipe (`GRPOFlow`) builds on it with its own recursive round step. `start` goes
@@ -140,8 +140,21 @@ class RecipeSteps(FlowSpec):
         self.next(self.plan_evaluation)
 
     def _skew_records(self):
-        """The training records the skew gate draws from (by source)."""
-        return self.train_records
+        """The training records the skew gate draws from, by source: those the recipe's ingest
+        read or built (`train_records`), else the first records of every streamed source (plain
+        text, which no template renders, left out)."""
+        built = getattr(self, "train_records", None)
+        if built is not None:
+            return built
+        from pathlib import Path
+
+        from posttrain.data.records import TextRecord
+        from posttrain.recipes import recipe_spec
+        from posttrain.steps import ingest
+
+        heads = ingest.head_records(self.recipe, Path(self.run_dir), self.recipe.verify.skew_samples,
+                                    kind=recipe_spec(self.recipe).records)
+        return {name: [r for r in records if not isinstance(r, TextRecord)] for name, records in heads.items()}
 
     def _eval_data(self):
         """The held-out data the suites read (`EvalData`): a chat recipe's held-out conversations."""
@@ -247,8 +260,10 @@ class RecipeFlow(RecipeSteps):
     @card(type="blank", id="ingest")
     @step
     def ingest(self):
-        """Read every source into validated records; malformed rows are kept aside and counted."""
-        self._ingest()
+        """Write the demo data when the recipe generates it, fingerprint every source and read the
+        held-out one; the training sources stream in `tokenize` (a recipe whose ingest builds its
+        records itself, e.g. sequences, overrides this step and calls `_ingest`)."""
+        self._prepare_streamed_sources()
         self.next(self.tokenize)
 
     @retry(times=1, minutes_between_retries=0)

@@ -113,7 +113,7 @@ class _ShardFile:
     with `os.pread` (no mapping: nothing of the tokens stays resident)."""
 
     def __init__(self, path: str, kind: _Layout):
-        self.kind = kind
+        self.kind, self.descriptor = kind, -1
         with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             base = np.frombuffer(mapped, dtype=np.uint8)
             start = base.ctypes.data
@@ -138,13 +138,12 @@ class _ShardFile:
         return self.kind.build(views, {name: column[row] for name, column in self.scalars.items()})
 
     def close(self) -> None:
-        os.close(self.descriptor)
+        if self.descriptor >= 0:  # once: a descriptor number closed twice may be someone else's by then
+            os.close(self.descriptor)
+            self.descriptor = -1
 
     def __del__(self):
-        try:
-            self.close()
-        except OSError:
-            pass
+        self.close()
 
 
 class TokenShards(Sequence):
