@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from posttrain.config.schema import FilterConfig, PackConfig, TokenizeConfig
 from posttrain.data.chat import ChatTemplateError, TokenizedSample, render_conversation
-from posttrain.data.filters import FilterStats, RecordFilter
+from posttrain.data.filters import FilterStats, RecordDigest, RecordFilter, fits_chars
 from posttrain.data.length_stats import LengthStats
 from posttrain.data.preference import PairError, PairSample, fit_pair, render_pair
 from posttrain.data.records import ChatRecord, PreferenceRecord, RejectedRow, TextRecord
@@ -152,21 +152,33 @@ class _EndOfPart:
     """The item that closes a part in the render stream (it passes through the workers)."""
 
 
-def _render_item(context: tuple, item: Any) -> Any:
-    """In a render worker: a record's sample (ids int32, mask uint8), None when nothing in it
-    trains; `item` False (a record `max_chars` turned away) and the end-of-part marker pass through.
-    A record with tools of its own renders with them (in place of `tools` in the template's arguments)."""
-    if item is False or isinstance(item, _EndOfPart):
-        return item
+def _render_item(context: tuple, record: Any) -> TokenizedSample | None:
+    """A record's sample (ids int32, mask uint8), None when nothing in it trains. A record with
+    tools of its own renders with them (in place of `tools` in the template's arguments)."""
     tokenizer, template_kwargs = context
-    if isinstance(item, TextRecord):
-        return _text_sample(tokenizer, item.text)
-    tools = getattr(item, "tools", None)  # a row's own tools take the place of the recipe's
-    sample = render_conversation(tokenizer, item.messages, **({**template_kwargs, "tools": tools} if tools else
-                                                              template_kwargs))
+    if isinstance(record, TextRecord):
+        return _text_sample(tokenizer, record.text)
+    tools = getattr(record, "tools", None)  # a row's own tools take the place of the recipe's
+    sample = render_conversation(tokenizer, record.messages, **({**template_kwargs, "tools": tools} if tools else
+                                                                template_kwargs))
     if not any(sample.loss_mask):
         return None
     return TokenizedSample(np.asarray(sample.input_ids, dtype=np.int32), np.asarray(sample.loss_mask, dtype=np.uint8))
+
+
+def _screened_sample(context: tuple, item: Any) -> tuple[TokenizedSample | bool | None, RecordDigest | None] | _EndOfPart:
+    """In a render worker: `(sample, digest)` for one record, what the filter then only looks
+    up (`RecordFilter.check(..., digest=)`); `(False, None)` for a record over `max_chars`
+    characters (not rendered), `(None, None)` for one in which nothing trains; the end-of-part
+    marker passes through. `context`: the tokenizer, the template's arguments, `max_chars`
+    and the filter's `Digester`."""
+    if isinstance(item, _EndOfPart):
+        return item
+    tokenizer, template_kwargs, max_chars, digester = context
+    if not fits_chars(item, max_chars):
+        return False, None
+    sample = _render_item((tokenizer, template_kwargs), item)
+    return (None, None) if sample is None else (sample, digester(item, sample))
 
 
 def _text_sample(tokenizer, text: str) -> TokenizedSample:
@@ -221,33 +233,35 @@ def _held_record(entry: dict) -> Any:
 
 
 class _Conversations:
-    """How conversations and text go through `_stream_parts`: rendered by `_render_item`,
-    kept or rejected by the `RecordFilter` (whose cumulative stats a part's record keeps, and
-    whose near-duplicate signatures a part saves beside its shard)."""
+    """How conversations and text go through `_stream_parts`: rendered and digested by
+    `_screened_sample`, kept or rejected by the `RecordFilter` (whose cumulative stats a part's
+    record keeps, and whose near-duplicate signatures a part saves beside its shard)."""
 
-    layout, unit, work = "tokens", "conversations", staticmethod(_render_item)
+    layout, unit, work = "tokens", "conversations", staticmethod(_screened_sample)
 
     def __init__(self, record_filter: RecordFilter):
         self.filter = record_filter
         self.near_mark = 0  # near-duplicate entries saved with a finished part
 
-    def admit(self, record: Any) -> Any:
-        return record if self.filter.admits_chars(record) else False
+    def context(self, tokenizer, template_kwargs: dict) -> tuple:
+        """What `_screened_sample` needs in a worker."""
+        return tokenizer, template_kwargs, self.filter.max_chars, self.filter.digester()
 
     def keep(self, name: str, part: RecordPart, results: list) -> tuple[list, list[int], list[RejectedRow]]:
         """The part's kept samples and their lines, and every row it rejected (the reader's
         first, then `max_chars`, then rendering and the filters)."""
         record_filter = self.filter
         first = len(record_filter.rejected)
-        admitted = [(record, sample) for record, sample in zip(part.train, results)
-                    if sample is not False or record_filter.check_chars(name, record)]
+        admitted = [(record, *outcome) for record, outcome in zip(part.train, results)
+                    if outcome[0] is not False or record_filter.check_chars(name, record)]
         rendered = []
-        for record, sample in admitted:
+        for record, sample, digest in admitted:
             if sample is None:
                 record_filter.reject_untrainable(name, record)
             else:
-                rendered.append((record, sample))
-        kept = [(record, sample) for record, sample in rendered if record_filter.check(name, record, sample)]
+                rendered.append((record, sample, digest))
+        kept = [(record, sample) for record, sample, digest in rendered
+                if record_filter.check(name, record, sample, digest=digest)]
         return ([sample for _, sample in kept], [record.line for record, _ in kept],
                 [*part.rejected, *record_filter.rejected[first:]])
 
@@ -287,9 +301,6 @@ class _Pairs:
     def __init__(self, first_id: int = 0):
         self.next_id = first_id
         self.stats: dict[str, dict] = {}
-
-    def admit(self, record: Any) -> Any:
-        return record
 
     def keep(self, name: str, part: RecordPart, results: list) -> tuple[list, list[int], list[RejectedRow]]:
         stats = self.stats.setdefault(name, {"kept": 0, "rejected": {}, "truncated": 0, "tokens": 0})
@@ -374,7 +385,7 @@ def _stream_parts(parts: Mapping[str, Iterable], kind, context: tuple, num_proc:
                 pending[part.index] = (part, part_id)
                 part_id += 1
                 if part.index not in finished:
-                    yield from (kind.admit(record) for record in part.train)
+                    yield from part.train
                 yield _EndOfPart()
 
         source_parts = _as_parts(source_parts)
@@ -527,7 +538,8 @@ def run_parts(parts: Mapping[str, Iterable], tokenizer, template_kwargs: dict | 
         seen = SeenKeys(store.directory / "seen.sqlite") if store is not None else None
         record_filter = RecordFilter.from_config(filters or FilterConfig(), dedup_on="tokens", pack=pack, seen=seen)
         try:
-            streamed = _stream_parts(parts, _Conversations(record_filter), (tokenizer, dict(template_kwargs or {})),
+            kind = _Conversations(record_filter)
+            streamed = _stream_parts(parts, kind, kind.context(tokenizer, dict(template_kwargs or {})),
                                      (tokenize or TokenizeConfig()).num_proc, store, seen)
         finally:
             if seen is not None:

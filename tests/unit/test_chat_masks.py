@@ -348,3 +348,33 @@ def test_the_generation_prompt_suffix_of_qwen3_is_its_assistant_header(qwen3_tok
     assert generation_prompt_suffix(qwen3_tokenizer) == "<|im_start|>assistant\n"
     assert generation_prompt_suffix(qwen3_tokenizer, enable_thinking=False) == \
         "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def test_a_character_split_over_byte_tokens_at_a_turn_start_trains_in_every_piece(qwen3):
+    """A turn whose first character byte-level BPE splits over two tokens (both carry that
+    character's offsets): both pieces train, not only the last (the model must learn to emit
+    the whole character)."""
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\U0001d4b3 ok"},
+                {"role": "user", "content": "q2"}, {"role": "assistant", "content": "fine"}]
+    sample = render_conversation(qwen3, messages)
+    text = qwen3.apply_chat_template(messages, tokenize=False)
+    encoding = qwen3.backend_tokenizer.encode(text, add_special_tokens=False)
+    start = text.index("\U0001d4b3")
+    pieces = [i for i, (s, e) in enumerate(encoding.offsets) if s <= start < e]
+    assert len(pieces) == 2, "the character is expected in two byte-level tokens"
+    assert [sample.loss_mask[i] for i in pieces] == [1, 1]
+    assert sample.loss_mask[pieces[0] - 1] == 0  # the newline of the assistant header does not train
+
+
+def test_a_sample_of_arrays_pickles_as_bytes_and_comes_back_equal():
+    import pickle
+
+    import numpy as np
+
+    sample = TokenizedSample(np.array([5, 6, 7], dtype=np.int32), np.array([0, 1, 1], dtype=np.uint8))
+    back = pickle.loads(pickle.dumps(sample))
+    assert back.input_ids.dtype == np.int32 and back.loss_mask.dtype == np.uint8
+    assert back.input_ids.tolist() == [5, 6, 7] and back.loss_mask.tolist() == [0, 1, 1]
+    back.loss_mask[0] = 1  # writable, as the original
+    listed = TokenizedSample([1, 2], [0, 1])
+    assert pickle.loads(pickle.dumps(listed)) == listed

@@ -107,6 +107,35 @@ def test_invalid_records_and_read_rejections_are_counted():
         stats.add_rejected("src", "weird")
 
 
+def test_digests_computed_apart_give_the_same_verdicts_as_the_filter_alone():
+    """A render worker computes each record's digest (`digester()`, pickled to it); a filter
+    given those digests keeps and rejects exactly what one computing them itself does, with
+    the same reasons (invalid, duplicate, near duplicate)."""
+    import pickle
+
+    from posttrain.data.near_dedup import NearDuplicates
+
+    words = "the quick brown fox jumps over the lazy dog near the river bank today"
+    records = [chat(words, "a", line=1), chat(words, "a", line=2), chat(words + " again", "a", line=3),
+               ChatRecord([{"role": "user", "content": "only a question"}], "a.jsonl", 4),
+               chat("something else entirely", "b", line=5)]
+    tokens = [[1, 2, 3], [1, 2, 4], [9, 9], [7], [5, 6]]
+
+    def make(dedup_on):
+        return RecordFilter(dedup_on=dedup_on, near_dedup=NearDuplicates(threshold=0.7, ngram=3, num_perm=64))
+
+    for dedup_on in ("content", "tokens"):
+        alone, apart = make(dedup_on), make(dedup_on)
+        digester = pickle.loads(pickle.dumps(apart.digester()))  # as a spawned worker gets it
+        verdicts_alone = [alone.check("s", r, t) for r, t in zip(records, tokens)]
+        verdicts_apart = [apart.check("s", r, t, digest=digester(r, t)) for r, t in zip(records, tokens)]
+        assert verdicts_alone == verdicts_apart
+        assert [r.reason for r in alone.rejected] == [r.reason for r in apart.rejected]
+        assert alone.stats.as_dict() == apart.stats.as_dict()
+        expected = {"content": ["duplicate", "invalid:"], "tokens": ["near", "invalid:"]}[dedup_on]
+        assert [r.reason.split(" ")[0] for r in alone.rejected] == expected
+
+
 def test_real_sources_dedup_across_files(shared_data):
     """The published OASST conversations are exactly the trees' paths: all found as duplicates."""
     f = RecordFilter()

@@ -26,7 +26,12 @@ in `RecordFilter.rejected` and counted in `RecordFilter.stats`, a `FilterStats` 
 the source name the caller passes and by reason kind (`REASONS`). Rows the reader already
 rejected can be counted there too (`FilterStats.add_read_rejections`, kind "invalid").
 
-API: `check(name, record, tokens=None) -> bool` (one record), `check_chars(name, record)`,
+What depends on one record alone (its validity, its de-duplication key, its MinHash signature)
+is a `RecordDigest`, which `Digester` (`RecordFilter.digester()`, small and picklable) computes
+anywhere, e.g. in the worker process that rendered the record; `check(..., digest=)` then only
+looks it up. A digest computed elsewhere gives the same verdicts as one computed in `check`.
+
+API: `check(name, record, tokens=None, digest=None) -> bool` (one record), `check_chars(name, record)`,
 `reject_untrainable(name, record)`, `filter(name, records) -> kept`,
 `filter_with_tokens(name, records, tokens) -> (kept records, their tokens)`.
 """
@@ -37,7 +42,7 @@ import hashlib
 import json
 import unicodedata
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -167,6 +172,11 @@ def content_chars(value: Any) -> int:
     return 0
 
 
+def fits_chars(record: Any, max_chars: int | None) -> bool:
+    """Whether `record`'s content has at most `max_chars` characters (always, when None)."""
+    return max_chars is None or content_chars(record_content(record)) <= max_chars
+
+
 def surviving_loss_tokens(tokens: Any, row_length: int) -> int:
     """Loss tokens left when a sample is truncated to `row_length` tokens: labels are the next
     token's, so positions 1..row_length-1 of the mask count."""
@@ -183,6 +193,52 @@ def token_count(record: Any, tokens: Any = None) -> int | None:
     if isinstance(tokens, (int, np.integer)):
         return int(tokens)
     return len(token_ids(tokens))
+
+
+# ---------------------------------------------------------------- digests
+
+
+class RecordDigest(NamedTuple):  # a tuple: a worker's digests travel back pickled, cheaply
+    """What the filter reads of one record and its tokens that no other record changes:
+    `invalid`, `validate_record`'s reason (then nothing else is computed); `key`, the
+    de-duplication key (None with de-duplication off); `signature`, the near-duplicate MinHash
+    signature (None without near de-duplication, for a record without a word, or for a
+    `SequenceRecord`)."""
+
+    invalid: str | None = None
+    key: bytes | None = None
+    signature: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Digester:
+    """`digester(record, tokens=None) -> RecordDigest` for a filter's settings: `dedup_on`
+    ("content", "tokens", or None with de-duplication off) and `minhash` (a
+    `posttrain.data.near_dedup.MinHash`, or None). Holds no state of the filter."""
+
+    dedup_on: str | None
+    minhash: Any = None
+
+    def __call__(self, record: Any, tokens: Any = None) -> RecordDigest:
+        try:
+            validate_record(record)
+        except RecordError as err:
+            return RecordDigest(invalid=err.reason)
+        return self.identify(record, tokens)
+
+    def identify(self, record: Any, tokens: Any = None) -> RecordDigest:
+        """The digest of a record known to be valid: its key and signature."""
+        key = None
+        if self.dedup_on == "tokens":
+            if tokens is None and not isinstance(record, SequenceRecord):
+                raise ValueError("de-duplication on tokens needs the record's tokens (pass tokens=...)")
+            key = token_key(record.ids if tokens is None else tokens)
+        elif self.dedup_on == "content":
+            key = content_key(record)
+        signature = None
+        if self.minhash is not None and not isinstance(record, SequenceRecord):
+            signature = self.minhash.signature(content_text(record_content(record)))
+        return RecordDigest(key=key, signature=signature)
 
 
 # ---------------------------------------------------------------- the filter
@@ -235,11 +291,19 @@ class RecordFilter:
     def needs_tokens(self) -> bool:
         return self.min_tokens is not None or self.max_tokens is not None or (self.dedup and self.dedup_on == "tokens")
 
-    def _reason(self, record: Any, tokens: Any) -> tuple[str, str] | None:
-        try:
-            validate_record(record)
-        except RecordError as err:
-            return "invalid", f"invalid: {err.reason}"
+    def digester(self) -> Digester:
+        """What computes this filter's `RecordDigest`s (module docstring)."""
+        return Digester(self.dedup_on if self.dedup else None,
+                        None if self.near_dedup is None else self.near_dedup.minhash)
+
+    def _reason(self, record: Any, tokens: Any, digest: RecordDigest | None) -> tuple[str, str] | None:
+        if digest is None:
+            try:
+                validate_record(record)
+            except RecordError as err:
+                return "invalid", f"invalid: {err.reason}"
+        elif digest.invalid is not None:
+            return "invalid", f"invalid: {digest.invalid}"
         if self.min_tokens is not None or self.max_tokens is not None:
             n = token_count(record, tokens)
             if n is None:
@@ -248,26 +312,20 @@ class RecordFilter:
                 return "too_short", f"too short: {n} tokens < min_tokens {self.min_tokens}"
             if self.max_tokens is not None and n > self.max_tokens:
                 return "too_long", f"too long: {n} tokens > max_tokens {self.max_tokens}"
-        key = None
-        if self.dedup:
-            if self.dedup_on == "tokens":
-                if tokens is None and not isinstance(record, SequenceRecord):
-                    raise ValueError("de-duplication on tokens needs the record's tokens (pass tokens=...)")
-                key = token_key(record.ids if tokens is None else tokens)
-            else:
-                key = content_key(record)
-            first = self._first.get(key)
+        if digest is None:
+            digest = self.digester().identify(record, tokens)
+        if digest.key is not None:
+            first = self._first.get(digest.key)
             if first is not None:
                 return "duplicate", f"duplicate of {first[0]} line {first[1]}"
         if self.near_dedup is not None and not isinstance(record, SequenceRecord):
-            signature = self.near_dedup.signature(content_text(record_content(record)))
-            first = self.near_dedup.find(signature)
-            self._near_pending = (signature, (record.source, record.line))
+            first = self.near_dedup.find(digest.signature)
+            self._near_pending = (digest.signature, (record.source, record.line))
             if first is not None:
                 return "near_duplicate", (f"near duplicate of {first[0]} line {first[1]} (estimated Jaccard "
                                           f">= {self.near_dedup.threshold} over word {self.near_dedup.ngram}-grams)")
-        if key is not None:
-            self._first[key] = (record.source, record.line)
+        if digest.key is not None:
+            self._first[digest.key] = (record.source, record.line)
         return None
 
     def _row_reason(self, tokens: Any) -> tuple[str, str] | None:
@@ -282,7 +340,7 @@ class RecordFilter:
 
     def admits_chars(self, record: Any) -> bool:
         """What `check_chars` says of `record`, without recording anything."""
-        return self.max_chars is None or content_chars(record_content(record)) <= self.max_chars
+        return fits_chars(record, self.max_chars)
 
     def check_chars(self, name: str, record: Any) -> bool:
         """Before tokenization: False (the record rejected as too long) when its text has more
@@ -307,10 +365,12 @@ class RecordFilter:
             raw = raw_text(repr(record))
         self.rejected.append(RejectedRow(getattr(record, "source", name), getattr(record, "line", -1), reason, raw))
 
-    def check(self, name: str, record: Any, tokens: Any = None) -> bool:
-        """True when `record` (from source `name`) is kept; otherwise it is recorded as rejected."""
+    def check(self, name: str, record: Any, tokens: Any = None, digest: RecordDigest | None = None) -> bool:
+        """True when `record` (from source `name`) is kept; otherwise it is recorded as rejected.
+        `digest`: the record's `RecordDigest` when it was computed already (with `digester()`
+        and the same `tokens`)."""
         self._near_pending = None
-        verdict = self._reason(record, tokens) or (self._row_reason(tokens) if tokens is not None else None)
+        verdict = self._reason(record, tokens, digest) or (self._row_reason(tokens) if tokens is not None else None)
         if verdict is None:
             if self._near_pending is not None:  # only kept records are near-duplicate originals
                 self.near_dedup.add(*self._near_pending)

@@ -38,23 +38,19 @@ def bands_and_rows(num_perm: int, threshold: float) -> tuple[int, int]:
     return min(options, key=lambda br: (round(abs((1 / br[0]) ** (1 / br[1]) - threshold), 3), -br[0] * br[1]))
 
 
-class NearDuplicates:
-    """Texts seen so far, and which earlier one a new text nearly duplicates (module docstring)."""
+class MinHash:
+    """The MinHash signatures of texts (module docstring): `num_perm` seeded hash functions over
+    word `ngram`-grams. Holds no texts, so it travels cheaply to the processes that compute
+    signatures (a render worker), apart from the index that `NearDuplicates` keeps."""
 
-    def __init__(self, threshold: float = 0.8, ngram: int = 5, num_perm: int = 64, seed: int = 0):
-        if not 0 < threshold <= 1:
-            raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+    def __init__(self, ngram: int = 5, num_perm: int = 64, seed: int = 0):
         if ngram < 1 or num_perm < 1:
             raise ValueError(f"ngram and num_perm must be >= 1, got {ngram} and {num_perm}")
-        self.threshold, self.ngram, self.num_perm = threshold, ngram, num_perm
-        self.bands, self.rows = bands_and_rows(num_perm, threshold)
+        self.ngram, self.num_perm = ngram, num_perm
         rng = np.random.default_rng(seed)
         # multiply-shift hashing: odd 64-bit multipliers, 64-bit offsets, the top 32 bits kept
         self._mult = rng.integers(0, 2**63, size=num_perm, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
         self._add = rng.integers(0, 2**63, size=num_perm, dtype=np.uint64)
-        self._buckets: list[dict[bytes, list[int]]] = [{} for _ in range(self.bands)]
-        self._signatures: list[np.ndarray] = []
-        self._labels: list[Any] = []
 
     def shingles(self, text: str) -> np.ndarray:
         """64-bit digests of the text's word `ngram`-grams (uint64, deduplicated; empty
@@ -75,6 +71,25 @@ class NearDuplicates:
         with np.errstate(over="ignore"):  # multiply-shift works modulo 2**64
             hashed = (digests[:, None] * self._mult[None, :] + self._add[None, :]) >> np.uint64(32)
         return hashed.min(axis=0).astype(np.uint32)
+
+
+class NearDuplicates:
+    """Texts seen so far, and which earlier one a new text nearly duplicates (module docstring);
+    `minhash` computes the signatures it indexes."""
+
+    def __init__(self, threshold: float = 0.8, ngram: int = 5, num_perm: int = 64, seed: int = 0):
+        if not 0 < threshold <= 1:
+            raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+        self.minhash = MinHash(ngram, num_perm, seed)
+        self.threshold, self.ngram, self.num_perm = threshold, ngram, num_perm
+        self.bands, self.rows = bands_and_rows(num_perm, threshold)
+        self._buckets: list[dict[bytes, list[int]]] = [{} for _ in range(self.bands)]
+        self._signatures: list[np.ndarray] = []
+        self._labels: list[Any] = []
+
+    def signature(self, text: str) -> np.ndarray | None:
+        """`MinHash.signature`."""
+        return self.minhash.signature(text)
 
     def similarity(self, a: np.ndarray, b: np.ndarray) -> float:
         """Estimated Jaccard similarity of two signatures."""
