@@ -37,13 +37,6 @@ from rl_flow import RLRecipeFlow
 class GRPOFlow(RLRecipeFlow):
     config, overrides = recipe_configs(RLRecipeFlow.RECIPE)
 
-    @card(type="blank", id="ingest")
-    @step
-    def ingest(self):
-        """Read every source into prompt records (a chat's last assistant turn is the reference)."""
-        self._ingest()
-        self.next(self.tokenize)
-
     @card(type="blank", id="tokenize")
     @step
     def tokenize(self):

@@ -31,13 +31,6 @@ from rl_flow import RLRecipeFlow
 class GRPOSweepFlow(RLRecipeFlow):
     config, overrides = recipe_configs(RLRecipeFlow.RECIPE, default_config("grpo", "sweep-demo"))
 
-    @card(type="blank", id="ingest")
-    @step
-    def ingest(self):
-        """Read every source into prompt records."""
-        self._ingest()
-        self.next(self.tokenize)
-
     @card(type="blank", id="tokenize")
     @step
     def tokenize(self):
@@ -95,7 +88,7 @@ class GRPOSweepFlow(RLRecipeFlow):
         for name in ("recipe", "history", "checkpoint_dir", "base_dir", "parent_dir", "adapter_dir",
                      "sequence_classifier_dir", "train_summary", "variant_index"):
             setattr(self, name, getattr(best, name))
-        for name in ("run_dir", "train_records", "heldout_records", "data_counts", "data_fingerprints", "rejected",
+        for name in ("run_dir", "heldout_records", "data_counts", "data_fingerprints", "rejected",
                      "rejected_path",
                      "data_warnings", "prompts"):
             setattr(self, name, getattr(inputs[0], name))

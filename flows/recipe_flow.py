@@ -120,6 +120,15 @@ class RecipeSteps(FlowSpec):
         print(f"[start] recipe '{self.recipe.name}', outputs in {self.run_dir}")
         self.next(self.ingest)
 
+    @card(type="blank", id="ingest")
+    @step
+    def ingest(self):
+        """Write the demo data when the recipe generates it, fingerprint every source and read the
+        held-out one; the training sources stream in `tokenize` (a recipe whose ingest builds its
+        records itself, e.g. sequences, overrides this step and calls `_ingest`)."""
+        self._prepare_streamed_sources()
+        self.next(self.tokenize)
+
     @card(type="blank", id="verify")
     @step
     def verify(self):
@@ -254,17 +263,7 @@ class RecipeSteps(FlowSpec):
 
 
 class RecipeFlow(RecipeSteps):
-    """A recipe trained by the one training loop (`posttrain.steps.train`): its `ingest` and
-    `train` steps."""
-
-    @card(type="blank", id="ingest")
-    @step
-    def ingest(self):
-        """Write the demo data when the recipe generates it, fingerprint every source and read the
-        held-out one; the training sources stream in `tokenize` (a recipe whose ingest builds its
-        records itself, e.g. sequences, overrides this step and calls `_ingest`)."""
-        self._prepare_streamed_sources()
-        self.next(self.tokenize)
+    """A recipe trained by the one training loop (`posttrain.steps.train`): its `train` step."""
 
     @retry(times=1, minutes_between_retries=0)
     @card(type="blank", id="training", refresh_interval=5)

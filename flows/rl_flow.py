@@ -4,7 +4,7 @@ tasks, say what evaluation reads, draw the overview.
 `RLRecipeFlow` is a `RecipeSteps` (start, verify, the evaluation foreach, register, end) whose helpers are the bodies
 of the RL steps; each flow defines the steps themselves (their transitions differ: a sweep
 fans out before its rounds and joins after them), each a thin call of one helper:
-`_ingest` (shared), `_tokenize_prompts`, `_round_task` (one task of the recursive `rl_round`
+`_tokenize_prompts` (the training prompts streamed from `ingest`'s sources into shards), `_round_task` (one task of the recursive `rl_round`
 step; sets `self.route` to "again" or "done") and `_overview`; `_eval_data` gives the shared
 evaluation foreach the held-out prompts (the `rewards` suite scores them with the recipe's rewards).
 """
@@ -19,20 +19,21 @@ class RLRecipeFlow(RecipeSteps):
     def _tokenize_prompts(self):
         """Every prompt as token ids with the chat template's generation prompt; the teacher of
         on-policy distillation checked once (`grpo.teacher`)."""
-        from posttrain.steps import rl
+        from posttrain.steps import tokenize
 
-        records = [r for source in self.recipe.data.sources for r in self.train_records[source.name]]
-        self.prompts = rl.tokenize_prompts(records, self._tokenizer(), self.recipe)
+        result = tokenize.run_streamed_prompts(self.recipe, self.run_dir, self._tokenizer(), self.data_fingerprints)
+        self.prompts = result.prompts  # lazy views of the prompt shards: a reference, not the prompts
+        self._store_streamed(result)
         self.rl_checkpoint, self.history = None, []
         self.teacher_spec = None
         if self.recipe.grpo.teacher is not None:
             from posttrain.steps import teacher
 
             self.teacher_spec = teacher.run(self.recipe, self._tokenizer(), None, self.run_dir)
-        lengths = [len(p) for p in self.prompts.ids]
         cards.card("tokenize").append(cards.Markdown(
             f"## Prompts\n{len(self.prompts.ids)} prompts kept, {self.prompts.dropped} dropped (longer than "
-            f"pack.row_length - grpo.sampling.max_new_tokens); prompt length {min(lengths)}-{max(lengths)} tokens."))
+            f"pack.row_length - grpo.sampling.max_new_tokens); prompt length {result.lengths.min()}-"
+            f"{result.lengths.max()} tokens."))
 
     def _round_task(self):
         """`grpo.rounds_per_task` rounds from the previous task's round checkpoint; the rounds

@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 
 from posttrain.config.schema import GRPOConfig
-from posttrain.data.chat import generation_stop_ids, render_prompt
+from posttrain.data.chat import generation_stop_ids
 from posttrain.data.records import PromptRecord, Prompts
 from posttrain.data.tokenizer import pad_record
 from posttrain.rl.controller import EngineLost, RLController, RoundResult, engine_beside_policy
@@ -64,24 +64,12 @@ KILL_ENGINE_ENV = "POSTTRAIN_KILL_ENGINE_AT_ROUND"  # tests: kill the rollout ac
 
 
 def tokenize_prompts(records: list[PromptRecord], tokenizer, config: GRPOConfig, context_length: int | None = None) -> Prompts:
-    """Render every record's prompt (generation prompt included) to token ids; prompts that
-    leave no room for `grpo.sampling.max_new_tokens` within `pack.row_length` are dropped and counted."""
-    kwargs = config.tokenizer.chat_template_kwargs
-    limit = config.pack.row_length - config.grpo.sampling.max_new_tokens
-    if context_length is not None:
-        limit = min(limit, context_length - config.grpo.sampling.max_new_tokens)
-    kept, ids, dropped = [], [], 0
-    for record in records:
-        prompt = render_prompt(tokenizer, record.prompt, **kwargs)
-        if len(prompt) > limit:
-            dropped += 1
-            continue
-        kept.append(record)
-        ids.append(prompt)
-    if not kept:
-        raise ValueError(f"no prompt fits pack.row_length {config.pack.row_length} minus "
-                         f"grpo.sampling.max_new_tokens {config.grpo.sampling.max_new_tokens}")
-    return Prompts(kept, ids, dropped)
+    """Render every record's prompt (generation prompt included) to token ids, in memory;
+    prompts that leave no room for `grpo.sampling.max_new_tokens` within `pack.row_length` are
+    dropped and counted (`posttrain.steps.tokenize.run_prompts`, which the flow streams)."""
+    from posttrain.steps.tokenize import run_prompts
+
+    return run_prompts({"prompts": records}, tokenizer, config, context_length).prompts
 
 
 def stop_token_ids(tokenizer, config: GRPOConfig) -> tuple[int, ...]:

@@ -37,14 +37,15 @@ import numpy as np
 from tqdm import tqdm
 
 from posttrain.config.schema import FilterConfig, PackConfig, TokenizeConfig
-from posttrain.data.chat import ChatTemplateError, TokenizedSample, render_conversation
+from posttrain.data.chat import ChatTemplateError, TokenizedSample, render_conversation, render_prompt
 from posttrain.data.filters import FilterStats, RecordDigest, RecordFilter, fits_chars
 from posttrain.data.length_stats import LengthStats
 from posttrain.data.preference import PairError, PairSample, fit_pair, render_pair
-from posttrain.data.records import ChatRecord, PreferenceRecord, RejectedRow, TextRecord
+from posttrain.data.records import (ChatRecord, PreferenceRecord, PromptRecord, Prompts, PromptSample,
+                                    RejectedRow, TextRecord)
 from posttrain.data.render_pool import num_procs_for, parallel_map
 from posttrain.data.seen_keys import SeenKeys
-from posttrain.data.token_shards import TokenShards, shard_name, write_shard
+from posttrain.data.token_shards import SampleField, TokenShards, shard_name, write_shard
 from posttrain.steps.ingest import RecordPart
 from posttrain.train.faults import FAULT_AT_PART_ENV, maybe_inject_fault
 
@@ -215,21 +216,17 @@ def _row(row: RejectedRow) -> dict:
     return {"source": row.source, "line": row.line, "reason": row.reason, "raw": row.raw}
 
 
+_HELD_KINDS = {kind.__name__: kind for kind in (ChatRecord, TextRecord, PreferenceRecord, PromptRecord)}
+
+
 def _held_json(record: Any) -> dict:
     """A held-out record as a part's JSON record keeps it (`_held_record` reads it back)."""
-    if isinstance(record, TextRecord):
-        return {"text": record.text, "source": record.source, "line": record.line}
-    if isinstance(record, PreferenceRecord):
-        return {"prompt": record.prompt, "chosen": record.chosen, "rejected": record.rejected,
-                "source": record.source, "line": record.line}
-    return {"messages": record.messages, "source": record.source, "line": record.line,
-            "tools": getattr(record, "tools", None)}
+    return {"kind": type(record).__name__, **{f.name: getattr(record, f.name) for f in dataclasses.fields(record)}}
 
 
 def _held_record(entry: dict) -> Any:
-    if "text" in entry:
-        return TextRecord(**entry)
-    return PreferenceRecord(**entry) if "chosen" in entry else ChatRecord(**entry)
+    entry = dict(entry)
+    return _HELD_KINDS[entry.pop("kind")](**entry)
 
 
 class _Conversations:
@@ -325,6 +322,38 @@ class _Pairs:
 
     def restore(self, out_dir: Path, entry: dict) -> None:
         self.stats, self.next_id = entry["pair_stats"], entry["next_id"]
+
+
+def _rendered_prompt(context: tuple, record: Any) -> list[int] | None | _EndOfPart:
+    """In a render worker: a prompt record's token ids (`render_prompt`: the generation prompt
+    included), None when they leave less than the completion's room (`limit` tokens at most);
+    the end-of-part marker passes through."""
+    if isinstance(record, _EndOfPart):
+        return record
+    tokenizer, template_kwargs, limit = context
+    ids = render_prompt(tokenizer, record.prompt, **template_kwargs)
+    return ids if len(ids) <= limit else None
+
+
+class _PromptKind:
+    """How an RL recipe's prompts go through `_stream_parts`: rendered by `_rendered_prompt`,
+    those too long for a completion dropped and counted, the rest kept as `PromptSample`s."""
+
+    layout, unit, work = "prompts", "prompts", staticmethod(_rendered_prompt)
+
+    def __init__(self):
+        self.dropped = 0
+
+    def keep(self, name: str, part: RecordPart, results: list) -> tuple[list, list[int], list[RejectedRow]]:
+        kept = [PromptSample(ids, record) for record, ids in zip(part.train, results) if ids is not None]
+        self.dropped += len(part.train) - len(kept)
+        return kept, [sample.record.line for sample in kept], list(part.rejected)
+
+    def save(self, out_dir: Path, part: RecordPart) -> dict:
+        return {"dropped": self.dropped}
+
+    def restore(self, out_dir: Path, entry: dict) -> None:
+        self.dropped = entry["dropped"]
 
 
 @dataclass
@@ -565,6 +594,8 @@ def shard_store(config, run_dir: str | Path, tokenizer, fingerprints: dict[str, 
     settings = config.data.tokenize
     fraction = config.data.heldout_fraction if config.data.heldout is None else 0.0
     extra = {"kind": kind}
+    if kind == "prompts":  # which prompts are dropped depends on the room left for a completion
+        extra["limit"] = prompt_limit(config)
     if kind == "pairs":
         extra["shared_prompt"] = config.shared_prompt
     key, known = tokenize_fingerprint(config.data.sources, fingerprints, tokenizer,
@@ -666,3 +697,66 @@ def run_pairs(records: Mapping[str, Iterable], tokenizer, template_kwargs: dict 
     return PairTokenizeResult(pairs=streamed.samples, rejected=[r for rows in streamed.rejected.values() for r in rows],
                               stats={name: kind.stats[name] for name in streamed.samples}, next_id=kind.next_id,
                               heldout=streamed.heldout, counts=streamed.counts, rejected_by_source=streamed.rejected)
+
+
+@dataclass
+class PromptTokenizeResult:
+    """An RL recipe's training prompts (`prompts`: lists, or lazy views of the shards, every
+    source's in config order), their token counts in that order (`lengths`), and `rejected`,
+    `heldout`, `counts` and `rejected_by_source` as in `TokenizeResult`."""
+
+    prompts: Prompts
+    lengths: np.ndarray
+    rejected: list[RejectedRow]
+    heldout: list = field(default_factory=list)
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    rejected_by_source: dict[str, list[RejectedRow]] = field(default_factory=dict)
+
+
+def prompt_limit(config, context_length: int | None = None) -> int:
+    """The most tokens a prompt may have: what `pack.row_length` (and the model's context, when
+    given) leaves after `grpo.sampling.max_new_tokens`."""
+    limit = config.pack.row_length - config.grpo.sampling.max_new_tokens
+    if context_length is not None:
+        limit = min(limit, context_length - config.grpo.sampling.max_new_tokens)
+    return limit
+
+
+def run_prompts(records: Mapping[str, Iterable], tokenizer, config, context_length: int | None = None,
+                store: ShardStore | None = None) -> PromptTokenizeResult:
+    """Render every source's prompt records (`render_prompt`: the generation prompt included);
+    prompts longer than `prompt_limit` are dropped and counted (`prompts.dropped`). `records[name]`:
+    a list, or `RecordPart`s; with `store`, written as shards part by part, as `run_parts`
+    writes conversations. Raises ValueError when no prompt fits."""
+    limit = prompt_limit(config, context_length)
+    with _holding(store) as complete:
+        if complete is not None:
+            streamed, stats = complete
+            dropped = stats["dropped"]
+        else:
+            kind = _PromptKind()
+            context = (tokenizer, dict(config.tokenizer.chat_template_kwargs or {}), limit)
+            streamed = _stream_parts(records, kind, context, config.data.tokenize.num_proc, store, None)
+            dropped = kind.dropped
+            if store is not None:
+                _write_complete(store, streamed, {"dropped": dropped})
+    groups = list(streamed.samples.values())
+    if not sum(len(group) for group in groups):
+        raise ValueError(f"no prompt fits pack.row_length {config.pack.row_length} minus "
+                         f"grpo.sampling.max_new_tokens {config.grpo.sampling.max_new_tokens}")
+    if all(isinstance(group, list) for group in groups):
+        kept = [sample for group in groups for sample in group]
+        prompts = Prompts([s.record for s in kept], [s.ids for s in kept], dropped)
+        lengths = np.asarray([len(s.ids) for s in kept], dtype=np.int64)
+    else:
+        prompts = Prompts(SampleField(groups, "record"), SampleField(groups, "ids"), dropped)
+        lengths = np.concatenate([group.lengths() for group in groups])
+    return PromptTokenizeResult(prompts, lengths, [r for rows in streamed.rejected.values() for r in rows],
+                                heldout=streamed.heldout, counts=streamed.counts, rejected_by_source=streamed.rejected)
+
+
+def run_streamed_prompts(config, run_dir: str | Path, tokenizer, fingerprints: dict[str, dict]) -> PromptTokenizeResult:
+    """An RL recipe's training sources as `run_streamed` reads conversations: prompt records in
+    parts, rendered and written to the recipe's `shard_store`."""
+    store = shard_store(config, run_dir, tokenizer, fingerprints, kind="prompts")
+    return run_prompts(_source_parts(config, run_dir, "prompts", store), tokenizer, config, store=store)

@@ -265,3 +265,49 @@ def test_a_resumed_step_on_two_render_processes_gives_the_uninterrupted_result(t
     assert resumed["heldout"] == [r.line for r in uninterrupted.heldout]
     assert resumed["counts"] == uninterrupted.counts and resumed["stats"] == json.loads(
         json.dumps(dataclasses.asdict(uninterrupted.stats)))
+
+
+def test_prompts_go_through_shards_as_through_memory_and_pickle_as_references(tmp_path, qwen3_tokenizer,
+                                                                               monkeypatch):
+    """An RL recipe's prompts streamed into shards: the same token ids, records and drops as
+    the in-memory path (a prompt too long for a completion dropped and counted, a malformed row
+    kept aside with its line), read lazily, pickled as a reference; a finished store is read,
+    not rendered."""
+    from posttrain.config.loader import load_recipe_config
+    from posttrain.data.records import PromptRecord
+
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} + {i}?"},
+                          {"role": "assistant", "content": f"{2 * i}"}]} for i in range(23)]
+    rows[4]["messages"][0]["content"] = "word " * 200  # no room left for a completion: dropped
+    lines = [json.dumps(r) for r in rows]
+    lines[9] = '{"messages": '  # malformed: kept aside with its line
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    config = load_recipe_config(Path(__file__).resolve().parents[2] / "configs" / "grpo" / "demo.yaml", "grpo", {
+        "data.generate": None, "data.heldout": None, "data.heldout_fraction": 0.25,
+        "data.sources": [{"name": "sums", "kind": "jsonl", "path": str(path), "format": "chat"}],
+        "data.tokenize.part_records": 5, "output_dir": str(tmp_path / "out")})
+
+    in_memory = tokenize.run_prompts({"sums": ingest.stream_parts(config.data.sources[0], tmp_path, "prompts", 0.25,
+                                                                  config.seed, 5)}, qwen3_tokenizer, config)
+    fingerprints = ingest.source_fingerprints(config, tmp_path)
+    streamed = tokenize.run_streamed_prompts(config, tmp_path, qwen3_tokenizer, fingerprints)
+    prompts = streamed.prompts
+    assert len(pickle.dumps(prompts)) < 2000 and not isinstance(prompts.ids, list)
+    assert [list(p) for p in prompts.ids] == [list(p) for p in in_memory.prompts.ids]
+    assert list(prompts.records) == list(in_memory.prompts.records)
+    assert all(isinstance(r, PromptRecord) and r.reference is not None for r in prompts.records)
+    assert prompts.dropped == in_memory.prompts.dropped == 1
+    assert streamed.lengths.tolist() == [len(p) for p in in_memory.prompts.ids]
+    assert [(r.line, r.reason.split(":")[0]) for r in streamed.rejected] == [(10, "invalid JSON")]
+    assert [r.line for r in streamed.heldout] == [r.line for r in in_memory.heldout] and streamed.heldout
+    assert len(prompts.ids) + prompts.dropped + len(streamed.heldout) == 22
+    unpickled = pickle.loads(pickle.dumps(prompts))
+    assert unpickled.ids[-1] == prompts.ids[-1] and unpickled.records[0] == prompts.records[0]
+
+    def no_rendering(*args, **kwargs):
+        raise AssertionError("a finished store is read, not rendered")
+
+    monkeypatch.setattr(tokenize, "render_prompt", no_rendering)
+    again = tokenize.run_streamed_prompts(config, tmp_path, qwen3_tokenizer, fingerprints)
+    assert [list(p) for p in again.prompts.ids] == [list(p) for p in in_memory.prompts.ids]

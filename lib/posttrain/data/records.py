@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import numbers
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Sequence, Union
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_RAW_CHARS = 2000
@@ -85,12 +85,22 @@ class PromptRecord:
         return ChatRecord(self.prompt + [{"role": "assistant", "content": self.reference or ""}], self.source, self.line)
 
 
+@dataclass(slots=True)
+class PromptSample:
+    """One prompt as RL reads it: its token ids (the generation prompt included) and its record
+    (the reference and metadata the rewards read)."""
+    ids: list[int]
+    record: PromptRecord
+
+
 @dataclass
 class Prompts:
-    """An RL recipe's prompts rendered to token ids (`posttrain.steps.rl.tokenize_prompts`), a
-    run artifact: here, beside the records, so the steps that only carry it need no torch."""
-    records: list[PromptRecord]
-    ids: list[list[int]]
+    """An RL recipe's prompts rendered to token ids (`posttrain.steps.rl.tokenize_prompts`, or
+    streamed into shards: `posttrain.steps.tokenize.run_streamed_prompts`), a run artifact:
+    here, beside the records, so the steps that only carry it need no torch. `records[i]` and
+    `ids[i]` belong together: lists, or lazy views of the shards (`token_shards.SampleField`)."""
+    records: Sequence[PromptRecord]
+    ids: Sequence[Sequence[int]]
     dropped: int  # prompts too long for the context left for a completion
 
 

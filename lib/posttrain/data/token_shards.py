@@ -7,7 +7,10 @@ A source's tokenized samples live in one directory as Arrow IPC files (`part-000
   (list<uint8>) and `line` (int64: the sample's line in its source file, for inspection);
 - `pairs` (`PairSample`s: preference pairs): `prompt_ids`, `chosen_ids`, `rejected_ids`
   (list<int32>), `chosen_mask`, `rejected_mask` (list<uint8>), `pair_id`, `line` (int64) and
-  `source` (string).
+  `source` (string);
+- `prompts` (`PromptSample`s: an RL recipe's prompts): `prompt_ids` (list<int32>, the
+  generation prompt included), `record_json` (list<uint8>: the `PromptRecord` as UTF-8 JSON,
+  read with the sample, never held) and `line` (int64).
 
 `write_shard(path, samples, lines, layout)` writes one atomically (a temporary file renamed
 into place), so a shard that exists is complete.
@@ -27,6 +30,7 @@ file descriptor), the least recently read closed first.
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 from pathlib import Path
@@ -37,6 +41,7 @@ import pyarrow as pa
 
 from posttrain.data.chat import TokenizedSample
 from posttrain.data.preference import PairSample
+from posttrain.data.records import PromptRecord, PromptSample
 
 MAX_OPEN = 512  # shards open at once (each holds a file descriptor); the least recently read is closed
 _IDS, _MASK = (pa.int32(), np.int32), (pa.uint8(), np.uint8)
@@ -46,8 +51,9 @@ class _Layout:
     """One kind of sample as shard columns: its token lists (name -> (arrow type, numpy
     type)) and its scalar columns, and how a sample is built back from a row."""
 
-    def __init__(self, name: str, lists: dict, scalars: dict, build):
+    def __init__(self, name: str, lists: dict, scalars: dict, build, row=None):
         self.name, self.lists, self.scalars, self.build = name, lists, scalars, build
+        self.row = row  # a sample as the object whose attributes are the columns (default: itself)
         self.schema = pa.schema([(c, pa.list_(t)) for c, (t, _) in lists.items()] +
                                 [(c, t) for c, t in scalars.items()])
 
@@ -62,11 +68,32 @@ def _pair_sample(views: dict, scalars: dict) -> PairSample:
                       lists["rejected_mask"], int(scalars["pair_id"]), str(scalars["source"]), int(scalars["line"]))
 
 
+def _prompt_sample(views: dict, scalars: dict) -> PromptSample:
+    return PromptSample(views["prompt_ids"].tolist(), PromptRecord(**json.loads(views["record_json"].tobytes())))
+
+
+def _prompt_row(sample: PromptSample) -> Any:
+    """What `write_shard` writes of a `PromptSample` in the `prompts` layout."""
+    record = sample.record
+    text = json.dumps({"prompt": record.prompt, "reference": record.reference, "meta": record.meta,
+                       "source": record.source, "line": record.line}, ensure_ascii=False)
+    return _PromptRow(np.asarray(sample.ids, dtype=np.int32), np.frombuffer(text.encode("utf-8"), dtype=np.uint8))
+
+
+class _PromptRow:
+    __slots__ = ("prompt_ids", "record_json")
+
+    def __init__(self, prompt_ids: np.ndarray, record_json: np.ndarray):
+        self.prompt_ids, self.record_json = prompt_ids, record_json
+
+
 LAYOUTS = {
     "tokens": _Layout("tokens", {"input_ids": _IDS, "loss_mask": _MASK}, {"line": pa.int64()}, _token_sample),
     "pairs": _Layout("pairs", {"prompt_ids": _IDS, "chosen_ids": _IDS, "chosen_mask": _MASK, "rejected_ids": _IDS,
                                "rejected_mask": _MASK},
                      {"pair_id": pa.int64(), "line": pa.int64(), "source": pa.string()}, _pair_sample),
+    "prompts": _Layout("prompts", {"prompt_ids": _IDS, "record_json": _MASK}, {"line": pa.int64()}, _prompt_sample,
+                       row=_prompt_row),
 }
 
 
@@ -89,6 +116,8 @@ def write_shard(path: str | Path, samples: Sequence[Any], lines: Sequence[int], 
     """Write `samples` (their source `lines`) as one Arrow IPC file at `path` in `layout`,
     atomically; returns the bytes written."""
     path, kind = Path(path), LAYOUTS[layout]
+    if kind.row is not None:
+        samples = [kind.row(sample) for sample in samples]
     columns = [_list_column([getattr(s, name) for s in samples], arrow, numpy)
                for name, (arrow, numpy) in kind.lists.items()]
     for name, arrow in kind.scalars.items():
@@ -146,6 +175,18 @@ class _ShardFile:
         self.close()
 
 
+def _locate(starts: np.ndarray, i: int) -> tuple[int, int]:
+    """`(part, index in it)` of item `i` (negative: from the end) of parts laid end to end,
+    part `p` starting at item `starts[p]` (`starts[-1]`: the item count)."""
+    i, total = int(i), int(starts[-1])
+    if i < 0:
+        i += total
+    if not 0 <= i < total:
+        raise IndexError(f"sample {i} of {total}")
+    part = int(np.searchsorted(starts, i, side="right")) - 1
+    return part, i - int(starts[part])
+
+
 class TokenShards(Sequence):
     """The samples of `files` (shard names under `directory`, `rows[i]` samples in file `i`),
     in order, as a lazy read-only sequence of `layout`'s samples (module docstring)."""
@@ -182,13 +223,8 @@ class TokenShards(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        i = int(i)
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(f"sample {i} of {len(self)}")
-        index = int(np.searchsorted(self._starts, i, side="right")) - 1
-        return self._shard(index).sample(i - int(self._starts[index]))
+        index, row = _locate(self._starts, i)
+        return self._shard(index).sample(row)
 
     def __iter__(self) -> Iterator[Any]:
         for i in range(len(self)):
@@ -209,7 +245,7 @@ class TokenShards(Sequence):
         if not self.files:
             return np.zeros(0, np.int64)
         return np.concatenate([sum(np.diff(offsets) for name, (offsets, _, _) in self._shard(i).lists.items()
-                                   if not name.endswith("mask")) for i in range(len(self.files))])
+                                   if name.endswith("ids")) for i in range(len(self.files))])
 
     def loss_tokens(self) -> int:
         """Tokens with a mask of 1 (`loss_mask`, or both responses' masks) over every sample,
@@ -227,6 +263,25 @@ class TokenShards(Sequence):
     def num_bytes(self) -> int:
         """Bytes of the shard files on disk."""
         return sum(os.path.getsize(os.path.join(self.directory, f)) for f in self.files)
+
+
+class SampleField(Sequence):
+    """One attribute of every sample of several sequences, one after another (each source's
+    `TokenShards` of prompts: their `ids`, or their `record`s), as a lazy read-only sequence
+    that pickles as the samples do (references to their shards)."""
+
+    def __init__(self, parts: Sequence[Sequence[Any]], name: str):
+        self.parts, self.name = list(parts), name
+        self._starts = np.concatenate([[0], np.cumsum([len(p) for p in self.parts], dtype=np.int64)])
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        part, row = _locate(self._starts, i)
+        return getattr(self.parts[part][row], self.name)
 
 
 def samples(run) -> dict[str, Sequence[Any]]:

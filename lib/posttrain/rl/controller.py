@@ -157,7 +157,9 @@ def engine_beside_policy(engine, policy) -> bool:
 
 class RLController:
     """Drives one round at a time (module docstring). `prompts[i]` are the token ids of
-    `records[i]` (a `PromptRecord`: what the reward reads). `grpo`: the recipe's section (the
+    `records[i]` (a `PromptRecord`: what the reward reads): lists, or lazy views of prompt
+    shards, read when drawn; a drawn prompt with no room for `sampling.max_new_tokens` in a row
+    is a ValueError. `grpo`: the recipe's section (the
     round's settings: prompts per round, passes, dynamic sampling, ...); `sampling`: its
     `grpo.sampling` with the run-time fields filled in (stop token ids, a constraint trie), each
     draw's seed derived from `seed` (the run's), the round and the draw; `row_length` and
@@ -185,16 +187,15 @@ class RLController:
         if getattr(objective, "needs_reference", False) and reference is None:
             raise ValueError("the objective has a KL term (kl_coef > 0) but no reference model was given")
         self.policy, self.engine, self.scorer = policy, engine, scorer
-        self.prompts, self.records = [list(p) for p in prompts], list(records)
+        # lists, or lazy views of the prompt shards (millions of prompts): read a drawn prompt at a time
+        self.prompts, self.records = prompts, records
         self.grpo, self.sampling, self.seed = grpo, sampling, seed
         self.row_length, self.rows_per_batch = row_length, rows_per_batch
         self.tokenizer, self.pad_id = tokenizer, pad_id
         self.reference = reference
-        longest = max(range(len(self.prompts)), key=lambda i: len(self.prompts[i]), default=None)
-        if longest is not None and len(self.prompts[longest]) + sampling.max_new_tokens > row_length:
-            raise ValueError(f"prompt {longest} has {len(self.prompts[longest])} tokens: with {sampling.max_new_tokens} "
-                             f"new tokens it does not fit the row length {row_length}")
         self.probes = [list(p) for p in (probes if probes is not None else self.prompts[:4])]
+        for p in self.probes:
+            self._check_fits(p)
         self.sampler = PromptSampler(len(self.prompts), seed)
         self.round = 0
         self.on_scored = on_scored
@@ -212,10 +213,22 @@ class RLController:
 
     # ---------------------------------------------------------------- one round
 
+    def _check_fits(self, prompt: list[int], index: int | None = None) -> None:
+        if len(prompt) + self.sampling.max_new_tokens > self.row_length:
+            which = "a probe prompt" if index is None else f"prompt {index}"
+            raise ValueError(f"{which} has {len(prompt)} tokens: with {self.sampling.max_new_tokens} "
+                             f"new tokens it does not fit the row length {self.row_length}")
+
+    def _prompt(self, index: int) -> list[int]:
+        """Prompt `index`'s token ids (checked to leave room for a completion)."""
+        prompt = list(self.prompts[index])
+        self._check_fits(prompt, index)
+        return prompt
+
     def _draw(self, draw: int) -> tuple[list[int], list[list[Completion]]]:
         indices = self.sampler.take(self.grpo.prompts_per_round)
         seed = request_seed(request_seed(self.seed, self.round), draw)
-        groups = self.engine.generate([self.prompts[i] for i in indices], replace(self.sampling, seed=seed))
+        groups = self.engine.generate([self._prompt(i) for i in indices], replace(self.sampling, seed=seed))
         return indices, groups
 
     def run_round(self) -> RoundResult:
@@ -263,7 +276,7 @@ class RLController:
                     rollouts.append(Rollout(prompt_index, j, list(c.token_ids), texts[g * n + j], c.finish_reason,
                                             reward, advantage, trained))
         # the engine's log-probs under the model's own distribution: what the trainer recomputes
-        trajectories = [Trajectory(self.prompts[p], list(c.token_ids), adv[j], list(c.raw_logprobs))
+        trajectories = [Trajectory(self._prompt(p), list(c.token_ids), adv[j], list(c.raw_logprobs))
                         for p, group, _, adv in kept for j, c in enumerate(group)
                         if math.isfinite(adv[j]) and c.token_ids
                         and not (grpo.overlong_mask and c.finish_reason == "length")]
