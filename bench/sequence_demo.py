@@ -45,17 +45,18 @@ def run_once(config) -> dict:
     with tempfile.TemporaryDirectory(prefix="posttrain-bench-") as tmp:
         run_dir = Path(tmp)
         clock = time.perf_counter()
-        data = sequences.prepare(ingest.run(config, run_dir, kind="sequences").train, config, run_dir)
+        ingest.generate(config, run_dir)
+        data = sequences.prepare(config, run_dir)
         tokenizer = load_tokenizer(resolve_tokenizer(config, run_dir))
         seconds["ingest"], clock = time.perf_counter() - clock, time.perf_counter()
-        samples = sequences.tokenize(data.train, tokenizer, config)
+        samples = sequences.tokenize(config, run_dir, tokenizer, ingest.source_fingerprints(config, run_dir))
         pack_stats = pack.run(samples.samples, config, tokenizer.pad_token_id).stats
         seconds["tokenize_pack"], clock = time.perf_counter() - clock, time.perf_counter()
         result = train.run(config, tokenizer, samples.samples, pack_stats.num_rows, run_dir)
         seconds["train"], clock = time.perf_counter() - clock, time.perf_counter()
         cases = data.test if config.sequence.eval_split == "test" else data.valid
         heldout = EvalData(cases=cases, catalogue=data.catalogue,
-                           train_histories=[r.ids for group in data.train.values() for r in group])
+                           train_histories=sequences.TrainingHistories(config, run_dir))
         metrics = evaluate.run(result.base_dir, result.checkpoint_dir, tokenizer, heldout, config).metrics
         seconds["evaluate"] = time.perf_counter() - clock
     keep = ("recall@10", "recall@10_se", "ndcg@10", "ndcg@10_se", "mrr", "recall@10_new", "recall@10_sampled100")

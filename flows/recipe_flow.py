@@ -46,10 +46,11 @@ class RecipeSteps(FlowSpec):
         cards.ingest_section(cards.card("ingest"), self.data_counts, self.rejected, self.data_warnings)
         return result
 
-    def _prepare_streamed_sources(self):
+    def _prepare_streamed_sources(self, card_id: str | None = "ingest"):
         """The body of the `ingest` step of a recipe whose training sources stream in its
         `tokenize` step: the demo data written, every source fingerprinted, the held-out source
-        read (an evaluation set, read whole)."""
+        read (an evaluation set, read whole) and shown in the card `card_id` (None: the step
+        shows its sources itself, `_store_streamed`)."""
         from pathlib import Path
 
         from posttrain.recipes import recipe_spec
@@ -63,13 +64,15 @@ class RecipeSteps(FlowSpec):
         self.data_counts = {} if counts is None else {self.recipe.data.heldout.name: counts}
         self.rejected_path, self.data_warnings = None, []
         print(f"[ingest] {len(self.recipe.data.sources)} training sources stream into the tokenize step")
-        cards.ingest_section(cards.card("ingest"), self.data_counts, self.rejected, self.data_warnings)
+        if card_id is not None:
+            cards.ingest_section(cards.card(card_id), self.data_counts, self.rejected, self.data_warnings)
 
-    def _store_streamed(self, result):
-        """What a `tokenize` step that streamed the training sources stores beside its samples
-        (a `TokenizeResult` or `PairTokenizeResult`): the counts, rejected rows and held-out
-        records of the reading, after the held-out source's; the warnings, and a `DataError`
-        when no source has a usable record; the rows in the `tokenize` card."""
+    def _store_streamed(self, result, card_id: str = "tokenize"):
+        """What a step that streamed the training sources stores (a `TokenizeResult`,
+        `PairTokenizeResult`, `PromptTokenizeResult` or the sequence recipe's `SequenceData`):
+        the counts, rejected rows and held-out records of the reading, after the held-out
+        source's; the warnings, and a `DataError` when no source has a usable record; the rows
+        in the card `card_id`."""
         from posttrain.steps import ingest
 
         self.heldout_records = result.heldout + self.heldout_records
@@ -77,7 +80,7 @@ class RecipeSteps(FlowSpec):
         self._store_rejected(result.rejected, first=False)
         self.data_warnings = ingest.check_usable(self.recipe, self.data_counts, result.rejected_by_source,
                                                  self.rejected_path)
-        cards.ingest_section(cards.card("tokenize"), self.data_counts, self.rejected, self.data_warnings)
+        cards.ingest_section(cards.card(card_id), self.data_counts, self.rejected, self.data_warnings)
 
     def _store_rejected(self, rejected: list, first: bool = True):
         """Add `rejected` to the run's rejected rows (after them, or before with `first=False`)

@@ -16,7 +16,7 @@ so the registered directory is all a user of the model needs (`AutoTokenizer` +
 and sampled variants) beside a popularity and an item-to-item Markov baseline fitted on the
 same training histories in the same run.
 
-Artifacts: `train_records` (the training histories by source), `heldout_cases` (the evaluated
+Artifacts: `samples` (a reference to the training histories' token shards), `heldout_cases` (the evaluated
 next items), `valid_cases`, `vocabulary` (what it kept and dropped), and every artifact the
 shared steps write (`history`, `eval_metrics`, `model_path`, ...).
 """
@@ -36,13 +36,15 @@ class SequenceFlow(RecipeFlow):
     @card(type="blank", id="ingest")
     @step
     def ingest(self):
-        """Read the histories (or generate the synthetic world), split them leave-last-out and build
-        the item vocabulary from the training parts; malformed rows are kept aside and counted."""
+        """Read the histories (or generate the synthetic world) in parts, split them leave-last-out
+        and build the item vocabulary from the training parts' counts; malformed rows are kept
+        aside and counted. The histories themselves stream again into `tokenize`."""
         from posttrain.steps import sequences
 
-        result = self._ingest()
-        data = sequences.prepare(result.train, self.recipe, self.run_dir)
-        self.train_records, self.valid_cases, self.test_cases = data.train, data.valid, data.test
+        self._prepare_streamed_sources(card_id=None)
+        data = sequences.prepare(self.recipe, self.run_dir)
+        self._store_streamed(data, card_id="ingest")
+        self.valid_cases, self.test_cases = data.valid, data.test
         self.heldout_cases = data.test if self.recipe.sequence.eval_split == "test" else data.valid
         self.catalogue, self.vocabulary = data.catalogue, data.vocabulary
         self.heldout_records = []  # no conversations: the held-out data are next items
@@ -53,12 +55,13 @@ class SequenceFlow(RecipeFlow):
     @card(type="blank", id="tokenize")
     @step
     def tokenize(self):
-        """Each training history as `<bos>` + items (+ event tokens), split into windows of a row."""
+        """Each training history as `<bos>` + items (+ event tokens), split into windows of a row,
+        streamed into token shards (`samples` holds a reference)."""
         from posttrain.steps import sequences
 
         tokenizer = self._tokenizer()
         self.pad_token_id = tokenizer.pad_token_id  # what pack pads rows with (it loads no tokenizer)
-        result = sequences.tokenize(self.train_records, tokenizer, self.recipe)
+        result = sequences.tokenize(self.recipe, self.run_dir, tokenizer, self.data_fingerprints)
         self.samples, self.tokenize_stats = result.samples, result.stats
         cards.tokenize_section(cards.card("tokenize"), self.tokenize_stats)
         self.next(self.pack)
@@ -66,8 +69,10 @@ class SequenceFlow(RecipeFlow):
     def _eval_data(self):
         from posttrain.eval.suite_data import EvalData
 
+        from posttrain.steps import sequences
+
         return EvalData(cases=list(self.heldout_cases), catalogue=list(self.catalogue),
-                        train_histories=[r.ids for group in self.train_records.values() for r in group])
+                        train_histories=sequences.TrainingHistories(self.recipe, self.run_dir))
 
 
 if __name__ == "__main__":

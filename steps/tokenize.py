@@ -149,7 +149,7 @@ def tokenize_fingerprint(sources: Sequence, fingerprints: dict[str, dict], token
     return hashlib.sha256(text.encode()).hexdigest()[:24], known
 
 
-class _EndOfPart:
+class EndOfPart:
     """The item that closes a part in the render stream (it passes through the workers)."""
 
 
@@ -167,13 +167,14 @@ def _render_item(context: tuple, record: Any) -> TokenizedSample | None:
     return TokenizedSample(np.asarray(sample.input_ids, dtype=np.int32), np.asarray(sample.loss_mask, dtype=np.uint8))
 
 
-def _screened_sample(context: tuple, item: Any) -> tuple[TokenizedSample | bool | None, RecordDigest | None] | _EndOfPart:
+def _screened_sample(context: tuple, item: Any
+                     ) -> tuple[TokenizedSample | bool | None, RecordDigest | None] | EndOfPart:
     """In a render worker: `(sample, digest)` for one record, what the filter then only looks
     up (`RecordFilter.check(..., digest=)`); `(False, None)` for a record over `max_chars`
     characters (not rendered), `(None, None)` for one in which nothing trains; the end-of-part
     marker passes through. `context`: the tokenizer, the template's arguments, `max_chars`
     and the filter's `Digester`."""
-    if isinstance(item, _EndOfPart):
+    if isinstance(item, EndOfPart):
         return item
     tokenizer, template_kwargs, max_chars, digester = context
     if not fits_chars(item, max_chars):
@@ -191,10 +192,10 @@ def _text_sample(tokenizer, text: str) -> TokenizedSample:
     return TokenizedSample(np.asarray(ids, dtype=np.int32), np.ones(len(ids), dtype=np.uint8))
 
 
-def _fitted_pair(context: tuple, record: Any) -> tuple[PairSample, bool] | str | _EndOfPart:
+def _fitted_pair(context: tuple, record: Any) -> tuple[PairSample, bool] | str | EndOfPart:
     """In a render worker: `(pair, truncated)` for one record (`pair_id` unset), or the reason
     it cannot train; the end-of-part marker passes through."""
-    if isinstance(record, _EndOfPart):
+    if isinstance(record, EndOfPart):
         return record
     tokenizer, template_kwargs, row_length, shared_prompt = context
     try:
@@ -230,7 +231,7 @@ def _held_record(entry: dict) -> Any:
 
 
 class _Conversations:
-    """How conversations and text go through `_stream_parts`: rendered and digested by
+    """How conversations and text go through `render_parts`: rendered and digested by
     `_screened_sample`, kept or rejected by the `RecordFilter` (whose cumulative stats a part's
     record keeps, and whose near-duplicate signatures a part saves beside its shard)."""
 
@@ -289,7 +290,7 @@ class _Conversations:
 
 
 class _Pairs:
-    """How preference pairs go through `_stream_parts`: rendered and fitted to a row by
+    """How preference pairs go through `render_parts`: rendered and fitted to a row by
     `_fitted_pair`, numbered from `first_id` in order, counted per source (kept, rejected by
     reason, truncated, tokens)."""
 
@@ -324,11 +325,11 @@ class _Pairs:
         self.stats, self.next_id = entry["pair_stats"], entry["next_id"]
 
 
-def _rendered_prompt(context: tuple, record: Any) -> list[int] | None | _EndOfPart:
+def _rendered_prompt(context: tuple, record: Any) -> list[int] | None | EndOfPart:
     """In a render worker: a prompt record's token ids (`render_prompt`: the generation prompt
     included), None when they leave less than the completion's room (`limit` tokens at most);
     the end-of-part marker passes through."""
-    if isinstance(record, _EndOfPart):
+    if isinstance(record, EndOfPart):
         return record
     tokenizer, template_kwargs, limit = context
     ids = render_prompt(tokenizer, record.prompt, **template_kwargs)
@@ -336,7 +337,7 @@ def _rendered_prompt(context: tuple, record: Any) -> list[int] | None | _EndOfPa
 
 
 class _PromptKind:
-    """How an RL recipe's prompts go through `_stream_parts`: rendered by `_rendered_prompt`,
+    """How an RL recipe's prompts go through `render_parts`: rendered by `_rendered_prompt`,
     those too long for a completion dropped and counted, the rest kept as `PromptSample`s."""
 
     layout, unit, work = "prompts", "prompts", staticmethod(_rendered_prompt)
@@ -368,7 +369,7 @@ class _Counted:
 
 @dataclass
 class _Streamed:
-    """What `_stream_parts` gives, by source: samples (lists, or `TokenShards`), rejected rows
+    """What `render_parts` gives, by source: samples (lists, or `TokenShards`), rejected rows
     and counts (rows read, records kept, rows the reader rejected); and the held-out records."""
 
     samples: dict[str, Sequence]
@@ -377,14 +378,21 @@ class _Streamed:
     counts: dict[str, dict[str, int]]
 
 
-def _stream_parts(parts: Mapping[str, Iterable], kind, context: tuple, num_proc: int | None,
-                  store: ShardStore | None, seen: SeenKeys | None) -> _Streamed:
+def render_parts(parts: Mapping[str, Iterable], kind, context: tuple, num_proc: int | None,
+                 store: ShardStore | None, seen: SeenKeys | None) -> _Streamed:
     """Every source's parts through `kind.work` on the render pool (one pool a source; parts
     follow each other in it without a pause), each part's results kept or rejected by `kind`
     in order, and with `store` written as a shard and a part record (last: its presence marks
     the part finished). A finished part found in the store is not rendered: its record stands
     for it (`kind.restore`), and the de-duplication keys of every later part, which a killed
-    step may have left, are dropped before the first unfinished part is filtered."""
+    step may have left, are dropped before the first unfinished part is filtered.
+
+    `kind` says what a record becomes (`_Conversations`, `_Pairs`, `_PromptKind`,
+    `posttrain.steps.sequences`' histories): `layout` (the shards'), `unit` (a word for the
+    log), `work(context, record)` (run in a render worker, the end-of-part marker passed
+    through), `keep(name, part, results) -> (samples, their lines, rejected rows)`, and
+    `save(out_dir, part) -> dict` / `restore(out_dir, entry)`, what a part's record keeps of
+    the kind's running state for a resumed step."""
     samples: dict[str, Sequence] = {}
     rejected: dict[str, list[RejectedRow]] = {}
     heldout: list = []
@@ -415,7 +423,7 @@ def _stream_parts(parts: Mapping[str, Iterable], kind, context: tuple, num_proc:
                 part_id += 1
                 if part.index not in finished:
                     yield from part.train
-                yield _EndOfPart()
+                yield EndOfPart()
 
         source_parts = _as_parts(source_parts)
         first = next(source_parts)  # a source of more than one part has a full first part
@@ -426,7 +434,7 @@ def _stream_parts(parts: Mapping[str, Iterable], kind, context: tuple, num_proc:
         # closed on the way out, a failure's too: the render workers stop now, not when the generator is collected
         with closing(parallel_map(kind.work, feed(itertools.chain([first], source_parts)), context, procs)) as outcomes:
             for outcome in outcomes:
-                if not isinstance(outcome, _EndOfPart):
+                if not isinstance(outcome, EndOfPart):
                     results.append(outcome)
                     continue
                 part, global_id = pending.pop(min(pending))
@@ -489,7 +497,7 @@ def _write_json(path: Path, value: dict) -> None:
 
 
 @contextmanager
-def _holding(store: ShardStore | None):
+def holding(store: ShardStore | None):
     """Hold `store` for this process alone (an exclusive lock on `<store>/lock`: two runs on the
     same data wait for each other rather than write one store at once); yields what
     `_read_complete` reads when the store is complete, else None."""
@@ -503,7 +511,7 @@ def _holding(store: ShardStore | None):
         yield _read_complete(store) if store.complete_path.exists() else None
 
 
-def _write_complete(store: ShardStore, streamed: _Streamed, stats: dict) -> None:
+def write_complete(store: ShardStore, streamed: _Streamed, stats: dict) -> None:
     """The store's completion record: everything `_read_complete` needs but the shards."""
     _write_json(store.complete_path, {
         "samples": {name: group.__getstate__() for name, group in streamed.samples.items()},
@@ -560,7 +568,7 @@ def run_parts(parts: Mapping[str, Iterable], tokenizer, template_kwargs: dict | 
     `parts[name]`: the source's records (a list) or its `RecordPart`s. With `store`, each
     part's samples are written as a shard there and the result's samples are `TokenShards`
     (module docstring: a complete store is read back without rendering; a partial one resumes)."""
-    with _holding(store) as complete:
+    with holding(store) as complete:
         if complete is not None:
             streamed, stats = complete
             return _tokenize_result(streamed, TokenizeStats(**stats))
@@ -568,14 +576,14 @@ def run_parts(parts: Mapping[str, Iterable], tokenizer, template_kwargs: dict | 
         record_filter = RecordFilter.from_config(filters or FilterConfig(), dedup_on="tokens", pack=pack, seen=seen)
         try:
             kind = _Conversations(record_filter)
-            streamed = _stream_parts(parts, kind, kind.context(tokenizer, dict(template_kwargs or {})),
-                                     (tokenize or TokenizeConfig()).num_proc, store, seen)
+            streamed = render_parts(parts, kind, kind.context(tokenizer, dict(template_kwargs or {})),
+                                    (tokenize or TokenizeConfig()).num_proc, store, seen)
         finally:
             if seen is not None:
                 seen.close()
         stats = _stats(streamed.samples, record_filter)
         if store is not None:
-            _write_complete(store, streamed, dataclasses.asdict(stats))
+            write_complete(store, streamed, dataclasses.asdict(stats))
     return _tokenize_result(streamed, stats)
 
 
@@ -679,7 +687,7 @@ def run_pairs(records: Mapping[str, Iterable], tokenizer, template_kwargs: dict 
     `first_id` in order. `tokenize` (`data.tokenize`) sets how many processes render; the
     pairs are the same whatever it says. `records[name]`: a list, or `RecordPart`s; with
     `store`, written as shards part by part, as `run_parts` writes conversations."""
-    with _holding(store) as complete:
+    with holding(store) as complete:
         if complete is not None:
             streamed, stats = complete
             kind = _Pairs()
@@ -687,9 +695,9 @@ def run_pairs(records: Mapping[str, Iterable], tokenizer, template_kwargs: dict 
         else:
             kind = _Pairs(first_id)
             context = (tokenizer, dict(template_kwargs or {}), pack.row_length, shared_prompt)
-            streamed = _stream_parts(records, kind, context, (tokenize or TokenizeConfig()).num_proc, store, None)
+            streamed = render_parts(records, kind, context, (tokenize or TokenizeConfig()).num_proc, store, None)
             if store is not None:
-                _write_complete(store, streamed, {"pairs": kind.stats, "next_id": kind.next_id})
+                write_complete(store, streamed, {"pairs": kind.stats, "next_id": kind.next_id})
     for name in streamed.samples:
         stats = kind.stats.setdefault(name, {"kept": 0, "rejected": {}, "truncated": 0, "tokens": 0})
         print(f"[tokenize] {name}: {stats['kept']} pairs kept, {sum(stats['rejected'].values())} rejected, "
@@ -729,17 +737,17 @@ def run_prompts(records: Mapping[str, Iterable], tokenizer, config, context_leng
     a list, or `RecordPart`s; with `store`, written as shards part by part, as `run_parts`
     writes conversations. Raises ValueError when no prompt fits."""
     limit = prompt_limit(config, context_length)
-    with _holding(store) as complete:
+    with holding(store) as complete:
         if complete is not None:
             streamed, stats = complete
             dropped = stats["dropped"]
         else:
             kind = _PromptKind()
             context = (tokenizer, dict(config.tokenizer.chat_template_kwargs or {}), limit)
-            streamed = _stream_parts(records, kind, context, config.data.tokenize.num_proc, store, None)
+            streamed = render_parts(records, kind, context, config.data.tokenize.num_proc, store, None)
             dropped = kind.dropped
             if store is not None:
-                _write_complete(store, streamed, {"dropped": dropped})
+                write_complete(store, streamed, {"dropped": dropped})
     groups = list(streamed.samples.values())
     if not sum(len(group) for group in groups):
         raise ValueError(f"no prompt fits pack.row_length {config.pack.row_length} minus "

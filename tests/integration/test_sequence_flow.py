@@ -76,9 +76,15 @@ def test_sequence_flow_keeps_bad_rows_aside_and_builds_a_vocabulary(sequence_run
     vocabulary = ingest.vocabulary
     assert 0 < vocabulary["items"] <= 120 and vocabulary["vocab_size"] % 64 == 0
     assert len(ingest.test_cases) == len(ingest.heldout_cases) >= 450  # every user of 3+ items holds one out
-    assert all(len(r.ids) >= 1 for group in ingest.train_records.values() for r in group)
-    stats = run["tokenize"].task.data.tokenize_stats
+    tokenized = run["tokenize"].task.data
+    stats = tokenized.tokenize_stats
     assert stats.filters["interactions"]["over_row_length"] > 0  # long histories became several windows
+    # the histories streamed into shards: the artifact is a reference; every sample <bos> + an item or more
+    from posttrain.data.token_shards import TokenShards
+
+    shards = tokenized.samples["interactions"]
+    assert isinstance(shards, TokenShards) and len(shards) == stats.lengths["interactions"]["samples"]
+    assert all(len(s) >= 2 and s.loss_mask[0] == 0 and s.loss_mask[1:].all() for s in shards)
 
 
 @pytest.mark.slow

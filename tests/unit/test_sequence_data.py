@@ -170,3 +170,46 @@ def test_parquet_histories_with_nullable_integer_columns(tmp_path):
                                                 format="sequence"))
     assert [(r.user, r.ids, r.timestamps) for r in records] == [("a", [1, 2, 3], [10, 11, 12]), ("c", [5], [3])]
     assert [(r.line, r.reason) for r in rejected] == [(1, "ids[1]: not an integer (got null)")]
+
+
+def test_streamed_histories_give_what_the_in_memory_split_gives_and_a_finished_store_is_read(tmp_path):
+    """The sequence recipe's data streamed in parts: `prepare` counts the same vocabulary and
+    holds out the same cases as the leave-last-out split of every history read whole; the
+    tokenize step writes the training parts' windows as token shards (a reference pickles in a
+    few hundred bytes), read again from the store the second time; `TrainingHistories` yields
+    the training parts the baselines fit on."""
+    import pickle
+    from pathlib import Path
+
+    from posttrain.config.loader import load_recipe_config
+    from posttrain.data.token_shards import TokenShards
+    from posttrain.data.tokenizer import load_tokenizer
+    from posttrain.steps import ingest, sequences
+    from posttrain.steps.paths import resolve_tokenizer
+
+    config = load_recipe_config(Path(__file__).resolve().parents[2] / "configs" / "sequence" / "demo.yaml",
+                                "sequence", {"data.generate.world.num_users": 300, "data.generate.world.num_items": 80,
+                                             "data.tokenize.part_records": 64, "pack.row_length": 16,
+                                             "output_dir": str(tmp_path / "out")})
+    ingest.generate(config, tmp_path)
+    whole = leave_last_out(ingest.run(config, tmp_path, kind="sequences").train["interactions"])
+    data = sequences.prepare(config, tmp_path)
+    assert data.test == whole.test and data.valid == whole.valid and data.train_only_users == whole.train_only_users
+    assert data.vocabulary == build_item_vocabulary(whole.train, 1, config.sequence.event_tokens).summary()
+    assert data.catalogue == sorted({i for r in whole.train for i in r.ids})
+    assert data.counts["interactions"] == {"kept": 300, "rejected": 0, "read": 300}
+    assert list(sequences.TrainingHistories(config, tmp_path)) == [r.ids for r in whole.train]
+
+    tokenizer = load_tokenizer(resolve_tokenizer(config, tmp_path))
+    fingerprints = ingest.source_fingerprints(config, tmp_path)
+    result = sequences.tokenize(config, tmp_path, tokenizer, fingerprints)
+    shards = result.samples["interactions"]
+    assert isinstance(shards, TokenShards) and len(shards.files) == 5 and len(pickle.dumps(shards)) < 1000
+    codec = ItemCodec(tokenizer)
+    expected = [w for r in whole.train
+                for w in sequences.windows(codec.encode(r.ids, r.events)[0], 16, codec.tokens_per_item(r.events))]
+    assert [s.input_ids.tolist() for s in shards] == expected
+    assert all(s.loss_mask.tolist() == [0] + [1] * (len(s) - 1) for s in shards)
+    assert result.stats.num_samples == len(expected) and result.stats.filters["interactions"]["kept"] == 300
+    again = sequences.tokenize(config, tmp_path, tokenizer, fingerprints)
+    assert again.stats == result.stats and [s.input_ids.tolist() for s in again.samples["interactions"]] == expected

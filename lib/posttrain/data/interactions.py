@@ -300,16 +300,22 @@ def _case(record: SequenceRecord, end: int) -> NextItemCase:
                         record.line)
 
 
+def training_part(record: SequenceRecord) -> SequenceRecord:
+    """What of one history trains under the leave-last-out protocol: all of it below 3
+    interactions, else all but its last two (module docstring)."""
+    n = len(record.ids)
+    return record if n < 3 else _prefix(record, n - 2)
+
+
 def leave_last_out(records: list[SequenceRecord]) -> LeaveLastOut:
     """Split each history by the leave-last-out protocol (module docstring)."""
     train, valid, test, short = [], [], [], 0
     for record in records:
         n = len(record.ids)
+        train.append(training_part(record))
         if n < 3:
-            train.append(record)
             short += 1
             continue
-        train.append(_prefix(record, n - 2))
         valid.append(_case(record, n - 2))
         test.append(_case(record, n - 1))
     return LeaveLastOut(train, valid, test, short)

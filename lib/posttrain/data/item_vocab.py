@@ -76,15 +76,22 @@ class ItemVocabulary:
 def build_item_vocabulary(records: list[SequenceRecord], min_count: int = 1,
                           event_tokens: bool = True) -> ItemVocabulary:
     """The items of `records` seen at least `min_count` times, and their event types."""
+    return item_vocabulary(Counter(i for record in records for i in record.ids),
+                           {e for r in records for e in (r.events or ())}, len(records), min_count, event_tokens)
+
+
+def item_vocabulary(counts: Counter, events: set[str], histories: int, min_count: int = 1,
+                    event_tokens: bool = True) -> ItemVocabulary:
+    """`build_item_vocabulary` from what it counts of the records (items and how often they
+    occur, event types, how many histories), so the records can stream past once."""
     if min_count < 1:
         raise ValueError(f"min_count must be >= 1, got {min_count}")
-    counts = Counter(i for record in records for i in record.ids)
     kept = sorted((i for i, c in counts.items() if c >= min_count), key=lambda i: (-counts[i], i))
     if not kept:
-        raise ValueError(f"no item is seen {min_count} times or more in {len(records)} training histories")
-    events = sorted({e for r in records for e in (r.events or ())}) if event_tokens else []
+        raise ValueError(f"no item is seen {min_count} times or more in {histories} training histories")
     dropped = [i for i, c in counts.items() if c < min_count]
-    return ItemVocabulary(kept, events, min_count, len(dropped), sum(counts[i] for i in dropped))
+    return ItemVocabulary(kept, sorted(events) if event_tokens else [], min_count, len(dropped),
+                          sum(counts[i] for i in dropped))
 
 
 def save_item_tokenizer(vocabulary: ItemVocabulary, directory: str | Path) -> Path:

@@ -8,6 +8,7 @@ them to one suite (`posttrain.steps.eval_suites`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
 
 @dataclass(frozen=True)
@@ -35,5 +36,7 @@ class EvalData:
     pair_records: list = field(default_factory=list)
     prompts: list = field(default_factory=list)
     cases: list = field(default_factory=list)  # a sequence recipe's held-out next items (NextItemCase)
-    train_histories: list = field(default_factory=list)  # its training histories (the baselines fit on them)
+    # its training histories, item ids (the baselines fit on them): a list, or any re-iterable
+    # (`posttrain.steps.sequences.TrainingHistories` reads them again from the sources)
+    train_histories: Iterable = field(default_factory=list)
     catalogue: list = field(default_factory=list)  # the items its rankings rank
