@@ -11,8 +11,8 @@ filters, and writes the kept samples as Arrow shards (`posttrain.steps.tokenize.
 Its artifacts hold the shards' references (`samples`: `TokenShards` by source), the counts, the
 rejected rows and the held-out records, never the corpus; a rerun, or another recipe, on the
 same data and tokenizer reads the finished shards instead of tokenizing again. A recipe that
-builds its conversations in its own `ingest` (semantic IDs: `train_records`) has them rendered
-in memory instead. Each recipe flow defines its own `pack` step (its body
+makes its conversations in its own `ingest` (semantic IDs) writes them as chat JSONL and names
+those files in `_streamed_sources`. Each recipe flow defines its own `pack` step (its body
 `self._pack_samples()`, then the recipe's next step: SFT trains, distillation prepares its
 teacher first). Evaluation is `RecipeSteps`' foreach over the recipe's suites, on the held-out
 conversations.
@@ -34,14 +34,15 @@ class ChatRecipeFlow(RecipeFlow):
 
         tokenizer = self._tokenizer()
         self.pad_token_id = tokenizer.pad_token_id  # what pack pads rows with (it loads no tokenizer)
-        built = getattr(self, "train_records", None)
-        if built is not None:  # conversations the recipe's ingest built: rendered in memory
-            result = tokenize.run(built, tokenizer, self.recipe.tokenizer.chat_template_kwargs,
-                                  self.recipe.data.filters, self.recipe.pack, self.recipe.data.tokenize)
-            self._store_rejected(result.rejected)
-        else:
-            result = tokenize.run_streamed(self.recipe, self.run_dir, tokenizer, self.data_fingerprints)
-            self._store_streamed(result)
+        recipe, fingerprints = self._streamed_sources()
+        result = tokenize.run_streamed(recipe, self.run_dir, tokenizer, fingerprints)
+        self._store_streamed(result)
         self.samples, self.tokenize_stats = result.samples, result.stats
         cards.tokenize_section(cards.card("tokenize"), self.tokenize_stats)
         self.next(self.pack)
+
+    def _streamed_sources(self):
+        """`(recipe, fingerprints)`: the recipe whose `data.sources` `tokenize` streams (its own;
+        a recipe that writes its training conversations in `ingest` names those) and their
+        fingerprints."""
+        return self.recipe, self.data_fingerprints

@@ -30,22 +30,6 @@ class RecipeSteps(FlowSpec):
 
     RECIPE = "sft"
 
-    def _ingest(self):
-        """The body of every `ingest` step: every source read into validated records of the kind
-        the recipe's spec names (conversations, pairs, prompts, sequences); malformed rows kept
-        aside and counted, in the `ingest` card. Returns the `IngestResult` (a flow that
-        prepares the records further reads its `train`)."""
-        from posttrain.recipes import recipe_spec
-        from posttrain.steps import ingest
-
-        result = ingest.run(self.recipe, self.run_dir, kind=recipe_spec(self.recipe).records)
-        self.train_records, self.heldout_records = result.train, result.heldout
-        self.rejected, self.rejected_path, self.data_counts = result.rejected, result.rejected_path, result.counts
-        self.data_fingerprints = result.fingerprints  # each source's size and SHA-256, for the lineage
-        self.data_warnings = result.warnings  # e.g. a source whose every row was rejected
-        cards.ingest_section(cards.card("ingest"), self.data_counts, self.rejected, self.data_warnings)
-        return result
-
     def _prepare_streamed_sources(self, card_id: str | None = "ingest"):
         """The body of the `ingest` step of a recipe whose training sources stream in its
         `tokenize` step: the demo data written, every source fingerprinted, the held-out source
@@ -127,8 +111,9 @@ class RecipeSteps(FlowSpec):
     @step
     def ingest(self):
         """Write the demo data when the recipe generates it, fingerprint every source and read the
-        held-out one; the training sources stream in `tokenize` (a recipe whose ingest builds its
-        records itself, e.g. sequences, overrides this step and calls `_ingest`)."""
+        held-out one; the training sources stream in `tokenize` (a recipe that learns something
+        from its data first, e.g. the sequence recipe's vocabulary, overrides this step and reads
+        them in parts there too)."""
         self._prepare_streamed_sources()
         self.next(self.tokenize)
 
@@ -152,12 +137,8 @@ class RecipeSteps(FlowSpec):
         self.next(self.plan_evaluation)
 
     def _skew_records(self):
-        """The training records the skew gate draws from, by source: those the recipe's ingest
-        read or built (`train_records`), else the first records of every streamed source (plain
-        text, which no template renders, left out)."""
-        built = getattr(self, "train_records", None)
-        if built is not None:
-            return built
+        """The training records the skew gate draws from, by source: the first records of every
+        streamed source (plain text, which no template renders, left out)."""
         from pathlib import Path
 
         from posttrain.data.records import TextRecord

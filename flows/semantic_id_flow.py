@@ -33,23 +33,47 @@ class SemanticIDFlow(ChatRecipeFlow):
     @card(type="blank", id="ingest")
     @step
     def ingest(self):
-        """Read the histories (or generate the synthetic world), name the items by semantic IDs, add
-        the codes to the tokenizer and write the conversations; malformed rows are kept aside."""
+        """Read the histories (or generate the synthetic world) in parts, name the items by semantic
+        IDs, add the codes to the tokenizer and write the training conversations as chat JSONL,
+        which `tokenize` streams; malformed rows are kept aside."""
         from posttrain.steps import semantic
 
-        result = self._ingest()
-        data = semantic.prepare(result.train, self.recipe, self.run_dir)
-        self.train_records, self.heldout_records, self.heldout_cases = data.train, data.heldout, data.cases
-        self.train_histories, self.catalogue = data.train_histories, data.catalogue
+        self._prepare_streamed_sources(card_id=None)
+        data = semantic.prepare(self.recipe, self.run_dir)
+        self._store_streamed(data, card_id="ingest")  # the held-out conversations become heldout_records
+        self.session_sources, self.heldout_cases, self.catalogue = data.sources, data.cases, data.catalogue
         self.semantic_ids_path, self.semantic_stats = data.semantic_ids_path, data.stats
         cards.semantic_ids_section(cards.card("ingest"), self.semantic_stats, self.heldout_records[:3])
         self.next(self.tokenize)
 
+    def _streamed_sources(self):
+        """The training conversations `ingest` wrote (chat JSONL, one a source), in place of the
+        interaction sources, with their fingerprints."""
+        from dataclasses import replace
+        from pathlib import Path
+
+        from posttrain.steps import ingest
+
+        recipe = replace(self.recipe, data=replace(self.recipe.data, sources=list(self.session_sources)))
+        return recipe, ingest.source_fingerprints(recipe, Path(self.run_dir))
+
+    def _skew_records(self):
+        """The first of the training conversations `ingest` wrote, by source (the skew gate
+        renders a few)."""
+        from pathlib import Path
+
+        from posttrain.steps import ingest
+
+        recipe, _ = self._streamed_sources()
+        return ingest.head_records(recipe, Path(self.run_dir), self.recipe.verify.skew_samples)
+
     def _eval_data(self):
         from posttrain.eval.suite_data import EvalData
+        from posttrain.steps import sequences
 
         return EvalData(chats=list(self.heldout_records), cases=list(self.heldout_cases),
-                        catalogue=list(self.catalogue), train_histories=list(self.train_histories))
+                        catalogue=list(self.catalogue),
+                        train_histories=sequences.TrainingHistories(self.recipe, self.run_dir))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The semantic-ID recipe's data stage: interaction histories -> item codes -> conversations.
 
-`prepare(records, config, run_dir)`:
+`prepare(config, run_dir)` (the histories read in parts, `posttrain.steps.ingest.stream_parts`):
 1. splits every history leave-last-out (`posttrain.data.interactions.leave_last_out`), as the
    sequence recipe does, so both recipes are evaluated on the same held-out items;
 2. names every item of the catalogue (`semantic_ids.items`: JSONL rows `id`, `features`) by a
@@ -17,7 +17,9 @@
    consecutive windows of `history_items` items (one conversation each); a held-out case is
    the session of the `history_items - 1` items before the held-out one, whose last assistant
    turn names it. Items without features (hence without a code) are left out and counted; a
-   held-out target without one is not evaluated (counted).
+   held-out target without one is not evaluated (counted). The training conversations are
+   written as they are made, as chat JSONL under `<run dir>/semantic_sessions/` (`SESSIONS_DIR`),
+   which the tokenize step then streams into shards as it streams SFT's sources.
 """
 
 from __future__ import annotations
@@ -25,24 +27,40 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from posttrain.config.schema import SourceConfig
 from posttrain.data.interactions import NextItemCase, leave_last_out, read_item_features
-from posttrain.data.records import ChatRecord, SequenceRecord
+from posttrain.data.records import ChatRecord, RejectedRow
 from posttrain.data.semantic_ids import SemanticIDs, assign_semantic_ids
 from posttrain.steps.paths import resolve, vocabulary_directory
 
 SEMANTIC_IDS_FILE = "semantic_ids.json"  # in the run directory and in every exported model directory
 
 
+SESSIONS_DIR = "semantic_sessions"  # in the run directory: the training conversations, one JSONL a source
+
+
 @dataclass
 class SemanticData:
-    train: dict[str, list[ChatRecord]]  # sessions of consecutive items, by source
-    heldout: list[ChatRecord]  # one per evaluated case, in the cases' order
+    """What `prepare` makes in one streamed pass over the histories: `sources`, the training
+    conversations written as chat JSONL (one source each, with the interaction source's name,
+    weight and cap), which the tokenize step streams as SFT's; `heldout`, one conversation per
+    evaluated case, in the cases' order; `catalogue`, the coded items the training histories
+    hold; and, as a streamed recipe reports its reading, `counts` and `rejected_by_source` of the
+    interaction sources."""
+
+    sources: list[SourceConfig]
+    heldout: list[ChatRecord]
     cases: list[NextItemCase]
-    train_histories: list[list[int]]  # the training parts (the baselines fit on them)
-    catalogue: list[int]  # items with a code that the training histories hold
+    catalogue: list[int]
     semantic_ids_path: str
     tokenizer_dir: str
     stats: dict = field(default_factory=dict)
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    rejected_by_source: dict[str, list[RejectedRow]] = field(default_factory=dict)
+
+    @property
+    def rejected(self) -> list[RejectedRow]:
+        return [row for rows in self.rejected_by_source.values() for row in rows]
 
 
 def session_messages(semantic: SemanticIDs, items: list[int], target: int | None = None) -> list[dict]:
@@ -68,9 +86,14 @@ def windows_of(items: list[int], size: int) -> list[list[int]]:
     return out[::-1]
 
 
-def prepare(records: dict[str, list[SequenceRecord]], config, run_dir: Path) -> SemanticData:
-    """Codes, extended tokenizer and conversations (module docstring)."""
+def prepare(config, run_dir: Path) -> SemanticData:
+    """Codes, extended tokenizer and conversations (module docstring), the histories read in
+    parts and each source's training conversations written as they are made: what stays in
+    memory is the held-out cases and conversations and the catalogue, never the histories."""
+    import json
+
     from posttrain.data.tokenizer import load_tokenizer
+    from posttrain.steps import ingest
 
     section = config.semantic_ids
     item_ids, features = read_item_features(resolve(section.items, run_dir))
@@ -87,31 +110,43 @@ def prepare(records: dict[str, list[SequenceRecord]], config, run_dir: Path) -> 
     base.save_pretrained(str(tokenizer_dir))
     print(f"[prepare] tokenizer: {added} code tokens added, {len(base)} tokens in {tokenizer_dir}")
 
-    train: dict[str, list[ChatRecord]] = {}
-    cases, histories = [], []
+    sessions_dir = Path(run_dir) / SESSIONS_DIR
+    sessions_dir.mkdir(parents=True, exist_ok=True)
+    sources, cases, catalogue, counts, rejected = [], [], set(), {}, {}
     stats = {"items": len(item_ids), "levels": semantic.levels, "collisions": semantic.collisions,
              "code_tokens": len(semantic.tokens()), "uncoded_history_items": 0, "uncoded_targets": 0,
              "predictions": 0}
-    for name, source_records in records.items():
-        split = leave_last_out(source_records)
-        chats = []
-        for record in split.train:
-            histories.append(record.ids)
-            coded = [i for i in record.ids if i in semantic.codes]
-            stats["uncoded_history_items"] += len(record.ids) - len(coded)
-            for window in windows_of(coded, section.history_items):
-                chats.append(ChatRecord(session_messages(semantic, window), record.source, record.line))
-                stats["predictions"] += len(window) - 1
-        train[name] = chats
-        chosen = split.test if section.eval_split == "test" else split.valid
-        cases += [c for c in chosen if c.target in semantic.codes]
-        stats["uncoded_targets"] += sum(c.target not in semantic.codes for c in chosen)
-        print(f"[prepare] {name}: {len(chats)} training conversations ({stats['predictions']} next-item turns) from "
-              f"{len(split.train)} histories, {len(chosen)} held-out cases")
+    for source in config.data.sources:
+        out_path = sessions_dir / f"{source.name}.jsonl"
+        chats = histories = read = kept = chosen_cases = 0
+        rejected[source.name] = []
+        with open(out_path, "w", encoding="utf-8") as out:
+            for part in ingest.stream_parts(source, Path(run_dir), "sequences", 0.0, config.seed,
+                                            config.data.tokenize.part_records):
+                split = leave_last_out(part.train)
+                for record in split.train:
+                    coded = [i for i in record.ids if i in semantic.codes]
+                    catalogue.update(coded)
+                    stats["uncoded_history_items"] += len(record.ids) - len(coded)
+                    for window in windows_of(coded, section.history_items):
+                        out.write(json.dumps({"messages": session_messages(semantic, window)}) + "\n")
+                        chats += 1
+                        stats["predictions"] += len(window) - 1
+                chosen = split.test if section.eval_split == "test" else split.valid
+                cases += [c for c in chosen if c.target in semantic.codes]
+                stats["uncoded_targets"] += sum(c.target not in semantic.codes for c in chosen)
+                histories, chosen_cases = histories + len(split.train), chosen_cases + len(chosen)
+                rejected[source.name] += part.rejected
+                read, kept = read + part.read, kept + part.kept
+        counts[source.name] = {"kept": kept, "rejected": read - kept, "read": read}
+        sources.append(SourceConfig(name=source.name, kind="jsonl", path=str(out_path), format="chat",
+                                    weight=source.weight, cap=source.cap))
+        print(f"[prepare] {source.name}: {chats} training conversations ({stats['predictions']} next-item turns) from "
+              f"{histories} histories, {chosen_cases} held-out cases; written to {out_path}")
     heldout = [ChatRecord(session_messages(semantic, recent(semantic, c.history, section.history_items - 1), c.target),
                           c.source, c.line) for c in cases]
-    catalogue = sorted({i for h in histories for i in h if i in semantic.codes})
-    return SemanticData(train, heldout, cases, histories, catalogue, str(path), str(tokenizer_dir), stats)
+    return SemanticData(sources, heldout, cases, sorted(catalogue), str(path), str(tokenizer_dir), stats, counts,
+                        rejected)
 
 
 def recent(semantic: SemanticIDs, history: list[int], count: int) -> list[int]:

@@ -77,6 +77,14 @@ def test_codes_become_tokens_of_the_text_model_with_its_old_logits_unchanged(sem
     assert chat.messages[0]["role"] == "user" and chat.messages[0]["content"].startswith("<a_")
     assert [m["role"] for m in chat.messages] == ["user", "assistant"] * (len(chat.messages) // 2)
     assert semantic.parse_item(chat.messages[-1]["content"]) == ingest.heldout_cases[0].target
+    # the training conversations were written as chat JSONL and streamed into shards (a reference)
+    from posttrain.data.token_shards import TokenShards
+
+    (session_source,) = ingest.session_sources
+    assert session_source.format == "chat" and Path(session_source.path).is_file()
+    shards = run["tokenize"].task.data.samples[session_source.name]
+    with open(session_source.path, encoding="utf-8") as written:
+        assert isinstance(shards, TokenShards) and 0 < len(shards) <= sum(1 for _ in written)
 
     start_dir = resolve_model_dir(f"registry:{START_NAME}", registry_dir=tmp / "registry")
     base_dir = run["train"].task.data.base_dir
