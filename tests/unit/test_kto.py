@@ -210,6 +210,25 @@ def test_split_pairs_makes_two_labelled_trees_per_pair_with_mismatched_completio
     assert pairs == before
 
 
+def test_trees_of_pairs_in_shards_are_the_in_memory_trees_written_as_shards(tmp_path):
+    """`write_kto_trees` over pairs in shards (the streamed tokenize step's) gives the trees
+    `split_pairs_for_kto` + `fit_kto_tree` give from the same pairs in memory, in order, across
+    several tree shards; a finished directory is read back, not built again."""
+    from posttrain.data.token_shards import TokenShards, write_shard
+    from posttrain.data.unpaired import write_kto_trees
+
+    prompts = [[5, 6, 7], [5, 6, 7], [8, 9], [10, 11, 12], [13], [8, 9], [14, 15], [16], [17, 18]]
+    pairs = random_pairs(len(prompts), seed=2, prompts=prompts)
+    for k, pair in enumerate(pairs):
+        pair.pair_id, pair.source, pair.line = 3 + k, "p.jsonl", 10 + k
+    write_shard(tmp_path / "pairs.arrow", pairs, [p.line for p in pairs], "pairs")
+    shards = TokenShards(tmp_path, ["pairs.arrow"], [len(pairs)], "pairs")
+    expected = [fit_kto_tree(tree, 12)[0] for tree in split_pairs_for_kto(pairs, seed=5)[0]]
+    written = write_kto_trees(shards, 5, 12, True, tmp_path / "trees", per_shard=4)
+    assert len(written.files) == 5 and list(written) == expected
+    assert list(write_kto_trees(shards, 5, 12, True, tmp_path / "trees")) == expected  # read back
+
+
 def test_mismatch_refuses_when_a_prompt_holds_more_than_half_of_the_examples():
     keys = ["a", "a", "a", "b", "c", "d"]  # half of them share a prompt: still possible
     for seed in range(20):

@@ -311,3 +311,27 @@ def test_prompts_go_through_shards_as_through_memory_and_pickle_as_references(tm
     monkeypatch.setattr(tokenize, "render_prompt", no_rendering)
     again = tokenize.run_streamed_prompts(config, tmp_path, qwen3_tokenizer, fingerprints)
     assert [list(p) for p in again.prompts.ids] == [list(p) for p in in_memory.prompts.ids]
+
+
+def test_kto_trees_of_streamed_pairs_equal_the_in_memory_recipe_s(tmp_path, qwen3_tokenizer):
+    """The KTO recipe's `prepare_pairs` on the streamed tokenize step's pairs (shards) writes
+    trees beside them that equal its trees of the same pairs in memory, and the artifact is a
+    reference to them."""
+    from posttrain.config.loader import load_recipe_config
+    from posttrain.recipes import recipe_spec
+
+    rows = [{"prompt": f"What is {i % 7} + {i}?", "chosen": f"{i % 7 + i}", "rejected": f"{i % 7 + i + 1}"}
+            for i in range(30)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = load_recipe_config(Path(__file__).resolve().parents[2] / "configs" / "kto" / "demo.yaml", "kto", {
+        "data.generate": None, "data.heldout": None, "data.heldout_fraction": 0.1,
+        "data.sources": [{"name": "pairs", "kind": "jsonl", "path": str(path), "format": "preference"}],
+        "data.tokenize.part_records": 8, "output_dir": str(tmp_path / "out"), "pack.row_length": 40})
+    spec = recipe_spec(config)
+    streamed = tokenize.run_streamed_pairs(config, tmp_path, qwen3_tokenizer, ingest.source_fingerprints(config, tmp_path))
+    in_memory = {name: list(group) for name, group in streamed.pairs.items()}
+    trees = spec.prepare_pairs(streamed.pairs, config)
+    assert isinstance(trees["pairs"], TokenShards) and len(pickle.dumps(trees)) < 2000
+    assert list(trees["pairs"]) == spec.prepare_pairs(in_memory, config)["pairs"]
+    assert len(trees["pairs"]) == 2 * len(in_memory["pairs"]) > 40

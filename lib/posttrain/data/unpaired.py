@@ -2,6 +2,7 @@
 
     trees, labels = split_pairs_for_kto(pairs, seed=0)   # two trees per preference pair
     tree, truncated = fit_kto_tree(tree, row_length)      # the mismatched branch cut first
+    shards = write_kto_trees(pairs, seed, row_length, shared, out_dir)   # the same, fitted, on disk
 
 KTO (Ethayarajh et al. 2024) trains on single completions labelled desirable or undesirable,
 and takes its reference point from completions placed after prompts they do not answer. Here
@@ -15,16 +16,25 @@ exactly as preference pairs do; the label of each tree is a table by pair id.
 Everything here works on tokenized samples; nothing is rendered again. Which completion goes
 after which prompt is a seeded derangement (`mismatch`) that never places a completion after
 a prompt with the same token ids as its own (so two pairs of one prompt never lend each
-other their completions).
+other their completions). `write_kto_trees` makes the fitted trees of pairs that live in
+shards (`posttrain.data.token_shards`) without holding them: a pair is read when its tree or a
+tree it lends to is built, and the trees are written as shards of their own.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from pathlib import Path
 from typing import Hashable, Sequence
 
 import numpy as np
 
 from posttrain.data.preference import PairError, PairSample
+from posttrain.data.token_shards import TokenShards, shard_name, write_shard
+
+TREES_PER_SHARD = 16384
 
 
 def mismatch(prompt_keys: Sequence[Hashable], seed: int | Sequence[int]) -> list[int]:
@@ -54,6 +64,11 @@ def mismatch(prompt_keys: Sequence[Hashable], seed: int | Sequence[int]) -> list
     return partner
 
 
+def prompt_key(prompt_ids: Sequence[int]) -> bytes:
+    """16 bytes that stand for a prompt's token ids in `mismatch` (the same ids, the same key)."""
+    return hashlib.blake2b(np.asarray(prompt_ids, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
 def mismatched_trees(prompts: Sequence[list[int]], completions: Sequence[tuple[list[int], list[int]]],
                      pair_ids: Sequence[int], seed: int | Sequence[int], sources: Sequence[str] | None = None,
                      lines: Sequence[int] | None = None) -> list[PairSample]:
@@ -64,7 +79,7 @@ def mismatched_trees(prompts: Sequence[list[int]], completions: Sequence[tuple[l
     n = len(prompts)
     if not len(completions) == len(pair_ids) == n:
         raise ValueError(f"{n} prompts, {len(completions)} completions and {len(pair_ids)} pair ids")
-    partner = mismatch([tuple(p) for p in prompts], seed)
+    partner = mismatch([prompt_key(p) for p in prompts], seed)
     trees = []
     for i in range(n):
         (ids, mask), (other_ids, other_mask) = completions[i], completions[partner[i]]
@@ -118,3 +133,49 @@ def fit_kto_tree(tree: PairSample, row_length: int, shared: bool = True) -> tupl
     return PairSample(tree.prompt_ids, tree.chosen_ids[:keep_c], tree.chosen_mask[:keep_c],
                       tree.rejected_ids[:keep_r], tree.rejected_mask[:keep_r], tree.pair_id, tree.source,
                       tree.line), True
+
+
+def write_kto_trees(pairs: Sequence[PairSample], seed: int, row_length: int, shared: bool, out_dir: str | Path,
+                    per_shard: int = TREES_PER_SHARD) -> TokenShards:
+    """`split_pairs_for_kto(pairs, seed)`'s trees, each through `fit_kto_tree`, written as
+    `pairs`-layout shards under `out_dir` and returned as `TokenShards`: the same trees in the
+    same order, made from pairs read one at a time (any sequence: `TokenShards` of pairs), so
+    what is held is a key and two partners a pair. A finished `out_dir` (its `complete.json`,
+    written last) is read back, not built again."""
+    out_dir = Path(out_dir)
+    complete = out_dir / "complete.json"
+    if complete.is_file():
+        return TokenShards(out_dir, **json.loads(complete.read_text()))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    keys, ids = [], []
+    for pair in pairs:
+        keys.append(prompt_key(pair.prompt_ids))
+        ids.append(pair.pair_id)
+    if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise ValueError("write_kto_trees needs pairs with distinct non-negative pair ids")
+    partners = {"chosen": mismatch(keys, [seed, 0]), "rejected": mismatch(keys, [seed, 1])}
+    files, rows, trees = [], [], []
+
+    def flush() -> None:
+        files.append(shard_name(len(files)))
+        write_shard(out_dir / files[-1], trees, [tree.line for tree in trees], "pairs")
+        rows.append(len(trees))
+        trees.clear()
+
+    for i in range(len(ids)):
+        pair = pairs[i]
+        for label, offset in (("chosen", 0), ("rejected", 1)):
+            other = pairs[partners[label][i]]
+            tree = PairSample(list(pair.prompt_ids), list(getattr(pair, f"{label}_ids")),
+                              list(getattr(pair, f"{label}_mask")), list(getattr(other, f"{label}_ids")),
+                              list(getattr(other, f"{label}_mask")), 2 * int(pair.pair_id) + offset, pair.source,
+                              pair.line)
+            trees.append(fit_kto_tree(tree, row_length, shared)[0])
+        if len(trees) >= per_shard:
+            flush()
+    if trees:
+        flush()
+    tmp = complete.with_name(complete.name + ".tmp")
+    tmp.write_text(json.dumps({"files": files, "rows": rows, "layout": "pairs"}))
+    os.replace(tmp, complete)
+    return TokenShards(out_dir, files, rows, "pairs")

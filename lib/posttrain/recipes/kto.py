@@ -25,11 +25,21 @@ class KTOSpec(PairRecipeSpec):
 
     def prepare_pairs(self, pairs: dict[str, list], config: KTOConfig, heldout: bool = False) -> dict[str, list]:
         """Each source's pairs split into KTO trees (seeded by the recipe's `seed`), each fitted
-        to a row with its mismatched branch cut first."""
-        from posttrain.data.unpaired import fit_kto_tree, split_pairs_for_kto
+        to a row with its mismatched branch cut first: lists from lists, and from pairs in shards
+        (the streamed tokenize step's) shards of trees beside them (`write_kto_trees`)."""
+        from pathlib import Path
+
+        from posttrain.data.token_shards import TokenShards
+        from posttrain.data.unpaired import fit_kto_tree, split_pairs_for_kto, write_kto_trees
 
         trees = {}
         for source, group in pairs.items():
+            if isinstance(group, TokenShards):  # streamed pairs: their trees go to shards beside them
+                out_dir = (Path(group.directory).parent /
+                           f"kto-trees-{config.seed}-{config.pack.row_length}-{int(config.shared_prompt)}" / source)
+                trees[source] = write_kto_trees(group, config.seed, config.pack.row_length, config.shared_prompt,
+                                                out_dir)
+                continue
             split, _ = split_pairs_for_kto(group, seed=config.seed)
             trees[source] = [fit_kto_tree(tree, config.pack.row_length, config.shared_prompt)[0] for tree in split]
         return trees
