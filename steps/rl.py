@@ -69,7 +69,8 @@ def tokenize_prompts(records: list[PromptRecord], tokenizer, config: GRPOConfig,
     dropped and counted (`posttrain.steps.tokenize.run_prompts`, which the flow streams)."""
     from posttrain.steps.tokenize import run_prompts
 
-    return run_prompts({"prompts": records}, tokenizer, config, context_length).prompts
+    # in the calling process: an evaluation's process may hold threads (torch, Ray) a fork would copy mid-flight
+    return run_prompts({"prompts": records}, tokenizer, config, context_length, num_proc=1).prompts
 
 
 def stop_token_ids(tokenizer, config: GRPOConfig) -> tuple[int, ...]:

@@ -211,7 +211,12 @@ def tokenize(config: SequenceConfig, run_dir: str | Path, tokenizer, fingerprint
     step resumes after its last finished part); the samples are `TokenShards`."""
     from posttrain.steps import tokenize as steps_tokenize
 
-    store = steps_tokenize.shard_store(config, run_dir, tokenizer, fingerprints, kind="sequences")
+    import sys
+
+    from posttrain.data import interactions, item_vocab
+
+    store = steps_tokenize.shard_store(config, run_dir, tokenizer, fingerprints, kind="sequences",
+                                       code_modules=(sys.modules[__name__], interactions, item_vocab))
     parts = {source.name: _parts(config, Path(run_dir), source) for source in config.data.sources}
     with steps_tokenize.holding(store) as complete:
         if complete is not None:

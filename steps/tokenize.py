@@ -109,27 +109,29 @@ def tokenizer_fingerprint(tokenizer, template_kwargs: dict | None = None) -> str
     return digest.hexdigest()
 
 
-def _code_fingerprint() -> str:
+def code_fingerprint(modules: Sequence = ()) -> str:
     """SHA-256 of the code samples are made by (reading, formats, rendering, filtering, shards,
-    this step): a change to any of it tokenizes again rather than serve samples it would not make."""
+    this step, and the caller's `modules`, e.g. the sequence recipe's windowing): a change to any
+    of it tokenizes again rather than serve samples it would not make."""
     from posttrain.data import chat, filters, formats, near_dedup, preference, records, sources, token_shards
 
     from posttrain.steps import ingest
 
     digest = hashlib.sha256()
     for module in (chat, filters, formats, near_dedup, preference, records, sources, token_shards, ingest,
-                   sys.modules[__name__]):
+                   sys.modules[__name__], *modules):
         digest.update(Path(module.__file__).read_bytes())
     return digest.hexdigest()
 
 
 def tokenize_fingerprint(sources: Sequence, fingerprints: dict[str, dict], tokenizer, template_kwargs: dict | None,
                          filters: FilterConfig, pack: PackConfig | None, heldout_fraction: float, seed: int,
-                         part_records: int, extra: dict | None = None) -> tuple[str, bool]:
+                         part_records: int, extra: dict | None = None, code_modules: Sequence = ()
+                         ) -> tuple[str, bool]:
     """`(key, known)`: the name of a `ShardStore` directory, 24 hex digits of a hash over every
     source's configuration and bytes (`sources.fingerprint`), the tokenizer
     (`tokenizer_fingerprint`), the filters, the row length and overflow policy, the held-out
-    split, the part size, the code (`_code_fingerprint`) and `extra` (e.g. the record kind);
+    split, the part size, the code (`code_fingerprint`, with `code_modules`) and `extra` (e.g. the record kind);
     `known` is False when a source's bytes are unknown (a hub dataset): such data is never
     served from a shared cache."""
     known = all(fingerprints.get(s.name, {}).get("sha256") is not None for s in sources)
@@ -140,7 +142,7 @@ def tokenize_fingerprint(sources: Sequence, fingerprints: dict[str, dict], token
         "pack": None if pack is None else [pack.row_length, pack.on_overflow],
         "heldout": [heldout_fraction, seed if heldout_fraction > 0 else None],
         "part_records": part_records,
-        "code": _code_fingerprint(),
+        "code": code_fingerprint(code_modules),
         "extra": extra or {},
     }
     for source in described["sources"]:  # how the mixer weighs a source does not change its samples
@@ -593,8 +595,8 @@ def _tokenize_result(streamed: _Streamed, stats: TokenizeStats) -> TokenizeResul
                           rejected_by_source=streamed.rejected)
 
 
-def shard_store(config, run_dir: str | Path, tokenizer, fingerprints: dict[str, dict], kind: str = "conversations"
-                ) -> ShardStore:
+def shard_store(config, run_dir: str | Path, tokenizer, fingerprints: dict[str, dict], kind: str = "conversations",
+                code_modules: Sequence = ()) -> ShardStore:
     """The recipe's `ShardStore` for its training sources read as `kind` ("conversations",
     "pairs"): under `data.tokenize.cache_dir` (default `<output_dir>/tokenized`), named by
     `tokenize_fingerprint`; a run-private one (under the run directory, named by everything but
@@ -608,7 +610,7 @@ def shard_store(config, run_dir: str | Path, tokenizer, fingerprints: dict[str, 
         extra["shared_prompt"] = config.shared_prompt
     key, known = tokenize_fingerprint(config.data.sources, fingerprints, tokenizer,
                                       config.tokenizer.chat_template_kwargs, config.data.filters, config.pack,
-                                      fraction, config.seed, settings.part_records, extra)
+                                      fraction, config.seed, settings.part_records, extra, code_modules)
     if not known:
         return ShardStore(Path(run_dir) / "tokenized", f"run-{key}")
     root = Path(settings.cache_dir or Path(config.output_dir) / "tokenized").expanduser().resolve()
@@ -731,11 +733,12 @@ def prompt_limit(config, context_length: int | None = None) -> int:
 
 
 def run_prompts(records: Mapping[str, Iterable], tokenizer, config, context_length: int | None = None,
-                store: ShardStore | None = None) -> PromptTokenizeResult:
+                store: ShardStore | None = None, num_proc: int | None = None) -> PromptTokenizeResult:
     """Render every source's prompt records (`render_prompt`: the generation prompt included);
     prompts longer than `prompt_limit` are dropped and counted (`prompts.dropped`). `records[name]`:
     a list, or `RecordPart`s; with `store`, written as shards part by part, as `run_parts`
-    writes conversations. Raises ValueError when no prompt fits."""
+    writes conversations. `num_proc`: render processes (default `data.tokenize.num_proc`).
+    Raises ValueError when no prompt fits."""
     limit = prompt_limit(config, context_length)
     with holding(store) as complete:
         if complete is not None:
@@ -744,7 +747,8 @@ def run_prompts(records: Mapping[str, Iterable], tokenizer, config, context_leng
         else:
             kind = _PromptKind()
             context = (tokenizer, dict(config.tokenizer.chat_template_kwargs or {}), limit)
-            streamed = render_parts(records, kind, context, config.data.tokenize.num_proc, store, None)
+            procs = config.data.tokenize.num_proc if num_proc is None else num_proc
+            streamed = render_parts(records, kind, context, procs, store, None)
             dropped = kind.dropped
             if store is not None:
                 write_complete(store, streamed, {"dropped": dropped})

@@ -399,3 +399,16 @@ def test_formats_through_parquet_rows(tmp_path):
                                                 format="preference"))
     assert [(r.line, r.prompt[0]["content"]) for r in records] == [(0, "Q1"), (2, "Q3")]
     assert [(r.line, r.reason) for r in rejected] == [(1, "chosen and rejected are identical")]
+
+
+def test_a_prompt_whose_meta_is_not_json_is_rejected_with_the_reason():
+    """A prompt's meta travels in the prompt shards as JSON: a value JSON cannot hold (a
+    timestamp column of a parquet source) rejects the row with a reason, not a crash later."""
+    import datetime
+
+    from posttrain.data.records import RecordError, validate_prompt
+
+    prompt = [{"role": "user", "content": "q"}]
+    assert validate_prompt(prompt, "a", {"id": 3, "tags": ["x"]})[2] == {"id": 3, "tags": ["x"]}
+    with pytest.raises(RecordError, match="meta is not JSON"):
+        validate_prompt(prompt, "a", {"created": datetime.datetime(2026, 1, 1)})

@@ -296,7 +296,8 @@ def validate_prompt(prompt: Any, reference: Any = None, meta: Any = None) -> tup
     """Check a prompt for generation and return `(prompt, reference, meta)`, cleaned.
 
     `prompt` as in `validate_preference`; `reference` None or a non-blank string; `meta`
-    None (becomes {}) or a dict.
+    None (becomes {}) or a dict of JSON values (the prompt shards keep it as JSON: a timestamp
+    or binary column is a reason to reject the row, named, not a crash when it is written).
     """
     prompt = _validate_prompt_messages(prompt)
     if reference is not None:
@@ -308,6 +309,10 @@ def validate_prompt(prompt: Any, reference: Any = None, meta: Any = None) -> tup
         meta = {}
     if not isinstance(meta, dict):
         raise RecordError(f"meta is not an object (got {_type_name(meta)})")
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError) as err:
+        raise RecordError(f"meta is not JSON ({err}): map such columns out with the source's `fields`") from None
     return prompt, reference, meta
 
 

@@ -27,16 +27,19 @@ class KTOSpec(PairRecipeSpec):
         """Each source's pairs split into KTO trees (seeded by the recipe's `seed`), each fitted
         to a row with its mismatched branch cut first: lists from lists, and from pairs in shards
         (the streamed tokenize step's) shards of trees beside them (`write_kto_trees`)."""
+        import hashlib
         from pathlib import Path
 
+        from posttrain.data import unpaired
         from posttrain.data.token_shards import TokenShards
         from posttrain.data.unpaired import fit_kto_tree, split_pairs_for_kto, write_kto_trees
 
         trees = {}
         for source, group in pairs.items():
             if isinstance(group, TokenShards):  # streamed pairs: their trees go to shards beside them
-                out_dir = (Path(group.directory).parent /
-                           f"kto-trees-{config.seed}-{config.pack.row_length}-{int(config.shared_prompt)}" / source)
+                code = hashlib.sha256(Path(unpaired.__file__).read_bytes()).hexdigest()[:12]  # how trees are made
+                out_dir = (Path(group.directory).parent / f"kto-trees-{config.seed}-{config.pack.row_length}-"
+                           f"{int(config.shared_prompt)}-{code}" / source)
                 trees[source] = write_kto_trees(group, config.seed, config.pack.row_length, config.shared_prompt,
                                                 out_dir)
                 continue
