@@ -338,14 +338,10 @@ class RecordFilter:
                     f"{self.row_length}), none of its trained tokens would survive")
         return None
 
-    def admits_chars(self, record: Any) -> bool:
-        """What `check_chars` says of `record`, without recording anything."""
-        return fits_chars(record, self.max_chars)
-
     def check_chars(self, name: str, record: Any) -> bool:
         """Before tokenization: False (the record rejected as too long) when its text has more
         than `max_chars` characters; True otherwise. Saves tokenizing what cannot train."""
-        if self.admits_chars(record):
+        if fits_chars(record, self.max_chars):
             return True
         chars = content_chars(record_content(record))
         rows = f"; rows hold {self.row_length} tokens" if self.row_length else ""
