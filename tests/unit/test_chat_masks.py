@@ -366,6 +366,35 @@ def test_a_character_split_over_byte_tokens_at_a_turn_start_trains_in_every_piec
     assert sample.loss_mask[pieces[0] - 1] == 0  # the newline of the assistant header does not train
 
 
+def test_the_mask_read_from_the_encoding_equals_the_mask_from_its_offsets(qwen3):
+    """`_mask_from_encoding` (spans looked up in the Rust encoding) gives `_mask_from_spans`'s
+    mask (every offset in Python) for spans that start and end anywhere, inside characters
+    that byte-level BPE splits over several tokens included; where it cannot tell (a span's
+    end in no token), it says so and the offsets decide."""
+    import random
+
+    from posttrain.data.chat import _mask_from_encoding, _mask_from_spans
+
+    gpt2_dir = SHARED / "tokenizers" / "gpt2"
+    tokenizers = [qwen3] + ([AutoTokenizer.from_pretrained(str(gpt2_dir))] if gpt2_dir.is_dir() else [])
+    text = ("Plain words, then \U0001d4b3\U0001d4b4 split glyphs, caf\u00e9 cafe\u0301, \u4f60\u597d\u4e16\u754c, "
+            "emoji \U0001f469\u200d\U0001f52c and  spaces\n\n<|im_end|> tabs\t\t42 + 1337 = 1379.")
+    rng = random.Random(0)
+    for tokenizer in tokenizers:
+        encoding, compared = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False), 0
+        for _ in range(300):
+            cuts = sorted(rng.sample(range(len(text) + 1), 4))
+            spans = [(cuts[0], cuts[1]), (cuts[2], cuts[3])]
+            spans = [(start, end) for start, end in spans if start < end]
+            fast = _mask_from_encoding(encoding, spans)
+            if fast is None:  # a span ends at a character in no token (NFC folded "e\u0301" into one)
+                assert any(encoding.char_to_token(i) is None for start, end in spans for i in (start, end - 1))
+                continue
+            assert fast == _mask_from_spans(encoding.offsets, spans), spans
+            compared += 1
+        assert compared > 250
+
+
 def test_a_sample_of_arrays_pickles_as_bytes_and_comes_back_equal():
     import pickle
 
