@@ -37,7 +37,7 @@ import numpy as np
 from tqdm import tqdm
 
 from posttrain.config.schema import FilterConfig, PackConfig, TokenizeConfig
-from posttrain.data.chat import ChatTemplateError, TokenizedSample, render_conversation, render_prompt
+from posttrain.data.chat import ChatTemplateError, TokenizedSample, frozen_tokenizer, render_conversation, render_prompt
 from posttrain.data.filters import FilterStats, RecordDigest, RecordFilter, fits_chars
 from posttrain.data.length_stats import LengthStats
 from posttrain.data.preference import PairError, PairSample, fit_pair, render_pair
@@ -578,8 +578,9 @@ def run_parts(parts: Mapping[str, Iterable], tokenizer, template_kwargs: dict | 
         record_filter = RecordFilter.from_config(filters or FilterConfig(), dedup_on="tokens", pack=pack, seen=seen)
         try:
             kind = _Conversations(record_filter)
-            streamed = render_parts(parts, kind, kind.context(tokenizer, dict(template_kwargs or {})),
-                                    (tokenize or TokenizeConfig()).num_proc, store, seen)
+            with frozen_tokenizer(tokenizer):
+                streamed = render_parts(parts, kind, kind.context(tokenizer, dict(template_kwargs or {})),
+                                        (tokenize or TokenizeConfig()).num_proc, store, seen)
         finally:
             if seen is not None:
                 seen.close()
@@ -697,7 +698,8 @@ def run_pairs(records: Mapping[str, Iterable], tokenizer, template_kwargs: dict 
         else:
             kind = _Pairs(first_id)
             context = (tokenizer, dict(template_kwargs or {}), pack.row_length, shared_prompt)
-            streamed = render_parts(records, kind, context, (tokenize or TokenizeConfig()).num_proc, store, None)
+            with frozen_tokenizer(tokenizer):
+                streamed = render_parts(records, kind, context, (tokenize or TokenizeConfig()).num_proc, store, None)
             if store is not None:
                 write_complete(store, streamed, {"pairs": kind.stats, "next_id": kind.next_id})
     for name in streamed.samples:

@@ -395,6 +395,39 @@ def test_the_mask_read_from_the_encoding_equals_the_mask_from_its_offsets(qwen3)
         assert compared > 250
 
 
+def test_a_frozen_tokenizer_renders_the_same_samples_and_only_while_frozen(qwen3):
+    """Inside `frozen_tokenizer`, ASCII conversations encode with a twin of the backend that
+    skips Qwen3's NFC normaliser: every sample is the same as outside, ASCII or not (NFC
+    composes "e" + U+0301 in the second); the twin shares the model and is gone on exit; a
+    normaliser that changes ASCII text (lowercasing) gets no twin."""
+    from tokenizers import normalizers
+
+    from posttrain.data import chat
+
+    conversations = [
+        [{"role": "user", "content": "What is 12 + 30?"}, {"role": "assistant", "content": "12 + 30 = 42."},
+         {"role": "user", "content": "And  twice\tthat?"}, {"role": "assistant", "content": "84 <|im_end|> ok"}],
+        [{"role": "user", "content": "Caf\u00e9 or cafe\u0301?"}, {"role": "assistant", "content": "\U0001d4b3 both"}],
+    ]
+    outside = [render_conversation(qwen3, messages) for messages in conversations]
+    with chat.frozen_tokenizer(qwen3):
+        with chat.frozen_tokenizer(qwen3):  # nests
+            twin = chat._ASCII_ENCODERS[qwen3][0]
+        assert twin.model is not None and qwen3 in chat._ASCII_ENCODERS
+        assert [render_conversation(qwen3, messages) for messages in conversations] == outside
+    assert qwen3 not in chat._ASCII_ENCODERS
+    assert twin.get_added_tokens_decoder() == qwen3.backend_tokenizer.get_added_tokens_decoder()
+
+    lowercasing = AutoTokenizer.from_pretrained(str(qwen3_dir()))
+    lowercasing.backend_tokenizer.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])
+    with chat.frozen_tokenizer(lowercasing):
+        assert lowercasing not in chat._ASCII_ENCODERS
+    forms = AutoTokenizer.from_pretrained(str(qwen3_dir()))
+    forms.backend_tokenizer.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.NFC()])
+    with chat.frozen_tokenizer(forms):
+        assert forms in chat._ASCII_ENCODERS
+
+
 def test_a_sample_of_arrays_pickles_as_bytes_and_comes_back_equal():
     import pickle
 

@@ -45,6 +45,29 @@ def test_shards_read_back_every_sample_lazily_and_pickle_as_references(tmp_path)
         shards[50]
 
 
+def test_shards_of_every_layout_are_written_and_read_without_importing_pandas(tmp_path):
+    """Arrow arrays go to and from numpy buffers directly, so a step that only writes or reads
+    shards never pays pandas' import (which `pa.array` / `to_numpy` would trigger)."""
+    script = textwrap.dedent(f"""
+        import dataclasses
+        import sys
+        import numpy as np
+        from posttrain.data.chat import TokenizedSample
+        from posttrain.data.preference import PairSample
+        from posttrain.data.token_shards import TokenShards, write_shard
+        d = {str(tmp_path)!r}
+        write_shard(d + "/t.arrow", [TokenizedSample(np.arange(4, dtype=np.int32), np.array([0, 1, 1, 0], np.uint8))], [3])
+        pair = PairSample([1, 2], [3], [1], [4, 5], [0, 1], 7, "src\u00e9", 9)
+        write_shard(d + "/p.arrow", [pair, pair], [9, 10], layout="pairs")
+        tokens, pairs = TokenShards(d, ["t.arrow"], [1]), TokenShards(d, ["p.arrow"], [2], layout="pairs")
+        assert tokens[0].input_ids.tolist() == [0, 1, 2, 3] and tokens[0].loss_mask.tolist() == [0, 1, 1, 0]
+        assert tokens.lines().tolist() == [3]
+        assert pairs[1] == dataclasses.replace(pair, line=10), pairs[1]  # the line written is the one given
+        assert "pandas" not in sys.modules
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+
+
 def test_a_shard_written_over_is_replaced_whole(tmp_path):
     path = tmp_path / shard_name(0)
     write_shard(path, [TokenizedSample([1, 2], [0, 1])], [1])

@@ -101,6 +101,39 @@ def shard_name(part: int) -> str:
     return f"part-{part:05d}.arrow"
 
 
+# Arrow arrays are built from, and read into, numpy buffers directly: `pa.array` and
+# `Array.to_numpy` ask whether a value is a pandas object, which imports pandas in every step
+# process that writes or reads shards (0.3 to 1.4 s, and 60 MB of memory, for nothing).
+def _primitive_array(values: np.ndarray, arrow_type) -> pa.Array:
+    values = np.ascontiguousarray(values)
+    return pa.Array.from_buffers(arrow_type, len(values), [None, pa.py_buffer(values)])
+
+
+def _scalar_column(values: Sequence, arrow_type) -> pa.Array:
+    if arrow_type == pa.string():
+        encoded = [str(value).encode("utf-8") for value in values]
+        offsets = np.zeros(len(encoded) + 1, dtype=np.int32)
+        np.cumsum([len(value) for value in encoded], out=offsets[1:])
+        return pa.Array.from_buffers(pa.string(), len(encoded), [None, pa.py_buffer(offsets),
+                                                                 pa.py_buffer(b"".join(encoded))])
+    return _primitive_array(np.asarray(values, dtype=_NUMPY_SCALARS[arrow_type]), arrow_type)
+
+
+def _scalar_values(array: pa.Array) -> np.ndarray:
+    """A scalar column (no nulls: `write_shard` writes none) as a numpy array of its own."""
+    if array.type == pa.string():
+        return np.array(array.to_pylist(), dtype=object)
+    return _buffer_values(array, _NUMPY_SCALARS[array.type]).copy()
+
+
+def _buffer_values(array: pa.Array, numpy_type) -> np.ndarray:
+    """A view of a primitive array's values (its offset applied)."""
+    return np.frombuffer(array.buffers()[1], dtype=numpy_type)[array.offset:array.offset + len(array)]
+
+
+_NUMPY_SCALARS = {pa.int64(): np.int64, pa.int32(): np.int32, pa.uint8(): np.uint8}
+
+
 def _list_column(values: list, arrow_type, numpy_type) -> pa.ListArray:
     lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
     offsets = np.zeros(len(values) + 1, dtype=np.int64)
@@ -109,7 +142,8 @@ def _list_column(values: list, arrow_type, numpy_type) -> pa.ListArray:
         raise ValueError(f"a shard column holds at most 2**31 - 1 tokens; these {len(values)} samples have "
                          f"{offsets[-1]}")
     flat = np.concatenate([np.asarray(v, dtype=numpy_type) for v in values]) if values else np.zeros(0, numpy_type)
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat, type=arrow_type))
+    return pa.ListArray.from_arrays(_primitive_array(offsets.astype(np.int32), pa.int32()),
+                                    _primitive_array(flat, arrow_type))
 
 
 def write_shard(path: str | Path, samples: Sequence[Any], lines: Sequence[int], layout: str = "tokens") -> int:
@@ -122,8 +156,8 @@ def write_shard(path: str | Path, samples: Sequence[Any], lines: Sequence[int], 
                for name, (arrow, numpy) in kind.lists.items()]
     for name, arrow in kind.scalars.items():
         values = list(lines) if name == "line" else [getattr(s, name) for s in samples]
-        columns.append(pa.array(values, type=arrow))
-    batch = pa.record_batch(columns, schema=kind.schema)
+        columns.append(_scalar_column(values, arrow))
+    batch = pa.RecordBatch.from_arrays(columns, schema=kind.schema)
     tmp = path.with_name(path.name + ".tmp")
     with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, kind.schema) as writer:
         writer.write_batch(batch)
@@ -152,8 +186,9 @@ class _ShardFile:
                 column = batch.column(name)
                 itemsize = np.dtype(numpy_type).itemsize
                 where = column.values.buffers()[1].address - start + column.values.offset * itemsize
-                self.lists[name] = (np.array(column.offsets.to_numpy(), dtype=np.int64), where, np.dtype(numpy_type))
-            self.scalars = {name: np.array(batch.column(name).to_numpy(zero_copy_only=False)) for name in kind.scalars}
+                self.lists[name] = (_buffer_values(column.offsets, np.int32).astype(np.int64), where,
+                                    np.dtype(numpy_type))
+            self.scalars = {name: _scalar_values(batch.column(name)) for name in kind.scalars}
             del batch, column, base  # nothing may view the mapping once it closes
         self.descriptor = os.open(path, os.O_RDONLY)
 
