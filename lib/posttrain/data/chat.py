@@ -54,9 +54,13 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _SENTINELS = ("Qz7 sentinel one", "Qz7 sentinel two")
 _PROBE_USERS = ("Probe question one", "Probe question two")
 _MARKERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> {(template, kwargs): marker}
-# tokenizer -> [its Rust backend's twin without the normaliser, holders], inside `frozen_tokenizer`
+# tokenizer -> [its Rust backend's twin without the normaliser (or None), holders], inside `frozen_tokenizer`
 _ASCII_ENCODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _UNICODE_NORMAL_FORMS = frozenset({"NFC", "NFD", "NFKC", "NFKD"})  # each leaves ASCII text as it is
+# words whose BPE split a frozen tokenizer's model remembers: the Rust default (10,000) stops
+# remembering once full, so over a large corpus most words are split again every time (an
+# encode then takes 7-10% longer); a word costs ~150 bytes
+FROZEN_CACHE_WORDS, DEFAULT_CACHE_WORDS = 100_000, 10_000
 
 
 class ChatTemplateError(ValueError):
@@ -131,8 +135,10 @@ def template_ids(encoded: Any) -> list[int]:
     return list(encoded)
 
 
-def _common_prefix_len(a: str, b: str) -> int:
-    lo, hi = 0, min(len(a), len(b))
+def _common_prefix_len(a: str, b: str, known: int = 0) -> int:
+    """The length of the longest common prefix of `a` and `b`, given that their first `known`
+    characters are the same."""
+    lo, hi = known, min(len(a), len(b))
     while lo < hi:  # largest n with a[:n] == b[:n]
         mid = (lo + hi + 1) // 2
         if a[:mid] == b[:mid]:
@@ -316,7 +322,7 @@ def _assistant_spans(tokenizer, messages: list[dict], text: str, contexts: list[
                 "differently on its own than inside the full conversation, so the start of assistant "
                 f"turn {k} cannot be located"
             )
-        start = max(_common_prefix_len(text, prompt), len(context))
+        start = max(_common_prefix_len(text, prompt, len(context) if suffix is not None else 0), len(context))
         end = text.find(marker, start)
         if end < 0:
             raise ChatTemplateError(f"no end-of-turn marker {marker!r} after assistant turn {k}")
@@ -395,18 +401,19 @@ def _without_normaliser(backend: Any) -> Any:
 
 @contextlib.contextmanager
 def frozen_tokenizer(tokenizer):
-    """Inside, `render_conversation` encodes ASCII text with a twin of the tokenizer's Rust
-    backend that skips its normaliser, where that normaliser only applies Unicode normal forms
-    (Qwen's NFC, which leaves ASCII text as it is): the same ids and offsets in a twelfth less
-    time. The twin shares the backend's model and takes its added tokens on entry, so the
-    tokenizer must not change inside (the tokenize step's render run); processes forked inside
-    have it too. Nests."""
+    """Inside, `render_conversation` encodes faster, with the same ids and offsets: ASCII text
+    with a twin of the tokenizer's Rust backend that skips its normaliser, where that
+    normaliser only applies Unicode normal forms (Qwen's NFC, which leaves ASCII text as it
+    is; a twelfth less time), and the model remembers `FROZEN_CACHE_WORDS` words' BPE splits
+    (the default again on exit). The twin shares the backend's model and takes its added
+    tokens on entry, so the tokenizer must not change inside (the tokenize step's render run);
+    processes forked inside have both. Nests."""
     entry = _ASCII_ENCODERS.get(tokenizer)
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if entry is None and backend is not None and _normal_forms_only(backend.normalizer):
-        twin = _without_normaliser(backend)
-        if twin is not None:
-            entry = _ASCII_ENCODERS[tokenizer] = [twin, 0]
+    if entry is None and backend is not None:
+        twin = _without_normaliser(backend) if _normal_forms_only(backend.normalizer) else None
+        entry = _ASCII_ENCODERS[tokenizer] = [twin, 0]
+        _resize_word_cache(backend, FROZEN_CACHE_WORDS)
     if entry is not None:
         entry[1] += 1
     try:
@@ -416,6 +423,13 @@ def frozen_tokenizer(tokenizer):
             entry[1] -= 1
             if entry[1] == 0:
                 del _ASCII_ENCODERS[tokenizer]
+                _resize_word_cache(backend, DEFAULT_CACHE_WORDS)
+
+
+def _resize_word_cache(backend: Any, words: int) -> None:
+    resize = getattr(backend.model, "_resize_cache", None)  # BPE models of tokenizers >= 0.20
+    if resize is not None:
+        resize(words)
 
 
 def _check_mask(mask: list[int], how: str) -> None:
@@ -448,8 +462,8 @@ def render_conversation(tokenizer, messages: list[dict], **template_kwargs) -> T
     if (backend is not None and backend.truncation is None and backend.padding is None
             and not getattr(tokenizer, "split_special_tokens", False)):
         # a fast tokenizer with nothing for __call__ to set first: its Rust encoder directly (less overhead)
-        ascii_encoder = _ASCII_ENCODERS.get(tokenizer) if text.isascii() else None
-        encoding = (backend if ascii_encoder is None else ascii_encoder[0]).encode(text, add_special_tokens=False)
+        twin = _ASCII_ENCODERS.get(tokenizer, (None,))[0] if text.isascii() else None
+        encoding = (backend if twin is None else twin).encode(text, add_special_tokens=False)
         spans = _assistant_spans(tokenizer, messages, text, contexts, template_kwargs)
         input_ids, mask = encoding.ids, _mask_from_encoding(encoding, spans)
         if mask is None:
