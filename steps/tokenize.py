@@ -18,7 +18,9 @@ the samples depend on (`tokenize_fingerprint`: the sources' bytes, the tokenizer
 template, the filters, the row length), so a rerun or another recipe on the same data reads
 the finished shards instead of tokenizing again, and a step killed half-way resumes after
 its last finished part (the de-duplication keys of unfinished parts are dropped first:
-`posttrain.data.seen_keys`).
+`posttrain.data.seen_keys`). The store may live in an object store (`data.tokenize.cache_dir:
+s3://...`): each finished part is uploaded, and a step resumed on another machine takes up the
+finished parts from there (their de-duplication keys from the keys file beside each shard).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from posttrain.config.schema import FilterConfig, PackConfig, TokenizeConfig
 from posttrain.data.chat import ChatTemplateError, TokenizedSample, frozen_tokenizer, render_conversation, render_prompt
 from posttrain.data.filters import FilterStats, RecordDigest, RecordFilter, fits_chars
 from posttrain.data.length_stats import LengthStats
+from posttrain.data.object_store import ObjectStore, is_remote, join
 from posttrain.data.preference import PairError, PairSample, fit_pair, render_pair
 from posttrain.data.records import (ChatRecord, PreferenceRecord, PromptRecord, Prompts, PromptSample,
                                     RejectedRow, TextRecord)
@@ -74,18 +77,30 @@ class TokenizeResult:
 
 
 class ShardStore:
-    """Where `run_parts` writes a source's shards: `<root>/<fingerprint>/<source>/`, with the
-    de-duplication keys (`seen.sqlite`) and, once every source is done, `complete.json`."""
+    """Where `run_parts` writes a source's shards: `<root>/<fingerprint>/<source>/`, each part's
+    shard beside its record and side files (near-duplicate signatures, de-duplication keys),
+    the store's de-duplication keys (`seen.sqlite`) and, once every source is done,
+    `complete.json`. `root` may be an object store's URL (`s3://bucket/prefix`,
+    `posttrain.data.object_store`): the store is then written in a local mirror (`directory`)
+    and each finished part uploaded, its record last; `location` is where readers open it."""
 
     def __init__(self, root: str | Path, fingerprint: str):
-        self.directory = Path(root) / fingerprint
+        root = str(root)
+        self.remote = ObjectStore(join(root, fingerprint)) if is_remote(root) else None
+        self.directory = self.remote.directory if self.remote is not None else Path(root) / fingerprint
         self.directory.mkdir(parents=True, exist_ok=True)
         self.fingerprint = fingerprint
+        self.location = self.remote.url if self.remote is not None else str(self.directory)
+        self._published: set[str] = set()  # in an object store: the names there (`pull`)
 
     def source_dir(self, name: str) -> Path:
         path = self.directory / name
         path.mkdir(exist_ok=True)
         return path
+
+    def source_location(self, name: str) -> str:
+        """Where readers open source `name`'s shards: a directory, or a URL."""
+        return join(self.location, name)
 
     @staticmethod
     def part_record(source_dir: Path, index: int) -> Path:
@@ -94,6 +109,24 @@ class ShardStore:
     @property
     def complete_path(self) -> Path:
         return self.directory / "complete.json"
+
+    def pull(self) -> None:
+        """In an object store: download what the mirror lacks of every record and side file
+        there (the shards stay until read), and remember what is there."""
+        if self.remote is not None:
+            self._published = set(self.remote.pull(lambda name: not name.endswith(".arrow")))
+
+    def finished(self, path: Path) -> bool:
+        """Whether the record at `path` (a part's, or the completion record) is written: in an
+        object store, uploaded (a record only in the mirror is redone and uploaded)."""
+        if self.remote is None:
+            return path.exists()
+        return str(path.relative_to(self.directory)) in self._published
+
+    def publish(self, paths: Sequence[Path]) -> None:
+        """In an object store: upload these files of the mirror, in order."""
+        if self.remote is not None:
+            self.remote.push([str(path.relative_to(self.directory)) for path in paths])
 
 
 def tokenizer_fingerprint(tokenizer, template_kwargs: dict | None = None) -> str:
@@ -414,7 +447,7 @@ def render_parts(parts: Mapping[str, Iterable], kind, context: tuple, num_proc: 
             nonlocal part_id, forgotten
             for part in source_parts:
                 record_path = None if out_dir is None else ShardStore.part_record(out_dir, part.index)
-                if record_path is not None and record_path.exists():  # finished before a kill: not rendered
+                if record_path is not None and store.finished(record_path):  # finished before a kill: not rendered
                     finished[part.index] = json.loads(record_path.read_text())
                 elif seen is not None and not forgotten:
                     seen.forget_from(part_id)  # keys of parts a killed step left unfinished
@@ -443,6 +476,9 @@ def render_parts(parts: Mapping[str, Iterable], kind, context: tuple, num_proc: 
                 if part.index in finished:
                     entry = finished.pop(part.index)
                     kind.restore(out_dir, entry)
+                    if seen is not None and seen.fresh and entry.get("keys"):  # a step resumed on another machine
+                        seen.part = global_id
+                        _restore_keys(seen, out_dir / entry["keys"])
                     reused += 1
                     part_rejected = [RejectedRow(**r) for r in entry["rejected"]]
                     part_held = [_held_record(r) for r in entry["heldout"]]
@@ -462,12 +498,16 @@ def render_parts(parts: Mapping[str, Iterable], kind, context: tuple, num_proc: 
                         if shard is not None:
                             write_shard(out_dir / shard, kept, lines, kind.layout)
                             files.append(shard), rows.append(len(kept))
-                        if seen is not None:
-                            seen.commit()
-                        entry = {"shard": shard, "kept": len(kept), **kind.save(out_dir, part),
+                        entry = {"shard": shard, "kept": len(kept), **kind.save(out_dir, part), "keys": None,
                                  "rejected": [_row(r) for r in part_rejected],
                                  "heldout": [_held_json(r) for r in part_held]}
-                        _write_json(ShardStore.part_record(out_dir, part.index), entry)
+                        if seen is not None:
+                            entry["keys"] = _save_keys(seen, out_dir, part.index)
+                            seen.commit()
+                        record_path = ShardStore.part_record(out_dir, part.index)
+                        _write_json(record_path, entry)
+                        store.publish([out_dir / name for name in (shard, entry.get("near"), entry["keys"])
+                                       if name is not None] + [record_path])
                         maybe_inject_fault(global_id + 1, store.directory, at_env=FAULT_AT_PART_ENV)
                 results = []
                 progress.update(part.read)
@@ -481,11 +521,32 @@ def render_parts(parts: Mapping[str, Iterable], kind, context: tuple, num_proc: 
         if reused:
             print(f"[tokenize] {name}: {reused} finished part{'s' if reused > 1 else ''} read from the store, "
                   "not rendered again")
-        samples[name] = in_memory if out_dir is None else TokenShards(out_dir, files, rows, kind.layout)
+        samples[name] = in_memory if out_dir is None else TokenShards(store.source_location(name), files, rows,
+                                                                      kind.layout)
         print(f"[tokenize] {name}: {count['read']:,} rows read, {count['rejected']:,} rejected as malformed; "
               f"{len(samples[name]):,} {kind.unit} kept, {len(source_rejected) - count['rejected']:,} rejected "
               f"after reading, {held:,} held out")
     return _Streamed(samples, rejected, heldout, counts)
+
+
+def _save_keys(seen: SeenKeys, out_dir: Path, index: int) -> str:
+    """The de-duplication keys a part adds (`seen.uncommitted()`), saved beside its shard, so a
+    step resumed where `seen.sqlite` is not (another machine) takes them up again."""
+    name = f"part-{index:05d}.keys.npz"
+    added = seen.uncommitted()
+    keys = np.frombuffer(b"".join(added), dtype=np.uint8).reshape(len(added), -1) if added else \
+        np.zeros((0, 16), dtype=np.uint8)
+    with open(out_dir / name, "wb") as handle:
+        np.savez(handle, keys=keys, sources=np.asarray([s for s, _ in added.values()], dtype=str),
+                 lines=np.asarray([line for _, line in added.values()], dtype=np.int64))
+    return name
+
+
+def _restore_keys(seen: SeenKeys, path: Path) -> None:
+    saved = np.load(path)
+    seen.add_many([bytes(key) for key in saved["keys"]],
+                  [(str(source), int(line)) for source, line in zip(saved["sources"], saved["lines"])])
+    seen.commit()  # under this part's number, before the next part adds its own
 
 
 def _write_json(path: Path, value: dict) -> None:
@@ -510,7 +571,8 @@ def holding(store: ShardStore | None):
 
     with open(store.directory / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        yield _read_complete(store) if store.complete_path.exists() else None
+        store.pull()
+        yield _read_complete(store) if store.finished(store.complete_path) else None
 
 
 def write_complete(store: ShardStore, streamed: _Streamed, stats: dict) -> None:
@@ -519,13 +581,14 @@ def write_complete(store: ShardStore, streamed: _Streamed, stats: dict) -> None:
         "samples": {name: group.__getstate__() for name, group in streamed.samples.items()},
         "rejected": {name: [_row(r) for r in rows] for name, rows in streamed.rejected.items()},
         "heldout": [_held_json(r) for r in streamed.heldout], "counts": streamed.counts, "stats": stats})
+    store.publish([store.complete_path])
 
 
 def _read_complete(store: ShardStore) -> tuple[_Streamed, dict]:
     record = json.loads(store.complete_path.read_text())
-    print(f"[tokenize] the data is tokenized already: {store.directory} (fingerprint {store.fingerprint})")
+    print(f"[tokenize] the data is tokenized already: {store.location} (fingerprint {store.fingerprint})")
     # the shards are where the store is now (a cache moved or mounted elsewhere still reads)
-    samples = {name: TokenShards(**{**state, "directory": store.directory / name})
+    samples = {name: TokenShards(**{**state, "directory": store.source_location(name)})
                for name, state in record["samples"].items()}
     streamed = _Streamed(samples=samples,
                          rejected={name: [RejectedRow(**r) for r in rows] for name, rows in record["rejected"].items()},
@@ -614,6 +677,8 @@ def shard_store(config, run_dir: str | Path, tokenizer, fingerprints: dict[str, 
                                       fraction, config.seed, settings.part_records, extra, code_modules)
     if not known:
         return ShardStore(Path(run_dir) / "tokenized", f"run-{key}")
+    if settings.cache_dir is not None and is_remote(settings.cache_dir):
+        return ShardStore(settings.cache_dir, key)
     root = Path(settings.cache_dir or Path(config.output_dir) / "tokenized").expanduser().resolve()
     return ShardStore(root, key)
 
@@ -640,7 +705,8 @@ def run_streamed_pairs(config, run_dir: str | Path, tokenizer, fingerprints: dic
 def _source_parts(config, run_dir: str | Path, kind: str, store: ShardStore) -> dict[str, Iterator[RecordPart]]:
     from posttrain.steps.ingest import stream_parts
 
-    print(f"[tokenize] shards in {store.directory}")
+    mirror = f" (written through {store.directory})" if store.remote is not None else ""
+    print(f"[tokenize] shards in {store.location}{mirror}")
     fraction = config.data.heldout_fraction if config.data.heldout is None else 0.0
     return {source.name: stream_parts(source, Path(run_dir), kind, fraction, config.seed,
                                       config.data.tokenize.part_records) for source in config.data.sources}

@@ -70,6 +70,63 @@ def qwen3_tokenizer():
     return load_tokenizer("builtin:qwen3")
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A local S3-compatible endpoint (moto's server, from the dev extras) for the session:
+    `(endpoint URL, environment)`, the environment naming it for boto3 (`AWS_ENDPOINT_URL`)
+    and Metaflow (`METAFLOW_S3_ENDPOINT_URL`) with test credentials."""
+    pytest.importorskip("moto")
+    import subprocess
+    import sys
+    import time
+
+    import boto3
+
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(port)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": endpoint, "METAFLOW_S3_ENDPOINT_URL": endpoint}
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test",
+                             aws_secret_access_key="test").list_buckets()
+                break
+            except Exception:  # noqa: BLE001 - the server is still starting
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise
+                time.sleep(0.5)
+        yield endpoint, env
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint, request):
+    """A new, empty bucket on `s3_endpoint`: `(its s3:// URL, the environment that reaches it)`."""
+    import re
+
+    import boto3
+
+    endpoint, env = s3_endpoint
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip("-") + f"-{_free_port()}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test",
+                 aws_secret_access_key="test").create_bucket(Bucket=name)
+    return f"s3://{name}", env
+
+
 # ---------------------------------------------------------------------------------------------
 # Tiers and order
 

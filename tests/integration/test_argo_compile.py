@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,41 +22,18 @@ BUCKET = "posttrain-argo"
 pytestmark = pytest.mark.flow  # each test runs flow files' command lines
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def s3_env(tmp_path_factory):
+def s3_env(s3_endpoint, tmp_path_factory):
     pytest.importorskip("kubernetes")
-    pytest.importorskip("moto")
     import boto3
 
-    port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(port)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
-           "METAFLOW_DEFAULT_DATASTORE": "s3", "METAFLOW_DATASTORE_SYSROOT_S3": f"s3://{BUCKET}/metaflow",
-           "METAFLOW_S3_ENDPOINT_URL": endpoint, "METAFLOW_KUBERNETES_NAMESPACE": "posttrain",
+    endpoint, s3 = s3_endpoint
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test",
+                 aws_secret_access_key="test").create_bucket(Bucket=BUCKET)
+    env = {**os.environ, **s3, "METAFLOW_DEFAULT_DATASTORE": "s3",
+           "METAFLOW_DATASTORE_SYSROOT_S3": f"s3://{BUCKET}/metaflow", "METAFLOW_KUBERNETES_NAMESPACE": "posttrain",
            "METAFLOW_USER": "posttrain-tests"}
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test",
-                             aws_secret_access_key="test").create_bucket(Bucket=BUCKET)
-                break
-            except Exception:  # noqa: BLE001 - the server is still starting
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise
-                time.sleep(0.5)
-        yield env, tmp_path_factory.mktemp("argo")
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    yield env, tmp_path_factory.mktemp("argo")
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ and paired data splits into KTO trees that never lend a completion to its own pr
 from __future__ import annotations
 
 import copy
+import pickle
 
 import numpy as np
 import pytest
@@ -227,6 +228,31 @@ def test_trees_of_pairs_in_shards_are_the_in_memory_trees_written_as_shards(tmp_
     written = write_kto_trees(shards, 5, 12, True, tmp_path / "trees", per_shard=4)
     assert len(written.files) == 5 and list(written) == expected
     assert list(write_kto_trees(shards, 5, 12, True, tmp_path / "trees")) == expected  # read back
+
+
+def test_trees_of_pairs_in_an_object_store_are_written_there_and_read_elsewhere(tmp_path, s3_bucket, monkeypatch):
+    """Pairs whose shards are in S3 (a store at `data.tokenize.cache_dir: s3://...`) get their
+    trees written beside them in the bucket, read on a machine with an empty mirror; the
+    bucket's completion record, not a mirror's, says they are built."""
+    from posttrain.data.token_shards import TokenShards, write_shard
+    from posttrain.data.unpaired import write_kto_trees
+
+    url, env = s3_bucket
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("POSTTRAIN_SHARD_CACHE", str(tmp_path / "machine-a"))
+    pairs = random_pairs(6, seed=2, prompts=[[5, 6], [7], [8, 9], [5, 6], [10], [11, 12]])
+    for k, pair in enumerate(pairs):
+        pair.pair_id, pair.source, pair.line = k, "p.jsonl", k
+    write_shard(tmp_path / "pairs.arrow", pairs, [p.line for p in pairs], "pairs")
+    shards = TokenShards(tmp_path, ["pairs.arrow"], [len(pairs)], "pairs")
+    expected = [fit_kto_tree(tree, 12)[0] for tree in split_pairs_for_kto(pairs, seed=5)[0]]
+    written = write_kto_trees(shards, 5, 12, True, f"{url}/trees", per_shard=4)
+    assert written.directory == f"{url}/trees" and list(written) == expected
+    monkeypatch.setenv("POSTTRAIN_SHARD_CACHE", str(tmp_path / "machine-b"))
+    assert list(pickle.loads(pickle.dumps(written))) == expected
+    again = write_kto_trees(shards, 5, 12, True, f"{url}/trees")  # finished in the bucket: read back
+    assert list(again) == expected and not list((tmp_path / "machine-b").rglob("*.tmp"))
 
 
 def test_mismatch_refuses_when_a_prompt_holds_more_than_half_of_the_examples():

@@ -56,7 +56,8 @@ def test_shards_of_every_layout_are_written_and_read_without_importing_pandas(tm
         from posttrain.data.preference import PairSample
         from posttrain.data.token_shards import TokenShards, write_shard
         d = {str(tmp_path)!r}
-        write_shard(d + "/t.arrow", [TokenizedSample(np.arange(4, dtype=np.int32), np.array([0, 1, 1, 0], np.uint8))], [3])
+        sample = TokenizedSample(np.arange(4, dtype=np.int32), np.array([0, 1, 1, 0], np.uint8))
+        write_shard(d + "/t.arrow", [sample], [3])
         pair = PairSample([1, 2], [3], [1], [4, 5], [0, 1], 7, "src\u00e9", 9)
         write_shard(d + "/p.arrow", [pair, pair], [9, 10], layout="pairs")
         tokens, pairs = TokenShards(d, ["t.arrow"], [1]), TokenShards(d, ["p.arrow"], [2], layout="pairs")
@@ -109,6 +110,19 @@ def summary(result) -> dict:
 PACK = PackConfig(row_length=64, window=8)
 
 
+def counted_renders(monkeypatch) -> list:
+    """From now on, every conversation the tokenize step renders, in order."""
+    rendered = []
+    real_render = tokenize.render_conversation
+
+    def counting(tokenizer, messages, **kwargs):
+        rendered.append(messages)
+        return real_render(tokenizer, messages, **kwargs)
+
+    monkeypatch.setattr(tokenize, "render_conversation", counting)
+    return rendered
+
+
 def test_shards_hold_what_the_in_memory_path_gives_and_a_finished_store_is_read_not_rendered(
         tmp_path, qwen3_tokenizer, monkeypatch):
     source = write_source(tmp_path)
@@ -156,20 +170,54 @@ def test_a_step_killed_after_two_parts_resumes_from_them_with_the_uninterrupted_
     assert child.returncode == -signal.SIGKILL, child.stderr
     finished = sorted(p.name for p in (tmp_path / "cache" / "key" / "chats").glob("part-*.json"))
     assert finished == ["part-00000.json", "part-00001.json"]
-    rendered = []
-    real_render = tokenize.render_conversation
-
-    def counting(tokenizer, messages, **kwargs):
-        rendered.append(messages)
-        return real_render(tokenizer, messages, **kwargs)
-
-    monkeypatch.setattr(tokenize, "render_conversation", counting)
+    rendered = counted_renders(monkeypatch)
     resumed = tokenize.run_parts(parts_of(source, tmp_path), qwen3_tokenizer, {}, FilterConfig(), PACK,
                                  store=tokenize.ShardStore(tmp_path / "cache", "key"))
     assert summary(resumed) == summary(uninterrupted)
     # only the unfinished parts (2, 3 and 4) rendered: every record they train on, no other
     unfinished = [r.messages for p in parts_of(source, tmp_path)["chats"] if p.index >= 2 for r in p.train]
     assert rendered == unfinished and len(unfinished) >= 20
+
+
+KILLED_REMOTE_CHILD = KILLED_CHILD.replace('tokenize.ShardStore(tmp / "cache", "key")',
+                                           'tokenize.ShardStore(sys.argv[2], "key")')
+
+
+@pytest.mark.subprocess
+def test_a_store_in_s3_is_read_elsewhere_and_a_step_killed_on_one_machine_resumes_on_another(
+        tmp_path, qwen3_tokenizer, monkeypatch, s3_bucket):
+    """`cache_dir: s3://...`: parts go up as they finish; a step killed after two parts resumes
+    on a machine with an empty local mirror (a fresh pod) from the bucket alone, with the
+    uninterrupted result (the finished parts' de-duplication keys included) and only the
+    unfinished parts rendered; the samples pickle as URLs and are read where they are
+    unpickled, each shard downloaded once."""
+    url, env = s3_bucket
+    source = write_source(tmp_path)
+    uninterrupted = tokenize.run_parts(parts_of(source, tmp_path), qwen3_tokenizer, {}, FilterConfig(), PACK)
+    child_env = {**os.environ, **env, "POSTTRAIN_FAULT_AT_PART": "2", "POSTTRAIN_FAULT_MODE": "kill", "OMP_NUM_THREADS": "1",
+                 "POSTTRAIN_SHARD_CACHE": str(tmp_path / "machine-a")}
+    child = subprocess.run([sys.executable, "-c", KILLED_REMOTE_CHILD, str(tmp_path), url], env=child_env,
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("POSTTRAIN_SHARD_CACHE", str(tmp_path / "machine-b"))
+    rendered = counted_renders(monkeypatch)
+    resumed = tokenize.run_parts(parts_of(source, tmp_path), qwen3_tokenizer, {}, FilterConfig(), PACK,
+                                 store=tokenize.ShardStore(url, "key"))
+    assert summary(resumed) == summary(uninterrupted)
+    unfinished = [r.messages for p in parts_of(source, tmp_path)["chats"] if p.index >= 2 for r in p.train]
+    assert rendered == unfinished
+    assert resumed.samples["chats"].directory == f"{url}/key/chats"
+
+    monkeypatch.setenv("POSTTRAIN_SHARD_CACHE", str(tmp_path / "machine-c"))  # a reader elsewhere
+    shards = pickle.loads(pickle.dumps(resumed.samples["chats"]))
+    assert [s.input_ids.tolist() for s in shards] == [s[0] for s in summary(uninterrupted)["samples"]["chats"]]
+    copies = sorted(p.name for p in (tmp_path / "machine-c").rglob("*.arrow"))
+    assert copies == sorted(shards.files)
+    again = tokenize.run_parts(parts_of(source, tmp_path), qwen3_tokenizer, {}, FilterConfig(), PACK,
+                               store=tokenize.ShardStore(url, "key"))  # complete in the bucket: read, not rendered
+    assert summary(again) == summary(uninterrupted) and len(rendered) == len(unfinished)
 
 
 def test_a_conversation_renders_with_its_row_s_own_tools(qwen3_tokenizer):

@@ -177,7 +177,10 @@ class TokenizeConfig:
 
     num_proc: Optional[int] = bounded(None, ge=1)
     # where tokenized shards are kept, by fingerprint (None: `<output_dir>/tokenized`); shared by
-    # every run and recipe under it, so the same data is tokenized once
+    # every run and recipe under it, so the same data is tokenized once. An object store's URL
+    # (`s3://bucket/prefix`, e.g. beside the Metaflow datastore's root) serves steps on other
+    # machines: written through a local mirror, read back one shard at a time
+    # (`posttrain.data.object_store`; boto3, the `s3` extra)
     cache_dir: Optional[str] = None
     # records per part: what a shard holds at most, and what a killed step loses at most
     part_records: int = bounded(16384, ge=1)

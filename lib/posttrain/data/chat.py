@@ -365,7 +365,8 @@ def _mask_from_encoding(encoding: Any, spans: list[tuple[int, int]]) -> list[int
         first, last = encoding.char_to_token(span_start), encoding.char_to_token(span_end - 1)
         if first is None or last is None:
             return None
-        while last + 1 < num_tokens and encoding.token_to_chars(last + 1)[0] < span_end:  # later pieces of a split character
+        # later pieces of a character split over several tokens
+        while last + 1 < num_tokens and encoding.token_to_chars(last + 1)[0] < span_end:
             last += 1
         mask[first:last + 1] = [1] * (last + 1 - first)
     return mask
@@ -389,7 +390,8 @@ def _without_normaliser(backend: Any) -> Any:
     from tokenizers import Tokenizer
 
     twin = Tokenizer(backend.model)
-    twin.pre_tokenizer, twin.post_processor, twin.decoder = backend.pre_tokenizer, backend.post_processor, backend.decoder
+    twin.pre_tokenizer, twin.post_processor = backend.pre_tokenizer, backend.post_processor
+    twin.decoder = backend.decoder
     twin.encode_special_tokens = backend.encode_special_tokens
     added = backend.get_added_tokens_decoder()
     for token_id in sorted(added):

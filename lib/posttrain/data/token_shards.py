@@ -24,7 +24,9 @@ fields are lists, as the pair code takes them. What stays in memory is each open
 offsets and line numbers, a few bytes a sample. It pickles as its directory and file list (a
 Metaflow artifact of a few hundred bytes, whatever the corpus size) and opens the files again
 where it is unpickled, so every reader (the pack step, the train step, Ray workers on a shared
-filesystem) sees the same samples. At most `MAX_OPEN` shards are open at once (each holds a
+filesystem) sees the same samples. The directory may be an object store's URL (`s3://...`,
+`posttrain.data.object_store`): each shard is then downloaded once, into a local mirror, when
+it is first read. At most `MAX_OPEN` shards are open at once (each holds a
 file descriptor), the least recently read closed first.
 """
 
@@ -40,6 +42,7 @@ import numpy as np
 import pyarrow as pa
 
 from posttrain.data.chat import TokenizedSample
+from posttrain.data.object_store import is_remote, join, local_copy
 from posttrain.data.preference import PairSample
 from posttrain.data.records import PromptRecord, PromptSample
 
@@ -251,9 +254,15 @@ class TokenShards(Sequence):
         if shard is None:
             if len(self._open) >= MAX_OPEN:
                 self._open.pop(next(iter(self._open))).close()
-            shard = _ShardFile(os.path.join(self.directory, self.files[index]), self._kind)
+            shard = _ShardFile(str(self._local_path(index)), self._kind)
         self._open[index] = shard  # most recently read last
         return shard
+
+    def _local_path(self, index: int) -> Path:
+        """Shard `index` on this machine: where it is, or for a store in an object store
+        (`s3://...`), its copy in the local mirror, downloaded the first time."""
+        location = join(self.directory, self.files[index])
+        return local_copy(location) if is_remote(location) else Path(location)
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -296,8 +305,8 @@ class TokenShards(Sequence):
 
     @property
     def num_bytes(self) -> int:
-        """Bytes of the shard files on disk."""
-        return sum(os.path.getsize(os.path.join(self.directory, f)) for f in self.files)
+        """Bytes of the shard files (a store in an object store: of their local copies)."""
+        return sum(os.path.getsize(self._local_path(i)) for i in range(len(self.files)))
 
 
 class SampleField(Sequence):

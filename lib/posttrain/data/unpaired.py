@@ -31,6 +31,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
+from posttrain.data.object_store import ObjectStore, is_remote
 from posttrain.data.preference import PairError, PairSample
 from posttrain.data.token_shards import TokenShards, shard_name, write_shard
 
@@ -141,11 +142,20 @@ def write_kto_trees(pairs: Sequence[PairSample], seed: int, row_length: int, sha
     `pairs`-layout shards under `out_dir` and returned as `TokenShards`: the same trees in the
     same order, made from pairs read one at a time (any sequence: `TokenShards` of pairs), so
     what is held is a key and two partners a pair. A finished `out_dir` (its `complete.json`,
-    written last) is read back, not built again."""
-    out_dir = Path(out_dir)
+    written last) is read back, not built again. `out_dir` may be an object store's URL (the
+    pairs' shards are there): the shards are written in its local mirror and uploaded, the
+    completion record last (`posttrain.data.object_store`)."""
+    location = str(out_dir)
+    remote = ObjectStore(location) if is_remote(location) else None
+    out_dir = remote.directory if remote is not None else Path(location)
     complete = out_dir / "complete.json"
-    if complete.is_file():
-        return TokenShards(out_dir, **json.loads(complete.read_text()))
+    if remote is not None:
+        remote.pull(lambda name: name == complete.name)  # the bucket, not the mirror, says it is finished
+        finished = complete.name in remote.names()
+    else:
+        finished = complete.is_file()
+    if finished:
+        return TokenShards(location, **json.loads(complete.read_text()))
     out_dir.mkdir(parents=True, exist_ok=True)
     keys, ids = [], []
     for pair in pairs:
@@ -159,6 +169,8 @@ def write_kto_trees(pairs: Sequence[PairSample], seed: int, row_length: int, sha
     def flush() -> None:
         files.append(shard_name(len(files)))
         write_shard(out_dir / files[-1], trees, [tree.line for tree in trees], "pairs")
+        if remote is not None:
+            remote.push([files[-1]])
         rows.append(len(trees))
         trees.clear()
 
@@ -178,4 +190,6 @@ def write_kto_trees(pairs: Sequence[PairSample], seed: int, row_length: int, sha
     tmp = complete.with_name(complete.name + ".tmp")
     tmp.write_text(json.dumps({"files": files, "rows": rows, "layout": "pairs"}))
     os.replace(tmp, complete)
-    return TokenShards(out_dir, files, rows, "pairs")
+    if remote is not None:
+        remote.push([complete.name])
+    return TokenShards(location, files, rows, "pairs")

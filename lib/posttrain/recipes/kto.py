@@ -31,6 +31,7 @@ class KTOSpec(PairRecipeSpec):
         from pathlib import Path
 
         from posttrain.data import unpaired
+        from posttrain.data.object_store import join, parent
         from posttrain.data.token_shards import TokenShards
         from posttrain.data.unpaired import fit_kto_tree, split_pairs_for_kto, write_kto_trees
 
@@ -38,8 +39,8 @@ class KTOSpec(PairRecipeSpec):
         for source, group in pairs.items():
             if isinstance(group, TokenShards):  # streamed pairs: their trees go to shards beside them
                 code = hashlib.sha256(Path(unpaired.__file__).read_bytes()).hexdigest()[:12]  # how trees are made
-                out_dir = (Path(group.directory).parent / f"kto-trees-{config.seed}-{config.pack.row_length}-"
-                           f"{int(config.shared_prompt)}-{code}" / source)
+                out_dir = join(parent(group.directory), f"kto-trees-{config.seed}-{config.pack.row_length}-"
+                                                        f"{int(config.shared_prompt)}-{code}", source)
                 trees[source] = write_kto_trees(group, config.seed, config.pack.row_length, config.shared_prompt,
                                                 out_dir)
                 continue
