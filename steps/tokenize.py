@@ -111,10 +111,16 @@ class ShardStore:
         return self.directory / "complete.json"
 
     def pull(self) -> None:
-        """In an object store: download what the mirror lacks of every record and side file
-        there (the shards stay until read), and remember what is there."""
+        """In an object store: remember what is there, and download what the mirror lacks of
+        the completion record, or, where the store is not complete, of every part's record and
+        side files (the shards stay there until read)."""
         if self.remote is not None:
-            self._published = set(self.remote.pull(lambda name: not name.endswith(".arrow")))
+            self._published = set(self.remote.names())
+            complete = self.complete_path.name
+            wanted = [complete] if complete in self._published else \
+                [name for name in sorted(self._published) if not name.endswith(".arrow")]
+            for name in wanted:
+                self.remote.fetch(name)
 
     def finished(self, path: Path) -> bool:
         """Whether the record at `path` (a part's, or the completion record) is written: in an
@@ -476,9 +482,8 @@ def render_parts(parts: Mapping[str, Iterable], kind, context: tuple, num_proc: 
                 if part.index in finished:
                     entry = finished.pop(part.index)
                     kind.restore(out_dir, entry)
-                    if seen is not None and seen.fresh and entry.get("keys"):  # a step resumed on another machine
-                        seen.part = global_id
-                        _restore_keys(seen, out_dir / entry["keys"])
+                    if seen is not None and entry.get("keys") and not seen.holds(global_id):  # from another machine
+                        seen.load_part(out_dir / entry["keys"], global_id)
                     reused += 1
                     part_rejected = [RejectedRow(**r) for r in entry["rejected"]]
                     part_held = [_held_record(r) for r in entry["heldout"]]
@@ -502,7 +507,9 @@ def render_parts(parts: Mapping[str, Iterable], kind, context: tuple, num_proc: 
                                  "rejected": [_row(r) for r in part_rejected],
                                  "heldout": [_held_json(r) for r in part_held]}
                         if seen is not None:
-                            entry["keys"] = _save_keys(seen, out_dir, part.index)
+                            if store.remote is not None:  # a step resumed elsewhere takes them from here
+                                entry["keys"] = f"part-{part.index:05d}.keys.npz"
+                                seen.save_part(out_dir / entry["keys"])
                             seen.commit()
                         record_path = ShardStore.part_record(out_dir, part.index)
                         _write_json(record_path, entry)
@@ -527,26 +534,6 @@ def render_parts(parts: Mapping[str, Iterable], kind, context: tuple, num_proc: 
               f"{len(samples[name]):,} {kind.unit} kept, {len(source_rejected) - count['rejected']:,} rejected "
               f"after reading, {held:,} held out")
     return _Streamed(samples, rejected, heldout, counts)
-
-
-def _save_keys(seen: SeenKeys, out_dir: Path, index: int) -> str:
-    """The de-duplication keys a part adds (`seen.uncommitted()`), saved beside its shard, so a
-    step resumed where `seen.sqlite` is not (another machine) takes them up again."""
-    name = f"part-{index:05d}.keys.npz"
-    added = seen.uncommitted()
-    keys = np.frombuffer(b"".join(added), dtype=np.uint8).reshape(len(added), -1) if added else \
-        np.zeros((0, 16), dtype=np.uint8)
-    with open(out_dir / name, "wb") as handle:
-        np.savez(handle, keys=keys, sources=np.asarray([s for s, _ in added.values()], dtype=str),
-                 lines=np.asarray([line for _, line in added.values()], dtype=np.int64))
-    return name
-
-
-def _restore_keys(seen: SeenKeys, path: Path) -> None:
-    saved = np.load(path)
-    seen.add_many([bytes(key) for key in saved["keys"]],
-                  [(str(source), int(line)) for source, line in zip(saved["sources"], saved["lines"])])
-    seen.commit()  # under this part's number, before the next part adds its own
 
 
 def _write_json(path: Path, value: dict) -> None:

@@ -43,6 +43,7 @@ import bisect
 import contextlib
 import json
 import re
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -56,6 +57,7 @@ _PROBE_USERS = ("Probe question one", "Probe question two")
 _MARKERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> {(template, kwargs): marker}
 # tokenizer -> [its Rust backend's twin without the normaliser (or None), holders], inside `frozen_tokenizer`
 _ASCII_ENCODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_FREEZING = threading.Lock()  # entering and leaving `frozen_tokenizer` from several threads
 _UNICODE_NORMAL_FORMS = frozenset({"NFC", "NFD", "NFKC", "NFKD"})  # each leaves ASCII text as it is
 # words whose BPE split a frozen tokenizer's model remembers: the Rust default (10,000) stops
 # remembering once full, so over a large corpus most words are split again every time (an
@@ -380,7 +382,11 @@ def _normal_forms_only(normalizer: Any) -> bool:
             return all(forms_only(part) for part in described.get("normalizers") or [{}])
         return described.get("type") in _UNICODE_NORMAL_FORMS
 
-    return normalizer is not None and forms_only(json.loads(normalizer.__getstate__()))
+    try:
+        described = json.loads(normalizer.__getstate__()) if normalizer is not None else None
+    except Exception:  # noqa: BLE001 - a custom (Python) normaliser does not describe itself: keep it
+        return False
+    return described is not None and forms_only(described)
 
 
 def _without_normaliser(backend: Any) -> Any:
@@ -410,22 +416,24 @@ def frozen_tokenizer(tokenizer):
     (the default again on exit). The twin shares the backend's model and takes its added
     tokens on entry, so the tokenizer must not change inside (the tokenize step's render run);
     processes forked inside have both. Nests."""
-    entry = _ASCII_ENCODERS.get(tokenizer)
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if entry is None and backend is not None:
-        twin = _without_normaliser(backend) if _normal_forms_only(backend.normalizer) else None
-        entry = _ASCII_ENCODERS[tokenizer] = [twin, 0]
-        _resize_word_cache(backend, FROZEN_CACHE_WORDS)
-    if entry is not None:
-        entry[1] += 1
+    with _FREEZING:
+        entry = _ASCII_ENCODERS.get(tokenizer)
+        if entry is None and backend is not None:
+            twin = _without_normaliser(backend) if _normal_forms_only(backend.normalizer) else None
+            entry = _ASCII_ENCODERS[tokenizer] = [twin, 0]
+            _resize_word_cache(backend, FROZEN_CACHE_WORDS)
+        if entry is not None:
+            entry[1] += 1
     try:
         yield
     finally:
-        if entry is not None:
-            entry[1] -= 1
-            if entry[1] == 0:
-                del _ASCII_ENCODERS[tokenizer]
-                _resize_word_cache(backend, DEFAULT_CACHE_WORDS)
+        with _FREEZING:
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    _ASCII_ENCODERS.pop(tokenizer, None)
+                    _resize_word_cache(backend, DEFAULT_CACHE_WORDS)  # tokenizers' default: its size is not readable
 
 
 def _resize_word_cache(backend: Any, words: int) -> None:

@@ -7,8 +7,10 @@ then the scheme, bucket and key). The tokenize step (`posttrain.steps.tokenize.S
 writes each part in the mirror as it writes a local store and uploads it (`ObjectStore.push`,
 the part's record last, so a record in the bucket means its part is whole there); a step that
 starts on a machine with an empty mirror (a retried pod) first downloads what finished parts
-left (`ObjectStore.pull`: records and their side files, not the shards), so it resumes where
-the killed step stopped. A reader (`posttrain.data.token_shards.TokenShards` whose directory is
+left (their records and side files, not the shards), so it resumes where the killed step
+stopped. Two machines writing one store at once write the same bytes (the store is named by
+everything its contents depend on); the local lock only keeps two processes of one machine
+from doing the work twice. A reader (`posttrain.data.token_shards.TokenShards` whose directory is
 a URL) downloads each shard file once, when it first reads from it (`local_copy`), and reads
 it in the mirror a sample at a time.
 
@@ -19,8 +21,9 @@ the endpoint is `AWS_ENDPOINT_URL`, else Metaflow's `METAFLOW_S3_ENDPOINT_URL`, 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Iterable
 from urllib.parse import urlparse
 
 SCHEMES = ("s3",)
@@ -103,18 +106,15 @@ class ObjectStore:
         path = self.directory / name
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            _client().download_file(self.bucket, self._key(name), str(tmp))
-            os.replace(tmp, path)
+            handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            os.close(handle)
+            try:
+                _client().download_file(self.bucket, self._key(name), tmp)
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
         return path
-
-    def pull(self, wanted: Callable[[str], bool]) -> list[str]:
-        """Download every object whose name `wanted` accepts and the mirror lacks; returns the
-        names accepted."""
-        names = [name for name in self.names() if wanted(name)]
-        for name in names:
-            self.fetch(name)
-        return names
 
 
 def local_copy(url: str) -> Path:

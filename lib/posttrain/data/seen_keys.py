@@ -12,21 +12,24 @@ keys of its finished ones.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from pathlib import Path
+
+import numpy as np
 
 CACHE_KIB = 32 << 10  # SQLite's page cache: the most memory the table takes
 
 
 class SeenKeys:
-    """`fresh`: whether the table was new when opened (a step on another machine than the one
-    a killed step ran on: the keys of finished parts must be added again, `add_many`). Keys set
-    since the last commit are held in memory (`uncommitted()`, what a part's keys file keeps)
-    and written in one statement at `commit()` (one SQLite call a key, the lookup, not two)."""
+    """Keys set since the last commit are held in memory and written in one statement at
+    `commit()` (one SQLite call a key, the lookup, not two); a commit also records its part as
+    held (`holds(part)`), so a step resumed where the table lacks finished parts (another
+    machine, or a mirror another machine went further in) adds their keys again
+    (`save_part` / `load_part`: the keys file beside a part's shard)."""
 
     def __init__(self, path: str | Path):
         self.path = str(path)
-        self.fresh = not Path(self.path).exists()
         self._pending: dict[bytes, tuple[str, int, int]] = {}  # key -> (source, line, part)
         self._db = sqlite3.connect(self.path, isolation_level=None)
         self._db.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
@@ -35,6 +38,7 @@ class SeenKeys:
         self._db.execute("PRAGMA synchronous=FULL")  # one commit a part: a part's keys outlive a lost machine
         self._db.execute("CREATE TABLE IF NOT EXISTS seen (key BLOB PRIMARY KEY, source TEXT, line INTEGER, "
                          "part INTEGER) WITHOUT ROWID")
+        self._db.execute("CREATE TABLE IF NOT EXISTS parts (part INTEGER PRIMARY KEY)")
         self._db.execute("BEGIN")
         self.part = 0
 
@@ -50,19 +54,13 @@ class SeenKeys:
         lookup here)."""
         self._pending.setdefault(key, (origin[0], int(origin[1]), self.part))
 
-    def uncommitted(self) -> dict[bytes, tuple[str, int]]:
-        """The keys set since the last commit, with their origins, in the order they were set."""
-        return {key: (source, line) for key, (source, line, _) in self._pending.items()}
-
-    def add_many(self, keys: list[bytes], origins: list[tuple[str, int]]) -> None:
-        """Set each key with its origin, in this part (those known already keep theirs)."""
-        for key, origin in zip(keys, origins):
-            if self.get(key) is None:
-                self[key] = origin
-
     def __len__(self) -> int:
-        self._write_pending()
-        return self._db.execute("SELECT COUNT(*) FROM seen").fetchone()[0]
+        committed = self._db.execute("SELECT COUNT(*) FROM seen").fetchone()[0]
+        return committed + len(self._pending)
+
+    def holds(self, part: int) -> bool:
+        """Whether the keys of `part` were committed here."""
+        return self._db.execute("SELECT 1 FROM parts WHERE part = ?", (part,)).fetchone() is not None
 
     def _write_pending(self) -> None:
         self._db.executemany("INSERT OR IGNORE INTO seen VALUES (?, ?, ?, ?)",
@@ -70,14 +68,43 @@ class SeenKeys:
         self._pending.clear()
 
     def commit(self) -> None:
+        """Make the keys so far durable, and record the current part as held."""
         self._write_pending()
+        self._db.execute("INSERT OR IGNORE INTO parts VALUES (?)", (self.part,))
         self._db.execute("COMMIT")
         self._db.execute("BEGIN")
 
-    def forget_from(self, part: int) -> None:
-        """Drop the keys of `part` and every later part (committed)."""
-        self._db.execute("DELETE FROM seen WHERE part >= ?", (part,))
+    def save_part(self, path: str | Path) -> None:
+        """The keys set since the last commit, with their origins, as a file at `path` (before
+        the part's record is written: durably)."""
+        added = {key: (source, line) for key, (source, line, _) in self._pending.items()}
+        keys = (np.frombuffer(b"".join(added), dtype=np.uint8).reshape(len(added), -1) if added else
+                np.zeros((0, 16), dtype=np.uint8))
+        with open(path, "wb") as handle:
+            np.savez(handle, keys=keys, sources=np.asarray([s for s, _ in added.values()], dtype=str),
+                     lines=np.asarray([line for _, line in added.values()], dtype=np.int64))
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def load_part(self, path: str | Path, part: int) -> None:
+        """Take up `part`'s keys from its file (`save_part`), keys known already keeping their
+        first origin, and commit them as that part's."""
+        saved = np.load(path)
+        self.part = part
+        for key, source, line in zip(saved["keys"], saved["sources"], saved["lines"]):
+            key = bytes(key)
+            if self.get(key) is None:
+                self[key] = (str(source), int(line))
         self.commit()
+
+    def forget_from(self, part: int) -> None:
+        """Drop the keys of `part` and every later part (committed or not)."""
+        self._pending = {key: entry for key, entry in self._pending.items() if entry[2] < part}
+        self._db.execute("DELETE FROM seen WHERE part >= ?", (part,))
+        self._db.execute("DELETE FROM parts WHERE part >= ?", (part,))
+        self._write_pending()
+        self._db.execute("COMMIT")
+        self._db.execute("BEGIN")
 
     def close(self) -> None:
         self._write_pending()

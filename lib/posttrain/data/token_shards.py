@@ -114,7 +114,9 @@ def _primitive_array(values: np.ndarray, arrow_type) -> pa.Array:
 
 def _scalar_column(values: Sequence, arrow_type) -> pa.Array:
     if arrow_type == pa.string():
-        encoded = [str(value).encode("utf-8") for value in values]
+        if not all(isinstance(value, str) for value in values):
+            raise TypeError("a string column takes str values only")
+        encoded = [value.encode("utf-8") for value in values]
         offsets = np.zeros(len(encoded) + 1, dtype=np.int32)
         np.cumsum([len(value) for value in encoded], out=offsets[1:])
         return pa.Array.from_buffers(pa.string(), len(encoded), [None, pa.py_buffer(offsets),

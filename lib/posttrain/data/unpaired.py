@@ -149,9 +149,10 @@ def write_kto_trees(pairs: Sequence[PairSample], seed: int, row_length: int, sha
     remote = ObjectStore(location) if is_remote(location) else None
     out_dir = remote.directory if remote is not None else Path(location)
     complete = out_dir / "complete.json"
-    if remote is not None:
-        remote.pull(lambda name: name == complete.name)  # the bucket, not the mirror, says it is finished
+    if remote is not None:  # the bucket, not the mirror, says it is finished
         finished = complete.name in remote.names()
+        if finished:
+            remote.fetch(complete.name)
     else:
         finished = complete.is_file()
     if finished:
