@@ -39,8 +39,9 @@ import numpy as np
 from tqdm import tqdm
 
 from posttrain.config.schema import FilterConfig, PackConfig, TokenizeConfig
-from posttrain.data.chat import ChatTemplateError, TokenizedSample, frozen_tokenizer, render_conversation, render_prompt
+from posttrain.data.chat import ChatTemplateError, TokenizedSample, render_conversation, render_prompt
 from posttrain.data.filters import FilterStats, RecordDigest, RecordFilter, fits_chars
+from posttrain.data.frozen_tokenizer import frozen_tokenizer
 from posttrain.data.length_stats import LengthStats
 from posttrain.data.object_store import ObjectStore, is_remote, join
 from posttrain.data.preference import PairError, PairSample, fit_pair, render_pair

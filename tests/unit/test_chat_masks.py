@@ -403,7 +403,7 @@ def test_a_frozen_tokenizer_renders_the_same_samples_and_only_while_frozen(qwen3
     cache inside changes nothing either: the same samples.)"""
     from tokenizers import normalizers
 
-    from posttrain.data import chat
+    from posttrain.data import frozen_tokenizer as frozen
 
     conversations = [
         [{"role": "user", "content": "What is 12 + 30?"}, {"role": "assistant", "content": "12 + 30 = 42."},
@@ -411,22 +411,22 @@ def test_a_frozen_tokenizer_renders_the_same_samples_and_only_while_frozen(qwen3
         [{"role": "user", "content": "Caf\u00e9 or cafe\u0301?"}, {"role": "assistant", "content": "\U0001d4b3 both"}],
     ]
     outside = [render_conversation(qwen3, messages) for messages in conversations]
-    with chat.frozen_tokenizer(qwen3):
-        with chat.frozen_tokenizer(qwen3):  # nests
-            twin = chat._ASCII_ENCODERS[qwen3][0]
-        assert twin.model is not None and qwen3 in chat._ASCII_ENCODERS
+    with frozen.frozen_tokenizer(qwen3):
+        with frozen.frozen_tokenizer(qwen3):  # nests
+            twin = frozen._ASCII_ENCODERS[qwen3][0]
+        assert twin.model is not None and qwen3 in frozen._ASCII_ENCODERS
         assert [render_conversation(qwen3, messages) for messages in conversations] == outside
-    assert qwen3 not in chat._ASCII_ENCODERS
+    assert qwen3 not in frozen._ASCII_ENCODERS
     assert twin.get_added_tokens_decoder() == qwen3.backend_tokenizer.get_added_tokens_decoder()
 
     lowercasing = AutoTokenizer.from_pretrained(str(qwen3_dir()))
     lowercasing.backend_tokenizer.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])
-    with chat.frozen_tokenizer(lowercasing):
-        assert chat._ASCII_ENCODERS[lowercasing][0] is None
+    with frozen.frozen_tokenizer(lowercasing):
+        assert frozen._ASCII_ENCODERS[lowercasing][0] is None
     forms = AutoTokenizer.from_pretrained(str(qwen3_dir()))
     forms.backend_tokenizer.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.NFC()])
-    with chat.frozen_tokenizer(forms):
-        assert chat._ASCII_ENCODERS[forms][0] is not None
+    with frozen.frozen_tokenizer(forms):
+        assert frozen._ASCII_ENCODERS[forms][0] is not None
 
 
 def test_a_sample_of_arrays_pickles_as_bytes_and_comes_back_equal():

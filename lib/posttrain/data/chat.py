@@ -40,10 +40,8 @@ all-ones (or empty) mask.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import json
 import re
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -51,18 +49,12 @@ from typing import Any, Sequence
 import numpy as np
 from jinja2 import nodes
 
+from posttrain.data.frozen_tokenizer import ascii_encoder
+
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _SENTINELS = ("Qz7 sentinel one", "Qz7 sentinel two")
 _PROBE_USERS = ("Probe question one", "Probe question two")
 _MARKERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> {(template, kwargs): marker}
-# tokenizer -> [its Rust backend's twin without the normaliser (or None), holders], inside `frozen_tokenizer`
-_ASCII_ENCODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_FREEZING = threading.Lock()  # entering and leaving `frozen_tokenizer` from several threads
-_UNICODE_NORMAL_FORMS = frozenset({"NFC", "NFD", "NFKC", "NFKD"})  # each leaves ASCII text as it is
-# words whose BPE split a frozen tokenizer's model remembers: the Rust default (10,000) stops
-# remembering once full, so over a large corpus most words are split again every time (an
-# encode then takes 7-10% longer); a word costs ~150 bytes
-FROZEN_CACHE_WORDS, DEFAULT_CACHE_WORDS = 100_000, 10_000
 
 
 class ChatTemplateError(ValueError):
@@ -374,74 +366,6 @@ def _mask_from_encoding(encoding: Any, spans: list[tuple[int, int]]) -> list[int
     return mask
 
 
-def _normal_forms_only(normalizer: Any) -> bool:
-    """Whether a Rust normaliser only applies Unicode normal forms (its description, as in
-    tokenizer.json, tells)."""
-    def forms_only(described: dict) -> bool:
-        if described.get("type") == "Sequence":
-            return all(forms_only(part) for part in described.get("normalizers") or [{}])
-        return described.get("type") in _UNICODE_NORMAL_FORMS
-
-    try:
-        described = json.loads(normalizer.__getstate__()) if normalizer is not None else None
-    except Exception:  # noqa: BLE001 - a custom (Python) normaliser does not describe itself: keep it
-        return False
-    return described is not None and forms_only(described)
-
-
-def _without_normaliser(backend: Any) -> Any:
-    """A Rust tokenizer that is `backend` but for its normaliser: the same model object (no
-    copy of the vocabulary), pre-tokenizer and post-processor, and the same added tokens under
-    the same ids (checked); None where they do not come out the same."""
-    from tokenizers import Tokenizer
-
-    twin = Tokenizer(backend.model)
-    twin.pre_tokenizer, twin.post_processor = backend.pre_tokenizer, backend.post_processor
-    twin.decoder = backend.decoder
-    twin.encode_special_tokens = backend.encode_special_tokens
-    added = backend.get_added_tokens_decoder()
-    for token_id in sorted(added):
-        token = added[token_id]
-        (twin.add_special_tokens if token.special else twin.add_tokens)([token])
-    same = twin.get_added_tokens_decoder() == added and twin.get_vocab_size(True) == backend.get_vocab_size(True)
-    return twin if same else None
-
-
-@contextlib.contextmanager
-def frozen_tokenizer(tokenizer):
-    """Inside, `render_conversation` encodes faster, with the same ids and offsets: ASCII text
-    with a twin of the tokenizer's Rust backend that skips its normaliser, where that
-    normaliser only applies Unicode normal forms (Qwen's NFC, which leaves ASCII text as it
-    is; a twelfth less time), and the model remembers `FROZEN_CACHE_WORDS` words' BPE splits
-    (the default again on exit). The twin shares the backend's model and takes its added
-    tokens on entry, so the tokenizer must not change inside (the tokenize step's render run);
-    processes forked inside have both. Nests."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    with _FREEZING:
-        entry = _ASCII_ENCODERS.get(tokenizer)
-        if entry is None and backend is not None:
-            twin = _without_normaliser(backend) if _normal_forms_only(backend.normalizer) else None
-            entry = _ASCII_ENCODERS[tokenizer] = [twin, 0]
-            _resize_word_cache(backend, FROZEN_CACHE_WORDS)
-        if entry is not None:
-            entry[1] += 1
-    try:
-        yield
-    finally:
-        with _FREEZING:
-            if entry is not None:
-                entry[1] -= 1
-                if entry[1] == 0:
-                    _ASCII_ENCODERS.pop(tokenizer, None)
-                    _resize_word_cache(backend, DEFAULT_CACHE_WORDS)  # tokenizers' default: its size is not readable
-
-
-def _resize_word_cache(backend: Any, words: int) -> None:
-    resize = getattr(backend.model, "_resize_cache", None)  # BPE models of tokenizers >= 0.20
-    if resize is not None:
-        resize(words)
-
-
 def _check_mask(mask: list[int], how: str) -> None:
     if not any(mask):
         raise ChatTemplateError(f"{how} gives an empty assistant mask")
@@ -472,7 +396,7 @@ def render_conversation(tokenizer, messages: list[dict], **template_kwargs) -> T
     if (backend is not None and backend.truncation is None and backend.padding is None
             and not getattr(tokenizer, "split_special_tokens", False)):
         # a fast tokenizer with nothing for __call__ to set first: its Rust encoder directly (less overhead)
-        twin = _ASCII_ENCODERS.get(tokenizer, (None,))[0] if text.isascii() else None
+        twin = ascii_encoder(tokenizer) if text.isascii() else None
         encoding = (backend if twin is None else twin).encode(text, add_special_tokens=False)
         spans = _assistant_spans(tokenizer, messages, text, contexts, template_kwargs)
         input_ids, mask = encoding.ids, _mask_from_encoding(encoding, spans)
