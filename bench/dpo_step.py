@@ -156,7 +156,7 @@ def log(message: str) -> None:
 def train_config() -> TrainConfig:
     """Ours, float32 everywhere, constant lr (TRL gets the same optimizer built from it)."""
     return TrainConfig(device="cpu", warmup_steps=0, min_lr_ratio=1.0, mixed_precision="no", head_precision="fp32",
-                       tensorboard=False, progress_bar=False, **OPTIM)
+                       report_to=[], progress_bar=False, **OPTIM)
 
 
 # ------------------------------------------------------------------------------- the pairs

@@ -6,9 +6,9 @@ types, ranges). `ValidateRecipe`, a flow mutator, then sees both: it applies the
 the recipe file and validates the result as the `start` step will (cross-field rules, an
 override that names an unknown format or a list index past the end), and when a run is
 launched (`run`, `resume`) it checks that every local path the recipe reads exists and every
-hub id is well formed (`posttrain.config.paths`), and that the starting checkpoint's
+hub id is well formed (`posttrain.config.paths`), that the starting checkpoint's
 config.json is one the model runs, with a tokenizer that fits its vocabulary
-(`posttrain.launch_check`). All of them fail in one line naming the key, before Metaflow
+(`posttrain.launch_check`), and that every tracker of `train.report_to` is installed. All of them fail in one line naming the key, before Metaflow
 starts the run.
 """
 
@@ -120,6 +120,7 @@ class ValidateRecipe(FlowMutator):
                 check_recipe_paths(recipe)
                 check_starting_model(recipe)
                 check_starting_checkpoint(recipe)  # its config.json and the tokenizer's size
+                check_trackers(recipe.train.report_to)
         except ConfigError as exc:
             raise RecipeConfigError(str(exc)) from None
         apply_production(mutable_flow, recipe.production)
@@ -146,6 +147,17 @@ def apply_production(mutable_flow, production) -> None:
             step.add_decorator(resources, deco_kwargs=sized)
         if not production.cards:
             step.remove_decorator("card")
+
+
+def check_trackers(report_to: list[str]) -> None:
+    """Every tracker of `train.report_to` has its client installed (else the train step would
+    fail after ingest, tokenize and pack)."""
+    from posttrain.train.trackers import TrackerError, check_available
+
+    try:
+        check_available(report_to)
+    except TrackerError as err:
+        raise ConfigError(str(err)) from None
 
 
 def check_starting_model(recipe) -> None:

@@ -201,7 +201,8 @@ class RecipeSteps(FlowSpec):
 
     @step
     def register(self):
-        """Copy the tuned model into the registry with its lineage; tag the run."""
+        """Copy the tuned model into the registry with its lineage; tag the run; report both to
+        the experiment trackers (`train.report_to`)."""
         from posttrain.steps import register
 
         pathspec = f"{current.flow_name}/{current.run_id}"
@@ -215,6 +216,17 @@ class RecipeSteps(FlowSpec):
         self.model_uri = self.registry_entry.uri  # the registry's reference (a file:// URI here)
         self.model_path = self.registry_entry.model_path  # a local directory: from_pretrained(model_path) loads it
         Run(pathspec).add_tags([f"model:{self.registry_entry.name}", f"model_version:v{self.registry_entry.version}"])
+        if self.recipe.train.report_to:  # the trackers' run of the train step gets the lineage and the model
+            from pathlib import Path
+
+            from posttrain.registry.local import load_lineage
+            from posttrain.steps.paths import tracking_run
+            from posttrain.train.trackers import record_registration
+
+            entry = self.registry_entry
+            record_registration(self.recipe.train.report_to, tracking_run(self.recipe, self.run_dir),
+                                load_lineage(Path(entry.path)), {"name": entry.name, "version": entry.version,
+                                                                 "uri": entry.uri, "path": entry.model_path})
         self.next(self.end)
 
     @card(type="blank", id="overview")

@@ -14,6 +14,15 @@ def run_directory(output_dir: str, flow_name: str, run_id: str) -> Path:
     return path
 
 
+def tracking_run(config, run_dir: Path):
+    """Who the flow run in `run_dir` is to the experiment trackers (`train.report_to`,
+    `posttrain.train.trackers.TrackingRun`): the project `train.tracking_project`, else the
+    recipe's name; the same for the train step, its resumes and the register step."""
+    from posttrain.train.trackers import tracking_run as make
+
+    return make(config.train.tracking_project or config.name, run_dir, Path(config.output_dir).expanduser())
+
+
 def generated_directory(run_dir: Path) -> Path:
     return Path(run_dir) / "generated"
 

@@ -40,10 +40,12 @@ from typing import Callable, Iterator
 import torch
 
 from posttrain.config.schema import RecipeConfig
+from posttrain.config.strict import to_dict
 from posttrain.data.tokenizer import pad_record
 from posttrain.parallel import distributed
 from posttrain.parallel.mesh import pick_device
 from posttrain.recipes import ObjectiveInputs, RecipeModelError, Start, recipe_spec
+from posttrain.steps.paths import tracking_run
 from posttrain.steps.train_state import check_same_teacher, checkpoint_manager, resume_point
 from posttrain.train.faults import maybe_inject_fault
 from posttrain.train.metrics import open_metrics
@@ -158,8 +160,9 @@ def train_loop(job: TrainJob, on_step: Callable[[dict], None] | None = None,
         if lead:
             metrics_file = run_dir / "metrics.jsonl"  # restarts with the trajectory up to the resume point
             metrics_file.write_text("".join(json.dumps(record) + "\n" for record in history), encoding="utf-8")
-            sinks = stack.enter_context(open_metrics(run_dir, tensorboard=config.train.tensorboard,
-                                                     resume_step=trainer.step if resume is not None else None))
+            sinks = stack.enter_context(open_metrics(run_dir, config.train.report_to,
+                                                     resume_step=trainer.step if resume is not None else None,
+                                                     tracking=tracking_run(config, run_dir), params=to_dict(config)))
             sinks.records.extend(history)
             if on_step is not None:
                 for record in history:

@@ -23,8 +23,8 @@ BASE_SECTIONS = frozenset(f.name for f in dataclasses.fields(RecipeConfig))
 # Settings that do not change the loss trajectory, left out of the checkpoint fingerprint.
 # (activation checkpointing recomputes bit for bit; health thresholds only flag, and the
 # non-finite skip does not depend on them)
-COSMETIC_TRAIN_KEYS = ("device", "log_every", "card_refresh_s", "progress_bar", "tensorboard", "peak_flops",
-                       "activation_checkpointing", "health")
+COSMETIC_TRAIN_KEYS = ("device", "log_every", "card_refresh_s", "progress_bar", "report_to", "tracking_project",
+                       "peak_flops", "activation_checkpointing", "health")
 
 
 def training_fingerprint(config: RecipeConfig) -> dict:

@@ -10,6 +10,7 @@ formats with their logical fields (and default columns), and the known devices' 
 from __future__ import annotations
 
 import difflib
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 _OASST_FIELDS = {"text": "text", "role": "role", "replies": "replies", "rank": "rank", "deleted": "deleted"}
@@ -120,3 +121,22 @@ def import_callable(path: str, what: str) -> Callable:
     if not callable(fn):
         raise LookupError(f"{what}: {module_name!r} has no callable {attr!r}")
     return fn
+
+
+# experiment trackers `train.report_to` may name (`posttrain.train.trackers`)
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
+
+SHIPPED_DIRS = ("configs", "flows")
+
+
+def shipped_dir(name: str) -> Path:
+    """Where the files posttrain ships beside its code live: `configs` (the recipe YAMLs) or
+    `flows` (the recipe flow files). Installed from a wheel they are the packages
+    `posttrain.configs` and `posttrain.flows` (`<site-packages>/posttrain/<name>`); in a
+    repository checkout (an editable install included) they are the checkout's top-level
+    `configs/` and `flows/`."""
+    if name not in SHIPPED_DIRS:
+        raise ValueError(f"posttrain ships no {name!r} directory; it ships {list(SHIPPED_DIRS)}")
+    package_root = Path(__file__).resolve().parent
+    installed = package_root / name
+    return installed if installed.is_dir() else package_root.parents[1] / name

@@ -31,7 +31,7 @@ def tiny_recipe_data(work: Path, config_file: Path = TWO_WORKERS, **overrides):
     from posttrain.steps.paths import resolve
 
     config = load_sft_config(config_file, overrides={
-        "data.generate.num_train": 80, "train.device": "cpu", "train.tensorboard": False,
+        "data.generate.num_train": 80, "train.device": "cpu", "train.report_to": [],
         "output_dir": str(work), **overrides})
     data = ingest.run(config, work)
     tokenizer = load_tokenizer(resolve(config.tokenizer.name_or_path, work))

@@ -40,7 +40,7 @@ def test_distill_demo_bench_exits_nonzero_when_kd_does_not_beat_sft(tmp_path):
     teacher_dir = save_tiny_demo_model(tmp_path, num_hidden_layers=1, corpus_problems=100)
     overrides = {"distill.teacher": str(teacher_dir), "tokenizer.name_or_path": str(teacher_dir),
                  "data.generate.num_train": 60, "data.generate.num_heldout": 8, "eval.max_examples": 8,
-                 "train.max_steps": 3, "train.warmup_steps": 1, "train.tensorboard": False,
+                 "train.max_steps": 3, "train.warmup_steps": 1, "train.report_to": [],
                  "checkpoint.enabled": False, "model.hidden_size": 32, "model.intermediate_size": 64,
                  "model.num_hidden_layers": 1, "output_dir": str(tmp_path / "out")}
     done = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "distill_demo.py"), "--overrides",

@@ -20,7 +20,7 @@ def test_demo_bench_exits_nonzero_below_its_exact_match_floor():
     # the tiny config trains 6 steps: far from answering anything, so a floor of 0.5 fails
     done = subprocess.run(
         [sys.executable, str(REPO_ROOT / "bench" / "sft_demo.py"), "--config", str(REPO_ROOT / "configs/sft/tiny.yaml"),
-         "--overrides", json.dumps({"train.tensorboard": False, "checkpoint.enabled": False}),
+         "--overrides", json.dumps({"train.report_to": [], "checkpoint.enabled": False}),
          "--min-exact-match", "0.5"],
         capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
     )

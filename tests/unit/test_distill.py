@@ -274,7 +274,7 @@ def test_train_step_against_the_cached_teacher_resumes_only_with_it(tmp_path, de
                                                                    num_key_value_heads=1, head_dim=16),
                                  pack=dataclasses.replace(recipe.pack, row_length=64),
                                  train=dataclasses.replace(recipe.train, max_steps=4, micro_batch_size=2,
-                                                           warmup_steps=0, tensorboard=False, progress_bar=False),
+                                                           warmup_steps=0, report_to=[], progress_bar=False),
                                  checkpoint=dataclasses.replace(recipe.checkpoint, every_steps=2))
     spec = teacher_step.run(recipe, demo_tokenizer, samples, tmp_path / "run")
     assert spec.cache_manifest["num_samples"] == 32 and Path(spec.cache_dir).is_dir()

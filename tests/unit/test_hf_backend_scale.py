@@ -56,7 +56,7 @@ def recipe(**overrides):
 
 def train_config(**overrides) -> TrainConfig:
     return TrainConfig(learning_rate=1e-3, warmup_steps=0, weight_decay=0.1, max_grad_norm=1.0, device="cpu",
-                       tensorboard=False, progress_bar=False, **overrides)
+                       report_to=[], progress_bar=False, **overrides)
 
 
 def steps(model: torch.nn.Module, process_group, rows_of, **cfg) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -56,7 +56,7 @@ def rank_rows(batch: dict, rank: int, world_size: int) -> dict:
 
 def train_config(eps: float) -> TrainConfig:
     return TrainConfig(learning_rate=1e-3, warmup_steps=0, weight_decay=0.1, max_grad_norm=1.0, eps=eps,
-                       device="cpu", tensorboard=False, progress_bar=False)
+                       device="cpu", report_to=[], progress_bar=False)
 
 
 def tiny_model(dtype: torch.dtype, tied: bool = False, head: bool = False, arch: str = "qwen3") -> torch.nn.Module:

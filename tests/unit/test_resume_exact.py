@@ -142,7 +142,7 @@ def _fsdp_save_and_resume(root: str) -> dict:
     rank = dist.get_rank()
     parallel = ParallelConfig(strategy="fsdp", num_workers=2)
     mesh = build_device_mesh(parallel)
-    cfg = TrainConfig(device="cpu", learning_rate=3e-3, warmup_steps=1, tensorboard=False, progress_bar=False)
+    cfg = TrainConfig(device="cpu", learning_rate=3e-3, warmup_steps=1, report_to=[], progress_bar=False)
 
     def sharded_trainer(seed: int) -> Trainer:
         torch.manual_seed(seed)

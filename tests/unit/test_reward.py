@@ -170,7 +170,7 @@ def fallback_rm_config(tmp_path, phi3, **overrides):
         "model.init_from": None, "model.init": "pretrained", "model.name_or_path": str(phi3),
         "model.backend": "transformers", "tokenizer.name_or_path": str(phi3), "rm.shared_prompt": False,
         "train.max_steps": 8, "train.micro_batch_size": 2, "train.learning_rate": 0.01, "train.warmup_steps": 0,
-        "train.log_every": 1, "train.device": "cpu", "train.tensorboard": False, "checkpoint.enabled": False,
+        "train.log_every": 1, "train.device": "cpu", "train.report_to": [], "checkpoint.enabled": False,
         "output_dir": str(tmp_path), **overrides})
 
 

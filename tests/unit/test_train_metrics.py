@@ -61,7 +61,7 @@ def test_fan_out_writes_jsonl_and_tensorboard(tmp_path):
     assert MetricsLog.read(tmp_path / "run" / "metrics.jsonl") == [step_metrics(s) for s in (1, 2, 3)]
     assert [v for _, v in read_scalars(tmp_path / "run" / "tensorboard")["train/loss"]] == pytest.approx([3.0, 1.5, 1.0])
 
-    only_jsonl = open_metrics(tmp_path / "plain", tensorboard=False)
+    only_jsonl = open_metrics(tmp_path / "plain", report_to=[])
     only_jsonl.append(step_metrics(1))
     only_jsonl.close()
     assert not (tmp_path / "plain" / "tensorboard").exists()

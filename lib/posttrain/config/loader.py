@@ -17,10 +17,11 @@ from typing import Any
 
 import yaml
 
+from posttrain.catalog import shipped_dir
 from posttrain.config.schema import RECIPES, RecipeConfig, SFTConfig
 from posttrain.config.strict import ConfigError, apply_overrides, check_overrides, from_dict, to_dict
 
-REPO_CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
+REPO_CONFIG_DIR = shipped_dir("configs")  # the shipped recipe YAMLs (installed or in a checkout)
 
 
 def parse_yaml(text: str, source: str) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal, Optional, Union
 
+from posttrain.catalog import TRACKERS
 from posttrain.config.strict import ConfigError, bounded
 
 
@@ -68,8 +69,13 @@ class TrainConfig:
     on a CPU, for the transformers backend and for mixture-of-experts models).
     `peak_flops`: the device's peak FLOP/s, a number or a name in
     `posttrain.train.mfu.PEAK_FLOPS` (e.g. "h100-sxm/bf16"); MFU is reported when set.
-    `tensorboard`: write TensorBoard event files beside the JSONL metrics; `progress_bar`:
-    a tqdm bar on a terminal (a plain line every `log_every` steps elsewhere)."""
+    `report_to`: the experiment trackers that receive every step's scalars besides the JSONL
+    log, the config, the lineage and the registered model (`posttrain.train.trackers`): any
+    of `tensorboard` (event files in the run directory), `wandb`, `mlflow`, `trackio` (the
+    last three: `pip install 'posttrain[trackers]'`, configured by their own environment
+    variables); `tracking_project` names the W&B / trackio project and MLflow experiment
+    (default: the recipe's `name`). `progress_bar`: a tqdm bar on a terminal (a plain line
+    every `log_every` steps elsewhere)."""
 
     seed: int = 0
     device: Literal["cpu", "cuda", "auto"] = "auto"
@@ -93,7 +99,9 @@ class TrainConfig:
     activation_checkpointing: Union[bool, int] = False
     compile: Union[bool, Literal["auto"]] = "auto"
     peak_flops: Optional[Union[float, str]] = None
-    tensorboard: bool = True
+    report_to: list[Literal[TRACKERS]] = field(
+        default_factory=lambda: ["tensorboard"])
+    tracking_project: Optional[str] = None
     progress_bar: bool = True
     health: HealthConfig = field(default_factory=HealthConfig)
 
@@ -108,6 +116,9 @@ class TrainConfig:
                        compile=(gpu and compile_measured) if self.compile == "auto" else self.compile)
 
     def validate(self) -> None:
+        repeated = sorted({name for name in self.report_to if self.report_to.count(name) > 1})
+        if repeated:
+            raise ConfigError(f"train.report_to names {repeated[0]!r} twice")
         if not isinstance(self.activation_checkpointing, bool) and self.activation_checkpointing < 1:
             raise ConfigError("train.activation_checkpointing must be true, false or a block interval >= 1, "
                               f"got {self.activation_checkpointing}")

@@ -1,6 +1,6 @@
 """Per-step training metrics: a JSONL log (one object per line, flushed each step), a sink
-that fans a step's metrics out to several logs (JSONL, TensorBoard), and the one-line
-progress format printed to the terminal."""
+that fans a step's metrics out to several logs (JSONL and the experiment trackers of
+`posttrain.train.trackers`), and the one-line progress format printed to the terminal."""
 
 from __future__ import annotations
 
@@ -70,15 +70,20 @@ class MetricsSinks:
         self.close()
 
 
-def open_metrics(run_dir: str | Path, tensorboard: bool = True, resume_step: int | None = None) -> MetricsSinks:
-    """The usual sinks of a run: `run_dir/metrics.jsonl`, plus TensorBoard event files in
-    `run_dir/tensorboard/` when `tensorboard` is true (`resume_step`: see `TensorBoardLog`)."""
+def open_metrics(run_dir: str | Path, report_to=("tensorboard",), resume_step: int | None = None,
+                 tracking=None, params: dict | None = None) -> MetricsSinks:
+    """The sinks of a run: `run_dir/metrics.jsonl`, then each experiment tracker of
+    `report_to` (`posttrain.train.trackers`: TensorBoard event files in `run_dir/tensorboard/`,
+    W&B, MLflow, trackio), opened for `tracking` (a `TrackingRun`; default: named after
+    `run_dir`) with `params` (the recipe config) logged. `resume_step`: see `TensorBoardLog`."""
     run_dir = Path(run_dir)
     sinks = [MetricsLog(run_dir / "metrics.jsonl")]
-    if tensorboard:
-        from posttrain.train.tensorboard import TensorBoardLog
+    if report_to:
+        from posttrain.train.trackers import open_trackers, tracking_run
 
-        sinks.append(TensorBoardLog(run_dir / "tensorboard", resume_step=resume_step))
+        if tracking is None:
+            tracking = tracking_run(run_dir.parent.name or "posttrain", run_dir, run_dir.parent)
+        sinks += open_trackers(report_to, tracking, params, resume_step=resume_step)
     return MetricsSinks(*sinks)
 
 
