@@ -35,7 +35,7 @@ export MALLOC_TRIM_THRESHOLD_ := 68719476736
 unexport PYTHONDONTWRITEBYTECODE
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup browser gpu-check run sft-3digit dpo-demo kto-demo orpo-demo rm-demo grpo-demo distill-demo sequence-demo semantic-demo semantic-rl-demo test test-fast bench clean setup-vllm test-vllm
+.PHONY: setup browser gpu-check wheel run sft-3digit dpo-demo kto-demo orpo-demo rm-demo grpo-demo distill-demo sequence-demo semantic-demo semantic-rl-demo test test-fast bench clean setup-vllm test-vllm
 
 setup: $(STAMP)
 
@@ -60,58 +60,59 @@ $(STAMP): setup.cfg pyproject.toml
 	$(UV_INSTALL) -e '.[dev]'
 	touch $(STAMP)
 
+# the posttrain command (posttrain.cli) of the editable install: the same as `pip install posttrain`
 run: setup
-	$(BIN)/python flows/sft_flow.py --config config $(CONFIG) run
+	$(BIN)/posttrain sft $(CONFIG)
 
 # the DPO demo: the 3-digit SFT demo registers the model DPO starts from (once), then DPO
 sft-3digit: setup
-	$(BIN)/python flows/sft_flow.py --config config configs/sft/demo-3digit.yaml run
+	$(BIN)/posttrain sft configs/sft/demo-3digit.yaml
 
 dpo-demo: setup
 	test -d outputs/registry/sft-demo-arithmetic-3digit || $(MAKE) sft-3digit
-	$(BIN)/python flows/dpo_flow.py --config config configs/dpo/demo.yaml run
+	$(BIN)/posttrain dpo configs/dpo/demo.yaml
 
 # KTO and ORPO on the same pairs, from the same SFT model
 kto-demo: setup
 	test -d outputs/registry/sft-demo-arithmetic-3digit || $(MAKE) sft-3digit
-	$(BIN)/python flows/kto_flow.py run
+	$(BIN)/posttrain kto
 
 orpo-demo: setup
 	test -d outputs/registry/sft-demo-arithmetic-3digit || $(MAKE) sft-3digit
-	$(BIN)/python flows/orpo_flow.py run
+	$(BIN)/posttrain orpo
 
 # the reward-model demo, on the same pairs, from the same SFT model
 rm-demo: setup
 	test -d outputs/registry/sft-demo-arithmetic-3digit || $(MAKE) sft-3digit
-	$(BIN)/python flows/rm_flow.py --config config configs/rm/demo.yaml run
+	$(BIN)/posttrain rm configs/rm/demo.yaml
 
 # the GRPO demo: on-policy RL from the same SFT model, rewarded for exactly right answers
 grpo-demo: setup
 	test -d outputs/registry/sft-demo-arithmetic-3digit || $(MAKE) sft-3digit
-	$(BIN)/python flows/grpo_flow.py --config config configs/grpo/demo.yaml run
+	$(BIN)/posttrain grpo configs/grpo/demo.yaml
 
 # the distillation demo: the SFT demo's model (make run, once) is the teacher of a student
 # trained on a small slice of its data
 distill-demo: setup
 	test -d outputs/registry/sft-demo-arithmetic || $(MAKE) run
-	$(BIN)/python flows/distill_flow.py --config config configs/distill/demo.yaml run
+	$(BIN)/posttrain distill configs/distill/demo.yaml
 
 # the sequence demo: a model of synthetic interaction histories, trained from scratch, ranked
 # beside popularity and Markov baselines (offline, about 3 minutes)
 sequence-demo: setup
-	$(BIN)/python flows/sequence_flow.py run
+	$(BIN)/posttrain sequence
 
 # the semantic-ID demo: the SFT demo's text model learns items named by codes (make run, once),
 # compared with the sequence demo's model (once)
 semantic-demo: setup
 	test -d outputs/registry/sft-demo-arithmetic || $(MAKE) run
 	test -d outputs/registry/sequence-demo || $(MAKE) sequence-demo
-	$(BIN)/python flows/semantic_id_flow.py run
+	$(BIN)/posttrain semantic-ids
 
 # GRPO on a business metric: the semantic-ID model recommends, a simulated user rewards
 semantic-rl-demo: setup
 	test -d outputs/registry/semantic-ids-demo || $(MAKE) semantic-demo
-	$(BIN)/python flows/grpo_flow.py --config config configs/grpo/semantic-ids.yaml run
+	$(BIN)/posttrain grpo configs/grpo/semantic-ids.yaml
 
 # Debian's chromium: the card test opens every card of a flow run in a headless browser
 browser:
@@ -163,6 +164,11 @@ $(VLLM_VENV)/.installed: setup.cfg pyproject.toml
 
 test-vllm: setup-vllm
 	VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q -s tests/vllm
+
+# the wheel users install (`pip install dist/posttrain-*.whl`, extras: flows, ray, rl, vllm, eval,
+# trackers, s3, all); `make test` also installs it into a fresh virtualenv (tests/integration/test_package.py)
+wheel: setup
+	$(BIN)/uv build --wheel --out-dir dist .
 
 bench: setup
 	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
