@@ -28,6 +28,11 @@ failed suite, so the other suites still run.
 - `semantic_next_item`: a semantic-ID text model's top items by trie-constrained beam search,
   ranked as `next_item` ranks, the share of its greedy answers that are real items with and
   without the constraint, beside the same baselines and (optionally) a sequence model.
+- `lm_eval`: EleutherAI lm-evaluation-harness tasks (`kwargs.tasks`: built-in, shipped in
+  `configs/eval/lm_eval` or in `kwargs.include_path`) on each model, through our loaded model
+  (`posttrain.eval.lm_harness`) or, with `kwargs.backend: vllm`, lm-eval's vLLM model over the
+  model's directory: `<task>/<metric>` and its `<task>/<metric>_stderr` (`posttrain.eval.harness_tasks`),
+  the first documents of each task as examples.
 - `python`: a user's `package.module:function`, called once per model as
   `function(model, tokenizer, data, **kwargs)`, returning `{metric: number}`.
 """
@@ -530,6 +535,37 @@ def _sequence_model_scores(reference: str, config: RecipeConfig, cases, catalogu
     return scores_NI, {"oov_history_items": float(oov)}
 
 
+def lm_eval_harness(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> SuiteOutput:
+    from posttrain.eval.harness_tasks import HarnessSettings, load_tasks, run_tasks
+    from posttrain.eval.lm_harness import harness_lm, vllm_lm
+
+    config, tokenizer, suite = ctx.config, ctx.tokenizer, ctx.suite
+    settings = HarnessSettings.from_kwargs(suite.kwargs, label=suite.label, batch_size=config.eval.batch_size)
+    loaded = load_tasks(settings, suite.label)
+    template_kwargs = config.tokenizer.chat_template_kwargs
+    output = SuiteOutput({})
+    for model_ref in models:
+        model = None
+        if settings.backend == "vllm":
+            lm = vllm_lm(model_ref.model_dir, batch_size=settings.batch_size, max_length=settings.max_length,
+                         max_gen_toks=settings.max_gen_toks, seed=config.seed, chat_template_kwargs=template_kwargs,
+                         model_args=settings.model_args)
+        else:
+            model = ctx.load(model_ref)
+            lm = harness_lm(model, tokenizer, batch_size=settings.batch_size, max_length=settings.max_length,
+                            max_gen_toks=settings.max_gen_toks, seed=config.seed, chat_template_kwargs=template_kwargs)
+        with torch.no_grad():
+            result = run_tasks(lm, loaded, settings, ctx.max_examples)
+        del lm, model
+        output.metrics[model_ref.label] = result.metrics
+        shown = ", ".join(f"{k} {v:.3f}" for k, v in result.metrics.items() if not k.endswith("_stderr"))
+        print(f"[evaluate] {model_ref.label}: {suite.label} {shown}")
+        for example in result.examples:
+            output.examples.append({"model": model_ref.label, **example, "output_length": len(
+                tokenizer.encode(example["prediction"], add_special_tokens=False))})
+    return output
+
+
 def python(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> SuiteOutput:
     suite = ctx.suite
     function = import_callable(suite.function, f"eval suite {suite.label!r}")
@@ -557,5 +593,5 @@ def python(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> S
 SUITES: dict[str, Callable[[list[ModelUnderTest], EvalData, SuiteContext], SuiteOutput]] = {
     "heldout_loss": heldout_loss, "task": task, "preference": preference, "reward_pairs": reward_pairs,
     "rewards": rewards, "reward_model": reward_model, "next_item": next_item,
-    "semantic_next_item": semantic_next_item, "python": python,
+    "semantic_next_item": semantic_next_item, "lm_eval": lm_eval_harness, "python": python,
 }

@@ -16,7 +16,8 @@ again). `run_task` is one task of the flow's recursive `rl_round` step:
    `posttrain.rl.actor.RemoteReference`);
 2. restore the previous task's round checkpoint (trainer state, controller state: round and
    prompt position), when there is one, and sync the engine to the policy;
-3. run `grpo.rounds_per_task` rounds (fewer at the end); a rollout engine that dies mid-round
+3. run `grpo.rounds_per_task` rounds (fewer at the end), each round's metrics appended to
+   `<run dir>/metrics.jsonl` and sent to `train.report_to`'s trackers (`round_metrics`); a rollout engine that dies mid-round
    is rebuilt and the round redone from its start (the controller state is restored first);
 4. save one checkpoint at the end of the task (`<run dir>/rl_state`, written to a temporary
    directory and renamed); after the last round, export the trained model (`<run dir>/checkpoint`).
@@ -33,6 +34,7 @@ SIGKILLs the whole local run there).
 from __future__ import annotations
 
 import copy
+import json
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -43,6 +45,7 @@ from typing import Callable
 import torch
 
 from posttrain.config.schema import GRPOConfig
+from posttrain.config.strict import to_dict
 from posttrain.data.chat import generation_stop_ids
 from posttrain.data.records import PromptRecord, Prompts
 from posttrain.data.tokenizer import pad_record
@@ -53,9 +56,11 @@ from posttrain.rl.rewards import RewardScorer, RewardTerm
 from posttrain.parallel.mesh import pick_device
 from posttrain.recipes import Start, recipe_spec
 from posttrain.recipes.start import trained_start_dir
+from posttrain.steps.paths import tracking_run
 from posttrain.steps.train_state import training_fingerprint
 from posttrain.train.faults import maybe_inject_fault
 from posttrain.train.checkpoint import CheckpointManager
+from posttrain.train.metrics import MetricsLog, MetricsSinks, open_metrics
 from posttrain.train.trainer import Trainer
 
 RL_STATE_DIR = "rl_state"
@@ -259,6 +264,19 @@ def _export(policy: LocalPolicy, config: GRPOConfig, tokenizer, parent: str, run
                                       Path(run_dir))
 
 
+def round_metrics(config: GRPOConfig, run_dir: Path, resume_round: int) -> MetricsSinks:
+    """Where each round's metrics go, as a training step's do (`posttrain.train.metrics`):
+    `<run dir>/metrics.jsonl` (one record per round, `step` the round; the rounds after
+    `resume_round` that a failed attempt logged are dropped first) and the trackers of
+    `train.report_to`, with the round as the step."""
+    metrics_file = run_dir / "metrics.jsonl"
+    if metrics_file.exists():
+        kept = [record for record in MetricsLog.read(metrics_file) if record["step"] <= resume_round]
+        metrics_file.write_text("".join(json.dumps(record) + "\n" for record in kept), encoding="utf-8")
+    return open_metrics(run_dir, config.train.report_to, resume_step=resume_round or None,
+                        tracking=tracking_run(config, run_dir), params=to_dict(config))
+
+
 def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Path, previous: str | None,
              on_round: Callable[[RoundResult], None] | None = None, teacher_spec=None) -> TaskResult:
     """One task of the recursive round step (module docstring). `previous`: the round
@@ -281,7 +299,7 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
     state_dir = str(run_dir / RL_STATE_DIR)
     started_ray = start_ray_for_roles(config)
     policy, model = build_policy(config, tokenizer, parent, device)
-    engine = scorer = reference = None
+    engine = scorer = reference = sinks = None
     try:
         if config.grpo.kl_coef > 0 and config.grpo.reference_on_actor:
             from posttrain.rl.actor import RemoteReference
@@ -307,6 +325,7 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
         elif model is None:  # a worker group: the engine starts from the starting model's directory
             engine.update_weights(policy.export_weights(on_device=engine_beside_policy(engine, policy)))
         results, restarts = [], 0
+        sinks = round_metrics(config, run_dir, controller.round)
         last = min(config.grpo.rounds, controller.round + config.grpo.rounds_per_task)
         while controller.round < last:
             state = controller.state_dict()
@@ -331,6 +350,7 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
                     result.metrics["sync_ok"], result.metrics["sync_logprob_gap"] = sync["ok"], sync["logprob_gap"]
             results.append(result.as_dict())
             m = result.metrics
+            sinks.append({"step": result.round, **{k: v for k, v in m.items() if isinstance(v, (int, float, str))}})
             if controller.round % config.train.log_every == 0 or controller.round == last or len(results) == 1:
                 print(f"[rl_round] round {result.round}/{config.grpo.rounds}: reward {m['reward_mean']:.3f}, "
                       f"pass@1 {m['pass@1']:.3f}, zero-advantage groups {m['zero_advantage_groups']:.2f}, "
@@ -344,6 +364,8 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
         done = controller.round >= config.grpo.rounds
         exported = policy.run(_export, config, tokenizer, str(parent), str(run_dir)) if done else {}
     finally:
+        if sinks is not None:
+            sinks.close()
         if engine is not None:
             engine.close()
         for role in (scorer, reference):

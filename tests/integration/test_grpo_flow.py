@@ -137,6 +137,13 @@ def test_rounds_are_recursive_tasks_with_artifacts(grpo_run):
         assert key in first["metrics"], key
     synced = [h["sync_ok"] for h in history if "sync_ok" in h]  # a round with nothing to train has no sync
     assert synced and all(synced)
+    # each round's metrics in metrics.jsonl (and train.report_to's TensorBoard), the round as the step
+    from posttrain.train.metrics import MetricsLog
+
+    logged = MetricsLog.read(Path(run["end"].task.data.run_dir) / "metrics.jsonl")
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    assert [r["reward_mean"] for r in logged] == [h["reward_mean"] for h in history]
+    assert list((Path(run["end"].task.data.run_dir) / "tensorboard").glob("events.out.tfevents.*"))
 
 
 @pytest.mark.slow

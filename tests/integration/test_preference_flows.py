@@ -75,13 +75,15 @@ def register_starting_model(tmp: Path) -> Path:
     return registry
 
 
-# the DPO chain's suites: the recipe's three and two of a user's (tests/user_suites.py), one failing
+# the DPO chain's suites: the recipe's three, two of a user's (tests/user_suites.py), one failing, and
+# lm-evaluation-harness on the demo's tasks shipped in configs/eval/lm_eval (offline), chats as trained
 DPO_SUITES = """  suites:
     - {kind: heldout_loss}
     - {kind: task}
     - {kind: preference}
     - {kind: python, name: first_token, function: "user_suites:reference_token_share", kwargs: {top: 3}}
     - {kind: python, name: grader, function: "user_suites:unavailable_grader"}
+    - {kind: lm_eval, kwargs: {tasks: [arith_demo, arith_demo_gen], apply_chat_template: true}}
 """
 
 
@@ -274,6 +276,11 @@ def test_sft_then_dpo_from_the_promoted_sft_model_then_evaluation_against_the_pr
     assert recorded["fingerprints"]["mined"]["sha256"] and "eval_errors" not in recorded  # errors sit in metrics
     registered_metrics = json.loads((tmp / "registry" / "dpo-tiny" / "v2" / "lineage.json").read_text())["metrics"]
     assert registered_metrics["eval_errors"] == {"grader": "ConnectionError: grading service unavailable"}
+    harness = {"arith_demo/acc", "arith_demo/acc_stderr", "arith_demo_gen/exact_match"}  # the lm_eval suite's
+    for label in ("base", "tuned", "promoted"):
+        assert harness <= set(registered_metrics["eval"][label]), registered_metrics["eval"][label]
+        assert 0.0 <= registered_metrics["eval"][label]["arith_demo/acc"] <= 1.0
+        assert registered_metrics["eval"][label]["arith_demo/sample_len"] == 16  # eval.max_examples: the limit
 
     models = {m.label: m for m in dpo_run["plan_evaluation"].task.data.eval_models}
     assert list(models) == ["base", "tuned", "promoted"] and models["promoted"].reference == "dpo-tiny:v1"
@@ -282,16 +289,17 @@ def test_sft_then_dpo_from_the_promoted_sft_model_then_evaluation_against_the_pr
     assert set(metrics) == {"base", "tuned", "promoted"}
     for label in metrics:  # every completed suite measured every model
         assert {"heldout_loss", "perplexity", "exact_match", "reward_accuracy",
-                "first_token/reference_token_share"} <= set(metrics[label]), metrics
+                "first_token/reference_token_share", "arith_demo/acc", "arith_demo_gen/exact_match"} \
+            <= set(metrics[label]), metrics
     # the DPO model beats what is in production (the untrained starting model) on the chosen answers
     assert metrics["tuned"]["heldout_loss"] < metrics["promoted"]["heldout_loss"] - 1.0, metrics
     assert metrics["tuned"]["reward_accuracy"] > metrics["promoted"]["reward_accuracy"], metrics
 
     suites = {s.name: s for s in dpo_run["evaluate"].task.data.eval_suites}
-    assert list(suites) == ["heldout_loss", "task", "preference", "first_token", "grader"]
+    assert list(suites) == ["heldout_loss", "task", "preference", "first_token", "grader", "lm_eval"]
     assert suites["grader"].error == "ConnectionError: grading service unavailable" and not suites["grader"].metrics
     assert all(s.error is None for name, s in suites.items() if name != "grader")
-    assert len(list(dpo_run["eval_suite"])) == 5  # one foreach branch per suite
+    assert len(list(dpo_run["eval_suite"])) == 6  # one foreach branch per suite
 
     cards = {}
     for card_id in ("evaluation", "report"):  # fetched as a user would: `dpo_flow.py card get --id`

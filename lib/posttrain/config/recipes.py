@@ -126,7 +126,7 @@ class SFTConfig(RecipeConfig):
     """The SFT recipe: data -> tokenize -> pack -> train -> verify -> evaluate -> register."""
 
     kind = "sft"
-    suites = ("heldout_loss", "task", "reward_model")
+    suites = ("heldout_loss", "task", "reward_model", "lm_eval")
     default_suites = ("heldout_loss", "task")
 
 
@@ -157,7 +157,7 @@ class DPOConfig(RecipeConfig):
     evaluate -> register, starting from a model (`model.init_from` or `model.name_or_path`)."""
 
     kind, section, starts_from = "dpo", "dpo", "DPO"
-    suites = ("heldout_loss", "task", "preference", "reward_model")
+    suites = ("heldout_loss", "task", "preference", "reward_model", "lm_eval")
     default_suites = ("heldout_loss", "task", "preference")
 
     dpo: DPOSection = field(default_factory=DPOSection)
@@ -191,7 +191,7 @@ class KTOConfig(RecipeConfig):
     (`model.init_from` or `model.name_or_path`)."""
 
     kind, section, starts_from = "kto", "kto", "KTO"
-    suites = ("heldout_loss", "task", "preference", "reward_model")
+    suites = ("heldout_loss", "task", "preference", "reward_model", "lm_eval")
     default_suites = ("heldout_loss", "task", "preference")
 
     kto: KTOSection = field(default_factory=KTOSection)
@@ -214,7 +214,7 @@ class ORPOConfig(RecipeConfig):
     register, starting from a model (`model.init_from` or `model.name_or_path`)."""
 
     kind, section, starts_from = "orpo", "orpo", "ORPO"
-    suites = ("heldout_loss", "task", "preference", "reward_model")
+    suites = ("heldout_loss", "task", "preference", "reward_model", "lm_eval")
     default_suites = ("heldout_loss", "task", "preference")
 
     orpo: ORPOSection = field(default_factory=ORPOSection)
@@ -295,7 +295,7 @@ class DistillConfig(RecipeConfig):
     (random init or a starting model)."""
 
     kind, section = "distill", "distill"
-    suites = ("heldout_loss", "task", "reward_model")
+    suites = ("heldout_loss", "task", "reward_model", "lm_eval")
     default_suites = ("heldout_loss", "task")
 
     distill: DistillSection = field(default_factory=lambda: DistillSection(teacher=""))
@@ -433,7 +433,7 @@ class GRPOConfig(RecipeConfig):
     kind, section, starts_from = "grpo", "grpo", "GRPO"
     no_fallback_lora = ("GRPO on model.backend 'transformers' trains without LoRA (the rollout engine's weight sync "
                         "takes the merged model's names)")
-    suites = ("heldout_loss", "task", "rewards", "reward_model")
+    suites = ("heldout_loss", "task", "rewards", "reward_model", "lm_eval")
     default_suites = ("heldout_loss", "task", "rewards")
 
     grpo: GRPOSection = field(default_factory=GRPOSection)

@@ -6,11 +6,14 @@
     python -m posttrain.registry promote NAME:VERSION         # refuses a failed verification or skew gate
     python -m posttrain.registry rollback NAME                # back to the previously promoted version
     python -m posttrain.registry history NAME                 # the promotion events
+    python -m posttrain.registry push NAME[:VERSION] OWNER/REPO [--private] [--revision BRANCH]
+                                                              # upload the model directory (with its card) to the Hub
 
 `--registry DIR` (before the command) picks the registry (default: `POSTTRAIN_REGISTRY`, else
 `outputs/registry`); `--json` prints the machine-readable form. Without a version, `show` and
 `lineage` take the promoted version, else the newest. Errors (an unknown name or version, a
-refused promotion) print one line on stderr and exit with status 1.
+refused promotion) print one line on stderr and exit with status 1; so does a `push` that did
+not upload (`posttrain.registry.hub.push_entry`: offline, unreachable, refused), after its line.
 """
 
 from __future__ import annotations
@@ -129,6 +132,12 @@ def _print_show(record: dict, as_json: bool) -> None:
         print(f"  data     {source}: {c.get('kept')} kept of {c.get('read')} read ({c.get('rejected')} rejected)")
     print(f"  metrics  {_headline_metrics(record)}")
     print(f"  model    {Path(record['path']) / 'model'}")
+    card = Path(record["path"]) / "model" / "README.md"
+    print(f"  card     {card if card.is_file() else '-'}")
+    hub = record.get("hub")
+    if isinstance(hub, dict):
+        print(f"  hub      {hub.get('repo')}: " + (f"pushed ({hub.get('url')})" if hub.get("pushed")
+                                                   else f"not pushed ({hub.get('reason')})"))
 
 
 def _print_lineage(chain: list[dict], as_json: bool) -> None:
@@ -156,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("promote", help="make a version the promoted one").add_argument("reference", help="NAME:VERSION")
     commands.add_parser("rollback", help="back to the previously promoted version").add_argument("name")
     commands.add_parser("history", help="promotion events").add_argument("name")
+    push = commands.add_parser("push", help="upload a version's model directory and card to the Hugging Face Hub")
+    push.add_argument("reference", help="NAME[:VERSION]")
+    push.add_argument("repo", help="the Hub repository, owner/name (created when missing)")
+    push.add_argument("--private", action="store_true", help="create the repository private")
+    push.add_argument("--revision", default=None, help="the branch to commit to (default: main; created when missing)")
     args = parser.parse_args(argv)
     registry_dir = args.registry or default_registry_dir()
     try:
@@ -180,6 +194,17 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(events, indent=2) if args.json else
                   "\n".join(f"{e['at']} {e['action']:<8} v{e['version']} by {e.get('by')}" for e in events)
                   or f"{args.name} was never promoted")
+        elif args.command == "push":
+            from posttrain.config.workflow_sections import HUB_REPO_ID
+            from posttrain.registry.hub import push_entry
+
+            if not HUB_REPO_ID.fullmatch(args.repo):
+                raise RegistryCommandError(f"{args.repo!r}: expected a Hub repository id, owner/name")
+            outcome = push_entry(select_entry(registry_dir, *parse_reference(args.reference)), args.repo,
+                                 private=args.private, revision=args.revision)
+            if args.json:
+                print(json.dumps(outcome))
+            return 0 if outcome["pushed"] else 1
     except (RegistryCommandError, PromotionError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -3,6 +3,7 @@
 Layout, one directory per registered version:
 
     registry_dir/NAME/vN/model/          copy of the Hugging Face model directory
+    registry_dir/NAME/vN/model/README.md its model card, when the registration renders one
     registry_dir/NAME/vN/lineage.json    what produced it (see `register_model`)
 
 Versions count up from 1. An entry is assembled in a hidden temporary directory next to the
@@ -21,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable, Optional
 
 import posttrain
 
@@ -29,18 +31,22 @@ _VERSION_DIR = re.compile(r"v([1-9][0-9]*)")
 LINEAGE_FILE = "lineage.json"
 MODEL_DIR = "model"
 ADAPTER_DIR = "adapter"
+CARD_FILE = "README.md"  # the model card, inside the model directory (where the Hub renders it)
 
 
 @dataclasses.dataclass(frozen=True)
 class RegistryEntry:
     """One registered version. `path` is the entry directory (`.../NAME/vN`); `uri` is the
     `file://` URI of its model directory; `uri_to_path(uri)` gives the local directory that
-    `from_pretrained` and vLLM load."""
+    `from_pretrained` and vLLM load. `hub`: what became of an upload to the Hub after
+    registering (`posttrain.registry.hub.push_entry`), None when none was asked for; it is not
+    part of an entry's identity (equality ignores it)."""
 
     name: str
     version: int
     path: str
     uri: str
+    hub: Optional[dict] = dataclasses.field(default=None, compare=False)
 
     @property
     def model_path(self) -> str:
@@ -98,11 +104,18 @@ def list_versions(registry_dir: str | Path, name: str) -> list[RegistryEntry]:
 
 
 def register_model(registry_dir: str | Path, name: str, model_dir: str | Path, lineage: dict,
-                   adapter_dir: str | Path | None = None) -> RegistryEntry:
+                   adapter_dir: str | Path | None = None,
+                   card: Callable[[dict], str] | None = None) -> RegistryEntry:
     """Copy the HF model directory `model_dir` into the registry as the next version of `name`.
 
     `adapter_dir` (a LoRA recipe's PEFT adapter, trained on the model's base) is copied
     beside it as `vN/adapter/` and named in the lineage (`"adapter": "adapter"`).
+
+    `card` (e.g. `posttrain.registry.card.render_model_card`) is called with the complete
+    lineage record (the one written to `lineage.json`, version included) and its text is
+    written as the model card `vN/model/README.md`, replacing a README.md that came with the
+    model directory; it is written with the rest of the entry, so an entry never exists
+    without it. Without `card` the model directory is copied as it is.
 
     `lineage.json` holds the caller's `lineage` (by convention `config`, `data` with sources and
     counts, `metrics`; dataclasses, paths and numpy scalars are converted) plus, added here,
@@ -130,7 +143,12 @@ def register_model(registry_dir: str | Path, name: str, model_dir: str | Path, l
         while True:
             target = model_root / f"v{version}"
             full = {**record, "version": version, "uri": (target / MODEL_DIR).as_uri()}
-            (staging / LINEAGE_FILE).write_text(json.dumps(full, indent=2, default=_to_json), encoding="utf-8")
+            text = json.dumps(full, indent=2, default=_to_json)
+            (staging / LINEAGE_FILE).write_text(text, encoding="utf-8")
+            if card is not None:  # rendered from the record as stored (plain JSON types)
+                card_path = staging / MODEL_DIR / CARD_FILE
+                card_path.unlink(missing_ok=True)  # a copied README.md may be a link or read-only
+                card_path.write_text(card(json.loads(text)), encoding="utf-8")
             try:
                 if target.exists():
                     raise FileExistsError(target)
@@ -151,6 +169,21 @@ def load_lineage(entry_path: str | Path) -> dict:
     if path.name == MODEL_DIR and not (path / LINEAGE_FILE).exists():
         path = path.parent
     return json.loads((path / LINEAGE_FILE).read_text(encoding="utf-8"))
+
+
+def update_lineage(entry_path: str | Path, updates: dict) -> dict:
+    """Add or replace top-level fields of an entry's `lineage.json` (given its directory or its
+    model directory), written beside and renamed over the file so a reader never sees half of
+    it; returns the updated lineage. For what happens to an entry after registering (its
+    upload to the Hub); what produced the model is never rewritten."""
+    path = Path(entry_path)
+    if path.name == MODEL_DIR and not (path / LINEAGE_FILE).exists():
+        path = path.parent
+    lineage = {**load_lineage(path), **updates}
+    tmp = path / f".{LINEAGE_FILE}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(lineage, indent=2, default=_to_json), encoding="utf-8")
+    os.replace(tmp, path / LINEAGE_FILE)
+    return lineage
 
 
 def uri_to_path(uri: str) -> Path:

@@ -10,9 +10,9 @@ and the registered model, reported to the tools users read runs in (`train.repor
   `MLFLOW_ALLOW_FILE_STORE=true`, which MLflow 3 requires, unless set otherwise).
 - `trackio`: a trackio run (local SQLite under `TRACKIO_DIR`, or its Space when configured).
 
-Each receives, at every step, exactly the numeric scalars the JSONL log gets
-(`posttrain.train.tensorboard.scalars`: numbers and bools, without `step` and `elapsed_s`),
-at that step; when it opens, the recipe's config as parameters; when the model is registered
+Each receives, at every step (an RL recipe: every round), exactly the numeric scalars the
+JSONL log gets (`posttrain.train.tensorboard.scalars`: numbers and bools, without `step` and
+`elapsed_s`; MLflow under names it accepts, `mlflow_key`), at that step; when it opens, the recipe's config as parameters; when the model is registered
 (`record_registration`, from the flow's `register` step, another process), the lineage as
 parameters and the registered model as an artifact reference (a W&B reference artifact; an MLflow tag and
 `registered_model.json` artifact; a trackio artifact of that JSON; TensorBoard text). One
@@ -121,6 +121,11 @@ class WandbTracker:
         self.run.finish()
 
 
+def mlflow_key(key: str) -> str:
+    """`key` with each character MLflow refuses in a metric name replaced: `pass@1` -> `pass_at_1`."""
+    return re.sub(r"[^\w.\- :/]", "_", key.replace("@", "_at_"))
+
+
 class MlflowTracker:
     """An MLflow run in experiment `project`, found again by its `posttrain.run_key` tag."""
 
@@ -155,7 +160,7 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         step, now_ms = int(metrics["step"]), int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(key, value, now_ms, step)
+        self.client.log_batch(self.run_id, metrics=[Metric(mlflow_key(key), value, now_ms, step)
                                                     for key, value in scalars(metrics).items()])
 
     def record_registration(self, lineage: dict, model: dict) -> None:
