@@ -208,10 +208,15 @@ EVAL_COLUMNS = {
 
 
 def eval_section(card, metrics: dict) -> None:
-    """The metrics table: one row per model under test, a column per known metric any of them has."""
+    """The metrics table: one row per model under test, a column per known metric any of them
+    has, and per lm-evaluation-harness `<task>/<metric>` (its standard errors and sample
+    counts left to the per-suite chart and the lineage)."""
     card.append(Markdown(f"## Evaluation: {', '.join(metrics)} (held out)"))
     passes = sorted({k for m in metrics.values() for k in m if k.startswith("pass_at_")})
-    columns = {**EVAL_COLUMNS, **{k: (k.replace("pass_at_", "pass@"), "{:.1%}") for k in passes}}
+    harness = sorted({k for m in metrics.values() for k in m
+                      if "/" in k and not k.endswith(("_stderr", "/sample_len")) and "_stderr," not in k})
+    columns = {**EVAL_COLUMNS, **{k: (k.replace("pass_at_", "pass@"), "{:.1%}") for k in passes},
+               **{k: (k, "{:.3f}") for k in harness}}
     shown = [k for k in columns if any(k in m for m in metrics.values())]
     card.append(Table([[label, *(columns[k][1].format(m[k]) if k in m else "–" for k in shown)]
                        for label, m in metrics.items()],
