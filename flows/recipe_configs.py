@@ -8,7 +8,8 @@ override that names an unknown format or a list index past the end), and when a 
 launched (`run`, `resume`) it checks that every local path the recipe reads exists and every
 hub id is well formed (`posttrain.config.paths`), that the starting checkpoint's
 config.json is one the model runs, with a tokenizer that fits its vocabulary
-(`posttrain.launch_check`), and that every tracker of `train.report_to` is installed. All of them fail in one line naming the key, before Metaflow
+(`posttrain.launch_check`), and that every tracker of `train.report_to` and every optional
+package the recipe needs (Ray, lm-eval, vLLM) is installed. All of them fail in one line naming the key, before Metaflow
 starts the run.
 """
 
@@ -121,6 +122,7 @@ class ValidateRecipe(FlowMutator):
                 check_starting_model(recipe)
                 check_starting_checkpoint(recipe)  # its config.json and the tokenizer's size
                 check_trackers(recipe.train.report_to)
+                check_extras(recipe, ray_workers=not hasattr(flow_cls, "train_nodes"))
         except ConfigError as exc:
             raise RecipeConfigError(str(exc)) from None
         apply_production(mutable_flow, recipe.production)
@@ -158,6 +160,30 @@ def check_trackers(report_to: list[str]) -> None:
         check_available(report_to)
     except TrackerError as err:
         raise ConfigError(str(err)) from None
+
+
+def check_extras(recipe, ray_workers: bool = True) -> None:
+    """The optional packages the recipe will need are installed (else a step would fail after
+    ingest, tokenize and pack): Ray for `parallel.num_workers > 1` (`ray_workers`: this flow
+    trains them as Ray actors; the multi-node flow does not) or an RL recipe's roles on actors,
+    lm-eval for an `lm_eval` suite, vLLM for `grpo.engine: vllm_actor`."""
+    from importlib.util import find_spec
+
+    actors = ray_workers and recipe.parallel.num_workers > 1
+    grpo = getattr(recipe, "grpo", None)
+    if grpo is not None:
+        from posttrain.steps.rl import ray_actors_for_roles
+
+        actors = actors or ray_actors_for_roles(recipe) > 0
+    missing = []
+    if actors and find_spec("ray") is None:
+        missing.append("Ray (parallel.num_workers > 1 or RL roles on actors): pip install 'posttrain[ray]'")
+    if any(suite.kind == "lm_eval" for suite in recipe.eval.suites) and find_spec("lm_eval") is None:
+        missing.append("lm-evaluation-harness (an lm_eval suite in eval.suites): pip install 'posttrain[eval]'")
+    if grpo is not None and grpo.engine == "vllm_actor" and find_spec("vllm") is None:
+        missing.append("vLLM (grpo.engine: vllm_actor): pip install 'posttrain[vllm]'")
+    if missing:
+        raise ConfigError("this recipe needs packages that are not installed: " + "; ".join(missing))
 
 
 def check_starting_model(recipe) -> None:

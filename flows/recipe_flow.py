@@ -224,9 +224,11 @@ class RecipeSteps(FlowSpec):
             from posttrain.train.trackers import record_registration
 
             entry = self.registry_entry
-            record_registration(self.recipe.train.report_to, tracking_run(self.recipe, self.run_dir),
-                                load_lineage(Path(entry.path)), {"name": entry.name, "version": entry.version,
-                                                                 "uri": entry.uri, "path": entry.model_path})
+            self.tracker_outcomes = record_registration(self.recipe.train.report_to,
+                                                        tracking_run(self.recipe, self.run_dir),
+                                                        load_lineage(Path(entry.path)),
+                                                        {"name": entry.name, "version": entry.version,
+                                                         "uri": entry.uri, "path": entry.model_path})
         self.next(self.end)
 
     @card(type="blank", id="overview")

@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -167,6 +168,8 @@ class TaskResult:
 
 def _is_engine_failure(err: BaseException) -> bool:
     """Whether the rollout engine's actor died (`posttrain.parallel.roles.RoleLost`)."""
+    if "ray" not in sys.modules:  # no actor can have died (and Ray, optional, may be absent)
+        return False
     from posttrain.parallel.roles import RoleLost
 
     return isinstance(err, RoleLost)

@@ -8,7 +8,8 @@
 3. installs `posttrain[flows,trackers]` from the same wheel and, in `WORK_DIR/run` (outside
    any checkout), runs `posttrain sft configs/sft/tiny.yaml train.max_steps=2` (the config
    shipped in the wheel) reporting to TensorBoard, W&B (offline) and MLflow (a local file
-   store), through `register`.
+   store), through `register`; and, with Ray not installed, a two-worker recipe is refused at
+   launch naming the `ray` extra (as, before step 3, any recipe naming the `flows` extra).
 
 The installs are constrained to the versions of the virtualenv running this script
 (`uv pip freeze`), so they take what `make setup` already downloaded (the test runs offline
@@ -85,6 +86,9 @@ def main(work: Path) -> dict:
 
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHONPATH", "VIRTUAL_ENV"))}
     smoke = json.loads(run([python, REPO / "tests" / "package_smoke.py"], cwd=work, env=env).stdout.splitlines()[-1])
+    # without the flows extra the command says which extra a recipe needs
+    no_flows = run([venv / "bin" / "posttrain", "sft", "configs/sft/tiny.yaml"], log=work / "no_flows.log", cwd=work,
+                   env=env)
     lap("smoke")
 
     run([*install, f"posttrain[flows,trackers] @ {wheel.as_uri()}"])
@@ -96,8 +100,14 @@ def main(work: Path) -> dict:
                 "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     flow = run([venv / "bin" / "posttrain", *FLOW_ARGS], log=work / "flow.log", cwd=run_dir, env=flow_env)
     lap("flow")
+    # two workers train as Ray actors: refused at launch, naming the ray extra (not installed here)
+    no_ray = run([venv / "bin" / "posttrain", "sft", "configs/sft/tiny-2workers.yaml"], log=work / "no_ray.log",
+                 cwd=run_dir, env=flow_env)
+    lap("no_ray")
     return {"wheel": str(wheel), "venv": str(venv), "run_dir": str(run_dir), "smoke": smoke,
-            "flow_returncode": flow.returncode, "flow_log": str(work / "flow.log"), "seconds": seconds}
+            "flow_returncode": flow.returncode, "flow_log": str(work / "flow.log"), "seconds": seconds,
+            "no_flows": {"returncode": no_flows.returncode, "output": no_flows.stdout + no_flows.stderr},
+            "no_ray": {"returncode": no_ray.returncode, "output": (no_ray.stdout + no_ray.stderr)[-3000:]}}
 
 
 if __name__ == "__main__":

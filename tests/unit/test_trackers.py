@@ -12,13 +12,15 @@ import pytest
 
 from posttrain.config.strict import ConfigError
 from posttrain.train.metrics import open_metrics
-from posttrain.train.trackers import TrackerError, check_available, flatten, record_registration, tracking_run
+from posttrain.train.trackers import (TrackerError, check_available, flatten, mlflow_key, record_registration,
+                                      tracking_run)
 from tracker_readers import expected_series, mlflow_run, tensorboard_run, wandb_run
 
 
 def step_metrics(step: int) -> dict:
+    """A training step's record, with an RL round's kind of name (`pass@1`), which MLflow refuses as it is."""
     return {"step": step, "loss": 3.0 / step, "lr": 1e-3 * step, "grad_norm": 0.5 + step, "grad_clipped": step == 2,
-            "tokens": 100 * step, "health": "ok", "elapsed_s": 0.1 * step}
+            "tokens": 100 * step, "pass@1": 0.25 * step, "health": "ok", "elapsed_s": 0.1 * step}
 
 
 @pytest.fixture
@@ -47,28 +49,35 @@ def test_every_tracker_holds_the_jsonl_scalars_the_config_and_the_registered_mod
     (tmp_path / "registry" / "demo" / "v4" / "model").mkdir(parents=True)
     (tmp_path / "registry" / "demo" / "v4" / "model" / "config.json").write_text("{}")
     lineage = {"recipe": "demo", "data": {"fingerprints": {"a": {"sha256": "ab" * 32, "size": 10}}},
-               "code": {"package_version": "0.1.0"}}
-    record_registration(names, run, lineage, model)
+               "code": {"package_version": "0.1.0"},
+               "metrics": {"train": {"first_pass@1": 0.5}, "eval": {"tuned": {"gsm8k/exact_match,strict-match": 0.1}}}}
+    assert record_registration(names, run, lineage, model) == {name: "recorded" for name in names}
+    # a retried register step (a new version, another time) is recorded too, never refused
+    again = {**lineage, "version": 5}
+    assert record_registration(names, run, again, {**model, "version": 5}) == {name: "recorded" for name in names}
 
     expected = expected_series(run_dir / "metrics.jsonl")
-    assert sorted(expected) == ["grad_clipped", "grad_norm", "loss", "lr", "tokens"]  # no step, elapsed_s, health
+    assert sorted(expected) == ["grad_clipped", "grad_norm", "loss", "lr", "pass@1", "tokens"]  # no step, elapsed_s
 
     wandb = wandb_run(run_dir / "wandb", run.key)
     assert wandb["history"] == expected
     assert wandb["config"]["train"] == config["train"]
     assert wandb["config"]["lineage"]["data"] == lineage["data"]
-    (artifact,) = wandb["artifacts"]
+    artifact = wandb["artifacts"][0]
     assert artifact["type"] == "model" and artifact["name"] == "demo"
     assert any(ref.startswith(model["uri"]) for ref in artifact["references"])
 
     mlflow = mlflow_run((tmp_path / "outputs" / "mlruns").as_uri(), project)
-    assert mlflow["history"] == {k: [(s, float(v)) for s, v in series] for k, series in expected.items()}
+    assert mlflow["history"] == {mlflow_key(k): [(s, float(v)) for s, v in series] for k, series in expected.items()}
+    assert "pass_at_1" in mlflow["history"]
     assert mlflow["params"]["train.max_steps"] == "3" and mlflow["params"]["data.sources.0.path"] == "a.jsonl"
     assert mlflow["params"]["lineage.data.fingerprints.a.sha256"] == "ab" * 32
-    assert mlflow["tags"]["posttrain.model_uri"] == model["uri"]
+    assert mlflow["params"]["lineage.metrics.train.first_pass_at_1"] == "0.5"
+    assert mlflow["params"]["lineage.metrics.eval.tuned.gsm8k/exact_match_strict-match"] == "0.1"
+    assert mlflow["tags"]["posttrain.model_uri"] == model["uri"] and mlflow["tags"]["posttrain.model_version"] == "5"
     (tmp_path / "dl").mkdir()
     local = mlflow["client"].download_artifacts(mlflow["run_id"], "registered_model.json", str(tmp_path / "dl"))
-    assert json.loads(Path(local).read_text()) == model
+    assert json.loads(Path(local).read_text()) == {**model, "version": 5, "lineage": again}
 
     board = tensorboard_run(run_dir / "tensorboard")
     assert sorted(board["history"]) == sorted(expected)
@@ -95,6 +104,18 @@ def test_a_resumed_run_continues_the_same_tracker_runs(offline_trackers):
         sinks.append(step_metrics(2))
     assert [s for s, _ in wandb_run(run_dir / "wandb", run.key)["history"]["loss"]] == [1, 2]
     assert [s for s, _ in mlflow_run((tmp_path / "outputs" / "mlruns").as_uri(), "resumed")["history"]["loss"]] == [1, 2]
+
+
+def test_a_tracker_that_fails_at_registration_is_reported_and_the_others_still_record(offline_trackers, capsys,
+                                                                                       monkeypatch):
+    tmp_path = offline_trackers
+    run = tracking_run("failing", tmp_path / "outputs" / "SFTFlow" / "19", tmp_path / "outputs")
+    (tmp_path / "not-a-directory").write_text("")  # a store MLflow cannot create
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "not-a-directory" / "mlruns").as_uri())
+    outcomes = record_registration(["mlflow", "tensorboard"], run, {"recipe": "x"},
+                                   {"name": "x", "version": 1, "uri": "file:///x", "path": "/x"})
+    assert outcomes["tensorboard"] == "recorded" and outcomes["mlflow"] != "recorded"
+    assert "warning: mlflow did not record the registered model" in capsys.readouterr().out
 
 
 def test_tracking_identity_is_stable_and_safe_for_every_client(tmp_path):

@@ -1,7 +1,8 @@
 """`posttrain RECIPE [CONFIG] [key=value ...] [COMMAND ...]`: run a recipe's Metaflow flow.
 
 The arguments after the recipe are read left to right:
-- CONFIG (optional, first): a recipe YAML (`.yaml`/`.yml`), as a path or as a config shipped
+- CONFIG (optional, first): a recipe file (an existing file, or a name ending in `.yaml`,
+  `.yml` or `.json`), as a path or as a config shipped
   with posttrain (`sft/demo.yaml` or `configs/sft/demo.yaml`, looked up in
   `posttrain.catalog.shipped_dir("configs")` when no such file exists here); without one, the
   flow's own default (the recipe's offline demo);
@@ -20,6 +21,7 @@ the original run's configs and refuses new ones).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -56,8 +58,14 @@ RECIPE_FLOWS: dict[str, RecipeFlow] = {
 ALIASES = {"semantic_ids": "semantic-ids", "grpo_sweep": "grpo-sweep", "sft_multinode": "sft-multinode"}
 
 OVERRIDE = re.compile(r"(?P<key>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*)=(?P<value>.*)", re.DOTALL)
-CONFIG_SUFFIXES = (".yaml", ".yml")
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 NO_CONFIG_COMMANDS = ("resume",)  # Metaflow reuses the original run's configs
+
+
+def launch_command(metaflow_args: list[str]) -> str | None:
+    """`run` or `resume` when the Metaflow command line launches a run (after any top-level
+    options: `--with retry resume`), else None (`show`, `card view`, `argo-workflows create`)."""
+    return next((arg for arg in metaflow_args if arg in ("run", "resume")), None)
 
 
 class CommandLineError(ValueError):
@@ -78,7 +86,7 @@ class RecipeCommand:
         """The flow's command line, for this interpreter."""
         flow_file = shipped_flow(self.flow.flow_file)
         configs = []
-        if self.metaflow_args[0] not in NO_CONFIG_COMMANDS:
+        if launch_command(self.metaflow_args) not in NO_CONFIG_COMMANDS:
             if self.config is not None:
                 configs += ["--config", "config", self.config]
             if self.overrides:
@@ -107,13 +115,26 @@ def resolve_config(name: str) -> str:
                            "`posttrain recipes` lists them)")
 
 
+NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def parse_value(text: str):
-    """An override's value as YAML (`20` -> 20, `[a,b]` -> a list, `null` -> None); text
-    that is not valid YAML stays a string."""
+    """An override's value as YAML (`20` -> 20, `[a,b]` -> a list, `null` -> None, `true`),
+    with numbers as a user means them (`1e-5` is a float: YAML 1.1 would read a string) and
+    words as words (`no`, `on`, `2024-01-01` stay strings: YAML 1.1 would read a bool or a date);
+    text that is not valid YAML stays a string."""
+    if NUMBER.fullmatch(text.strip()):
+        number = float(text)
+        return int(text) if re.fullmatch(r"[-+]?\d+", text.strip()) else number
     try:
-        return yaml.safe_load(text)
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+    if isinstance(value, bool) and text.strip().lower() not in ("true", "false"):
+        return text
+    if not isinstance(value, (str, int, float, bool, list, dict, type(None))):  # a date, a timestamp
+        return text
+    return value
 
 
 def parse(recipe: str, args: list[str]) -> RecipeCommand:
@@ -128,7 +149,8 @@ def parse(recipe: str, args: list[str]) -> RecipeCommand:
                                "see posttrain --help)")
     rest = list(args)
     config = None
-    if rest and rest[0].lower().endswith(CONFIG_SUFFIXES) and not rest[0].startswith("-"):
+    if rest and not rest[0].startswith("-") and not OVERRIDE.fullmatch(rest[0]) and (
+            rest[0].lower().endswith(CONFIG_SUFFIXES) or Path(rest[0]).is_file()):
         config = resolve_config(rest.pop(0))
     overrides: dict = {}
     while rest and (match := OVERRIDE.fullmatch(rest[0])):
@@ -137,9 +159,12 @@ def parse(recipe: str, args: list[str]) -> RecipeCommand:
     for arg in rest:
         if arg.lower().endswith(CONFIG_SUFFIXES) and Path(arg).is_file() and "=" not in arg:
             raise CommandLineError(f"the config file ({arg}) goes right after the recipe: posttrain {recipe} {arg} ...")
+        if OVERRIDE.fullmatch(arg) and "." in arg.partition("=")[0]:
+            raise CommandLineError(f"the override {arg} comes after Metaflow's arguments; overrides go before them: "
+                                   f"posttrain {recipe} [CONFIG] {arg} ... {' '.join(rest[:1])} ...")
     metaflow_args = rest or ["run"]
-    if metaflow_args[0] in NO_CONFIG_COMMANDS and (config is not None or overrides):
-        raise CommandLineError(f"'{metaflow_args[0]}' reuses the original run's config; drop the config file and "
+    if launch_command(metaflow_args) in NO_CONFIG_COMMANDS and (config is not None or overrides):
+        raise CommandLineError(f"'resume' reuses the original run's config; drop the config file and "
                                f"overrides (posttrain {recipe} {' '.join(metaflow_args)})")
     return RecipeCommand(name, RECIPE_FLOWS[name], config, overrides, metaflow_args)
 
@@ -151,7 +176,7 @@ def validate(command: RecipeCommand) -> None:
     from posttrain.config.schema import RECIPES
     from posttrain.config.strict import check_overrides
 
-    if command.metaflow_args[0] in NO_CONFIG_COMMANDS:
+    if launch_command(command.metaflow_args) in NO_CONFIG_COMMANDS:
         return
     check_overrides(RECIPES[command.flow.kind], command.overrides, source="the command line")
     path = command.config or (default_config("grpo", "sweep-demo") if command.recipe == "grpo-sweep"
@@ -166,6 +191,8 @@ def run_recipe(recipe: str, args: list[str]) -> int:
 
     try:
         command = parse(recipe, args)
+        if importlib.util.find_spec("metaflow") is None:
+            raise CommandLineError("the recipes run as Metaflow flows: pip install 'posttrain[flows]'")
         validate(command)
     except (CommandLineError, ConfigError) as exc:
         print(f"posttrain: error: {exc}", file=sys.stderr)

@@ -68,6 +68,11 @@ def _recipe_places(config: Any) -> Iterator[tuple[str, str, str, str | None]]:
         yield "semantic_ids.items", "the item catalogue", semantic.items, "jsonl"
     if config.model.init == "pretrained" and config.model.name_or_path:
         yield "model.name_or_path", "the starting model", config.model.name_or_path, None
+    for i, suite in enumerate(config.eval.suites):
+        if suite.kind == "lm_eval" and suite.kwargs.get("include_path"):
+            # a directory of task YAMLs; "jsonl" marks it local (never a hub id)
+            yield f"eval.suites.{i}.kwargs.include_path", f"suite '{suite.label}' tasks", suite.kwargs["include_path"], \
+                "jsonl"
 
 
 def check_recipe_paths(config: Any) -> None:

@@ -77,6 +77,8 @@ class TrainConfig:
     (default: the recipe's `name`). `progress_bar`: a tqdm bar on a terminal (a plain line
     every `log_every` steps elsewhere)."""
 
+    RENAMED = {"tensorboard": "report_to: [tensorboard] (or [] for none)"}  # keys of earlier versions
+
     seed: int = 0
     device: Literal["cpu", "cuda", "auto"] = "auto"
     max_steps: Optional[int] = bounded(None, ge=1)

@@ -112,6 +112,17 @@ def _check_range(field: dataclasses.Field, value: Any, key: str, source: str) ->
             raise ConfigError(f"{_where(source, key)} must be {symbol} {bound}, got {value!r}")
 
 
+def _nearest_hint(cls: type, key: str, fields) -> str:
+    """What an unknown key of section `cls` should be: its replacement when the section names it
+    in `RENAMED` (a key that was renamed or replaced: {old key: what to write instead}), else
+    the nearest valid key."""
+    renamed = getattr(cls, "RENAMED", {})
+    if key in renamed:
+        return f"; it was replaced: use {renamed[key]}"
+    nearest = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
+    return f"; did you mean '{nearest[0]}'?" if nearest else ""
+
+
 def from_dict(cls: type, data: Any, *, source: str = "<config>", prefix: str = "", invariants: bool = True) -> Any:
     """Build dataclass `cls` from `data`, rejecting unknown keys, wrong types and out-of-range values.
 
@@ -124,8 +135,7 @@ def from_dict(cls: type, data: Any, *, source: str = "<config>", prefix: str = "
     for key in data:
         if key not in fields:
             dotted = f"{prefix}.{key}" if prefix else str(key)
-            nearest = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
-            hint = f"; did you mean '{nearest[0]}'?" if nearest else ""
+            hint = _nearest_hint(cls, str(key), fields)
             raise ConfigError(
                 f"unknown key '{dotted}' in {source}{hint} (valid keys here: {', '.join(sorted(fields))})"
             )
@@ -211,8 +221,7 @@ def check_overrides(cls: type, overrides: dict, *, source: str = "overrides") ->
             elif dataclasses.is_dataclass(tp):
                 fields = config_fields(tp)
                 if part not in fields:
-                    nearest = difflib.get_close_matches(part, list(fields), n=1, cutoff=0.5)
-                    hint = f"; did you mean '{nearest[0]}'?" if nearest else ""
+                    hint = _nearest_hint(tp, part, fields)
                     raise ConfigError(f"unknown key '{here}' in {source}{hint} "
                                       f"(valid keys here: {', '.join(sorted(fields))})")
                 field = fields[part]

@@ -414,6 +414,19 @@ def _gates_section(lineage: dict) -> list[str]:
             f"- {_verify_line(metrics.get('verify'))}", f"- {_skew_line(metrics.get('skew'))}", ""]
 
 
+def _spread_keys(name: str) -> tuple[str, ...]:
+    """The keys a metric's standard error may have: ours (`<name>_se`) and lm-evaluation-harness's
+    (`<task>/<metric>_stderr`, or `<task>/<metric>_stderr,<filter>` for `<task>/<metric>,<filter>`)."""
+    metric, comma, filter_name = name.partition(",")
+    return (f"{name}_se", f"{metric}_stderr{comma}{filter_name}")
+
+
+def _is_spread(key: str) -> bool:
+    """A standard error or a harness's document count, shown beside its metric or not at all."""
+    metric = key.partition(",")[0]
+    return key.endswith("_se") or metric.endswith("_stderr") or metric.endswith("/sample_len")
+
+
 def _evaluation_section(lineage: dict) -> list[str]:
     metrics = lineage.get("metrics") or {}
     evaluation = metrics.get("eval") or {}
@@ -426,13 +439,13 @@ def _evaluation_section(lineage: dict) -> list[str]:
         models = [m for m in _MODEL_ORDER if m in by_model] + [m for m in by_model if m not in _MODEL_ORDER]
         names: list[str] = []
         for model in models:
-            names += [k for k in by_model[model] if k not in names and not k.endswith("_se")]
+            names += [k for k in by_model[model] if k not in names and not _is_spread(k)]
 
         def value(model: str, name: str) -> str:
             found = by_model[model].get(name)
             if found is None:
                 return "-"
-            se = by_model[model].get(f"{name}_se")
+            se = next((by_model[model][k] for k in _spread_keys(name) if k in by_model[model]), None)
             has_se = isinstance(se, (int, float)) and not isinstance(se, bool)
             return _cell(found) + (f" ± {_cell(se)}" if has_se else "")
 
@@ -441,7 +454,8 @@ def _evaluation_section(lineage: dict) -> list[str]:
         lines += ["", "Models: `base` is the model training started from, `tuned` this one"
                   + (promoted if "promoted" in by_model else "")
                   + (", `teacher` the distillation teacher" if "teacher" in by_model else "")
-                  + "; ± is one standard error. All on the recipe's held-out data."]
+                  + "; ± is one standard error. All on the recipe's held-out data, but for "
+                  "lm-evaluation-harness tasks (`<task>/<metric>`), on the documents of those tasks."]
     if errors:
         lines += ["", "Failed evaluation suites (no metrics above):", ""]
         lines += [f"- `{suite}`: {_cell(error)}" for suite, error in errors.items()]

@@ -12,7 +12,7 @@ and the registered model, reported to the tools users read runs in (`train.repor
 
 Each receives, at every step (an RL recipe: every round), exactly the numeric scalars the
 JSONL log gets (`posttrain.train.tensorboard.scalars`: numbers and bools, without `step` and
-`elapsed_s`; MLflow under names it accepts, `mlflow_key`), at that step; when it opens, the recipe's config as parameters; when the model is registered
+`elapsed_s`; MLflow's metric and parameter names made legal by `mlflow_key`), at that step; when it opens, the recipe's config as parameters; when the model is registered
 (`record_registration`, from the flow's `register` step, another process), the lineage as
 parameters and the registered model as an artifact reference (a W&B reference artifact; an MLflow tag and
 `registered_model.json` artifact; a trackio artifact of that JSON; TensorBoard text). One
@@ -137,8 +137,7 @@ class MlflowTracker:
             # MLflow 3 refuses its file store unless told it is wanted; a local store is what we ask for
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
-        experiment = self.client.get_experiment_by_name(run.project)
-        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(run.project)
+        experiment_id = self._experiment_id(run.project)
         found = self.client.search_runs([experiment_id], filter_string=f"tags.`posttrain.run_key` = '{run.key}'",
                                         max_results=1)
         self.run_id = found[0].info.run_id if found else self.client.create_run(
@@ -147,12 +146,32 @@ class MlflowTracker:
         if params:
             self.log_params(params)
 
+    def _experiment_id(self, name: str) -> str:
+        """The experiment `name`, created when missing (a sweep's branches may race to create it)."""
+        from mlflow.exceptions import MlflowException
+
+        experiment = self.client.get_experiment_by_name(name)
+        if experiment is not None:
+            return experiment.experiment_id
+        try:
+            return self.client.create_experiment(name)
+        except MlflowException:
+            experiment = self.client.get_experiment_by_name(name)
+            if experiment is None:
+                raise
+            return experiment.experiment_id
+
     def log_params(self, params: dict) -> None:
+        """`params` flattened to dotted keys (under names MLflow accepts). A parameter logged
+        before keeps its value (MLflow refuses a change): a retried register step's lineage
+        differs in its version and time, which the `registered_model.json` artifact holds."""
         from mlflow.entities import Param
 
-        flat = [Param(key, str(value)[:MLFLOW_PARAM_VALUE_CHARS]) for key, value in flatten(params).items()]
-        for i in range(0, len(flat), MLFLOW_BATCH):
-            self.client.log_batch(self.run_id, params=flat[i:i + MLFLOW_BATCH])
+        logged = self.client.get_run(self.run_id).data.params
+        flat = {mlflow_key(key): str(value)[:MLFLOW_PARAM_VALUE_CHARS] for key, value in flatten(params).items()}
+        new = [Param(key, value) for key, value in flat.items() if key not in logged]
+        for i in range(0, len(new), MLFLOW_BATCH):
+            self.client.log_batch(self.run_id, params=new[i:i + MLFLOW_BATCH])
 
     def append(self, metrics: dict) -> None:
         import time
@@ -167,7 +186,8 @@ class MlflowTracker:
         self.log_params({"lineage": lineage})
         for key, value in model.items():
             self.client.set_tag(self.run_id, f"posttrain.model_{key}", str(value))
-        self.client.log_dict(self.run_id, model, "registered_model.json")
+        self.client.log_dict(self.run_id, json.loads(json.dumps({**model, "lineage": lineage}, default=str)),
+                             "registered_model.json")
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
@@ -224,6 +244,7 @@ def _markdown_json(value) -> str:
 
 TRACKER_CLASSES = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker,
                    "trackio": TrackioTracker}
+assert set(TRACKER_CLASSES) == set(TRACKER_MODULES) == set(TRACKERS), "every tracker of catalog.TRACKERS, once"
 
 
 def open_trackers(names: Iterable[str], run: TrackingRun, params: dict | None = None,
@@ -245,15 +266,25 @@ def open_trackers(names: Iterable[str], run: TrackingRun, params: dict | None = 
     return opened
 
 
-def record_registration(names: Iterable[str], run: TrackingRun, lineage: dict, model: dict) -> None:
+def record_registration(names: Iterable[str], run: TrackingRun, lineage: dict, model: dict) -> dict[str, str]:
     """Report a registered model to each tracker of `names`, in the run the train step used:
     `lineage` (the registry's lineage: parent, data fingerprints, code version, metrics) as
-    parameters and `model` (`name`, `version`, `uri`, `path`) as an artifact reference."""
-    names = list(dict.fromkeys(names))
-    check_available(names)
-    for name in names:
-        tracker = TRACKER_CLASSES[name](run)
+    parameters and `model` (`name`, `version`, `uri`, `path`) as an artifact reference.
+
+    Best effort: the model is registered already, so a tracker that fails (not installed, not
+    reachable, refusing) is reported in one line and the others still get it; returns each
+    tracker's outcome ("recorded" or the error)."""
+    outcomes = {}
+    for name in dict.fromkeys(names):
         try:
-            tracker.record_registration(lineage, model)
-        finally:
-            tracker.close()
+            check_available([name])
+            tracker = TRACKER_CLASSES[name](run)
+            try:
+                tracker.record_registration(lineage, model)
+            finally:
+                tracker.close()
+            outcomes[name] = "recorded"
+        except Exception as err:  # noqa: BLE001 - one tracker's failure must not undo or repeat a registration
+            outcomes[name] = f"{type(err).__name__}: {err}"
+            print(f"[register] warning: {name} did not record the registered model: {outcomes[name]}")
+    return outcomes
