@@ -87,9 +87,10 @@ def build_workspace(tmp: Path, shape: str, model_dir: str | None, count: int):
     return Path(model_dir), tokenizer, records
 
 
-def run_ours(model_dir: Path, tokenizer, records, args, device: str = "cpu") -> tuple[list[float], list[dict], dict]:
+def run_ours(model_dir: Path, tokenizer, records, args, device: str = "cpu",
+             scorer=None) -> tuple[list[float], list[dict], dict]:
     """Our rounds (the first one a warm-up, left out of the times): policy, engine and reference
-    all on `device`."""
+    all on `device`; the reward role `scorer` (default: the exact-answer reward in process)."""
     from posttrain.config.schema import GRPOSection, TrainConfig
     from posttrain.data.chat import end_of_turn_token_ids, render_prompt
     from posttrain.models.architectures import load_hf_checkpoint
@@ -108,7 +109,8 @@ def run_ours(model_dir: Path, tokenizer, records, args, device: str = "cpu") -> 
     engine = NativeEngine(copy.deepcopy(model), tokenizer=tokenizer, decode_backend=args.decode_backend)
     prompts = [render_prompt(tokenizer, r.prompt) for r in records]
     sampling = dataclasses.replace(grpo.sampling, stop_token_ids=tuple(end_of_turn_token_ids(tokenizer)))
-    controller = RLController(trainer, engine, RewardScorer([RewardTerm("exact_answer")]), prompts, records,
+    scorer = scorer if scorer is not None else RewardScorer([RewardTerm("exact_answer")])
+    controller = RLController(trainer, engine, scorer, prompts, records,
                               grpo, sampling, args.row_length, 1024, tokenizer, tokenizer.pad_token_id, seed=0)
     times, metrics = [], []
     for r in range(args.rounds + 1):

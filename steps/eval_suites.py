@@ -337,33 +337,36 @@ def evaluate_rewards(models: dict[str, str], config: GRPOConfig, tokenizer, reco
         return result.rewards, result.num_failed
 
     out: dict[str, dict] = {}
-    for label, model_dir in models.items():
-        model = recipe_spec(config).load_model(config, model_dir, device).eval()
-        engine = NativeEngine(model, tokenizer=tokenizer, max_batch_rows=max(config.eval.batch_size, g.eval_samples))
-        rewards, failed = score(engine.generate(prompts.ids, greedy))
-        finite = [r for r in rewards if math.isfinite(r)]
-        success = [math.isfinite(r) and r >= g.success_threshold for r in rewards]
-        p = sum(success) / len(success)
-        mean = sum(finite) / max(len(finite), 1)
-        spread = sum((r - mean) ** 2 for r in finite) / max(len(finite) - 1, 1)
-        if per_prompt is not None:
-            per_prompt[label] = list(rewards)
-        metrics = {"heldout_reward": mean, "heldout_reward_se": math.sqrt(spread / max(len(finite), 1)),
-                   "heldout_success": p,
-                   "heldout_success_se": math.sqrt(p * (1 - p) / len(success)), "heldout_reward_failed": failed,
-                   "heldout_prompts": len(success)}
-        if samples:
-            rewards, _ = score(engine.generate(prompts.ids, sampled))
-            ok = [math.isfinite(r) and r >= g.success_threshold for r in rewards]
-            k = g.eval_samples
-            metrics["heldout_pass_at_k"] = sum(any(ok[i * k:(i + 1) * k]) for i in range(len(success))) / len(success)
-            metrics["heldout_sampled_success"] = sum(ok) / len(ok)
-            metrics["eval_samples"] = k
-        out[label] = metrics
-        print(f"[evaluate] {label}: held-out reward {metrics['heldout_reward']:.4f}, success "
-              f"{metrics['heldout_success']:.3f} ± {metrics['heldout_success_se']:.3f}"
-              + (f", pass@{g.eval_samples} {metrics['heldout_pass_at_k']:.3f}" if samples else ""))
-        del model, engine
+    try:
+        for label, model_dir in models.items():
+            model = recipe_spec(config).load_model(config, model_dir, device).eval()
+            engine = NativeEngine(model, tokenizer=tokenizer, max_batch_rows=max(config.eval.batch_size, g.eval_samples))
+            rewards, failed = score(engine.generate(prompts.ids, greedy))
+            finite = [r for r in rewards if math.isfinite(r)]
+            success = [math.isfinite(r) and r >= g.success_threshold for r in rewards]
+            p = sum(success) / len(success)
+            mean = sum(finite) / max(len(finite), 1)
+            spread = sum((r - mean) ** 2 for r in finite) / max(len(finite) - 1, 1)
+            if per_prompt is not None:
+                per_prompt[label] = list(rewards)
+            metrics = {"heldout_reward": mean, "heldout_reward_se": math.sqrt(spread / max(len(finite), 1)),
+                       "heldout_success": p,
+                       "heldout_success_se": math.sqrt(p * (1 - p) / len(success)), "heldout_reward_failed": failed,
+                       "heldout_prompts": len(success)}
+            if samples:
+                rewards, _ = score(engine.generate(prompts.ids, sampled))
+                ok = [math.isfinite(r) and r >= g.success_threshold for r in rewards]
+                k = g.eval_samples
+                metrics["heldout_pass_at_k"] = sum(any(ok[i * k:(i + 1) * k]) for i in range(len(success))) / len(success)
+                metrics["heldout_sampled_success"] = sum(ok) / len(ok)
+                metrics["eval_samples"] = k
+            out[label] = metrics
+            print(f"[evaluate] {label}: held-out reward {metrics['heldout_reward']:.4f}, success "
+                  f"{metrics['heldout_success']:.3f} ± {metrics['heldout_success_se']:.3f}"
+                  + (f", pass@{g.eval_samples} {metrics['heldout_pass_at_k']:.3f}" if samples else ""))
+            del model, engine
+    finally:
+        scorer.close()  # its worker processes for user reward functions
     return out
 
 

@@ -114,7 +114,7 @@ def reward_scorer(config: GRPOConfig) -> RewardScorer | None:
     """The reward role in this process (evaluation and `grpo.reward_workers: 0`)."""
     if not config.grpo.rewards:
         return None  # on-policy distillation alone
-    return RewardScorer(reward_terms(config))
+    return RewardScorer(reward_terms(config), config.grpo.reward_processes, config.grpo.reward_memory_mb)
 
 
 def build_reward_role(config: GRPOConfig):
@@ -123,7 +123,8 @@ def build_reward_role(config: GRPOConfig):
         return reward_scorer(config)
     from posttrain.rl.actor import RemoteRewardScorer
 
-    return RemoteRewardScorer(reward_terms(config), num_workers=config.grpo.reward_workers)
+    return RemoteRewardScorer(reward_terms(config), num_workers=config.grpo.reward_workers,
+                              processes=config.grpo.reward_processes, memory_mb=config.grpo.reward_memory_mb)
 
 
 def total_optimizer_steps(config: GRPOConfig) -> int:

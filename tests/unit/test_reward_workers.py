@@ -50,6 +50,9 @@ def test_remote_scores_equal_the_in_process_scores(ray_cluster):
 
 
 def test_a_failing_sample_fails_alone_and_a_dead_worker_fails_its_chunk(ray_cluster):
+    """User code in the actor's worker processes (the default): a call that ends its process
+    fails its sample alone and the actor lives on. On the actor's thread (`isolation: thread`)
+    it takes the actor down: its chunk fails and the actor is replaced."""
     from posttrain.rl.actor import RemoteRewardScorer
 
     terms = [RewardTerm(f"{__name__}:flaky", timeout_s=1.0, retry_budget_s=5.0)]
@@ -59,7 +62,15 @@ def test_a_failing_sample_fails_alone_and_a_dead_worker_fails_its_chunk(ray_clus
         assert scores.failed == [False, True, True, False]
         assert scores.rewards[0] == 2.0 and scores.rewards[3] == 4.0
         assert sorted(i for i, _, _ in scores.errors) == [1, 2]
-        scores = remote.score(["ok", "fine", "die", "x"], records(4))  # the second worker dies
+        scores = remote.score(["ok", "fine", "die", "x"], records(4))
+        assert scores.failed == [False, False, True, False] and remote.restarts == 0
+        assert [message.partition(":")[0] for _, _, message in scores.errors] == ["died"]
+    finally:
+        remote.close()
+    threaded = [RewardTerm(f"{__name__}:flaky", timeout_s=1.0, retry_budget_s=5.0, isolation="thread")]
+    remote = RemoteRewardScorer(threaded, num_workers=2)
+    try:
+        scores = remote.score(["ok", "fine", "die", "x"], records(4))  # the second actor dies
         assert scores.failed == [False, False, True, True] and remote.restarts == 1
         assert all(math.isnan(r) for r in scores.rewards[2:])
         assert remote.score(["ok", "fine", "a", "b"], records(4)).failed == [False] * 4  # replaced
@@ -73,6 +84,6 @@ def test_a_broken_function_stops_the_run(ray_cluster):
     remote = RemoteRewardScorer([RewardTerm(f"{__name__}:wrong_count")], num_workers=1)
     try:
         with pytest.raises(RewardError, match="1 value"):
-            remote.score(["a", "b"], records(2))
+            remote.score(["a", "b", "c", "d"], records(4))  # chunks of two: one value is wrong
     finally:
         remote.close()

@@ -93,7 +93,7 @@ def test_non_finite_reward_fails_the_sample():
 
 
 def test_wrong_number_of_values_is_an_error():
-    with pytest.raises(RewardError, match="returned 1 values for 3 completions"):
+    with pytest.raises(RewardError, match=r"returned 1 values for \d completions"):  # a chunk of the three
         RewardScorer([RewardTerm(f"{__name__}:wrong_count")]).score(["a", "b", "c"], records("a", "b", "c"))
 
 
@@ -161,7 +161,7 @@ def test_a_grader_that_always_hangs_costs_at_most_its_retry_budget():
     scores = RewardScorer([term]).score(["a"] * 20, records(*"abcdefghijklmnopqrst"))
     assert time.perf_counter() - start < 3  # not 21 timeouts
     assert all(scores.failed)
-    assert any("retry budget" in e[2] for e in scores.errors)
+    assert any("budget" in e[2] and "spent" in e[2] for e in scores.errors)
 
 
 def test_no_timeout_calls_in_this_thread():

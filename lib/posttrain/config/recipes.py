@@ -319,7 +319,12 @@ class RewardTermConfig:
     numeric_answer, format, length, reward_model) or `package.module:function`, with keyword
     arguments and a per-call timeout (null: no timeout, called on the controller's thread);
     `name` labels it in metrics (default: the function's name); `retry_budget_s` bounds the
-    sample-by-sample retries of a failed batch call (default 4 x timeout_s). The reward role
+    sample-by-sample retries of a failed batch call (default 4 x timeout_s). `isolation`: a
+    function named by import path (user code) runs in the reward role's worker processes
+    (`process`, default: a call past its timeout is killed, one that exits or allocates without
+    bound fails its samples, `grpo.reward_processes` / `reward_memory_mb`) or on a thread of
+    the role's process (`thread`: a call past its timeout is abandoned, still running); the
+    built-ins always run in the role's process. The reward role
     (`posttrain.rl.rewards.RewardScorer`) takes the terms as they are."""
 
     function: str
@@ -328,6 +333,7 @@ class RewardTermConfig:
     timeout_s: Optional[float] = bounded(10.0, gt=0)
     name: Optional[str] = None
     retry_budget_s: Optional[float] = bounded(None, gt=0)
+    isolation: Literal["process", "thread"] = "process"
 
     @property
     def label(self) -> str:
@@ -397,6 +403,10 @@ class GRPOSection:
     # reward functions in this process (0) or on that many Ray actors (a reward model among the
     # terms is then loaded in each actor; a worker that dies fails its samples, not the run)
     reward_workers: int = bounded(0, ge=0)
+    # the worker processes that run user reward functions (terms with `isolation: process`) for
+    # each reward role, and each one's address-space cap in MB (null: none)
+    reward_processes: int = bounded(2, ge=1)
+    reward_memory_mb: Optional[int] = bounded(4096, ge=64)
     # with kl_coef > 0: the frozen reference in this process, or on a Ray actor of its own
     reference_on_actor: bool = False
     # a prompt's completions trained as one tree document (the prompt once, each completion a

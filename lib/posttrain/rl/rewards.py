@@ -14,8 +14,15 @@ Failure isolation: a batch call that raises or runs past its timeout is retried 
 sample (each with the same timeout, all of them within the term's `retry_budget_s`); a sample
 whose call raises, times out, returns None or a non-finite number is marked failed (a value
 that is not a number at all is a `RewardError`). Failed samples are counted, excluded from the
-update by the controller, and their errors reported; the run goes on. A call past its timeout
-cannot be interrupted in Python: it is abandoned on a daemon thread (it keeps its CPU until it
+update by the controller, and their errors reported; the run goes on.
+
+Where a call runs: a function named by import path (user code) runs by default in the scorer's
+worker processes (`isolation: process`, `posttrain.rl.user_code`): a call past its timeout has
+its worker killed and replaced, one that exits its process, segfaults or allocates past the
+worker's memory cap fails alike; a batch is cut into one chunk per worker, scored at once, and
+the samples of a chunk that failed are retried one by one, at once on every worker. With
+`isolation: thread`, and for the built-ins, the call runs in the scorer's process: past its
+timeout it cannot be interrupted and is abandoned on a daemon thread (it keeps its CPU until it
 returns, and may still be running while the samples are retried: a function that is not
 thread-safe should set `timeout_s: null` and bound its own work).
 
@@ -298,9 +305,13 @@ def _values(result: Any, expected: int, label: str) -> list[float]:
 
 
 class RewardScorer:
-    """Scores completions with weighted `RewardTerm`s (module docstring for failure isolation)."""
+    """Scores completions with weighted `RewardTerm`s (module docstring for failure isolation).
 
-    def __init__(self, terms: Sequence[RewardTerm]):
+    Terms naming user code by import path with `isolation: process` run in `processes` worker
+    processes (`posttrain.rl.user_code.UserCodeWorkers`, each capped at `memory_mb`), started
+    at the first call; `close()` ends them."""
+
+    def __init__(self, terms: Sequence[RewardTerm], processes: int = 2, memory_mb: int | None = 4096):
         if not terms:
             raise RewardError("at least one reward function is needed")
         self.terms = list(terms)
@@ -308,14 +319,62 @@ class RewardScorer:
         labels = [t.label for t in self.terms]
         if len(set(labels)) != len(labels):
             raise RewardError(f"reward terms need distinct names, got {labels} (set `name`)")
+        self.isolated = [t.isolation == "process" and t.function not in BUILTINS for t in self.terms]
+        self.workers = None
+        if any(self.isolated):
+            from posttrain.rl.user_code import UserCodeWorkers
+
+            self.workers = UserCodeWorkers(processes, memory_mb)
+
+    def close(self) -> None:
+        """End the worker processes (a later call starts them again)."""
+        if self.workers is not None:
+            self.workers.close()
 
     def _call(self, fn: Callable, term: RewardTerm, completions: list[str], records: list):
         if term.timeout_s is None:  # in this thread, unbounded (for functions with timeouts of their own)
             return fn(completions, records, **term.kwargs)
         return _call_with_timeout(fn, (completions, records), term.kwargs, term.timeout_s)
 
+    def _isolated(self, term: RewardTerm) -> bool:
+        return self.isolated[self.terms.index(term)]
+
+    def _isolated_values(self, term: RewardTerm, completions: list[str], records: list, errors: list) -> list[float]:
+        """A user function's values from the worker processes: the batch cut into one chunk per
+        worker, scored at once; the samples of a chunk whose call failed are retried one by one,
+        at once on every worker, none starting past the term's retry budget."""
+        from posttrain.rl.user_code import UserCodeError
+
+        n, workers = len(completions), self.workers.num_workers
+        chunks = [list(range(n))[w * n // workers:(w + 1) * n // workers] for w in range(workers)]
+        chunks = [chunk for chunk in chunks if chunk]
+        results = self.workers.map([(term.function, ([completions[i] for i in chunk], [records[i] for i in chunk]),
+                                     term.kwargs) for chunk in chunks], term.timeout_s)
+        values, retry, chunk_error = [math.nan] * n, [], None
+        for chunk, result in zip(chunks, results):
+            if isinstance(result, UserCodeError):
+                retry += chunk
+                chunk_error = chunk_error or result
+                continue
+            for i, value in zip(chunk, _values(result, len(chunk), term.label)):
+                values[i] = value
+        if not retry:
+            return values
+        calls = [(term.function, ([completions[i]], [records[i]]), term.kwargs) for i in retry]
+        failed_before = len(errors)
+        for i, result in zip(retry, self.workers.map(calls, term.timeout_s, budget_s=term.retry_budget)):
+            if isinstance(result, UserCodeError):
+                errors.append((i, term.label, str(result)))
+            else:
+                values[i] = _values(result, 1, term.label)[0]
+        if len(errors) == failed_before:  # a chunk failed but every sample alone passed: say so
+            errors.append((-1, term.label, f"batch call failed ({chunk_error}); every sample alone succeeded"))
+        return values
+
     def _term_values(self, fn: Callable, term: RewardTerm, completions: list[str], records: list,
                      errors: list) -> list[float]:
+        if self._isolated(term):
+            return self._isolated_values(term, completions, records, errors)
         n = len(completions)
         try:
             return _values(self._call(fn, term, completions, records), n, term.label)
@@ -323,6 +382,16 @@ class RewardScorer:
             raise
         except Exception as err:  # noqa: BLE001 - one bad sample must not fail the batch
             batch_error = err
+        values = self._sample_values_in_turn(fn, term, completions, records, errors)
+        if not errors:  # the batch failed but every sample alone passed: say so rather than hide it
+            errors.append((-1, term.label, f"batch call failed ({type(batch_error).__name__}: {batch_error}); "
+                                           "every sample alone succeeded"))
+        return values
+
+    def _sample_values_in_turn(self, fn: Callable, term: RewardTerm, completions: list[str], records: list,
+                               errors: list) -> list[float]:
+        """Each sample alone, one after the other, in this process."""
+        n = len(completions)
         values = []
         # sample by sample, within a budget: a grader that hangs on every sample fails the rest
         # of the batch once the budget is spent, instead of stalling the run for n timeouts
@@ -341,9 +410,6 @@ class RewardScorer:
                 errors.append((i, term.label, f"{type(err).__name__}: {err}"))
                 value = math.nan
             values.append(value)
-        if not errors:  # the batch failed but every sample alone passed: say so rather than hide it
-            errors.append((-1, term.label, f"batch call failed ({type(batch_error).__name__}: {batch_error}); "
-                                           "every sample alone succeeded"))
         return values
 
     def score(self, completions: list[str], records: list) -> Scores:

@@ -1,0 +1,143 @@
+"""GRPO rounds whose reward function misbehaves on a few percent of samples, against the same rounds
+with it behaving: user code in the reward role's worker processes (posttrain's default,
+`isolation: process`) and, as the baseline, on a thread of the role's process (`isolation:
+thread`: what posttrain did before, and more isolation than rewards called in the trainer's
+process, as TRL calls them, have).
+
+    python bench/reward_isolation.py [--quick] [--rounds 5] [--timeout 0.2] [--processes 4]
+                                     [--rates raise=2,spin=5,exit=2,allocate=2]
+
+The rounds are bench/grpo_round.py's (`run_ours`: the SFT demo's model shape, random weights,
+arithmetic prompts, `--prompts` x `--n` samples of `--new-tokens`, one optimizer step a round),
+scored by bench/misbehaving_rewards.py's exact-answer reward, which raises, spins forever, ends
+its process or allocates without bound on the samples a hash of the completion picks (`--rates`,
+percent of samples). Four runs, one after the other, the same seeds:
+
+1. `process`, behaving (rates empty), 2. `process`, misbehaving, 3. `thread`, behaving,
+4. `thread`, misbehaving on `raise` and `spin` only: a sample that exits or allocates without
+   bound on a thread ends or swamps the whole process (this bench's), so the baseline cannot run
+   them; its spinning calls are abandoned and keep their CPU, so it runs last.
+
+Progress on stderr; the LAST stdout line is one JSON object: `ratio` (misbehaving / behaving round
+time, round by round, `process`) and `ratio_thread` (the same for the baseline) as {min, median,
+max, n}, `goal` (ratio <= 1.5) and `met`, `seconds_per_round` per run, the failed samples per
+round by reason, and the settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, spread  # noqa: E402
+from grpo_round import build_workspace, run_ours  # noqa: E402
+
+FUNCTION = "misbehaving_rewards:sometimes_misbehaves"
+GOAL = 1.5
+
+
+def log(message: str) -> None:
+    print(f"[reward_isolation] {message}", file=sys.stderr, flush=True)
+
+
+def scorer_for(isolation: str, rates: str, args):
+    from posttrain.rl.rewards import RewardScorer, RewardTerm
+
+    term = RewardTerm(FUNCTION, kwargs={"rates": rates}, timeout_s=args.timeout, isolation=isolation,
+                      retry_budget_s=args.retry_budget)
+    return RewardScorer([term], processes=args.processes, memory_mb=args.memory_mb)
+
+
+class RecordingScorer:
+    """The reward role, with the errors of each `score` call kept (`calls`)."""
+
+    def __init__(self, scorer):
+        self.scorer, self.calls = scorer, []
+
+    def score(self, completions, records):
+        scores = self.scorer.score(completions, records)
+        self.calls.append(scores.errors)
+        return scores
+
+    def close(self) -> None:
+        self.scorer.close()
+
+
+def failure_reasons(calls: list[list]) -> dict[str, float]:
+    """Failed samples per round (per `score` call), by the reason their error gives."""
+    counts: collections.Counter = collections.Counter()
+    for errors in calls:
+        for index, _, message in errors:
+            if index >= 0:
+                counts[message.partition(":")[0]] += 1
+    return {reason: round(n / max(len(calls), 1), 2) for reason, n in sorted(counts.items())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a 1-layer model, 2 rounds of 4 prompts x 4 samples")
+    parser.add_argument("--rounds", type=int, default=5, help="measured rounds per run (after one warm-up)")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--row-length", type=int, default=128)
+    parser.add_argument("--decode-backend", choices=("cpu_kernels", "torch", "auto"), default="cpu_kernels")
+    parser.add_argument("--timeout", type=float, default=0.2, help="the reward term's timeout_s")
+    parser.add_argument("--retry-budget", type=float, default=30.0, help="the reward term's retry_budget_s")
+    parser.add_argument("--processes", type=int, default=4, help="grpo.reward_processes")
+    parser.add_argument("--memory-mb", type=int, default=1024, help="grpo.reward_memory_mb")
+    parser.add_argument("--rates", default="raise=2,spin=5,exit=2,allocate=2",
+                        help="percent of samples that raise, spin, exit, allocate")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.prompts, args.n, args.new_tokens = 2, 4, 4, 4
+    baseline_rates = ",".join(p for p in args.rates.split(",") if p.split("=")[0] in ("raise", "spin"))
+    began = time.perf_counter()
+    runs = [("process", ""), ("process", args.rates), ("thread", ""), ("thread", baseline_rates)]
+    times, failures = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        count = args.prompts * (args.rounds + 1)
+        model_dir, tokenizer, records = build_workspace(Path(tmp), "quick" if args.quick else "demo", None, count)
+        for isolation, rates in runs:
+            name = f"{isolation}/{'misbehaving' if rates else 'behaving'}"
+            log(f"{name}: {args.rounds + 1} rounds")
+            scorer = RecordingScorer(scorer_for(isolation, rates, args))
+            try:
+                times[name], _, _ = run_ours(model_dir, tokenizer, records, args, scorer=scorer)
+            finally:
+                scorer.close()
+            failures[name] = failure_reasons(scorer.calls)
+            log(f"{name}: {statistics.median(times[name]):.3f}s a round; failed samples a round {failures[name]}")
+    ratio = [m / b for m, b in zip(times["process/misbehaving"], times["process/behaving"])]
+    ratio_thread = [m / b for m, b in zip(times["thread/misbehaving"], times["thread/behaving"])]
+    out = {
+        "benchmark": "reward_isolation",
+        "baseline": "isolation: thread (the reward role's process; a call past its timeout abandoned on a daemon "
+                    "thread), misbehaving on raise and spin only",
+        "ratio": spread(ratio),
+        "ratio_thread": spread(ratio_thread),
+        "goal": {"ratio": f"<= {GOAL}"},
+        "met": statistics.median(ratio) <= GOAL,
+        "seconds_per_round": {name: spread(values) for name, values in times.items()},
+        "failed_per_round": failures,
+        "settings": {"rates_percent": args.rates, "baseline_rates_percent": baseline_rates, "timeout_s": args.timeout,
+                     "reward_processes": args.processes, "reward_memory_mb": args.memory_mb, "rounds": args.rounds,
+                     "prompts": args.prompts, "n": args.n, "new_tokens": args.new_tokens,
+                     "torch_threads": torch.get_num_threads()},
+        "machine": machine(),
+        "seconds": round(time.perf_counter() - began, 1),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""User functions that misbehave as user code does (tests of `posttrain.rl.user_code` and of
+rewards run in its workers): each takes a list of items and behaves by the items' values."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+
+
+def echo(items, **kwargs):
+    """Well behaved: each item doubled, with the keyword arguments back."""
+    return {"doubled": [2 * x for x in items], "kwargs": kwargs}
+
+
+def misbehave(items, **_):
+    """Per item: "raise", "spin" (forever, on the CPU), "exit" (`os._exit`), "segfault",
+    "allocate" (without bound), "sleep:<s>", "object" (a value that is not JSON), else its
+    length."""
+    out = []
+    for item in items:
+        if item == "raise":
+            raise ConnectionError("grader unavailable")
+        if item == "spin":
+            while True:
+                pass
+        if item == "exit":
+            os._exit(7)
+        if item == "segfault":
+            ctypes.string_at(0)
+        if item == "allocate":
+            hoard = []
+            while True:
+                hoard.append(bytearray(64 * 1024 * 1024))
+        if item == "object":
+            return object()
+        if isinstance(item, str) and item.startswith("sleep:"):
+            time.sleep(float(item.split(":")[1]))
+        out.append(len(str(item)))
+    return out
+
+
+MARKERS = {"RAISE": "raise", "SPIN": "spin", "EXIT": "exit", "ALLOC": "allocate", "SEGV": "segfault"}
+
+
+def marked_reward(completions, records, **_):
+    """A reward function (`posttrain.rl.rewards` contract) that misbehaves on completions holding
+    a marker (`MARKERS`) and otherwise scores 0.1 per character."""
+    misbehave([next((how for marker, how in MARKERS.items() if marker in c), c) for c in completions])
+    return [0.1 * len(c) for c in completions]

@@ -1,0 +1,78 @@
+"""User code in worker processes (`posttrain.rl.user_code`): a call that raises, hangs, exits its
+process, segfaults or allocates without bound fails alone, with its reason, and the workers go
+on answering the next calls."""
+
+from __future__ import annotations
+
+import pytest
+
+from posttrain.rl.user_code import UserCodeError, UserCodeWorkers
+
+FN = "misbehaving_code:misbehave"
+
+
+@pytest.fixture
+def workers():
+    with UserCodeWorkers(num_workers=2, memory_mb=1024) as pool:
+        yield pool
+
+
+def test_a_well_behaved_call_returns_its_json_value(workers):
+    assert workers.call("misbehaving_code:echo", ([1, 2.5],), {"k": "v"}, timeout_s=30) == {
+        "doubled": [2, 5.0], "kwargs": {"k": "v"}}
+
+
+@pytest.mark.parametrize("item, reason, message", [
+    ("raise", "raised", "ConnectionError: grader unavailable"),
+    ("spin", "timeout", "timed out after 1s (worker killed)"),
+    ("exit", "died", "exited with status 7"),
+    ("segfault", "died", "killed by signal 11"),
+    ("allocate", "memory", "MemoryError"),
+    ("object", "raised", "TypeError: object is not JSON"),
+])
+def test_each_misbehaviour_fails_its_call_with_its_reason_and_the_workers_go_on(workers, item, reason, message):
+    with pytest.raises(UserCodeError) as failed:
+        workers.call(FN, (["ok", item],), timeout_s=1 if item == "spin" else 30)
+    assert failed.value.reason == reason and message in failed.value.message
+    assert workers.call(FN, (["fine", "x"],), timeout_s=30) == [4, 1]  # the next call is answered
+
+
+def test_a_batch_of_calls_fails_only_the_misbehaving_ones(workers):
+    items = ["a", "raise", "bb", "spin", "ccc", "exit", "dddd", "allocate", "eeeee", "segfault", "ffffff"]
+    results = workers.map([(FN, ([item],), {}) for item in items], timeout_s=2)
+    reasons = {i: r.reason for i, r in enumerate(results) if isinstance(r, UserCodeError)}
+    assert reasons == {1: "raised", 3: "timeout", 5: "died", 7: "memory", 9: "died"}
+    assert [r for r in results if not isinstance(r, UserCodeError)] == [[1], [2], [3], [4], [5], [6]]
+    assert workers.restarts == 4  # spin, exit, allocate, segfault: each worker replaced once
+
+
+def test_the_functions_import_from_the_callers_path_and_a_missing_one_is_reported(workers):
+    with pytest.raises(UserCodeError, match="cannot import 'no_such_module'"):
+        workers.call("no_such_module:f", ([],), timeout_s=30)
+    with pytest.raises(ValueError):
+        UserCodeWorkers(num_workers=0)
+
+
+def test_a_reward_that_raises_spins_exits_or_allocates_fails_those_samples_only():
+    """The reward role with a user function in its worker processes: 40 completions, five of which
+    make the function raise, spin forever, exit its process, segfault or allocate without bound."""
+    from posttrain.config.recipes import RewardTermConfig
+    from posttrain.data.records import PromptRecord
+    from posttrain.rl.rewards import RewardScorer
+
+    completions = [f"answer {i}" for i in range(40)]
+    for i, marker in zip((3, 11, 19, 27, 35), ("RAISE", "SPIN", "EXIT", "ALLOC", "SEGV")):
+        completions[i] += f" {marker}"
+    records = [PromptRecord([{"role": "user", "content": "q"}], "1", {}, "test", i) for i in range(len(completions))]
+    term = RewardTermConfig("misbehaving_code:marked_reward", timeout_s=1.0, retry_budget_s=30.0)
+    scorer = RewardScorer([term], processes=2, memory_mb=1024)
+    try:
+        scores = scorer.score(completions, records)
+        assert [i for i, failed in enumerate(scores.failed) if failed] == [3, 11, 19, 27, 35]
+        reasons = {i: message.partition(":")[0] for i, _, message in scores.errors}
+        assert reasons == {3: "raised", 11: "timeout", 19: "died", 27: "memory", 35: "died"}
+        assert scores.rewards[0] == pytest.approx(0.8) and scores.rewards[39] == pytest.approx(0.9)
+        again = scorer.score(completions[:2], records[:2])  # the role goes on
+        assert again.num_failed == 0
+    finally:
+        scorer.close()
