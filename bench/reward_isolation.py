@@ -16,11 +16,13 @@ percent of samples). Four runs, one after the other, the same seeds:
 1. `process`, behaving (rates empty), 2. `process`, misbehaving, 3. `thread`, behaving,
 4. `thread`, misbehaving on `raise` and `spin` only: a sample that exits or allocates without
    bound on a thread ends or swamps the whole process (this bench's), so the baseline cannot run
-   them; its spinning calls are abandoned and keep their CPU, so it runs last.
+   them; its spinning calls are abandoned and keep their CPU, so it runs last, and the thread
+   runs measure `--baseline-rounds` rounds (each slower than the one before).
 
-Progress on stderr; the LAST stdout line is one JSON object: `ratio` (misbehaving / behaving round
-time, round by round, `process`) and `ratio_thread` (the same for the baseline) as {min, median,
-max, n}, `goal` (ratio <= 1.5) and `met`, `seconds_per_round` per run, the failed samples per
+Progress on stderr; the LAST stdout line is one JSON object: `ratio_misbehaving_vs_behaving` (the
+median of `ratio`), `ratio` (misbehaving / behaving round time, round by round, `process`) and
+`ratio_thread` (the same for the baseline; null with `--no-baseline`) as {min, median, max, n},
+`goal` (the median ratio <= 1.5) and `met`, `seconds_per_round` per run, the failed samples per
 round by reason, and the settings.
 """
 
@@ -97,36 +99,46 @@ def main() -> None:
     parser.add_argument("--memory-mb", type=int, default=1024, help="grpo.reward_memory_mb")
     parser.add_argument("--rates", default="raise=2,spin=5,exit=2,allocate=2",
                         help="percent of samples that raise, spin, exit, allocate")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="the process runs only (a smoke run: the baseline spins a core for its rounds)")
+    parser.add_argument("--baseline-rounds", type=int, default=1,
+                        help="measured rounds of the thread runs (after one warm-up): the misbehaving one slows "
+                             "down round after round (minutes a round)")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.prompts, args.n, args.new_tokens = 2, 4, 4, 4
     baseline_rates = ",".join(p for p in args.rates.split(",") if p.split("=")[0] in ("raise", "spin"))
     began = time.perf_counter()
-    runs = [("process", ""), ("process", args.rates), ("thread", ""), ("thread", baseline_rates)]
+    runs = [("process", ""), ("process", args.rates)]
+    if not args.no_baseline:
+        runs += [("thread", ""), ("thread", baseline_rates)]
     times, failures = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         count = args.prompts * (args.rounds + 1)
         model_dir, tokenizer, records = build_workspace(Path(tmp), "quick" if args.quick else "demo", None, count)
         for isolation, rates in runs:
             name = f"{isolation}/{'misbehaving' if rates else 'behaving'}"
-            log(f"{name}: {args.rounds + 1} rounds")
             scorer = RecordingScorer(scorer_for(isolation, rates, args))
+            run_args = argparse.Namespace(**{**vars(args), "rounds": args.baseline_rounds}) if isolation == "thread" \
+                else args
+            log(f"{name}: {run_args.rounds + 1} rounds (one a warm-up)")
             try:
-                times[name], _, _ = run_ours(model_dir, tokenizer, records, args, scorer=scorer)
+                times[name], _, _ = run_ours(model_dir, tokenizer, records, args=run_args, scorer=scorer)
             finally:
                 scorer.close()
             failures[name] = failure_reasons(scorer.calls)
             log(f"{name}: {statistics.median(times[name]):.3f}s a round; failed samples a round {failures[name]}")
     ratio = [m / b for m, b in zip(times["process/misbehaving"], times["process/behaving"])]
-    ratio_thread = [m / b for m, b in zip(times["thread/misbehaving"], times["thread/behaving"])]
+    ratio_thread = [m / b for m, b in zip(times.get("thread/misbehaving", []), times.get("thread/behaving", []))]
     out = {
         "benchmark": "reward_isolation",
         "baseline": "isolation: thread (the reward role's process; a call past its timeout abandoned on a daemon "
                     "thread), misbehaving on raise and spin only",
+        "ratio_misbehaving_vs_behaving": round(statistics.median(ratio), 4),
         "ratio": spread(ratio),
-        "ratio_thread": spread(ratio_thread),
-        "goal": {"ratio": f"<= {GOAL}"},
-        "met": statistics.median(ratio) <= GOAL,
+        "ratio_thread": spread(ratio_thread) if ratio_thread else None,
+        "goal": {"ratio_misbehaving_vs_behaving": f"<= {GOAL}"},
+        "met": {"ratio_misbehaving_vs_behaving": statistics.median(ratio) <= GOAL},
         "seconds_per_round": {name: spread(values) for name, values in times.items()},
         "failed_per_round": failures,
         "settings": {"rates_percent": args.rates, "baseline_rates_percent": baseline_rates, "timeout_s": args.timeout,

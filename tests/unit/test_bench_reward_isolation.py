@@ -1,0 +1,36 @@
+"""bench/reward_isolation.py --quick --no-baseline: GRPO rounds with a reward function that raises,
+spins, exits and allocates on a share of the samples, in the reward role's worker processes,
+against the same rounds with it behaving: every round completes, the failures are counted by
+reason, and the ratio is the misbehaving round time over the behaving one."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench_checks import check_met, check_spread, last_json_line
+from flow_pool import background_command
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+background_command("bench_reward_isolation", __name__,
+                   [sys.executable, str(REPO_ROOT / "bench" / "reward_isolation.py"), "--quick", "--no-baseline",
+                    "--rates", "raise=10,spin=10,exit=10,allocate=10"], REPO_ROOT)
+
+
+@pytest.mark.slow
+def test_quick_bench_prints_the_json_summary_last(flow_pool):
+    done = flow_pool.result("bench_reward_isolation")
+    result = last_json_line(done)
+    assert result["benchmark"] == "reward_isolation" and result["ratio_thread"] is None
+    assert set(result["seconds_per_round"]) == {"process/behaving", "process/misbehaving"}
+    for spread in (result["ratio"], *result["seconds_per_round"].values()):
+        check_spread(spread, n=2)
+    check_met(result)
+    assert result["ratio"]["min"] <= result["ratio_misbehaving_vs_behaving"] <= result["ratio"]["max"]
+    # with 40% of 16 samples misbehaving, rounds fail samples by each reason, and none when behaving
+    assert result["failed_per_round"]["process/behaving"] == {}
+    misbehaving = result["failed_per_round"]["process/misbehaving"]
+    assert {"raised", "timeout", "died"} <= set(misbehaving), misbehaving
+    assert 1 <= sum(misbehaving.values()) <= 16
