@@ -13,7 +13,7 @@ FN = "misbehaving_code:misbehave"
 
 @pytest.fixture
 def workers():
-    with UserCodeWorkers(num_workers=2, memory_mb=1024) as pool:
+    with UserCodeWorkers(num_workers=2, memory_mb=256) as pool:  # a low cap: reached in milliseconds
         yield pool
 
 
@@ -64,8 +64,8 @@ def test_a_reward_that_raises_spins_exits_or_allocates_fails_those_samples_only(
     for i, marker in zip((3, 11, 19, 27, 35), ("RAISE", "SPIN", "EXIT", "ALLOC", "SEGV")):
         completions[i] += f" {marker}"
     records = [PromptRecord([{"role": "user", "content": "q"}], "1", {}, "test", i) for i in range(len(completions))]
-    term = RewardTermConfig("misbehaving_code:marked_reward", timeout_s=1.0, retry_budget_s=30.0)
-    scorer = RewardScorer([term], processes=2, memory_mb=1024)
+    term = RewardTermConfig("misbehaving_code:marked_reward", timeout_s=2.0, retry_budget_s=30.0)
+    scorer = RewardScorer([term], processes=2, memory_mb=256)
     try:
         scores = scorer.score(completions, records)
         assert [i for i, failed in enumerate(scores.failed) if failed] == [3, 11, 19, 27, 35]
