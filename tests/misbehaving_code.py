@@ -48,3 +48,15 @@ def marked_reward(completions, records, **_):
     a marker (`MARKERS`) and otherwise scores 0.1 per character."""
     misbehave([next((how for marker, how in MARKERS.items() if marker in c), c) for c in completions])
     return [0.1 * len(c) for c in completions]
+
+
+def broken_reward(completions, records, **_):
+    """A reward function with a bug of its own: it says so with `RewardError`."""
+    from posttrain.rl.rewards import RewardError
+
+    raise RewardError("bad kwargs: 'target' is required")
+
+
+def as_generator(completions, records, **_):
+    """Values as a generator (the in-process path took any iterable)."""
+    return (0.5 for _ in completions)

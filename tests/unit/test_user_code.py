@@ -76,3 +76,37 @@ def test_a_reward_that_raises_spins_exits_or_allocates_fails_those_samples_only(
         assert again.num_failed == 0
     finally:
         scorer.close()
+
+
+def test_a_call_that_cannot_be_sent_raises_and_leaves_no_answer_for_the_next(workers):
+    with pytest.raises(Exception):
+        workers.map([(FN, (["sleep:0.5"],), {}), (FN, ([lambda: 0],), {})], timeout_s=30)  # a lambda: not picklable
+    assert workers.call("misbehaving_code:echo", (["second"],), timeout_s=30)["doubled"] == ["secondsecond"]
+
+
+def test_start_up_and_imports_do_not_count_against_a_call_and_a_worker_that_cannot_start_fails_the_call():
+    with UserCodeWorkers(num_workers=1, memory_mb=256, preload=["misbehaving_code:echo"]) as pool:
+        assert pool.call("misbehaving_code:echo", ([1],), timeout_s=0.05)["doubled"] == [2]  # a cold worker
+    with UserCodeWorkers(num_workers=1, preload=["no_such_module:f"]) as pool:
+        with pytest.raises(UserCodeError) as failed:
+            pool.call("no_such_module:f", ([],), timeout_s=30)
+        assert failed.value.reason == "died" and failed.value.error_type == "LookupError"
+
+
+def test_a_broken_reward_function_stops_the_run_and_any_iterable_of_values_is_taken():
+    from posttrain.config.recipes import RewardTermConfig
+    from posttrain.data.records import PromptRecord
+    from posttrain.rl.rewards import RewardError, RewardScorer
+
+    records = [PromptRecord([{"role": "user", "content": "q"}], "1", {}, "test", i) for i in range(4)]
+    broken = RewardScorer([RewardTermConfig("misbehaving_code:broken_reward")], processes=2, memory_mb=256)
+    try:
+        with pytest.raises(RewardError, match="'target' is required"):
+            broken.score(["a", "b", "c", "d"], records)
+    finally:
+        broken.close()
+    generator = RewardScorer([RewardTermConfig("misbehaving_code:as_generator")], processes=2, memory_mb=256)
+    try:
+        assert generator.score(["a", "b", "c", "d"], records).rewards == [0.5] * 4
+    finally:
+        generator.close()

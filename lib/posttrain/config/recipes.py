@@ -317,14 +317,16 @@ class DistillConfig(RecipeConfig):
 class RewardTermConfig:
     """One weighted reward function (`posttrain.rl.rewards`): a built-in's name (exact_answer,
     numeric_answer, format, length, reward_model) or `package.module:function`, with keyword
-    arguments and a per-call timeout (null: no timeout, called on the controller's thread);
+    arguments and a per-call timeout (null: no timeout; with `isolation: thread`, called on the
+    reward role's own thread);
     `name` labels it in metrics (default: the function's name); `retry_budget_s` bounds the
     sample-by-sample retries of a failed batch call (default 4 x timeout_s). `isolation`: a
     function named by import path (user code) runs in the reward role's worker processes
     (`process`, default: a call past its timeout is killed, one that exits or allocates without
-    bound fails its samples, `grpo.reward_processes` / `reward_memory_mb`) or on a thread of
-    the role's process (`thread`: a call past its timeout is abandoned, still running); the
-    built-ins always run in the role's process. The reward role
+    bound fails its samples, `grpo.reward_processes` / `reward_memory_mb`; the function then
+    sees the batch in chunks, one per worker) or on a thread of the role's process (`thread`: a
+    call past its timeout is abandoned, still running; for a function that needs the whole
+    batch at once); the built-ins always run in the role's process. The reward role
     (`posttrain.rl.rewards.RewardScorer`) takes the terms as they are."""
 
     function: str
@@ -406,7 +408,7 @@ class GRPOSection:
     # the worker processes that run user reward functions (terms with `isolation: process`) for
     # each reward role, and each one's address-space cap in MB (null: none)
     reward_processes: int = bounded(2, ge=1)
-    reward_memory_mb: Optional[int] = bounded(4096, ge=64)
+    reward_memory_mb: Optional[int] = bounded(4096, ge=256)
     # with kl_coef > 0: the frozen reference in this process, or on a Ray actor of its own
     reference_on_actor: bool = False
     # a prompt's completions trained as one tree document (the prompt once, each completion a

@@ -19,8 +19,12 @@ update by the controller, and their errors reported; the run goes on.
 Where a call runs: a function named by import path (user code) runs by default in the scorer's
 worker processes (`isolation: process`, `posttrain.rl.user_code`): a call past its timeout has
 its worker killed and replaced, one that exits its process, segfaults or allocates past the
-worker's memory cap fails alike; a batch is cut into one chunk per worker, scored at once, and
-the samples of a chunk that failed are retried one by one, at once on every worker. With
+worker's memory cap fails alike; a batch is cut into one contiguous chunk per worker, scored at
+once (so a function sees a chunk of the batch, not all of it: one that needs the whole batch,
+e.g. to normalise over it, takes `isolation: thread`), and the samples of a chunk that failed
+are retried one by one, at once on every worker. A worker imports its functions as it starts,
+before any call's timeout runs; a function that raises `RewardError` there or does not import
+in the worker stops the run, as in process. With
 `isolation: thread`, and for the built-ins, the call runs in the scorer's process: past its
 timeout it cannot be interrupted and is abandoned on a daemon thread (it keeps its CPU until it
 returns, and may still be running while the samples are retried: a function that is not
@@ -304,6 +308,16 @@ def _values(result: Any, expected: int, label: str) -> list[float]:
     return values
 
 
+BROKEN_FUNCTION_ERRORS = ("RewardError", "LookupError")  # a broken function or one the worker cannot import
+
+
+def _raise_if_broken(result) -> None:
+    """A worker's `UserCodeError` that says the function itself is broken (it raised `RewardError`,
+    or it does not import in the worker) stops the run, as it would in process."""
+    if getattr(result, "error_type", None) in BROKEN_FUNCTION_ERRORS:
+        raise RewardError(str(result.message))
+
+
 class RewardScorer:
     """Scores completions with weighted `RewardTerm`s (module docstring for failure isolation).
 
@@ -324,7 +338,8 @@ class RewardScorer:
         if any(self.isolated):
             from posttrain.rl.user_code import UserCodeWorkers
 
-            self.workers = UserCodeWorkers(processes, memory_mb)
+            self.workers = UserCodeWorkers(processes, memory_mb,
+                                           preload=[t.function for t, iso in zip(self.terms, self.isolated) if iso])
 
     def close(self) -> None:
         """End the worker processes (a later call starts them again)."""
@@ -352,6 +367,7 @@ class RewardScorer:
                                      term.kwargs) for chunk in chunks], term.timeout_s)
         values, retry, chunk_error = [math.nan] * n, [], None
         for chunk, result in zip(chunks, results):
+            _raise_if_broken(result)
             if isinstance(result, UserCodeError):
                 retry += chunk
                 chunk_error = chunk_error or result
@@ -363,6 +379,7 @@ class RewardScorer:
         calls = [(term.function, ([completions[i]], [records[i]]), term.kwargs) for i in retry]
         failed_before = len(errors)
         for i, result in zip(retry, self.workers.map(calls, term.timeout_s, budget_s=term.retry_budget)):
+            _raise_if_broken(result)
             if isinstance(result, UserCodeError):
                 errors.append((i, term.label, str(result)))
             else:
