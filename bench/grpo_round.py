@@ -161,18 +161,23 @@ def run_trl(model_dir: Path, tokenizer, records, args, tmp: Path, bf16: bool) ->
     return timer.times[1:]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a 1-layer model, 2 rounds of 4 prompts x 2 samples")
+def add_round_arguments(parser: argparse.ArgumentParser, quick_help: str) -> None:
+    """The options `run_ours` reads (the workload of a round), shared by the benches that run our rounds."""
+    parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds per side (after one warm-up)")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--row-length", type=int, default=128, help="our packed rows (prompt + completion must fit)")
+    parser.add_argument("--decode-backend", choices=("cpu_kernels", "torch", "auto"), default="cpu_kernels")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_round_arguments(parser, "a 1-layer model, 2 rounds of 4 prompts x 2 samples")
     parser.add_argument("--model", default=None, help="an HF model directory with its tokenizer (default: random)")
     parser.add_argument("--trl-variants", default="fp32,bf16",
                         help="TRL precisions to run (fp32: float32; bf16: its default bfloat16 autocast)")
-    parser.add_argument("--decode-backend", choices=("cpu_kernels", "torch", "auto"), default="cpu_kernels")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.prompts, args.n, args.new_tokens = 2, 4, 2, 4

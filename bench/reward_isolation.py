@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, spread  # noqa: E402
-from grpo_round import build_workspace, run_ours  # noqa: E402
+from grpo_round import add_round_arguments, build_workspace, run_ours  # noqa: E402
 
 FUNCTION = "misbehaving_rewards:sometimes_misbehaves"
 GOAL = 1.5
@@ -86,13 +86,7 @@ def failure_reasons(calls: list[list]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a 1-layer model, 2 rounds of 4 prompts x 4 samples")
-    parser.add_argument("--rounds", type=int, default=5, help="measured rounds per run (after one warm-up)")
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--row-length", type=int, default=128)
-    parser.add_argument("--decode-backend", choices=("cpu_kernels", "torch", "auto"), default="cpu_kernels")
+    add_round_arguments(parser, "a 1-layer model, 2 rounds of 4 prompts x 4 samples")
     parser.add_argument("--timeout", type=float, default=0.2, help="the reward term's timeout_s")
     parser.add_argument("--retry-budget", type=float, default=30.0, help="the reward term's retry_budget_s")
     parser.add_argument("--processes", type=int, default=4, help="grpo.reward_processes")
