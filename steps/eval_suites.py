@@ -305,22 +305,25 @@ def rewards(models: list[ModelUnderTest], data: EvalData, ctx: SuiteContext) -> 
 def evaluate_rewards(models: dict[str, str], config: GRPOConfig, tokenizer, records: list[PromptRecord],
                      samples: bool = True, per_prompt: dict[str, list[float]] | None = None) -> dict[str, dict]:
     """Each model (label -> HF directory) on the held-out prompts (the first `eval.max_examples`),
-    scored by the recipe's rewards: `heldout_reward` (mean over greedy answers),
+    episodes through the recipe's environment (`grpo.environment`, as in training) scored by its
+    rewards: `heldout_reward` (mean over greedy answers),
     `heldout_reward_se` its standard error, `heldout_success` (the share of greedy answers
     reaching `grpo.success_threshold`, with its standard error `heldout_success_se`),
     `heldout_reward_failed`; `per_prompt`, when given, gets each model's greedy reward per
     prompt (for paired comparisons); with `samples`, also
     `heldout_pass_at_k` (the share of prompts with a success among `grpo.eval_samples` samples
     at the training temperature; `k` is `eval_samples`) and `heldout_sampled_success`. Without
-    reward functions (on-policy distillation alone) every model gets an empty dict."""
+    reward functions or a multi-turn environment (on-policy distillation alone) every model gets
+    an empty dict."""
     from posttrain.recipes import recipe_spec
-    from posttrain.rl.controller import completion_text
-    from posttrain.steps.rl import catalogue_trie, reward_scorer, stop_token_ids, tokenize_prompts
+    from posttrain.rl.environments import chat_template_kwargs
+    from posttrain.rl.episodes import ObservationRenderer, episode_rewards, run_episodes
+    from posttrain.steps.rl import build_environment_role, catalogue_trie, reward_scorer, stop_token_ids, tokenize_prompts
 
     scorer = reward_scorer(config)
-    if scorer is None:
-        return {label: {} for label in models}
     g = config.grpo
+    if scorer is None and g.environment.name == "single_turn":
+        return {label: {} for label in models}
     limit = config.eval.max_examples or len(records)
     prompts = tokenize_prompts(records[:limit], tokenizer, config)
     stops = stop_token_ids(tokenizer, config)
@@ -329,19 +332,22 @@ def evaluate_rewards(models: dict[str, str], config: GRPOConfig, tokenizer, reco
                             allowed=allowed)
     sampled = replace(g.sampling, n=g.eval_samples, stop_token_ids=stops, seed=config.seed, allowed=allowed)
     device = pick_device(config.train.device)
+    environment = build_environment_role(config)
+    renderer = None if environment.single_turn else ObservationRenderer(tokenizer, chat_template_kwargs(config))
 
-    def score(groups) -> tuple[list[float], int]:
-        flat = [c for group in groups for c in group]
-        texts = [completion_text(tokenizer, c) for c in flat]
-        result = scorer.score(texts, [r for r, group in zip(prompts.records, groups) for _ in group])
-        return result.rewards, result.num_failed
+    def score(engine, sampling: SamplingConfig) -> tuple[list[float], int]:
+        """Episodes of every held-out prompt through the recipe's environment, as in training."""
+        groups = run_episodes(engine, environment, prompts.ids, prompts.records, range(len(prompts.ids)), sampling,
+                              tokenizer, renderer, config.pack.row_length, g.environment.max_turns)
+        rewards, _ = episode_rewards(scorer, [e for group in groups for e in group])
+        return rewards, sum(not math.isfinite(r) for r in rewards)
 
     out: dict[str, dict] = {}
     try:
         for label, model_dir in models.items():
             model = recipe_spec(config).load_model(config, model_dir, device).eval()
             engine = NativeEngine(model, tokenizer=tokenizer, max_batch_rows=max(config.eval.batch_size, g.eval_samples))
-            rewards, failed = score(engine.generate(prompts.ids, greedy))
+            rewards, failed = score(engine, greedy)
             finite = [r for r in rewards if math.isfinite(r)]
             success = [math.isfinite(r) and r >= g.success_threshold for r in rewards]
             p = sum(success) / len(success)
@@ -354,7 +360,7 @@ def evaluate_rewards(models: dict[str, str], config: GRPOConfig, tokenizer, reco
                        "heldout_success_se": math.sqrt(p * (1 - p) / len(success)), "heldout_reward_failed": failed,
                        "heldout_prompts": len(success)}
             if samples:
-                rewards, _ = score(engine.generate(prompts.ids, sampled))
+                rewards, _ = score(engine, sampled)
                 ok = [math.isfinite(r) and r >= g.success_threshold for r in rewards]
                 k = g.eval_samples
                 metrics["heldout_pass_at_k"] = sum(any(ok[i * k:(i + 1) * k]) for i in range(len(success))) / len(success)
@@ -366,7 +372,9 @@ def evaluate_rewards(models: dict[str, str], config: GRPOConfig, tokenizer, reco
                   + (f", pass@{g.eval_samples} {metrics['heldout_pass_at_k']:.3f}" if samples else ""))
             del model, engine
     finally:
-        scorer.close()  # its worker processes for user reward functions
+        for role in (scorer, environment):  # their worker processes for user code
+            if role is not None:
+                role.close()
     return out
 
 

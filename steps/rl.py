@@ -53,6 +53,7 @@ from posttrain.data.tokenizer import pad_record
 from posttrain.rl.controller import EngineLost, RLController, RoundResult, engine_beside_policy
 from posttrain.rl.engine import SamplingConfig
 from posttrain.rl.policy import LocalPolicy, PolicyGroup
+from posttrain.rl.environments import chat_template_kwargs
 from posttrain.rl.rewards import RewardScorer, RewardTerm
 from posttrain.parallel.mesh import pick_device
 from posttrain.recipes import Start, recipe_spec
@@ -115,6 +116,16 @@ def reward_scorer(config: GRPOConfig) -> RewardScorer | None:
     if not config.grpo.rewards:
         return None  # on-policy distillation alone
     return RewardScorer(reward_terms(config), config.grpo.reward_processes, config.grpo.reward_memory_mb)
+
+
+def build_environment_role(config: GRPOConfig):
+    """The environment role (`grpo.environment`): its user code in worker processes beside the
+    reward role's (the same count and memory cap)."""
+    from posttrain.rl.environments import EnvironmentRole
+
+    settings = config.grpo.environment
+    return EnvironmentRole(settings.name, settings.environment_kwargs, settings.timeout_s, settings.isolation,
+                           config.grpo.reward_processes, config.grpo.reward_memory_mb)
 
 
 def build_reward_role(config: GRPOConfig):
@@ -303,7 +314,7 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
     state_dir = str(run_dir / RL_STATE_DIR)
     started_ray = start_ray_for_roles(config)
     policy, model = build_policy(config, tokenizer, parent, device)
-    engine = scorer = reference = sinks = None
+    engine = scorer = reference = sinks = environment = None
     try:
         if config.grpo.kl_coef > 0 and config.grpo.reference_on_actor:
             from posttrain.rl.actor import RemoteReference
@@ -315,13 +326,15 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
             reference = load_causal_lm(parent, config.model.backend, device=device).eval().requires_grad_(False)
         engine = build_engine(config, model, tokenizer, parent)
         scorer = build_reward_role(config)
+        environment = build_environment_role(config)
         controller = RLController(policy, engine, scorer, prompts.ids, prompts.records,
                                   config.grpo, rollout_sampling(config, tokenizer), config.pack.row_length,
                                   config.train.micro_batch_size, tokenizer, tokenizer.pad_token_id, seed=config.seed,
                                   reference=reference,
                                   on_scored=lambda r: maybe_inject_fault(r, run_dir / RL_STATE_DIR),
                                   teacher=teacher, distill_coef=config.grpo.distill_coef,
-                                  teacher_vocab=teacher_spec.vocab_size if teacher_spec is not None else None)
+                                  teacher_vocab=teacher_spec.vocab_size if teacher_spec is not None else None,
+                                  environment=environment, template_kwargs=chat_template_kwargs(config))
         if previous is not None:
             controller.load_state_dict(policy.run(_load_round, state_dir, fingerprint, previous))
             engine.update_weights(policy.export_weights(on_device=engine_beside_policy(engine, policy)))
@@ -372,7 +385,7 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
             sinks.close()
         if engine is not None:
             engine.close()
-        for role in (scorer, reference):
+        for role in (scorer, reference, environment):
             if hasattr(role, "close"):
                 role.close()
         policy.close()

@@ -658,6 +658,11 @@ def shard_store(config, run_dir: str | Path, tokenizer, fingerprints: dict[str, 
     extra = {"kind": kind}
     if kind == "prompts":  # which prompts are dropped depends on the room left for a completion
         extra["limit"] = prompt_limit(config)
+        grpo = getattr(config, "grpo", None)
+        if grpo is not None and grpo.environment.tools:  # the template advertises the tools in every prompt
+            from posttrain.rl.environments import tool_schemas
+
+            extra["tools"] = tool_schemas(grpo.environment.tools)
     if kind == "pairs":
         extra["shared_prompt"] = config.shared_prompt
     key, known = tokenize_fingerprint(config.data.sources, fingerprints, tokenizer,
@@ -802,7 +807,9 @@ def run_prompts(records: Mapping[str, Iterable], tokenizer, config, context_leng
             dropped = stats["dropped"]
         else:
             kind = _PromptKind()
-            context = (tokenizer, dict(config.tokenizer.chat_template_kwargs or {}), limit)
+            from posttrain.rl.environments import chat_template_kwargs
+
+            context = (tokenizer, chat_template_kwargs(config), limit)  # an RL recipe's tools included
             procs = config.data.tokenize.num_proc if num_proc is None else num_proc
             streamed = render_parts(records, kind, context, procs, store, None)
             dropped = kind.dropped

@@ -351,6 +351,45 @@ class RewardTermConfig:
 
 
 @dataclass
+class EnvironmentConfig:
+    """What RL episodes act in (`posttrain.rl.environments`): `name` a built-in (`single_turn`:
+    one turn scored by the reward functions, the default; `tools`: the policy calls `tools`,
+    functions named by import path that the chat template advertises in every prompt) or a
+    user environment class, `package.module:Class`, built with `kwargs`. At most `max_turns`
+    policy turns an episode, each of at most `grpo.sampling.max_new_tokens` tokens, the whole
+    episode within `pack.row_length`. User code (a user class, the tools) runs in the reward
+    role's worker processes (`isolation: process`, `grpo.reward_processes` and
+    `reward_memory_mb`; a call past `timeout_s` is killed and fails its episode) or, with
+    `isolation: thread`, in the role's process. `skew_check` (warn | error | off) renders the
+    first `skew_check_episodes` rollouts of each round with the chat template and reports where
+    that differs from the rollout's tokens (`posttrain.rl.episodes.template_skew`)."""
+
+    name: str = "single_turn"
+    kwargs: dict = field(default_factory=dict)
+    tools: list[str] = field(default_factory=list)
+    max_turns: int = bounded(1, ge=1)
+    timeout_s: Optional[float] = bounded(10.0, gt=0)
+    isolation: Literal["process", "thread"] = "process"
+    skew_check: Literal["warn", "error", "off"] = "warn"
+    skew_check_episodes: int = bounded(4, ge=0)
+
+    def validate(self) -> None:
+        if self.name == "tools" and not self.tools:
+            raise ConfigError("grpo.environment.name is tools: list the tool functions in grpo.environment.tools "
+                              "(package.module:function)")
+        if self.tools and self.name != "tools":
+            raise ConfigError(f"grpo.environment.tools is set but the environment is {self.name!r}: tools are "
+                              "executed by the tools environment (grpo.environment.name: tools)")
+        if self.name == "tools" and self.max_turns < 2:
+            raise ConfigError("grpo.environment.max_turns must be >= 2 for tools: a call and the answer after it")
+
+    @property
+    def environment_kwargs(self) -> dict:
+        """The keyword arguments the environment is built with (`tools` join them for `tools`)."""
+        return {**self.kwargs, "tools": list(self.tools)} if self.name == "tools" else dict(self.kwargs)
+
+
+@dataclass
 class GRPOSection:
     """On-policy RL with group-relative advantages (`posttrain.rl.controller`,
     `posttrain.objectives.grpo`). Per round: `prompts_per_round` prompts, `sampling.n` samples
@@ -372,7 +411,10 @@ class GRPOSection:
     checked as the distillation recipe checks its teacher: same token ids, logit verifier), the
     teacher scores every sampled token and `distill_coef * (log p_teacher - log p_student)`, the
     negative per-token reverse KL, is added to each token's advantage (a dense reward);
-    `rewards` may then be empty (pure distillation, with `dynamic_sampling: false`)."""
+    `rewards` may then be empty (pure distillation, with `dynamic_sampling: false`).
+    `environment` (`EnvironmentConfig`): what episodes act in, single-turn by default (the
+    rewards score each completion); multi-turn environments and tools add turns, the rewards
+    then score the last one and the environment's step rewards join them."""
 
     rewards: list[RewardTermConfig] = field(default_factory=lambda: [RewardTermConfig("exact_answer")])
     teacher: Optional[str] = None
@@ -383,6 +425,7 @@ class GRPOSection:
     rounds_per_task: int = bounded(10, ge=1)
     prompts_per_round: int = bounded(16, ge=1)
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(n=8, max_new_tokens=16))
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     passes: int = bounded(1, ge=1)
     steps_per_pass: int = bounded(1, ge=1)
     advantage_scale: Literal["none", "std"] = "none"

@@ -59,14 +59,21 @@ import torch
 from posttrain.config.recipes import GRPOSection
 from posttrain.rl.advantages import degenerate_groups, group_advantages
 from posttrain.rl.decode_backends import check_resume, engine_identity
-from posttrain.rl.engine import Completion, SamplingConfig, request_seed
-from posttrain.rl.rewards import RewardScorer, Scores
+from posttrain.rl.engine import SamplingConfig, request_seed
+from posttrain.rl.environments import EnvironmentRole
+from posttrain.rl.episodes import Episode, ObservationRenderer, episode_rewards, run_episodes, template_skew
+from posttrain.rl.rewards import RewardScorer
 from posttrain.rl.policy import LocalPolicy, as_policy
 from posttrain.rl.sync import SyncError, check_sync
 from posttrain.rl.trajectories import Trajectory, attach_logps, pack_trajectories
 
 
 SYNC_PROBE_TOKENS = 8  # greedy tokens per probe prompt in the sync check
+
+
+class TemplateSkewError(ValueError):
+    """The chat template renders a rollout's conversation to other tokens than the episode's
+    (`grpo.environment.skew_check: error`)."""
 
 
 class EngineLost(RuntimeError):
@@ -124,6 +131,7 @@ class Rollout:
     reward: float  # NaN when the reward failed
     advantage: float  # NaN when failed; 0 in a group without signal
     trained: bool
+    turns: int = 1  # the policy's turns in the episode (its observations are in completion_ids too)
 
 
 @dataclass
@@ -133,15 +141,10 @@ class RoundResult:
     rollouts: list[Rollout] = field(default_factory=list)
     train_metrics: list[dict] = field(default_factory=list)
     reward_errors: list[tuple[int, str, str]] = field(default_factory=list)
+    template_skew: list[str] = field(default_factory=list)  # the skew check's reports (`SkewReport`)
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def completion_text(tokenizer, completion: Completion) -> str:
-    """What a reward reads: the completion's tokens without its stop token, decoded without
-    special tokens (the same text in training rounds and in evaluation, whatever the engine)."""
-    return tokenizer.decode(completion.content_ids, skip_special_tokens=True)
 
 
 def engine_beside_policy(engine, policy) -> bool:
@@ -177,13 +180,15 @@ class RLController:
                  tokenizer, pad_id: int, seed: int = 0, reference=None,
                  probes: Sequence[Sequence[int]] | None = None,
                  on_scored: Callable[[int], None] | None = None, teacher: torch.nn.Module | None = None,
-                 distill_coef: float = 1.0, teacher_vocab: int | None = None):
+                 distill_coef: float = 1.0, teacher_vocab: int | None = None,
+                 environment: EnvironmentRole | None = None, template_kwargs: dict | None = None):
         if len(prompts) != len(records):
             raise ValueError(f"{len(prompts)} prompts for {len(records)} records")
         policy = as_policy(policy)
         objective = policy.objective
-        if scorer is None and teacher is None:
-            raise ValueError("a controller needs a reward scorer, a teacher, or both")
+        if scorer is None and teacher is None and (environment is None or environment.single_turn):
+            raise ValueError("a controller needs a reward scorer, a teacher or a multi-turn environment "
+                             "(whose steps give rewards)")
         if getattr(objective, "needs_reference", False) and reference is None:
             raise ValueError("the objective has a KL term (kl_coef > 0) but no reference model was given")
         self.policy, self.engine, self.scorer = policy, engine, scorer
@@ -200,6 +205,10 @@ class RLController:
         self.round = 0
         self.on_scored = on_scored
         self.teacher, self.distill_coef, self.teacher_vocab = teacher, float(distill_coef), teacher_vocab
+        self.environment = environment if environment is not None else EnvironmentRole()
+        self.template_kwargs = dict(template_kwargs or {})
+        self.renderer = None if self.environment.single_turn else ObservationRenderer(tokenizer, self.template_kwargs)
+        self._skew_warned = False
 
     # ---------------------------------------------------------------- state
 
@@ -225,22 +234,53 @@ class RLController:
         self._check_fits(prompt, index)
         return prompt
 
-    def _draw(self, draw: int) -> tuple[list[int], list[list[Completion]]]:
+    def _draw(self, draw: int) -> tuple[list[int], list[list[Episode]]]:
         indices = self.sampler.take(self.grpo.prompts_per_round)
         seed = request_seed(request_seed(self.seed, self.round), draw)
-        groups = self.engine.generate([self._prompt(i) for i in indices], replace(self.sampling, seed=seed))
+        groups = run_episodes(self.engine, self.environment, [self._prompt(i) for i in indices],
+                              [self.records[i] for i in indices], indices, replace(self.sampling, seed=seed),
+                              self.tokenizer, self.renderer, self.row_length, self.grpo.environment.max_turns)
         return indices, groups
+
+    def _check_skew(self, episodes: list[Episode]) -> list[str]:
+        """The skew check (`posttrain.rl.episodes.template_skew`) on the round's first
+        `grpo.environment.skew_check_episodes` episodes that have prompt messages to render."""
+        from posttrain.data.chat import ChatTemplateError
+
+        settings = self.grpo.environment
+        if settings.skew_check == "off":
+            return []
+        checked = [e for e in episodes if e.failure is None and (e.prompt_messages or getattr(e.record, "prompt", None))]
+        reports = []
+        for e in checked[:settings.skew_check_episodes]:
+            try:
+                report = template_skew(e, self.tokenizer, self.template_kwargs)
+            except ChatTemplateError:
+                return []  # no template to compare with
+            if report is not None:
+                reports.append(str(report))
+        if reports and settings.skew_check == "error":
+            raise TemplateSkewError(f"{len(reports)} rollouts of round {self.round + 1} are not what the chat template "
+                                    f"renders of their conversation; the first: {reports[0]}")
+        if reports and not self._skew_warned:
+            self._skew_warned = True
+            print(f"[rl] warning: the chat template renders {len(reports)} of {min(len(checked), settings.skew_check_episodes)} "
+                  f"checked rollouts of round {self.round + 1} to other tokens than the policy's (training uses the "
+                  f"rollout's own tokens; a server that re-renders would not): {reports[0]}")
+        return reports
 
     def run_round(self) -> RoundResult:
         started = time.perf_counter()
         grpo, n = self.grpo, self.sampling.n
         times = {"generate": 0.0, "score": 0.0, "reference": 0.0, "teacher": 0.0, "update": 0.0, "sync": 0.0}
-        kept: list[tuple[int, list[Completion], list[float], list[float]]] = []  # (prompt, group, rewards, adv)
+        kept: list[tuple[int, list[Episode], list[float], list[float]]] = []  # (prompt, group, rewards, adv)
         rollouts: list[Rollout] = []
         errors: list[tuple[int, str, str]] = []
         all_rewards: list[list[float]] = []
         zero_groups = drawn_groups = failed = 0
         draws = 0
+        skew: list[str] = []
+        checked = 0
         while len(kept) < grpo.prompts_per_round and draws < (grpo.max_draws if grpo.dynamic_sampling else 1):
             t = time.perf_counter()
             try:
@@ -250,17 +290,21 @@ class RLController:
             times["generate"] += time.perf_counter() - t
             draws += 1
             t = time.perf_counter()
-            flat = [c for g in groups for c in g]
-            texts = [completion_text(self.tokenizer, c) for c in flat]
-            scores = (self.scorer.score(texts, [self.records[i] for i in indices for _ in range(n)])
-                      if self.scorer is not None else Scores([0.0] * len(flat), {}, [False] * len(flat), []))
+            flat = [e for g in groups for e in g]
+            texts = [e.final_text for e in flat]
+            rewards, scores = episode_rewards(self.scorer, flat)
             times["score"] += time.perf_counter() - t
             offset = len(rollouts)
-            errors += [(offset + i if i >= 0 else i, label, msg) for i, label, msg in scores.errors]
-            failed += scores.num_failed
-            rewards_GN = torch.tensor(scores.rewards, dtype=torch.float64).view(len(indices), n)
+            if scores is not None:
+                errors += [(offset + i if i >= 0 else i, label, msg) for i, label, msg in scores.errors]
+            errors += [(offset + k, "environment", str(e.failure)) for k, e in enumerate(flat) if e.failure is not None]
+            failed += sum(not math.isfinite(r) for r in rewards)
+            rewards_GN = torch.tensor(rewards, dtype=torch.float64).view(len(indices), n)
             adv_GN = group_advantages(rewards_GN, grpo.advantage_scale)
             flat_groups = degenerate_groups(rewards_GN).tolist()
+            if checked < grpo.environment.skew_check_episodes:
+                skew += self._check_skew(flat)
+                checked += len(flat)
             for g, (prompt_index, group) in enumerate(zip(indices, groups)):
                 drawn_groups += 1
                 zero_groups += flat_groups[g]
@@ -270,16 +314,17 @@ class RLController:
                 use = not drop and len(kept) < grpo.prompts_per_round
                 if use:
                     kept.append((prompt_index, group, rewards_GN[g].tolist(), adv_GN[g].tolist()))
-                for j, c in enumerate(group):
+                for j, e in enumerate(group):
                     reward, advantage = float(rewards_GN[g, j]), float(adv_GN[g, j])
-                    trained = use and math.isfinite(reward) and not (grpo.overlong_mask and c.finish_reason == "length")
-                    rollouts.append(Rollout(prompt_index, j, list(c.token_ids), texts[g * n + j], c.finish_reason,
-                                            reward, advantage, trained))
+                    trained = use and math.isfinite(reward) and not (grpo.overlong_mask and e.finish_reason == "length")
+                    rollouts.append(Rollout(prompt_index, j, list(e.tokens), texts[g * n + j], e.finish_reason,
+                                            reward, advantage, trained, len(e.turns)))
         # the engine's log-probs under the model's own distribution: what the trainer recomputes
-        trajectories = [Trajectory(self._prompt(p), list(c.token_ids), adv[j], list(c.raw_logprobs))
-                        for p, group, _, adv in kept for j, c in enumerate(group)
-                        if math.isfinite(adv[j]) and c.token_ids
-                        and not (grpo.overlong_mask and c.finish_reason == "length")]
+        trajectories = [Trajectory(list(e.prompt_ids), list(e.tokens), adv[j], list(e.engine_logps),
+                                   None if e.all_sampled else list(e.sampled))
+                        for p, group, _, adv in kept for j, e in enumerate(group)
+                        if math.isfinite(adv[j]) and any(e.sampled)
+                        and not (grpo.overlong_mask and e.finish_reason == "length")]
 
         if self.on_scored is not None:
             self.on_scored(self.round + 1)
@@ -326,8 +371,12 @@ class RLController:
         if self.teacher is not None and trajectories:
             metrics["reverse_kl"] = reverse_kl
         metrics["time_round_s"] = time.perf_counter() - started  # the phases above plus bookkeeping
+        if checked:
+            metrics["template_skew"] = len(skew) / min(checked, grpo.environment.skew_check_episodes)
+        metrics["turns_mean"] = float(np.mean([r.turns for r in rollouts])) if rollouts else 0.0
+        metrics["environment_failed"] = sum(label == "environment" for _, label, _ in errors)
         result = RoundResult(round=self.round, metrics=metrics, rollouts=rollouts, train_metrics=train_metrics,
-                             reward_errors=errors)
+                             reward_errors=errors, template_skew=skew)
         if sync_error is not None:
             raise EngineLost(result) from sync_error
         return result

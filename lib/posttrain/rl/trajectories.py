@@ -2,7 +2,9 @@
 
 A `Trajectory` is what the policy produced for one prompt, as token ids (prompt, then the
 completion exactly as sampled, its stop token included: never re-rendered text), with the
-completion's advantage and the engine's log-prob of each completion token.
+completion's advantage and the engine's log-prob of each completion token. A multi-turn
+episode's completion also holds the environment's observations between the policy's turns
+(`posttrain.rl.episodes`): its `loss_mask` marks the sampled tokens, the only targets.
 `pack_trajectories` places trajectories as tree documents of fixed-length rows
 (`posttrain.data.tree_packer`: position ids restart per document, document ids mask attention
 between them; a trajectory's prompt is a tree's trunk, its completion a branch keyed by the
@@ -58,6 +60,7 @@ class Trajectory:
     completion_ids: list[int]
     advantage: float
     engine_logps: list[float]
+    loss_mask: list[bool] | None = None  # per completion token: trained (sampled); None: all
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
@@ -84,6 +87,9 @@ def _check(trajectories: Sequence[Trajectory], row_length: int) -> None:
                              "pack.row_length to at least the longest prompt plus max_new_tokens")
         if len(t.engine_logps) != len(t.completion_ids):
             raise ValueError(f"trajectory {i}: {len(t.engine_logps)} engine log-probs for "
+                             f"{len(t.completion_ids)} completion tokens")
+        if t.loss_mask is not None and (len(t.loss_mask) != len(t.completion_ids) or not any(t.loss_mask)):
+            raise ValueError(f"trajectory {i}: a loss mask of {len(t.loss_mask)} values (none true?) for "
                              f"{len(t.completion_ids)} completion tokens")
         if not all(math.isfinite(x) for x in t.engine_logps):
             raise ValueError(f"trajectory {i}: a non-finite engine log-prob (the engine must report each sampled "
@@ -112,6 +118,12 @@ def _batch(trajectories: Sequence[Trajectory], rows: list[list[Tree]], row_lengt
     for r, trees in enumerate(rows):
         packed.write(r, trees)
     tables = packed.tables()
+    if any(t.loss_mask is not None for t in trajectories):  # observation tokens are no targets
+        keys, tokens = tables.branch_keys[tables.target_branch].tolist(), tables.target_token.tolist()
+        keep = np.array([trajectories[i].loss_mask is None or trajectories[i].loss_mask[j]
+                         for i, j in zip(keys, tokens)], dtype=bool)
+        tables = tables._replace(target_pos=tables.target_pos[keep], target_ids=tables.target_ids[keep],
+                         target_branch=tables.target_branch[keep], target_token=tables.target_token[keep])
     which = tables.branch_keys[tables.target_branch]  # each target's trajectory
     advantages = np.array([trajectories[i].advantage for i in tables.branch_keys.tolist()], dtype=np.float32)
     engine_logps = [trajectories[i].engine_logps[j] for i, j in zip(which.tolist(), tables.target_token.tolist())]

@@ -1,0 +1,288 @@
+"""Episodes: rollouts through an environment, built token by token as the engine saw them.
+
+    groups = run_episodes(engine, role, prompts, records, sampling, renderer, row_length)
+    # one list of `sampling.n` Episodes per prompt
+
+Turn 1 is one `engine.generate(prompts, sampling)` call (the `n` samples of each prompt, seeded
+as any generate call is), so a single-turn environment gives exactly the completions a plain
+generate call gives. Each later turn generates one completion for every episode still running,
+from the episode's own tokens, seeded by `request_seed(request_seed(sampling.seed, -turn), k)`
+for the k-th episode of the call (a function of the round's seed, not of which episodes fail).
+
+Token-exact trajectories: an episode's tokens are the prompt's, then each turn's sampled tokens
+as sampled (stop token included), then the environment's observation as the chat template
+renders it after a closed assistant turn (`ObservationRenderer`), then the next turn's sampled
+tokens: appended, never re-rendered from the conversation's text, so the tokens trained on are
+the tokens the engine read and wrote. `Episode.sampled` marks the policy's tokens (the only
+ones with a loss); observation tokens carry a log-prob of 0 and no loss.
+
+The skew check (`template_skew`) renders the episode's conversation (the prompt messages, each
+turn's decoded text as an assistant message, each observation) with the chat template and
+compares it with the episode's tokens: where they differ, a server that re-renders the
+conversation (as most inference servers and trainers do) would feed the model other tokens
+than the policy produced; the first difference is reported (`SkewReport`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from posttrain.rl.engine import Completion, SamplingConfig, request_seed
+from posttrain.rl.environments import EnvironmentRole, EpisodeFailure
+
+# a probe conversation for observation rendering: its assistant turn is closed, as a sampled
+# turn that ended with its stop token is
+_PROBE_USER = "Probe question for the observation renderer."
+_PROBE_SENTINEL = "PROBE-ASSISTANT-TURN-7c1f"
+
+
+class ObservationRenderer:
+    """The token ids the chat template puts after a closed assistant turn for an observation
+    (a list of messages), the next assistant turn's generation prompt included.
+
+    Found by rendering `[user, assistant(SENTINEL), *observation]` with the generation prompt and
+    taking the text after the sentinel's end-of-turn marker: what the template writes there
+    depends on the observation, not on what came before (every template we know renders a
+    message from its own fields and its neighbours' roles). Tokenized on its own: the text
+    starts right after a special token, where a whole-conversation tokenization splits too."""
+
+    def __init__(self, tokenizer, template_kwargs: dict | None = None):
+        from posttrain.data.chat import end_of_turn_marker
+
+        self.tokenizer, self.template_kwargs = tokenizer, dict(template_kwargs or {})
+        self.marker = end_of_turn_marker(tokenizer, **self.template_kwargs)
+
+    def text(self, observation: list[dict]) -> str:
+        from posttrain.data.chat import ChatTemplateError, _render
+
+        probe = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_SENTINEL}]
+        rendered = _render(self.tokenizer, probe + list(observation), True, self.template_kwargs)
+        at = rendered.find(_PROBE_SENTINEL)
+        end = rendered.find(self.marker, at + len(_PROBE_SENTINEL)) if at >= 0 else -1
+        if end < 0:
+            raise ChatTemplateError(f"the chat template does not close an assistant turn with {self.marker!r} "
+                                    f"before an observation ({[m.get('role') for m in observation]})")
+        return rendered[end + len(self.marker):]
+
+    def ids(self, observation: list[dict]) -> list[int]:
+        return list(self.tokenizer(self.text(observation), add_special_tokens=False)["input_ids"])
+
+
+@dataclass
+class Episode:
+    """One episode of one prompt (module docstring). `tokens`/`sampled`/`engine_logps` run
+    over everything after the prompt; `turns` are the policy's completions; `observations`
+    what the environment answered after each turn but the last; `reward` the sum of the steps'
+    rewards; `failure` the environment call that failed it (its reward is then NaN)."""
+
+    prompt_index: int
+    sample: int
+    prompt_ids: list[int]
+    record: object
+    prompt_messages: list[dict] | None = None  # what the environment's reset started from, else None
+    tokens: list[int] = field(default_factory=list)
+    sampled: list[bool] = field(default_factory=list)
+    engine_logps: list[float] = field(default_factory=list)
+    turns: list[Completion] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    observations: list[list[dict]] = field(default_factory=list)
+    infos: list[dict] = field(default_factory=list)
+    reward: float = 0.0
+    done: bool = False
+    truncated: bool = False  # ended by the row's room, not by the environment
+    failure: EpisodeFailure | None = None
+    state: dict = field(default_factory=dict)
+
+    @property
+    def final_text(self) -> str:
+        """The last turn's text: what the recipe's reward functions score."""
+        return self.texts[-1] if self.texts else ""
+
+    @property
+    def finish_reason(self) -> str:
+        """The last turn's finish reason; `length` when the episode ran out of room."""
+        return "length" if self.truncated else (self.turns[-1].finish_reason if self.turns else "length")
+
+    @property
+    def all_sampled(self) -> bool:
+        return all(self.sampled)
+
+    def append_turn(self, completion: Completion, text: str) -> None:
+        self.turns.append(completion)
+        self.texts.append(text)
+        self.tokens += completion.token_ids
+        self.sampled += [True] * len(completion.token_ids)
+        self.engine_logps += list(completion.raw_logprobs)
+
+    def append_observation(self, observation: list[dict], ids: list[int]) -> None:
+        self.observations.append(observation)
+        self.tokens += ids
+        self.sampled += [False] * len(ids)
+        self.engine_logps += [0.0] * len(ids)
+
+
+def completion_text(tokenizer, completion: Completion) -> str:
+    """What a reward reads: the completion's tokens without its stop token, decoded without
+    special tokens (the same text in training rounds and in evaluation, whatever the engine)."""
+    return tokenizer.decode(completion.content_ids, skip_special_tokens=True)
+
+
+def run_episodes(engine, role: EnvironmentRole, prompts: Sequence[Sequence[int]], records: Sequence,
+                 prompt_indices: Sequence[int], sampling: SamplingConfig, tokenizer,
+                 renderer: ObservationRenderer | None, row_length: int | None, max_turns: int = 1
+                 ) -> list[list[Episode]]:
+    """`sampling.n` episodes of each prompt (module docstring), at most `max_turns` policy turns
+    each, every episode's tokens within `row_length` (None: no bound). `renderer` renders
+    observations (needed by multi-turn environments). Engine failures propagate."""
+    n = sampling.n
+    starts = role.reset([records[i] for i in range(len(prompts)) for _ in range(n)])
+    episodes: list[list[Episode]] = []
+    for i, (index, prompt) in enumerate(zip(prompt_indices, prompts)):
+        group = []
+        for j in range(n):
+            start = starts[i * n + j]
+            episode = Episode(index, j, list(prompt), records[i])
+            if isinstance(start, EpisodeFailure):
+                episode.failure, episode.done = start, True
+            else:
+                episode.state = start["state"]
+                if start["observation"] is not None:  # the environment's own opening
+                    from posttrain.data.chat import render_prompt
+
+                    episode.prompt_messages = start["observation"]
+                    episode.prompt_ids = render_prompt(tokenizer, start["observation"],
+                                                       **(renderer.template_kwargs if renderer else {}))
+            group.append(episode)
+        episodes.append(group)
+    flat = [e for g in episodes for e in g]
+    if all(e.prompt_messages is None for e in flat):
+        # turn 1 as a plain generate call: the n samples of each prompt
+        completions = [c for g in engine.generate([list(p) for p in prompts], sampling) for c in g]
+    else:
+        completions = _generate_each(engine, [e.prompt_ids for e in flat], sampling, turn=0)
+    _take_turns(role, [e for e, c in zip(flat, completions) if not e.done],
+                [c for e, c in zip(flat, completions) if not e.done], tokenizer)
+    for turn in range(1, max_turns):
+        active = [e for e in flat if not e.done]
+        if not active:
+            break
+        if renderer is None:
+            raise ValueError("a multi-turn environment needs an ObservationRenderer")
+        ready = []
+        for e in active:
+            ids = renderer.ids(e.observations[-1]) if e.observations else []
+            room = None if row_length is None else row_length - len(e.prompt_ids) - len(e.tokens) - len(ids)
+            if room is not None and room < sampling.max_new_tokens:
+                e.done = e.truncated = True  # the next turn would not fit the row
+                e.observations.pop()
+                continue
+            e.tokens += ids
+            e.sampled += [False] * len(ids)
+            e.engine_logps += [0.0] * len(ids)
+            ready.append(e)
+        if not ready:
+            break
+        completions = _generate_each(engine, [e.prompt_ids + e.tokens for e in ready], sampling, turn)
+        _take_turns(role, ready, completions, tokenizer)
+    for e in flat:
+        if not e.done:  # max_turns reached: the last observation was not shown to the policy
+            e.done = True
+            if e.observations:
+                e.observations.pop()
+    return episodes
+
+
+def episode_rewards(scorer, episodes: Sequence[Episode]):
+    """`(rewards, scores)`: each episode's reward, its steps' rewards plus the reward functions'
+    score of its last turn (NaN when the environment or a reward function failed it), and the
+    reward functions' `Scores` (None without a `scorer`: the steps' rewards alone)."""
+    scores = scorer.score([e.final_text for e in episodes], [e.record for e in episodes]) if scorer is not None else None
+    rewards = [math.nan if e.failure is not None else (scores.rewards[k] if scores is not None else 0.0) + e.reward
+               for k, e in enumerate(episodes)]
+    return rewards, scores
+
+
+def _generate_each(engine, contexts: list[list[int]], sampling: SamplingConfig, turn: int) -> list[Completion]:
+    """One completion of each context, the k-th seeded `request_seed(request_seed(seed, -turn), k)`."""
+    base = request_seed(sampling.seed, -turn)
+    seeds = tuple(request_seed(base, k) for k in range(len(contexts)))
+    return [g[0] for g in engine.generate(contexts, replace(sampling, n=1, seeds=seeds))]
+
+
+def _take_turns(role: EnvironmentRole, episodes: list[Episode], completions: list[Completion], tokenizer) -> None:
+    """Append each completion to its episode and step the environment on it. An observation
+    is kept on the episode (`observations`) and rendered before the next turn."""
+    texts = [completion_text(tokenizer, c) for c in completions]
+    for e, c, t in zip(episodes, completions, texts):
+        e.append_turn(c, t)
+    results = role.step([e.state for e in episodes], [(list(c.token_ids), t) for c, t in zip(completions, texts)])
+    for e, c, result in zip(episodes, completions, results):
+        if isinstance(result, EpisodeFailure):
+            e.failure, e.done, e.reward = result, True, math.nan
+            continue
+        e.state = result["state"]
+        e.reward += result["reward"]
+        e.infos.append(result["info"])
+        # a turn cut at max_new_tokens has no stop token to render an observation after: it ends
+        if result["done"] or result["observation"] is None or c.finish_reason != "stop_token":
+            e.done = True
+            if not result["done"] and c.finish_reason != "stop_token":
+                e.truncated = True
+        else:
+            e.observations.append(result["observation"])
+
+
+# ---------------------------------------------------------------- the skew check
+
+
+@dataclass
+class SkewReport:
+    """Where the template's rendering of an episode's conversation leaves its tokens: `position`
+    (index into prompt + episode tokens), and a few tokens of each from there."""
+
+    prompt_index: int
+    sample: int
+    position: int
+    trajectory: str
+    rendered: str
+
+    def __str__(self) -> str:
+        return (f"prompt {self.prompt_index} sample {self.sample}: from token {self.position} the trajectory has "
+                f"{self.trajectory!r} where the chat template renders {self.rendered!r}")
+
+
+def conversation(episode: Episode, tokenizer) -> list[dict]:
+    """The episode as chat messages: the prompt's, then each turn's text (special tokens kept, the
+    stop token left out) as an assistant message, each followed by its observation."""
+    messages = list(episode.prompt_messages or episode.record.prompt)
+    for k, turn in enumerate(episode.turns):
+        messages.append({"role": "assistant",
+                         "content": tokenizer.decode(turn.content_ids, skip_special_tokens=False)})
+        if k < len(episode.observations):
+            messages += episode.observations[k]
+    return messages
+
+
+def template_skew(episode: Episode, tokenizer, template_kwargs: dict | None = None,
+                  context: int = 6) -> SkewReport | None:
+    """None when the chat template renders the episode's conversation (no generation prompt)
+    to its tokens, followed at most by whitespace (what a template writes after a closing stop
+    token); else the first difference (`SkewReport`)."""
+    from posttrain.data.chat import template_ids
+
+    ids = list(episode.prompt_ids) + list(episode.tokens)
+    rendered = template_ids(tokenizer.apply_chat_template(conversation(episode, tokenizer), tokenize=True,
+                                                          add_generation_prompt=False, **(template_kwargs or {})))
+    limit = min(len(ids), len(rendered))
+    position = next((k for k in range(limit) if ids[k] != rendered[k]), limit)
+    # a last turn cut at max_new_tokens has no stop token: the template closes it, the episode does not
+    last_open = bool(episode.turns) and episode.turns[-1].finish_reason != "stop_token"
+    if position == len(ids) and (last_open or not tokenizer.decode(rendered[position:]).strip()):
+        return None
+
+    def show(tokens: list[int]) -> str:
+        return tokenizer.decode(tokens[position:position + context], skip_special_tokens=False)
+
+    return SkewReport(episode.prompt_index, episode.sample, position, show(ids), show(rendered))
