@@ -83,7 +83,7 @@ def generate_demo_data(generate: GenerateConfig, run_dir: Path) -> Path:
         return out_dir
     paths = write_arithmetic_dataset(
         out_dir, num_train=generate.num_train, num_heldout=generate.num_heldout, seed=generate.seed,
-        min_digits=generate.min_digits, max_digits=generate.max_digits,
+        min_digits=generate.min_digits, max_digits=generate.max_digits, tool_fraction=generate.tool_fraction,
     )
     build_demo_tokenizer(
         out_dir / "tokenizer", corpus_paths=[paths["train"]], vocab_size=generate.tokenizer_vocab_size
@@ -127,14 +127,19 @@ def as_pair(record, source: SourceConfig) -> PreferenceRecord:
 
 
 def as_prompt(record, source: SourceConfig) -> PromptRecord:
-    """What RL recipes sample from: a prompt record itself, or a conversation's turns before its
-    last assistant turn as the prompt with that turn's content as the reference."""
+    """What RL recipes sample from: a prompt record itself, or a conversation's turns up to its
+    last user turn as the prompt with its last assistant turn's content as the reference (the
+    final answer of a tool-using chat, whose tool calls and results between are the episode's
+    to make, not the prompt's)."""
     if isinstance(record, PromptRecord):
         return record
     if isinstance(record, ChatRecord):
-        last = max((i for i, m in enumerate(record.messages) if m["role"] == "assistant"), default=None)
+        roles = [m["role"] for m in record.messages]
+        last_user = max((i for i, r in enumerate(roles) if r == "user"), default=None)
+        last = max((i for i, r in enumerate(roles) if r == "assistant"), default=None)
         if last is not None:
-            return PromptRecord(record.messages[:last], record.messages[last]["content"], {}, record.source,
+            cut = last_user + 1 if last_user is not None and last_user < last else last
+            return PromptRecord(record.messages[:cut], record.messages[last]["content"], {}, record.source,
                                 record.line)
     raise ValueError(
         f"source '{source.name}' (format '{source.format}') gives {type(record).__name__}s; an RL recipe samples "

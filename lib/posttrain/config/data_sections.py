@@ -125,6 +125,8 @@ class GenerateConfig:
     max_digits: int = bounded(3, ge=1, le=6)
     seed: int = 0
     tokenizer_vocab_size: int = bounded(384, ge=64)
+    # task arithmetic: the share of chats that call the calculator tool before answering (the tool-use demo)
+    tool_fraction: float = bounded(0.0, ge=0, le=1)
     world: Optional[WorldConfig] = None  # task interactions (None: the defaults)
 
 

@@ -429,6 +429,9 @@ class GRPOSection:
     passes: int = bounded(1, ge=1)
     steps_per_pass: int = bounded(1, ge=1)
     advantage_scale: Literal["none", "std"] = "none"
+    # group: group-relative advantages (GRPO); rejection_sampling: the honest baseline, RFT
+    # (`posttrain.rl.advantages`): the samples reaching success_threshold trained as SFT data
+    advantage_estimator: Literal["group", "rejection_sampling"] = "group"
     clip_low: float = bounded(0.2, gt=0, lt=1)
     clip_high: float = bounded(0.28, gt=0)
     aggregation: Literal["token_mean", "sequence_mean", "sequence_sum"] = "token_mean"
@@ -471,6 +474,9 @@ class GRPOSection:
             raise ConfigError(f"grpo.sampling.temperature must be > 0 (the policy samples), got {s.temperature}")
         if s.max_new_tokens < 1:
             raise ConfigError(f"grpo.sampling.max_new_tokens must be >= 1, got {s.max_new_tokens}")
+        if self.advantage_estimator == "rejection_sampling" and self.dynamic_sampling:
+            raise ConfigError("grpo.advantage_estimator rejection_sampling trains every accepted sample, groups whose samples all "
+                              "succeed included: set grpo.dynamic_sampling: false")
 
 
 # what a sweep's variants share (its tokenize step renders the prompts once, before the foreach)
@@ -503,10 +509,11 @@ class GRPOConfig(RecipeConfig):
             if fixed:
                 raise ConfigError(f"sweep[{i}] overrides {fixed[0]!r}: the variants of a sweep share its data, prompts, "
                                   "model, tokenizer and teacher; vary optimisation and RL settings only")
-        if not self.grpo.rewards and self.grpo.teacher is None:
+        stepped = self.grpo.environment.name not in ("single_turn", "tools")  # a user environment's steps reward
+        if not self.grpo.rewards and self.grpo.teacher is None and not stepped:
             raise ConfigError("grpo.rewards needs at least one reward function (or grpo.teacher for on-policy "
-                              "distillation)")
-        if not self.grpo.rewards and self.grpo.dynamic_sampling:
+                              "distillation, or a grpo.environment whose steps give rewards)")
+        if not self.grpo.rewards and self.grpo.dynamic_sampling and not stepped:
             raise ConfigError("without grpo.rewards every group's reward is equal: set grpo.dynamic_sampling: false")
         if self.grpo.rounds_per_task > self.grpo.rounds:
             raise ConfigError(f"grpo.rounds_per_task ({self.grpo.rounds_per_task}) > grpo.rounds ({self.grpo.rounds})")

@@ -5,7 +5,8 @@
 through the normal JSONL ingest path. Problems are additions and subtractions of 1-3 digit
 numbers by default (operand lengths drawn uniformly, subtraction never negative), e.g. user
 "What is 347 + 589?" / assistant "936"; a quarter of the chats start with a short system
-prompt. Train and held-out problems are disjoint (`a + b` and `b + a` count as one).
+prompt. The tool-use demo's variant (`tool_fraction`) has a share of the chats call a
+calculator tool before answering. Train and held-out problems are disjoint (`a + b` and `b + a` count as one).
 
 `build_demo_tokenizer(out_dir, corpus_paths=None, texts=None, vocab_size=384)` trains a
 byte-level BPE (digits always split into single tokens) on the message texts and saves it
@@ -27,8 +28,13 @@ SYSTEM_FRACTION = 0.25
 PAD, BOS_TURN, EOS_TURN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 
 # Our own ChatML-style template: every turn is `<|im_start|>{role}\n{content}<|im_end|>\n`,
-# the generation prompt is `<|im_start|>assistant\n`.
+# the generation prompt is `<|im_start|>assistant\n`. Tools (`tools=[schema, ...]`) are
+# advertised in a first system turn, one line: `Tools: name(param, ...), ...`.
 CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\nTools: ' }}"
+    "{%- for tool in tools %}{%- set f = tool.function if tool.function is defined else tool %}"
+    "{{- f.name + '(' + (f.parameters.properties | list | join(', ')) + ')' }}"
+    "{%- if not loop.last %}{{- ', ' }}{%- endif %}{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
     "{%- endfor %}"
@@ -55,12 +61,21 @@ def _key(a: int, op: str, b: int) -> tuple:
     return (op, min(a, b), max(a, b)) if op == "+" else (op, a, b)
 
 
-def _record(a: int, op: str, b: int, rng: random.Random) -> dict:
+def calculator_call(a: int, op: str, b: int) -> str:
+    """The assistant's call of the demo's calculator tool (`posttrain.rl.demo_environments.calculator`),
+    in the Hermes / Qwen tool-call format `ToolEnvironment` parses."""
+    return "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"a": a, "op": op, "b": b}}) + "</tool_call>"
+
+
+def _record(a: int, op: str, b: int, rng: random.Random, tool_fraction: float = 0.0) -> dict:
     answer = str(a + b if op == "+" else a - b)
     messages = []
-    if rng.random() < SYSTEM_FRACTION:
+    if rng.random() < SYSTEM_FRACTION and not tool_fraction:
         messages.append({"role": "system", "content": SYSTEM_PROMPT})
     messages.append({"role": "user", "content": rng.choice(QUESTIONS).format(a=a, op=op, b=b)})
+    if tool_fraction and rng.random() < tool_fraction:
+        messages.append({"role": "assistant", "content": calculator_call(a, op, b)})
+        messages.append({"role": "tool", "content": answer})
     messages.append({"role": "assistant", "content": answer})
     return {"messages": messages, "answer": answer}
 
@@ -72,11 +87,16 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
 
 
 def write_arithmetic_dataset(out_dir, num_train: int, num_heldout: int, seed: int,
-                             min_digits: int = 1, max_digits: int = 3) -> dict[str, Path]:
+                             min_digits: int = 1, max_digits: int = 3, tool_fraction: float = 0.0) -> dict[str, Path]:
     """Write `train.jsonl` and `heldout.jsonl` under `out_dir`; return `{"train": ..., "heldout": ...}`.
 
-    Operands have `min_digits` to `max_digits` digits (lengths drawn uniformly).
+    Operands have `min_digits` to `max_digits` digits (lengths drawn uniformly). With
+    `tool_fraction` > 0 (the tool-use demo), that share of the chats has the assistant call the
+    calculator tool first (`calculator_call`, the tool's answer as a `tool` turn) and then answer;
+    the rest answer directly, and no chat has a system prompt (the template's tools line is one).
     """
+    if not 0.0 <= tool_fraction <= 1.0:
+        raise ValueError(f"tool_fraction must be in [0, 1], got {tool_fraction}")
     if not 1 <= min_digits <= max_digits:
         raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
     if num_train < 0 or num_heldout < 0:
@@ -92,8 +112,8 @@ def write_arithmetic_dataset(out_dir, num_train: int, num_heldout: int, seed: in
         problem = _problem(rng, min_digits, max_digits)
         problems.setdefault(_key(*problem), problem)
     ordered = list(problems.values())  # insertion order: deterministic
-    heldout = [_record(*p, rng) for p in ordered[:num_heldout]]
-    train = [_record(*p, rng) for p in ordered[num_heldout:]]
+    heldout = [_record(*p, rng, tool_fraction) for p in ordered[:num_heldout]]
+    train = [_record(*p, rng, tool_fraction) for p in ordered[num_heldout:]]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"train": out / "train.jsonl", "heldout": out / "heldout.jsonl"}

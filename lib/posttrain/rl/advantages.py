@@ -9,6 +9,11 @@
   nearly hopeless more than the rest;
 - `"std"`: `(r - mean) / (std + eps)` as in the original GRPO (population std of the group).
 
+`rejection_sampling_advantages(rewards_GN, threshold)` is the honest baseline's estimator
+(rejection-sampling fine-tuning, RFT): 1 for a sample whose reward reaches `threshold`, NaN
+(not trained) for the rest, so an on-policy update is supervised fine-tuning on the accepted
+samples.
+
 `degenerate_groups(rewards_GN)` marks the groups whose valid rewards are all equal (or that
 have fewer than two valid samples): their advantages are all zero, so they carry no gradient,
 and dynamic sampling (DAPO) drops them and draws other prompts instead.
@@ -37,6 +42,12 @@ def group_advantages(rewards_GN: torch.Tensor, scale: str = "none", eps: float =
         var_G1 = (torch.where(valid_GN, adv_GN, torch.zeros_like(adv_GN)) ** 2).sum(1, keepdim=True) / n_G1
         adv_GN = adv_GN / (var_G1.sqrt() + eps)
     return adv_GN
+
+
+def rejection_sampling_advantages(rewards_GN: torch.Tensor, threshold: float) -> torch.Tensor:
+    """`[G, N]` float64: 1.0 where the reward reaches `threshold`, else NaN (module docstring)."""
+    r_GN = rewards_GN.double()
+    return torch.where(r_GN >= threshold, torch.ones_like(r_GN), torch.full_like(r_GN, torch.nan))
 
 
 def degenerate_groups(rewards_GN: torch.Tensor) -> torch.Tensor:

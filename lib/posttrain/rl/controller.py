@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from posttrain.config.recipes import GRPOSection
-from posttrain.rl.advantages import degenerate_groups, group_advantages
+from posttrain.rl.advantages import degenerate_groups, group_advantages, rejection_sampling_advantages
 from posttrain.rl.decode_backends import check_resume, engine_identity
 from posttrain.rl.engine import SamplingConfig, request_seed
 from posttrain.rl.environments import EnvironmentRole
@@ -300,7 +300,8 @@ class RLController:
             errors += [(offset + k, "environment", str(e.failure)) for k, e in enumerate(flat) if e.failure is not None]
             failed += sum(not math.isfinite(r) for r in rewards)
             rewards_GN = torch.tensor(rewards, dtype=torch.float64).view(len(indices), n)
-            adv_GN = group_advantages(rewards_GN, grpo.advantage_scale)
+            adv_GN = (group_advantages(rewards_GN, grpo.advantage_scale) if grpo.advantage_estimator == "group"
+                      else rejection_sampling_advantages(rewards_GN, grpo.success_threshold))
             flat_groups = degenerate_groups(rewards_GN).tolist()
             if checked < grpo.environment.skew_check_episodes:
                 skew += self._check_skew(flat)
@@ -316,7 +317,8 @@ class RLController:
                     kept.append((prompt_index, group, rewards_GN[g].tolist(), adv_GN[g].tolist()))
                 for j, e in enumerate(group):
                     reward, advantage = float(rewards_GN[g, j]), float(adv_GN[g, j])
-                    trained = use and math.isfinite(reward) and not (grpo.overlong_mask and e.finish_reason == "length")
+                    trained = (use and math.isfinite(advantage)
+                               and not (grpo.overlong_mask and e.finish_reason == "length"))
                     rollouts.append(Rollout(prompt_index, j, list(e.tokens), texts[g * n + j], e.finish_reason,
                                             reward, advantage, trained, len(e.turns)))
         # the engine's log-probs under the model's own distribution: what the trainer recomputes

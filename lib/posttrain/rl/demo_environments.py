@@ -1,0 +1,61 @@
+"""The environments of the multi-turn demos (`configs/grpo/feedback-demo.yaml`,
+`configs/grpo/calculator-demo.yaml`): user code as a user would write it, run in the environment
+role's worker processes like any user environment.
+
+- `ArithmeticFeedback`: a simulated user asks an arithmetic question and checks each answer:
+  right ends the episode with reward 1; wrong is answered "No, it is higher." or "No, it is
+  lower." and the policy tries again, until `max_turns`.
+- `calculator`: a tool for `ToolEnvironment` that evaluates `a <op> b` exactly (`+`, `-`, `*`).
+"""
+
+from __future__ import annotations
+
+import re
+
+from posttrain.rl.environments import Environment, StepResult
+
+NUMBER = re.compile(r"-?\d+")
+
+
+def _last_number(text: str) -> int | None:
+    found = NUMBER.findall(text)
+    return int(found[-1]) if found else None
+
+
+class ArithmeticFeedback(Environment):
+    """Checks an answer against the record's reference (its final answer, an integer) and says
+    which way a wrong one is off (module docstring). `info` records the tries."""
+
+    def __init__(self):
+        self.answer: int | None = None
+        self.tries = 0
+
+    def reset(self, record):
+        from posttrain.rl.rewards import final_answer
+
+        self.answer = _last_number(final_answer(record.reference) or "")
+        return None
+
+    def step(self, action_ids, text):
+        self.tries += 1
+        guess = _last_number(text)
+        if guess is not None and guess == self.answer:
+            return StepResult(None, 1.0, True, {"tries": self.tries})
+        hint = "No answer." if guess is None else ("No, it is higher." if guess < self.answer else "No, it is lower.")
+        return StepResult([{"role": "user", "content": hint}], 0.0, False, {"tries": self.tries})
+
+
+OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+def calculator(a: int, op: str, b: int) -> int:
+    """Compute a op b exactly.
+
+    Args:
+        a: the left operand
+        op: the operator, one of +, - or *
+        b: the right operand
+    """
+    if op not in OPERATORS:
+        raise ValueError(f"unknown operator {op!r}; use +, - or *")
+    return OPERATORS[op](int(a), int(b))
