@@ -25,13 +25,14 @@ FEEDBACK = "posttrain.rl.demo_environments:ArithmeticFeedback"
 def test_the_simulated_user_says_which_way_a_wrong_answer_is_off():
     record = PromptRecord([{"role": "user", "content": "What is 500 + 436?"}], "936", {}, "t", 1)
     started = reset_episode(FEEDBACK, {}, record)
-    assert started["observation"] is None and started["state"] == {"answer": 936, "tries": 0}
+    assert started["observation"] is None and started["state"] == {"answer": 936, "tries": 0, "discount": 0.5}
     low = step_episode(FEEDBACK, started["state"], [5], "900")
     assert low["observation"] == [{"role": "user", "content": "No, it is higher."}] and not low["done"]
     high = step_episode(FEEDBACK, low["state"], [5], "950")
     assert high["observation"][0]["content"] == "No, it is lower." and high["reward"] == 0.0
     right = step_episode(FEEDBACK, high["state"], [5], "936")
-    assert right["done"] and right["reward"] == 1.0 and right["info"] == {"tries": 3}
+    assert right["done"] and right["reward"] == 0.25 and right["info"] == {"tries": 3}
+    assert step_episode(FEEDBACK, started["state"], [5], "936")["reward"] == 1.0
     assert step_episode(FEEDBACK, started["state"], [5], "none")["observation"][0]["content"] == "No answer."
     assert isinstance(ArithmeticFeedback(), ArithmeticFeedback)
 
@@ -59,6 +60,23 @@ def test_the_calculator_and_its_calls_in_the_demo_chats(tmp_path):
     plain = write_arithmetic_dataset(tmp_path / "plain", num_train=50, num_heldout=5, seed=0)
     again = write_arithmetic_dataset(tmp_path / "again", num_train=50, num_heldout=5, seed=0, tool_fraction=0.0)
     assert plain["train"].read_bytes() == again["train"].read_bytes()
+
+
+def test_the_feedback_demo_chats_retry_after_the_simulated_users_hint(tmp_path):
+    paths = write_arithmetic_dataset(tmp_path, num_train=300, num_heldout=30, seed=0, min_digits=3, max_digits=3,
+                                     retry_fraction=0.3)
+    rows = [json.loads(line) for line in paths["train"].read_text().splitlines()]
+    retries = [r for r in rows if sum(m["role"] == "assistant" for m in r["messages"]) == 2]
+    assert 0.2 < len(retries) / len(rows) < 0.4
+    for row in retries:
+        *_, wrong, hint, right = row["messages"]
+        env = ArithmeticFeedback()
+        env.reset(PromptRecord(row["messages"][:1], row["answer"], {}, "t", 1))
+        # the hint is what the demo's simulated user says of that wrong answer
+        assert env.step([], wrong["content"]).observation == [{"role": "user", "content": hint["content"]}]
+        assert wrong["content"] != right["content"] == row["answer"]
+    heldout = [json.loads(line) for line in paths["heldout"].read_text().splitlines()]
+    assert all(sum(m["role"] == "assistant" for m in r["messages"]) == 1 for r in heldout)
 
 
 def test_the_demo_template_advertises_tools_in_one_line(tmp_path):

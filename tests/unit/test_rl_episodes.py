@@ -136,6 +136,19 @@ def test_user_environments_that_fail_fail_their_episode_only(task_tokenizer):
     assert elapsed < 60  # a spinning step is killed at its timeout, not waited for
 
 
+def test_malformed_tool_calls_are_answered_with_the_error():
+    from posttrain.rl.environments import ToolEnvironment
+
+    env = ToolEnvironment(TOOLS)
+    bad = ['<tool_call>{"name": {"x": 1}, "arguments": {}}</tool_call>', "<tool_call>not json</tool_call>",
+           '<tool_call>{"name": "divide", "arguments": {}}</tool_call>',
+           '<tool_call>{"name": "multiply", "arguments": {"a": 2}}</tool_call>']
+    for text in bad:
+        [answer] = env.step([], text).observation
+        assert answer["role"] == "tool" and answer["content"].startswith("error:")
+    assert env.calls == 1  # the call with a missing argument reached the tool, which raised
+
+
 def test_an_environment_that_breaks_the_contract_stops_the_run(task_tokenizer):
     with pytest.raises(EnvironmentContractError, match="not a class"):
         EnvironmentRole("user_environments:multiply")

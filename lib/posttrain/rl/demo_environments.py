@@ -3,8 +3,10 @@
 role's worker processes like any user environment.
 
 - `ArithmeticFeedback`: a simulated user asks an arithmetic question and checks each answer:
-  right ends the episode with reward 1; wrong is answered "No, it is higher." or "No, it is
-  lower." and the policy tries again, until `max_turns`.
+  right ends the episode with reward `discount ** (tries - 1)` (1 at the first try, 0.5 at the
+  second, ...: a wrong first answer followed by a right one is worth less than a right one, so
+  its wrong answer is not reinforced as much); wrong is answered "No, it is higher." or "No, it
+  is lower." and the policy tries again, until `max_turns`.
 - `calculator`: a tool for `ToolEnvironment` that evaluates `a <op> b` exactly (`+`, `-`, `*`).
 """
 
@@ -26,9 +28,9 @@ class ArithmeticFeedback(Environment):
     """Checks an answer against the record's reference (its final answer, an integer) and says
     which way a wrong one is off (module docstring). `info` records the tries."""
 
-    def __init__(self):
+    def __init__(self, discount: float = 0.5):
         self.answer: int | None = None
-        self.tries = 0
+        self.tries, self.discount = 0, float(discount)
 
     def reset(self, record):
         from posttrain.rl.rewards import final_answer
@@ -40,8 +42,10 @@ class ArithmeticFeedback(Environment):
         self.tries += 1
         guess = _last_number(text)
         if guess is not None and guess == self.answer:
-            return StepResult(None, 1.0, True, {"tries": self.tries})
-        hint = "No answer." if guess is None else ("No, it is higher." if guess < self.answer else "No, it is lower.")
+            return StepResult(None, self.discount ** (self.tries - 1), True, {"tries": self.tries})
+        from posttrain.data.demo import feedback
+
+        hint = "No answer." if guess is None else feedback(guess, self.answer)
         return StepResult([{"role": "user", "content": hint}], 0.0, False, {"tries": self.tries})
 
 

@@ -144,8 +144,9 @@ class ToolEnvironment(Environment):
                 name, arguments = call["name"], call.get("arguments", {})
                 if isinstance(arguments, str):  # some templates emit the arguments as a JSON string
                     arguments = json.loads(arguments)
-                if not isinstance(arguments, dict):
-                    raise TypeError("arguments must be a JSON object")
+                if not isinstance(name, str) or not isinstance(arguments, dict):
+                    name = None
+                    raise TypeError("a call is {\"name\": a string, \"arguments\": a JSON object}")
             except Exception as err:  # noqa: BLE001 - a malformed call is the policy's mistake: it is told
                 content = f"error: malformed tool call ({type(err).__name__}: {err})"
             if content is None and k >= self.max_calls:

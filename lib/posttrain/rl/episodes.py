@@ -228,8 +228,7 @@ def _take_turns(role: EnvironmentRole, episodes: list[Episode], completions: lis
         # a turn cut at max_new_tokens has no stop token to render an observation after: it ends
         if result["done"] or result["observation"] is None or c.finish_reason != "stop_token":
             e.done = True
-            if not result["done"] and c.finish_reason != "stop_token":
-                e.truncated = True
+            e.truncated = not result["done"] and c.finish_reason == "length"
         else:
             e.observations.append(result["observation"])
 
@@ -247,10 +246,13 @@ class SkewReport:
     position: int
     trajectory: str
     rendered: str
+    trajectory_ids: list[int] = field(default_factory=list)
+    rendered_ids: list[int] = field(default_factory=list)
 
     def __str__(self) -> str:
         return (f"prompt {self.prompt_index} sample {self.sample}: from token {self.position} the trajectory has "
-                f"{self.trajectory!r} where the chat template renders {self.rendered!r}")
+                f"{self.trajectory!r} {self.trajectory_ids} where the chat template renders {self.rendered!r} "
+                f"{self.rendered_ids}")
 
 
 def conversation(episode: Episode, tokenizer) -> list[dict]:
@@ -285,4 +287,5 @@ def template_skew(episode: Episode, tokenizer, template_kwargs: dict | None = No
     def show(tokens: list[int]) -> str:
         return tokenizer.decode(tokens[position:position + context], skip_special_tokens=False)
 
-    return SkewReport(episode.prompt_index, episode.sample, position, show(ids), show(rendered))
+    return SkewReport(episode.prompt_index, episode.sample, position, show(ids), show(rendered),
+                      ids[position:position + context], rendered[position:position + context])
