@@ -35,7 +35,7 @@ export MALLOC_TRIM_THRESHOLD_ := 68719476736
 unexport PYTHONDONTWRITEBYTECODE
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup browser gpu-check wheel run sft-3digit dpo-demo kto-demo orpo-demo rm-demo grpo-demo sft-feedback grpo-feedback-demo sft-calculator grpo-calculator-demo distill-demo sequence-demo semantic-demo semantic-rl-demo test test-fast bench clean setup-vllm test-vllm
+.PHONY: setup browser gpu-check wheel run sft-3digit dpo-demo kto-demo orpo-demo rm-demo grpo-demo sft-calculator grpo-calculator-demo distill-demo sequence-demo semantic-demo semantic-rl-demo test test-fast bench clean setup-vllm test-vllm
 
 setup: $(STAMP)
 
@@ -91,18 +91,8 @@ grpo-demo: setup
 	test -d outputs/registry/sft-demo-arithmetic-3digit || $(MAKE) sft-3digit
 	$(BIN)/posttrain grpo configs/grpo/demo.yaml
 
-# the multi-turn demos (issue 36), each beside its honest baseline (rejection-sampling fine-tuning
-# on the same number of sampled episodes): a simulated user who says "higher" / "lower" after a
-# wrong answer, from an SFT model that has seen such retries; and a calculator tool, from an SFT
-# model that has seen the tool called
-sft-feedback: setup
-	$(BIN)/posttrain sft configs/sft/demo-feedback.yaml
-
-grpo-feedback-demo: setup
-	test -d outputs/registry/sft-demo-feedback || $(MAKE) sft-feedback
-	$(BIN)/posttrain grpo configs/grpo/feedback-demo.yaml
-	$(BIN)/posttrain grpo configs/grpo/feedback-demo-rft.yaml
-
+# the tool-use demo (issue 36) beside its honest baseline (rejection-sampling fine-tuning on the
+# same number of sampled episodes), from an SFT model that has seen the calculator called
 sft-calculator: setup
 	$(BIN)/posttrain sft configs/sft/demo-calculator.yaml
 

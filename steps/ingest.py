@@ -84,7 +84,6 @@ def generate_demo_data(generate: GenerateConfig, run_dir: Path) -> Path:
     paths = write_arithmetic_dataset(
         out_dir, num_train=generate.num_train, num_heldout=generate.num_heldout, seed=generate.seed,
         min_digits=generate.min_digits, max_digits=generate.max_digits, tool_fraction=generate.tool_fraction,
-        retry_fraction=generate.retry_fraction,
     )
     build_demo_tokenizer(
         out_dir / "tokenizer", corpus_paths=[paths["train"]], vocab_size=generate.tokenizer_vocab_size

@@ -1,5 +1,4 @@
-"""The multi-turn demos' parts: the simulated user of the feedback demo, the calculator tool and
-its chats, the demo template's tools line, prompts cut from tool-using chats, and the RFT
+"""The multi-turn demos' parts: a simulated user, the calculator tool and its chats, the demo template's tools line, prompts cut from tool-using chats, and the RFT
 baseline's estimator."""
 
 from __future__ import annotations
@@ -60,23 +59,6 @@ def test_the_calculator_and_its_calls_in_the_demo_chats(tmp_path):
     plain = write_arithmetic_dataset(tmp_path / "plain", num_train=50, num_heldout=5, seed=0)
     again = write_arithmetic_dataset(tmp_path / "again", num_train=50, num_heldout=5, seed=0, tool_fraction=0.0)
     assert plain["train"].read_bytes() == again["train"].read_bytes()
-
-
-def test_the_feedback_demo_chats_retry_after_the_simulated_users_hint(tmp_path):
-    paths = write_arithmetic_dataset(tmp_path, num_train=300, num_heldout=30, seed=0, min_digits=3, max_digits=3,
-                                     retry_fraction=0.3)
-    rows = [json.loads(line) for line in paths["train"].read_text().splitlines()]
-    retries = [r for r in rows if sum(m["role"] == "assistant" for m in r["messages"]) == 2]
-    assert 0.2 < len(retries) / len(rows) < 0.4
-    for row in retries:
-        *_, wrong, hint, right = row["messages"]
-        env = ArithmeticFeedback()
-        env.reset(PromptRecord(row["messages"][:1], row["answer"], {}, "t", 1))
-        # the hint is what the demo's simulated user says of that wrong answer
-        assert env.step([], wrong["content"]).observation == [{"role": "user", "content": hint["content"]}]
-        assert wrong["content"] != right["content"] == row["answer"]
-    heldout = [json.loads(line) for line in paths["heldout"].read_text().splitlines()]
-    assert all(sum(m["role"] == "assistant" for m in r["messages"]) == 1 for r in heldout)
 
 
 def test_the_demo_template_advertises_tools_in_one_line(tmp_path):

@@ -127,8 +127,6 @@ class GenerateConfig:
     tokenizer_vocab_size: int = bounded(384, ge=64)
     # task arithmetic: the share of chats that call the calculator tool before answering (the tool-use demo)
     tool_fraction: float = bounded(0.0, ge=0, le=1)
-    # task arithmetic: the share of chats that answer wrong, are told higher / lower, and answer right (the feedback demo)
-    retry_fraction: float = bounded(0.0, ge=0, le=1)
     world: Optional[WorldConfig] = None  # task interactions (None: the defaults)
 
 

@@ -67,16 +67,8 @@ def calculator_call(a: int, op: str, b: int) -> str:
     return "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"a": a, "op": op, "b": b}}) + "</tool_call>"
 
 
-def feedback(guess: int, answer: int) -> str:
-    """What the feedback demo's simulated user says of a wrong answer
-    (`posttrain.rl.demo_environments.ArithmeticFeedback`)."""
-    return "No, it is higher." if guess < answer else "No, it is lower."
-
-
-def _record(a: int, op: str, b: int, rng: random.Random, tool_fraction: float = 0.0,
-            retry_fraction: float = 0.0) -> dict:
-    value = a + b if op == "+" else a - b
-    answer = str(value)
+def _record(a: int, op: str, b: int, rng: random.Random, tool_fraction: float = 0.0) -> dict:
+    answer = str(a + b if op == "+" else a - b)
     messages = []
     if rng.random() < SYSTEM_FRACTION and not tool_fraction:
         messages.append({"role": "system", "content": SYSTEM_PROMPT})
@@ -84,11 +76,6 @@ def _record(a: int, op: str, b: int, rng: random.Random, tool_fraction: float = 
     if tool_fraction and rng.random() < tool_fraction:
         messages.append({"role": "assistant", "content": calculator_call(a, op, b)})
         messages.append({"role": "tool", "content": answer})
-    if retry_fraction and rng.random() < retry_fraction:
-        wrong = max(0, value + rng.choice((-1, 1)) * rng.randint(1, 10 ** max(1, len(answer) - 1)))
-        wrong = wrong if wrong != value else value + 1
-        messages.append({"role": "assistant", "content": str(wrong)})
-        messages.append({"role": "user", "content": feedback(wrong, value)})
     messages.append({"role": "assistant", "content": answer})
     return {"messages": messages, "answer": answer}
 
@@ -100,21 +87,16 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
 
 
 def write_arithmetic_dataset(out_dir, num_train: int, num_heldout: int, seed: int,
-                             min_digits: int = 1, max_digits: int = 3, tool_fraction: float = 0.0,
-                             retry_fraction: float = 0.0) -> dict[str, Path]:
+                             min_digits: int = 1, max_digits: int = 3, tool_fraction: float = 0.0) -> dict[str, Path]:
     """Write `train.jsonl` and `heldout.jsonl` under `out_dir`; return `{"train": ..., "heldout": ...}`.
 
     Operands have `min_digits` to `max_digits` digits (lengths drawn uniformly). With
     `tool_fraction` > 0 (the tool-use demo), that share of the chats has the assistant call the
     calculator tool first (`calculator_call`, the tool's answer as a `tool` turn) and then answer;
     the rest answer directly, and no chat has a system prompt (the template's tools line is one).
-    With `retry_fraction` > 0 (the feedback demo), that share answers wrong first (off by up to
-    a tenth of the answer's magnitude), is told "No, it is higher." / "No, it is lower." and
-    answers right (training chats only: the held-out chats are the plain questions RL evaluates on).
     """
-    for name, fraction in (("tool_fraction", tool_fraction), ("retry_fraction", retry_fraction)):
-        if not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"{name} must be in [0, 1], got {fraction}")
+    if not 0.0 <= tool_fraction <= 1.0:
+        raise ValueError(f"tool_fraction must be in [0, 1], got {tool_fraction}")
     if not 1 <= min_digits <= max_digits:
         raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
     if num_train < 0 or num_heldout < 0:
@@ -130,8 +112,8 @@ def write_arithmetic_dataset(out_dir, num_train: int, num_heldout: int, seed: in
         problem = _problem(rng, min_digits, max_digits)
         problems.setdefault(_key(*problem), problem)
     ordered = list(problems.values())  # insertion order: deterministic
-    heldout = [_record(*p, rng, tool_fraction) for p in ordered[:num_heldout]]  # questions answered once
-    train = [_record(*p, rng, tool_fraction, retry_fraction) for p in ordered[num_heldout:]]
+    heldout = [_record(*p, rng, tool_fraction) for p in ordered[:num_heldout]]
+    train = [_record(*p, rng, tool_fraction) for p in ordered[num_heldout:]]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"train": out / "train.jsonl", "heldout": out / "heldout.jsonl"}

@@ -1,6 +1,6 @@
-"""The environments of the multi-turn demos (`configs/grpo/feedback-demo.yaml`,
-`configs/grpo/calculator-demo.yaml`): user code as a user would write it, run in the environment
-role's worker processes like any user environment.
+"""Demo user code for the environment contract: the calculator tool of the tool-use demo
+(`configs/grpo/calculator-demo.yaml`), and a simulated user, written as a user would write them
+and run in the environment role's worker processes like any user code.
 
 - `ArithmeticFeedback`: a simulated user asks an arithmetic question and checks each answer:
   right ends the episode with reward `discount ** (tries - 1)` (1 at the first try, 0.5 at the
@@ -43,9 +43,7 @@ class ArithmeticFeedback(Environment):
         guess = _last_number(text)
         if guess is not None and guess == self.answer:
             return StepResult(None, self.discount ** (self.tries - 1), True, {"tries": self.tries})
-        from posttrain.data.demo import feedback
-
-        hint = "No answer." if guess is None else feedback(guess, self.answer)
+        hint = "No answer." if guess is None else ("No, it is higher." if guess < self.answer else "No, it is lower.")
         return StepResult([{"role": "user", "content": hint}], 0.0, False, {"tries": self.tries})
 
 
