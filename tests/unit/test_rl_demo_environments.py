@@ -24,7 +24,7 @@ FEEDBACK = "posttrain.rl.demo_environments:ArithmeticFeedback"
 def test_the_simulated_user_says_which_way_a_wrong_answer_is_off():
     record = PromptRecord([{"role": "user", "content": "What is 500 + 436?"}], "936", {}, "t", 1)
     started = reset_episode(FEEDBACK, {}, record)
-    assert started["observation"] is None and started["state"] == {"answer": 936, "tries": 0, "discount": 0.5}
+    assert started["observation"] is None and started["state"] == {"answer": 936, "tries": 0, "discount": 0.5, "reask": False, "question": "What is 500 + 436?"}
     low = step_episode(FEEDBACK, started["state"], [5], "900")
     assert low["observation"] == [{"role": "user", "content": "No, it is higher."}] and not low["done"]
     high = step_episode(FEEDBACK, low["state"], [5], "950")

@@ -6,7 +6,8 @@ and run in the environment role's worker processes like any user code.
   right ends the episode with reward `discount ** (tries - 1)` (1 at the first try, 0.5 at the
   second, ...: a wrong first answer followed by a right one is worth less than a right one, so
   its wrong answer is not reinforced as much); wrong is answered "No, it is higher." or "No, it
-  is lower." and the policy tries again, until `max_turns`.
+  is lower." (with `reask`, followed by the question again, as a user repeats it) and the policy
+  tries again, until `max_turns`.
 - `calculator`: a tool for `ToolEnvironment` that evaluates `a <op> b` exactly (`+`, `-`, `*`).
 """
 
@@ -28,14 +29,16 @@ class ArithmeticFeedback(Environment):
     """Checks an answer against the record's reference (its final answer, an integer) and says
     which way a wrong one is off (module docstring). `info` records the tries."""
 
-    def __init__(self, discount: float = 0.5):
+    def __init__(self, discount: float = 0.5, reask: bool = False):
         self.answer: int | None = None
-        self.tries, self.discount = 0, float(discount)
+        self.tries, self.discount, self.reask = 0, float(discount), bool(reask)
+        self.question = ""
 
     def reset(self, record):
         from posttrain.rl.rewards import final_answer
 
         self.answer = _last_number(final_answer(record.reference) or "")
+        self.question = next((m["content"] for m in reversed(record.prompt) if m["role"] == "user"), "")
         return None
 
     def step(self, action_ids, text):
@@ -44,6 +47,8 @@ class ArithmeticFeedback(Environment):
         if guess is not None and guess == self.answer:
             return StepResult(None, self.discount ** (self.tries - 1), True, {"tries": self.tries})
         hint = "No answer." if guess is None else ("No, it is higher." if guess < self.answer else "No, it is lower.")
+        if self.reask:
+            hint = f"{hint} {self.question}"
         return StepResult([{"role": "user", "content": hint}], 0.0, False, {"tries": self.tries})
 
 
