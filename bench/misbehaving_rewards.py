@@ -5,7 +5,13 @@ bench/reward_isolation.py (its workers import it by name: kept free of torch).
 exact answers (1.0 when the completion, stripped, equals the reference) and, for a sample whose
 `crc32(line:completion) % 1000` falls in a misbehaviour's share (per mille from the percents in
 `rates`), raises, spins forever on the CPU, ends its process (`os._exit`) or allocates without
-bound. The same samples misbehave in every run with the same completions."""
+bound. The same samples misbehave in every run with the same completions.
+
+The unbounded allocation takes address space in 256 MB blocks it never writes (`bytes(n)`:
+calloc's fresh, untouched pages), as a runaway `numpy.empty` or a buffer sized by a bad length
+does: it reaches the workers' RLIMIT_AS cap in microseconds and fails with reason `memory`. An
+allocation that writes what it takes fills pages at the machine's memory bandwidth (about 0.6 s
+for 1,024 MB here) and may meet the call's timeout first (reason `timeout`)."""
 
 from __future__ import annotations
 
@@ -50,6 +56,6 @@ def sometimes_misbehaves(completions, records, rates: str = "", **_):
             os._exit(3)
         if kind == "allocate":
             hoard = []
-            while True:
-                hoard.append(bytearray(64 * 1024 * 1024))
+            while True:  # zeroed by the kernel on first touch: address space grows at once, pages do not
+                hoard.append(bytes(256 * 1024 * 1024))
     return [float(c.strip() == (r.reference or "").strip()) for c, r in zip(completions, records)]

@@ -4,7 +4,7 @@ with it behaving: user code in the reward role's worker processes (posttrain's d
 thread`: what posttrain did before, and more isolation than rewards called in the trainer's
 process, as TRL calls them, have).
 
-    python bench/reward_isolation.py [--quick] [--rounds 5] [--timeout 0.2] [--processes 4]
+    python bench/reward_isolation.py [--quick] [--rounds 5] [--timeout 0.2] [--processes 8]
                                      [--rates raise=2,spin=5,exit=2,allocate=2]
 
 The rounds are bench/grpo_round.py's (`run_ours`: the SFT demo's model shape, random weights,
@@ -19,9 +19,19 @@ percent of samples). Four runs, one after the other, the same seeds:
    them; its spinning calls are abandoned and keep their CPU, so it runs last, and the thread
    runs measure `--baseline-rounds` rounds (each slower than the one before).
 
+A call that spins costs its `--timeout` on one worker whatever the scheduling: `--processes`
+of them are waited out at once. The default 8 waits out a round's spinning samples (5% of 16 x
+8 = 6.4 on average) in one wave, as a user who expects that many hangs a round sets
+`grpo.reward_processes`; with 4 the floor alone is two waves (0.4 s on a 0.42 s round).
+
 Progress on stderr; the LAST stdout line is one JSON object: `ratio_misbehaving_vs_behaving` (the
 median of `ratio`), `ratio` (misbehaving / behaving round time, round by round, `process`) and
 `ratio_thread` (the same for the baseline; null with `--no-baseline`) as {min, median, max, n},
+`extra_seconds_per_round` (misbehaving - behaving, round by round), `timeout_floor_seconds_per_round`
+(what the round's timed-out calls cost at the least: `ceil(timeouts / processes) x timeout`, the
+hung calls waited out `--processes` at a time, nothing else) and `ratio_floor` (the behaving
+round plus that floor, over the behaving round: the best ratio any scheduling of these calls
+could reach at these settings),
 `goal` (the median ratio <= 1.5) and `met`, `seconds_per_round` per run, the failed samples per
 round by reason, and the settings.
 """
@@ -31,6 +41,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -74,6 +85,13 @@ class RecordingScorer:
         self.scorer.close()
 
 
+def timeout_floor(calls: list[list], processes: int, timeout_s: float) -> list[float]:
+    """Per `score` call, the least time its timed-out calls cost at all: `processes` hung calls
+    waited out at once, each for `timeout_s` (`ceil(timeouts / processes)` waves)."""
+    return [math.ceil(sum(1 for index, _, message in errors if index >= 0 and "timed out after" in message)
+                      / processes) * timeout_s for errors in calls]
+
+
 def failure_reasons(calls: list[list]) -> dict[str, float]:
     """Failed samples per round (per `score` call), by the reason their error gives."""
     counts: collections.Counter = collections.Counter()
@@ -89,7 +107,7 @@ def main() -> None:
     add_round_arguments(parser, "a 1-layer model, 2 rounds of 4 prompts x 4 samples")
     parser.add_argument("--timeout", type=float, default=0.2, help="the reward term's timeout_s")
     parser.add_argument("--retry-budget", type=float, default=30.0, help="the reward term's retry_budget_s")
-    parser.add_argument("--processes", type=int, default=4, help="grpo.reward_processes")
+    parser.add_argument("--processes", type=int, default=8, help="grpo.reward_processes")
     parser.add_argument("--memory-mb", type=int, default=1024, help="grpo.reward_memory_mb")
     parser.add_argument("--rates", default="raise=2,spin=5,exit=2,allocate=2",
                         help="percent of samples that raise, spin, exit, allocate")
@@ -121,9 +139,13 @@ def main() -> None:
             finally:
                 scorer.close()
             failures[name] = failure_reasons(scorer.calls)
+            if name == "process/misbehaving":  # the warm-up round's call left out, as its time is
+                floor = timeout_floor(scorer.calls[1:], args.processes, args.timeout)
             log(f"{name}: {statistics.median(times[name]):.3f}s a round; failed samples a round {failures[name]}")
     ratio = [m / b for m, b in zip(times["process/misbehaving"], times["process/behaving"])]
     ratio_thread = [m / b for m, b in zip(times.get("thread/misbehaving", []), times.get("thread/behaving", []))]
+    extra = [m - b for m, b in zip(times["process/misbehaving"], times["process/behaving"])]
+    ratio_floor = [(b + f) / b for b, f in zip(times["process/behaving"], floor)]
     out = {
         "benchmark": "reward_isolation",
         "baseline": "isolation: thread (the reward role's process; a call past its timeout abandoned on a daemon "
@@ -131,6 +153,9 @@ def main() -> None:
         "ratio_misbehaving_vs_behaving": round(statistics.median(ratio), 4),
         "ratio": spread(ratio),
         "ratio_thread": spread(ratio_thread) if ratio_thread else None,
+        "extra_seconds_per_round": spread(extra),
+        "timeout_floor_seconds_per_round": spread(floor),
+        "ratio_floor": spread(ratio_floor),
         "goal": {"ratio_misbehaving_vs_behaving": f"<= {GOAL}"},
         "met": {"ratio_misbehaving_vs_behaving": statistics.median(ratio) <= GOAL},
         "seconds_per_round": {name: spread(values) for name, values in times.items()},

@@ -60,3 +60,11 @@ def broken_reward(completions, records, **_):
 def as_generator(completions, records, **_):
     """Values as a generator (the in-process path took any iterable)."""
     return (0.5 for _ in completions)
+
+
+def chunk_sizes(completions, records, **_):
+    """A reward function that scores each completion with the size of the chunk it came in, and
+    raises on a completion that says RAISE."""
+    if any("RAISE" in c for c in completions):
+        raise ConnectionError("grader unavailable")
+    return [float(len(completions))] * len(completions)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 _OASST_FIELDS = {"text": "text", "role": "role", "replies": "replies", "rank": "rank", "deleted": "deleted"}
 
@@ -100,6 +100,16 @@ def resolve_columns(format_name: str, fields: Mapping[str, Any] | None = None, *
     if format_name in COLUMN_CHECKS:
         COLUMN_CHECKS[format_name](columns)
     return columns
+
+
+def builtin_or_import_path(name: str, builtins: Sequence[str], what: str, shape: str = "package.module:function") -> bool:
+    """Whether `name` is one of `builtins` (True) or an import path (False); a `ValueError`
+    naming `what` and the choices when it is neither (no `:` and no `.`)."""
+    if name in builtins:
+        return True
+    if ":" not in name and "." not in name:
+        raise ValueError(f"{what} {name!r}: expected a built-in ({', '.join(builtins)}) or '{shape}'")
+    return False
 
 
 def import_callable(path: str, what: str) -> Callable:

@@ -32,5 +32,9 @@ def test_quick_bench_prints_the_json_summary_last(flow_pool):
     # with 40% of 16 samples misbehaving, rounds fail samples by each reason, and none when behaving
     assert result["failed_per_round"]["process/behaving"] == {}
     misbehaving = result["failed_per_round"]["process/misbehaving"]
-    assert {"raised", "timeout", "died"} <= set(misbehaving), misbehaving
+    assert {"raised", "timeout", "died", "memory"} <= set(misbehaving), misbehaving  # allocations reach the cap
     assert 1 <= sum(misbehaving.values()) <= 16
+    # the floor: the timed-out calls waited out `processes` at a time, 0.2 s each
+    for spread in (result["timeout_floor_seconds_per_round"], result["extra_seconds_per_round"], result["ratio_floor"]):
+        check_spread(spread, n=2)
+    assert result["timeout_floor_seconds_per_round"]["max"] <= 0.4 and result["ratio_floor"]["min"] >= 1

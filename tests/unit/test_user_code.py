@@ -4,8 +4,12 @@ on answering the next calls."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
+from posttrain.rl import forkserver
 from posttrain.rl.user_code import UserCodeError, UserCodeWorkers
 
 FN = "misbehaving_code:misbehave"
@@ -44,6 +48,43 @@ def test_a_batch_of_calls_fails_only_the_misbehaving_ones(workers):
     assert reasons == {1: "raised", 3: "timeout", 5: "died", 7: "memory", 9: "died"}
     assert [r for r in results if not isinstance(r, UserCodeError)] == [[1], [2], [3], [4], [5], [6]]
     assert workers.restarts == 4  # spin, exit, allocate, segfault: each worker replaced once
+
+
+def test_a_hanging_call_holds_its_own_worker_while_the_others_drain_the_queue(workers):
+    items = ["spin"] + ["x" * i for i in range(1, 40)]
+    start = time.monotonic()
+    results = workers.map([(FN, ([item],), {}) for item in items], timeout_s=1.0)
+    assert time.monotonic() - start < 1.9  # one timeout, not one per chunk or per wave
+    assert isinstance(results[0], UserCodeError) and results[0].reason == "timeout"
+    assert results[1:] == [[i] for i in range(1, 40)]
+
+
+def test_workers_start_again_as_fresh_interpreters_when_the_fork_server_ends(workers):
+    assert workers.call("misbehaving_code:echo", ([1],), timeout_s=30)["doubled"] == [2]
+    assert isinstance(workers._starter, forkserver.ForkServer)
+    pids = [w.starter.pid(w.process) for w in workers.workers]
+    workers._starter.process.kill()  # its workers end with it (their parent-death signal)
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert workers.call("misbehaving_code:echo", ([3],), timeout_s=30)["doubled"] == [6]
+    assert isinstance(workers._starter, forkserver.FreshInterpreters)
+    with pytest.raises(UserCodeError, match="exited with status 7"):
+        workers.call(FN, (["exit"],), timeout_s=30)
+
+
+def test_a_module_that_starts_a_thread_as_it_is_imported_gets_fresh_interpreters_not_forks():
+    with UserCodeWorkers(num_workers=2, memory_mb=512, preload=["starts_a_thread:echo"]) as pool:
+        assert pool.map([("starts_a_thread:echo", ([i],), {}) for i in range(4)], timeout_s=30) == [[0], [1], [2], [3]]
+        assert isinstance(pool._starter, forkserver.FreshInterpreters)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def test_the_functions_import_from_the_callers_path_and_a_missing_one_is_reported(workers):
@@ -110,3 +151,21 @@ def test_a_broken_reward_function_stops_the_run_and_any_iterable_of_values_is_ta
         assert generator.score(["a", "b", "c", "d"], records).rewards == [0.5] * 4
     finally:
         generator.close()
+
+
+def test_a_term_goes_sample_by_sample_after_a_batch_with_a_failed_call_and_back_in_chunks_after_a_clean_one():
+    from posttrain.config.recipes import RewardTermConfig
+    from posttrain.data.records import PromptRecord
+    from posttrain.rl.rewards import RewardScorer
+
+    records = [PromptRecord([{"role": "user", "content": "q"}], "1", {}, "test", i) for i in range(8)]
+    scorer = RewardScorer([RewardTermConfig("misbehaving_code:chunk_sizes", timeout_s=30)], processes=2, memory_mb=256)
+    clean, failing = ["a"] * 8, ["a"] * 7 + ["RAISE"]
+    try:
+        assert scorer.score(clean, records).rewards == [4.0] * 8  # one chunk per worker
+        scores = scorer.score(failing, records)  # the failed chunk's samples alone
+        assert scores.rewards[:4] == [4.0] * 4 and scores.rewards[4:7] == [1.0] * 3 and scores.failed[7]
+        assert scorer.score(clean, records).rewards == [1.0] * 8  # after a failed call: sample by sample
+        assert scorer.score(clean, records).rewards == [4.0] * 8  # after a clean batch: chunks again
+    finally:
+        scorer.close()

@@ -316,18 +316,20 @@ class DistillConfig(RecipeConfig):
 @dataclass
 class RewardTermConfig:
     """One weighted reward function (`posttrain.rl.rewards`): a built-in's name (exact_answer,
-    numeric_answer, format, length, reward_model) or `package.module:function`, with keyword
-    arguments and a per-call timeout (null: no timeout; with `isolation: thread`, called on the
+    numeric_answer, format, length, reward_model, code_execution, ...) or
+    `package.module:function`, with keyword arguments and a per-call timeout (null: no timeout; with `isolation: thread`, called on the
     reward role's own thread);
     `name` labels it in metrics (default: the function's name); `retry_budget_s` bounds the
     sample-by-sample retries of a failed batch call (default 4 x timeout_s). `isolation`: a
     function named by import path (user code) runs in the reward role's worker processes
     (`process`, default: a call past its timeout is killed, one that exits or allocates without
     bound fails its samples, `grpo.reward_processes` / `reward_memory_mb`; the function then
-    sees the batch in chunks, one per worker) or on a thread of the role's process (`thread`: a
+    sees the batch in chunks, one per worker, or one sample a call after a batch with a failed
+    call: `posttrain.rl.rewards`) or on a thread of the role's process (`thread`: a
     call past its timeout is abandoned, still running; for a function that needs the whole
     batch at once); the built-ins always run in the role's process. The reward role
-    (`posttrain.rl.rewards.RewardScorer`) takes the terms as they are."""
+    (`posttrain.rl.rewards.RewardScorer`) takes the terms as they are; the built-in
+    `code_execution` bounds each program itself (it needs `timeout_s: null`)."""
 
     function: str
     weight: float = 1.0

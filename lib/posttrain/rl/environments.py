@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.catalog import import_callable
+from posttrain.catalog import builtin_or_import_path, import_callable
 
 
 class EnvironmentContractError(ValueError):
@@ -172,12 +172,11 @@ BUILTIN_ENVIRONMENTS = {
 
 def environment_path(name: str) -> str:
     """The import path of an environment: a built-in's short name or `package.module:Class`."""
-    if name in BUILTIN_ENVIRONMENTS:
-        return BUILTIN_ENVIRONMENTS[name]
-    if ":" not in name and "." not in name:
-        raise EnvironmentContractError(f"environment {name!r}: expected a built-in ({', '.join(BUILTIN_ENVIRONMENTS)}) "
-                                       "or 'package.module:Class'")
-    return name
+    try:
+        builtin = builtin_or_import_path(name, list(BUILTIN_ENVIRONMENTS), "environment", "package.module:Class")
+    except ValueError as err:
+        raise EnvironmentContractError(str(err)) from None
+    return BUILTIN_ENVIRONMENTS[name] if builtin else name
 
 
 def environment_class(name: str) -> type:

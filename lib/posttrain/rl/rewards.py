@@ -18,13 +18,19 @@ update by the controller, and their errors reported; the run goes on.
 
 Where a call runs: a function named by import path (user code) runs by default in the scorer's
 worker processes (`isolation: process`, `posttrain.rl.user_code`): a call past its timeout has
-its worker killed and replaced, one that exits its process, segfaults or allocates past the
-worker's memory cap fails alike; a batch is cut into one contiguous chunk per worker, scored at
-once (so a function sees a chunk of the batch, not all of it: one that needs the whole batch,
-e.g. to normalise over it, takes `isolation: thread`), and the samples of a chunk that failed
-are retried one by one, at once on every worker. A worker imports its functions as it starts,
-before any call's timeout runs; a function that raises `RewardError` there or does not import
-in the worker stops the run, as in process. With
+its worker killed and replaced (by a warm spare, at once), one that exits its process,
+segfaults or allocates past the worker's memory cap fails alike. While a term's calls succeed,
+a batch is cut into one contiguous chunk per worker, scored at once (so a function sees a chunk
+of the batch, not all of it: one that needs the whole batch, e.g. to normalise over it, takes
+`isolation: thread`); the samples of a chunk that failed are called again one by one. Once a
+batch of the term has had a failed call, its next batches go sample by sample, one sample a
+call, until a batch has none: a sample that hangs then costs its own timeout once, on one
+worker, while the other workers go through the rest (in chunks it would cost its chunk's
+timeout, then its own). The calls of one sample are a queue over the workers, none starting
+later than `timeout_s + retry_budget_s` after the batch began (a function that hangs on
+every sample fails the rest of the batch then, "not run"). A worker imports its functions as
+it starts, before any call's timeout runs; a function that raises `RewardError` there or does
+not import in the worker stops the run, as in process. With
 `isolation: thread`, and for the built-ins, the call runs in the scorer's process: past its
 timeout it cannot be interrupted and is abandoned on a daemon thread (it keeps its CPU until it
 returns, and may still be running while the samples are retried: a function that is not
@@ -39,7 +45,11 @@ expression), `length` (0 up to `target` characters, falling linearly to -1 at `l
 and for a semantic-ID recommender's session prompts (`data.generate.task: semantic_sessions`)
 `simulated_user` (the synthetic world's user model scoring the recommended item, a business
 metric the policy never sees the parameters of) and `item_novelty` (a real item the user has
-not consumed: a diversity term).
+not consumed: a diversity term); `code_execution` (1 when the completion's last fenced
+Python block, followed by the record's tests, `meta["tests"]`, e.g. asserts, exits with status 0
+in a sandboxed child process: no network, a fresh directory, CPU, memory, file-size and
+process limits, a wall-clock kill; `posttrain.rl.sandbox`, whose docstring says what it does
+not isolate. Each program is bounded by its own `wall_s`: the term must have `timeout_s: null`).
 """
 
 from __future__ import annotations
@@ -52,8 +62,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from posttrain.catalog import import_callable
+from posttrain.catalog import builtin_or_import_path, import_callable
 from posttrain.config.recipes import RewardTermConfig
+from posttrain.rl.sandbox import code_execution
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -219,16 +230,20 @@ BUILTINS: dict[str, Callable] = {
     "reward_model": reward_model,
     "simulated_user": simulated_user,
     "item_novelty": item_novelty,
+    "code_execution": code_execution,
 }
+
+
+SELF_BOUNDED = frozenset({"code_execution"})  # built-ins that bound each run themselves: no batch timeout
 
 
 def resolve_reward(name: str) -> Callable:
     """A built-in's short name (`BUILTINS`) or `package.module:function` (also `package.module.function`)."""
-    if name in BUILTINS:
-        return BUILTINS[name]
-    if ":" not in name and "." not in name:
-        raise RewardError(f"reward function {name!r}: expected a built-in ({', '.join(BUILTINS)}) or "
-                          "'package.module:function'")
+    try:
+        if builtin_or_import_path(name, list(BUILTINS), "reward function"):
+            return BUILTINS[name]
+    except ValueError as err:
+        raise RewardError(str(err)) from None
     try:
         return import_callable(name, f"reward function {name!r}")
     except LookupError as err:
@@ -333,7 +348,13 @@ class RewardScorer:
         labels = [t.label for t in self.terms]
         if len(set(labels)) != len(labels):
             raise RewardError(f"reward terms need distinct names, got {labels} (set `name`)")
+        for term in self.terms:
+            if term.function in SELF_BOUNDED and term.timeout_s is not None:
+                raise RewardError(f"reward {term.label!r}: {term.function} bounds each of its runs itself (its "
+                                  "kwargs); give the term timeout_s: null (a timeout of the whole batch would "
+                                  "abandon the runs still going and start them again)")
         self.isolated = [t.isolation == "process" and t.function not in BUILTINS for t in self.terms]
+        self.one_by_one = [False] * len(self.terms)  # per term: its last batch in the workers had a failed call
         self.workers = None
         if any(self.isolated):
             from posttrain.rl.user_code import UserCodeWorkers
@@ -355,37 +376,46 @@ class RewardScorer:
         return self.isolated[self.terms.index(term)]
 
     def _isolated_values(self, term: RewardTerm, completions: list[str], records: list, errors: list) -> list[float]:
-        """A user function's values from the worker processes: the batch cut into one chunk per
-        worker, scored at once; the samples of a chunk whose call failed are retried one by one,
-        at once on every worker, none starting past the term's retry budget."""
+        """A user function's values from the worker processes (module docstring): the batch in one
+        chunk per worker while the term's last batch had no failed call, else sample by sample;
+        the samples of a chunk whose call failed are called again one by one. The calls of one
+        sample are queued over the workers, none starting later than `timeout_s +
+        retry_budget` after the batch began."""
         from posttrain.rl.user_code import UserCodeError
 
+        began, slot = time.monotonic(), self.terms.index(term)
         n, workers = len(completions), self.workers.num_workers
-        chunks = [list(range(n))[w * n // workers:(w + 1) * n // workers] for w in range(workers)]
-        chunks = [chunk for chunk in chunks if chunk]
-        results = self.workers.map([(term.function, ([completions[i] for i in chunk], [records[i] for i in chunk]),
-                                     term.kwargs) for chunk in chunks], term.timeout_s)
-        values, retry, chunk_error = [math.nan] * n, [], None
-        for chunk, result in zip(chunks, results):
-            _raise_if_broken(result)
-            if isinstance(result, UserCodeError):
-                retry += chunk
-                chunk_error = chunk_error or result
-                continue
-            for i, value in zip(chunk, _values(result, len(chunk), term.label)):
-                values[i] = value
-        if not retry:
+        values, single, chunk_error = [math.nan] * n, list(range(n)), None
+        if not self.one_by_one[slot]:
+            chunks = [list(range(n))[w * n // workers:(w + 1) * n // workers] for w in range(workers)]
+            chunks = [chunk for chunk in chunks if chunk]
+            results = self.workers.map([(term.function, ([completions[i] for i in chunk],
+                                                         [records[i] for i in chunk]), term.kwargs)
+                                        for chunk in chunks], term.timeout_s)
+            single = []
+            for chunk, result in zip(chunks, results):
+                _raise_if_broken(result)
+                if isinstance(result, UserCodeError):
+                    single += chunk
+                    chunk_error = chunk_error or result
+                    continue
+                for i, value in zip(chunk, _values(result, len(chunk), term.label)):
+                    values[i] = value
+        if not single:
             return values
-        calls = [(term.function, ([completions[i]], [records[i]]), term.kwargs) for i in retry]
+        budget = None if term.retry_budget is None else \
+            max(0.0, (term.timeout_s or 0.0) + term.retry_budget - (time.monotonic() - began))
+        calls = [(term.function, ([completions[i]], [records[i]]), term.kwargs) for i in single]
         failed_before = len(errors)
-        for i, result in zip(retry, self.workers.map(calls, term.timeout_s, budget_s=term.retry_budget)):
+        for i, result in zip(single, self.workers.map(calls, term.timeout_s, budget_s=budget)):
             _raise_if_broken(result)
             if isinstance(result, UserCodeError):
                 errors.append((i, term.label, str(result)))
             else:
                 values[i] = _values(result, 1, term.label)[0]
-        if len(errors) == failed_before:  # a chunk failed but every sample alone passed: say so
+        if chunk_error is not None and len(errors) == failed_before:  # a chunk failed but every sample alone passed
             errors.append((-1, term.label, f"batch call failed ({chunk_error}); every sample alone succeeded"))
+        self.one_by_one[slot] = len(errors) > failed_before or chunk_error is not None
         return values
 
     def _term_values(self, fn: Callable, term: RewardTerm, completions: list[str], records: list,

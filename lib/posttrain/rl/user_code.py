@@ -1,10 +1,10 @@
 """User code (reward functions, tools, environments) called in worker processes it cannot take down.
 
-`UserCodeWorkers(num_workers, memory_mb)` keeps `num_workers` child processes
-(`python -m posttrain.rl.user_code`), each running one call at a time:
+`UserCodeWorkers(num_workers, memory_mb)` runs calls on at most `num_workers` worker processes
+at once, each running one call at a time:
 
     workers.call("package.module:function", args, kwargs, timeout_s)   # -> the JSON value it returned
-    workers.map([(function, args, kwargs), ...], timeout_s)            # at once on every worker; in order
+    workers.map([(function, args, kwargs), ...], timeout_s)            # a queue over the workers; in order
 
 A call that raises comes back as `UserCodeError` with the exception's type and message (the
 worker lives on). A call past `timeout_s` has its worker killed (SIGKILL: a thread cannot be
@@ -12,7 +12,26 @@ stopped, a process can) and replaced; one that ends its process (`os._exit`, a s
 kernel's OOM killer) or allocates past the worker's address-space cap (`memory_mb`, RLIMIT_AS:
 its allocation fails with `MemoryError` inside the call) fails alike. Each failure is one
 `UserCodeError` with its `reason` (`raised`, `timeout`, `died`, `memory`), never an exception
-that stops the caller; a replaced worker starts before the next call it takes.
+that stops the caller.
+
+`map` hands the calls out as a queue: a worker takes the next call as soon as it is free, so a
+call that hangs holds its own worker while the others drain the queue. Besides the workers that
+run calls, `spares` warm processes wait: a worker that is killed or ends is replaced at once by
+a spare, and a new spare starts in the background (the parent never waits for a start while a
+started worker could take the call).
+
+How a worker starts (`posttrain.rl.forkserver`): forked from a fork server of the pool's own
+(`python -m posttrain.rl.user_code server`: a fresh interpreter, never the parent's `__main__`,
+that imports the preloaded functions once and forks a worker with them in about a millisecond,
+where a fresh interpreter and its imports take tens of milliseconds, seconds for a grader that
+imports sympy). A user module that starts a thread as it is imported makes the server give up
+(a fork would copy that thread's locks without the thread); so does a machine without Unix
+SOCK_SEQPACKET sockets, or a server that ended: workers are then fresh interpreters (`python -m
+posttrain.rl.user_code worker`), each importing the functions itself. What a user module opens
+as it is imported (a file, a connection) is shared by the workers forked after it, as with
+multiprocessing's fork. Either way a worker has a session of its own (a kill reaches what user
+code started, a grader's subprocesses) and ends with its parent (the parent-death signal, and
+a thread that watches).
 
 The protocol: the parent sends each call pickled (the parent is trusted by the worker) and the
 worker answers in JSON (the parent never unpickles what user code produced): the value must be
@@ -23,19 +42,23 @@ named by import path (`package.module:function`) and imported in the worker from
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import pickle
+import select
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any, Sequence
+
+from posttrain.rl import forkserver
 
 REASONS = ("raised", "timeout", "died", "memory")
 START_TIMEOUT_S = 60.0  # a worker says it is ready within this (a start and its preloaded imports)
+NEVER = float("inf")
 
 
 class UserCodeError(Exception):
@@ -47,13 +70,17 @@ class UserCodeError(Exception):
         self.error_type = error_type  # the class name of what the user code raised (reason `raised`)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Worker:
-    process: subprocess.Popen
+    starter: Any  # what started it (`posttrain.rl.forkserver`)
+    process: Any  # the starter's handle of it
     to_worker: Connection
     from_worker: Connection
+    started: float  # time.monotonic() at its start
     calls: int = 0
     ready: bool = False  # it said it started and imported its preloaded functions
+    call: int | None = None  # the index, in the running `map`, of the call it runs
+    deadline: float = NEVER  # when that call times out
 
 
 def _json_default(value: Any):
@@ -64,69 +91,93 @@ def _json_default(value: Any):
     raise TypeError(f"{type(value).__name__} is not JSON")
 
 
+_ENDED = object()  # `_receive`: the worker's process ended during the call
+
+
 class UserCodeWorkers:
     """A pool of worker processes for calls into user code (module docstring).
 
-    `memory_mb`: each worker's address-space cap (None: none); `env`: extra environment for the
-    workers (their `PYTHONPATH` is the parent's `sys.path`, so the functions import there as here);
-    `preload`: the functions a worker imports as it starts, before it says it is ready (a call's
-    timeout never counts a worker's start-up or these imports; a worker that cannot start or
-    import them within `START_TIMEOUT_S` fails the call it was to take, with reason `died`).
-    Close it (or use it as a context manager) to end the workers."""
+    `num_workers`: the calls that run at once; `spares`: warm processes kept besides them, ready
+    to take the place of a worker that is killed or ends; `memory_mb`: each worker's
+    address-space cap (None: none); `env`: extra environment for the workers (their
+    `PYTHONPATH` is the parent's `sys.path`, so the functions import there as here); `preload`:
+    the functions a worker imports as it starts, before it says it is ready (a call's timeout
+    never counts a worker's start-up or these imports; a worker that cannot start or import them
+    within `START_TIMEOUT_S` fails a call that waits, with reason `died`). The processes start at
+    the first call. Close it (or use it as a context manager) to end them."""
 
     def __init__(self, num_workers: int = 1, memory_mb: int | None = 4096, env: dict | None = None,
-                 preload: Sequence[str] = ()):
-        if num_workers < 1:
-            raise ValueError(f"need at least one user-code worker, got {num_workers}")
-        self.num_workers, self.memory_mb, self.preload = num_workers, memory_mb, list(preload)
+                 preload: Sequence[str] = (), spares: int = 1):
+        if num_workers < 1 or spares < 0:
+            raise ValueError(f"need at least one user-code worker and no negative spares, got {num_workers}, "
+                             f"{spares}")
+        self.num_workers, self.spares, self.memory_mb, self.preload = num_workers, spares, memory_mb, list(preload)
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
                     "OMP_NUM_THREADS": "1", **(env or {})}
-        self.workers: list[_Worker | None] = [None] * num_workers
-        self.restarts = 0
+        self.workers: list[_Worker] = []  # the live processes: starting, ready, or running a call
+        self._poller = select.poll()  # every worker's pipe from it, registered while it lives
+        self._by_fd: dict[int, _Worker] = {}
+        self.restarts = 0  # workers replaced because a call killed or ended them
+        self._starter: forkserver.ForkServer | forkserver.FreshInterpreters | None = None
 
     # ------------------------------------------------------------------ worker lifecycle
 
-    def _start(self) -> _Worker:
-        parent_read, child_write = os.pipe()
-        child_read, parent_write = os.pipe()
-        argv = [sys.executable, "-m", "posttrain.rl.user_code", str(child_read), str(child_write),
-                str(self.memory_mb or 0), json.dumps(self.preload)]
-        # a session of its own: a kill reaches what user code started too (a grader's subprocesses)
-        process = subprocess.Popen(argv, pass_fds=(child_read, child_write), env=self.env, stdin=subprocess.DEVNULL,
-                                   start_new_session=True)
-        os.close(child_read)
-        os.close(child_write)
-        return _Worker(process, Connection(parent_write, readable=False), Connection(parent_read, writable=False))
+    def _argv(self, mode: str, *fds: int) -> list[str]:
+        return [sys.executable, "-m", "posttrain.rl.user_code", mode, *map(str, fds), str(self.memory_mb or 0),
+                json.dumps(self.preload)]
 
-    def _worker(self, slot: int) -> _Worker:
-        worker = self.workers[slot]
-        if worker is not None and worker.process.poll() is not None:  # ended between calls
-            self._discard(slot)
-            worker = self.workers[slot]
-        if worker is None:
-            worker = self.workers[slot] = self._start()
-        return worker
-
-    def _discard(self, slot: int, replace: bool = True) -> None:
-        """Kill the worker in `slot` (if alive) and, with `replace`, start its replacement now (it
-        starts up while the other workers go on)."""
-        worker = self.workers[slot]
-        if worker is None:
-            return
+    def _start(self) -> None:
+        if self._starter is None:
+            try:
+                self._starter = forkserver.ForkServer(lambda fd: self._argv("server", fd), self.env)
+            except OSError:  # no Unix SOCK_SEQPACKET sockets here
+                self._starter = self._fresh_interpreters()
         try:
-            os.killpg(worker.process.pid, signal.SIGKILL)  # the worker and anything it started
-        except (ProcessLookupError, PermissionError):
-            pass
-        worker.process.wait()
+            process, to_worker, from_worker = self._starter.start()
+        except OSError:  # the fork server ended (its workers with it): fresh interpreters from now on
+            self._starter.close()
+            self._starter = self._fresh_interpreters()
+            process, to_worker, from_worker = self._starter.start()
+        worker = _Worker(self._starter, process, to_worker, from_worker, time.monotonic())
+        self.workers.append(worker)
+        self._by_fd[from_worker.fileno()] = worker
+        self._poller.register(from_worker.fileno(), select.POLLIN)
+
+    def _fresh_interpreters(self) -> forkserver.FreshInterpreters:
+        return forkserver.FreshInterpreters(lambda read_fd, write_fd: self._argv("worker", read_fd, write_fd),
+                                            self.env)
+
+    def _fill(self) -> None:
+        """Start processes (without waiting for them to be ready) up to `num_workers + spares`."""
+        while len(self.workers) < self.num_workers + self.spares:
+            self._start()
+
+    def _discard(self, worker: _Worker, replace: bool = True) -> None:
+        """Kill `worker` with what it started (its session) and, with `replace`, start its
+        replacement now; a kill is not waited for."""
+        self.workers.remove(worker)
+        fd = worker.from_worker.fileno()
+        self._poller.unregister(fd)
+        del self._by_fd[fd]
+        pid = worker.starter.pid(worker.process)
+        if pid is not None:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         worker.to_worker.close()
         worker.from_worker.close()
-        self.workers[slot] = self._start() if replace else None
-        self.restarts += replace
+        worker.starter.forget(worker.process)
+        if replace:
+            self.restarts += 1
+            self._fill()
 
     def close(self) -> None:
-        for slot, worker in enumerate(self.workers):
-            if worker is not None:
-                self._discard(slot, replace=False)
+        for worker in list(self.workers):
+            self._discard(worker, replace=False)
+        if self._starter is not None:
+            self._starter.close()
+            self._starter = None
 
     def __enter__(self) -> "UserCodeWorkers":
         return self
@@ -142,113 +193,134 @@ class UserCodeWorkers:
 
     # ------------------------------------------------------------------ calls
 
-    def _ready(self, slot: int) -> UserCodeError | None:
-        """Wait for the worker in `slot` to say it started (at most `START_TIMEOUT_S`); a worker
-        that does not is discarded (replaced) and the error returned."""
-        for _attempt in range(2):  # a worker found dead between calls gets one replacement
-            worker = self._worker(slot)
-            if worker.ready:
-                return None
-            if worker.from_worker.poll(START_TIMEOUT_S):
-                try:
-                    hello = json.loads(worker.from_worker.recv_bytes())
-                except (EOFError, OSError):
-                    hello = {"error": f"it ended as it started (status {worker.process.wait()})"}
-                if "error" not in hello:
-                    worker.ready = True
-                    return None
-                self._discard(slot)
-                return UserCodeError("died", f"a worker could not start: {hello['error']}",
-                                     hello.get("error_type"))
-            self._discard(slot)
+    def _hello(self, worker: _Worker) -> UserCodeError | None:
+        """Read the first message of a starting `worker` (or note it is past `START_TIMEOUT_S`):
+        None when it is ready; else it is discarded and the error returned."""
+        if not worker.from_worker.poll():
+            self._discard(worker, replace=False)
             return UserCodeError("died", f"a worker did not start within {START_TIMEOUT_S:g}s")
-        return None
+        try:
+            hello = json.loads(worker.from_worker.recv_bytes())
+        except (EOFError, OSError):
+            hello = {"error": f"it ended as it started (status {worker.starter.exit_status(worker.process, 5.0)})"}
+        if "error" not in hello:
+            worker.ready = True
+            return None
+        self._discard(worker, replace=False)
+        return UserCodeError("died", f"a worker could not start: {hello['error']}", hello.get("error_type"))
 
-    def _send(self, slot: int, message: bytes) -> UserCodeError | None:
-        """Hand the pickled call `message` to the worker in `slot` once it is ready; the error
-        when no worker could take it."""
-        for _attempt in range(2):
-            failed = self._ready(slot)
-            if failed is not None:
-                return failed
-            worker = self.workers[slot]
-            try:
-                worker.to_worker.send_bytes(message)
-                worker.calls += 1
-                return None
-            except (BrokenPipeError, OSError):  # it died between calls: its replacement takes the call
-                self._discard(slot)
-        return UserCodeError("died", "the worker process ended before it took the call")
-
-    def _receive(self, slot: int) -> Any:
-        """The answer of the call running in `slot` (ready, or its worker ended)."""
-        worker = self.workers[slot]
+    def _receive(self, worker: _Worker) -> Any:
+        """The answer of the call running on `worker`; `_ENDED` when its process ended (its
+        status is read once the map's calls are done: it is not waited for here)."""
         try:
             answer = json.loads(worker.from_worker.recv_bytes())
         except (EOFError, OSError):
-            code = worker.process.wait()
-            self._discard(slot)
-            how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
-            return UserCodeError("died", f"the worker process {how}")
+            self._discard(worker)
+            return _ENDED
         if "error" in answer:
             if answer.get("exit"):  # it answered, then ends (a MemoryError leaves its heap in doubt)
-                self._discard(slot)
+                self._discard(worker)
             return UserCodeError(answer["reason"], answer["error"], answer.get("error_type"))
         return answer["value"]
 
+    def _ended(self, worker: _Worker) -> UserCodeError:
+        code = worker.starter.exit_status(worker.process, 5.0)
+        how = ("ended" if code is None else f"was killed by signal {-code}" if code < 0
+               else f"exited with status {code}")
+        return UserCodeError("died", f"the worker process {how}")
+
     def map(self, calls: Sequence[tuple[str, tuple, dict]], timeout_s: float | None,
             budget_s: float | None = None) -> list[Any]:
-        """Each `(function, args, kwargs)` of `calls`, spread over the workers (a worker takes the
-        next call when it is free); the results in order, a failed call's as its `UserCodeError`.
-        `timeout_s` bounds each call from when its worker took it; past `budget_s` (from now) no
-        further call starts, and those left fail with reason `timeout` ("not run")."""
+        """Each `(function, args, kwargs)` of `calls`, as a queue over the workers (a worker takes
+        the next call when it is free); the results in order, a failed call's as its
+        `UserCodeError`. `timeout_s` bounds each call from when its worker took it; past
+        `budget_s` (from now) no further call starts, and those left fail with reason `timeout`
+        ("not run")."""
         messages = [pickle.dumps(call) for call in calls]  # before any is sent: a call that cannot be sent raises here
         results: list[Any] = [None] * len(calls)
-        pending = list(range(len(calls)))[::-1]
-        running: dict[int, tuple[int, float]] = {}  # slot -> (call index, deadline)
+        self._fill()
         try:
-            self._run(messages, timeout_s, budget_s, results, pending, running)
+            self._run(messages, timeout_s, budget_s, results)
         except BaseException:  # calls left running would answer the next map's: end their workers
-            for slot in running:
-                self._discard(slot)
+            for worker in [w for w in self.workers if w.call is not None]:
+                self._discard(worker)
             raise
         return results
 
-    def _run(self, messages: list[bytes], timeout_s: float | None, budget_s: float | None, results: list,
-             pending: list[int], running: dict[int, tuple[int, float]]) -> None:
-        """`map`'s loop: hand out the pending calls, collect answers, kill calls past their deadline."""
-        stop_starting = time.monotonic() + budget_s if budget_s is not None else float("inf")
-        while pending or running:
-            if pending and time.monotonic() > stop_starting:
+    def _run(self, messages: list[bytes], timeout_s: float | None, budget_s: float | None, results: list) -> None:
+        """`map`'s loop: hand the queued calls to ready workers, read answers and starting workers'
+        first messages, kill calls past their deadline, fail the calls left once the budget is
+        spent. It polls the workers' pipes with one poll object the pool keeps (the loop turns
+        once per answer or two: it must stay cheap with many workers)."""
+        now = time.monotonic()
+        stop_starting = now + budget_s if budget_s is not None else NEVER
+        pending = collections.deque(range(len(messages)))
+        running: set[_Worker] = set()
+        ended = []  # (call index, worker) of the calls whose worker's process ended
+        while True:
+            if pending and now > stop_starting:
                 for index in pending:
                     results[index] = UserCodeError("timeout", f"not run: the {budget_s:g}s budget of these calls "
                                                               "was spent")
-                pending = []
-                if not running:
-                    break
-            for slot in range(self.num_workers):
-                while slot not in running and pending:
-                    index = pending.pop()
-                    failed = self._send(slot, messages[index])
-                    if failed is not None:
-                        results[index] = failed
+                pending.clear()
+            if pending and len(running) < self.num_workers:
+                for worker in [w for w in self.workers if w.ready and w.call is None]:
+                    if not pending or len(running) >= self.num_workers:
+                        break
+                    index = pending.popleft()
+                    try:
+                        worker.to_worker.send_bytes(messages[index])
+                    except OSError:  # it ended while idle: the call waits for another worker
+                        pending.appendleft(index)
+                        self._discard(worker)
                         continue
-                    deadline = time.monotonic() + timeout_s if timeout_s is not None else float("inf")
-                    running[slot] = (index, deadline)
-            if not running:
-                continue
-            nearest = min(deadline for _, deadline in running.values())
-            wait_s = None if nearest == float("inf") else max(0.0, nearest - time.monotonic())
-            ready = wait([self.workers[slot].from_worker for slot in running], timeout=wait_s)
-            for slot in list(running):
-                index, deadline = running[slot]
-                if self.workers[slot].from_worker in ready:
-                    results[index] = self._receive(slot)
-                    del running[slot]
-                elif time.monotonic() >= deadline:
-                    self._discard(slot)
-                    results[index] = UserCodeError("timeout", f"timed out after {timeout_s:g}s (worker killed)")
-                    del running[slot]
+                    worker.calls += 1
+                    worker.call, worker.deadline = index, (now + timeout_s if timeout_s is not None else NEVER)
+                    running.add(worker)
+            if not pending and not running:
+                break
+            if pending and not self.workers:  # a guard: the calls left need a worker to wait for
+                self._fill()
+            starting = [w for w in self.workers if not w.ready]
+            nearest = min([w.deadline for w in running] + [w.started + START_TIMEOUT_S for w in starting],
+                          default=NEVER)
+            events = self._poller.poll(None if nearest == NEVER else max(0.0, (nearest - time.monotonic()) * 1000))
+            now = time.monotonic()
+            for fd, _ in events:
+                worker = self._by_fd.get(fd)
+                if worker is None:  # discarded in this turn
+                    continue
+                if not worker.ready:
+                    self._started(worker, pending, results)
+                elif worker.call is None:  # an idle worker's pipe says something only when it ended
+                    self._discard(worker)
+                else:
+                    index, worker.call = worker.call, None
+                    running.discard(worker)
+                    results[index] = self._receive(worker)
+                    if results[index] is _ENDED:
+                        ended.append((index, worker))
+            for worker in [w for w in running if now >= w.deadline]:
+                index, worker.call = worker.call, None
+                running.discard(worker)
+                self._discard(worker)
+                results[index] = UserCodeError("timeout", f"timed out after {timeout_s:g}s (worker killed)")
+            for worker in [w for w in self.workers if not w.ready and now >= w.started + START_TIMEOUT_S]:
+                self._started(worker, pending, results)
+        for index, worker in ended:
+            results[index] = self._ended(worker)
+
+    def _started(self, worker: _Worker, pending: collections.deque, results: list) -> None:
+        """Take a starting worker's first message (or its silence past `START_TIMEOUT_S`); a
+        worker that could not start fails the next call waiting (a start fails each call once),
+        unless its fork server ended and took it along."""
+        failed = self._hello(worker)
+        if failed is None or not pending:
+            return
+        if worker.starter.alive():
+            results[pending.popleft()] = failed
+        if pending:
+            self._fill()
 
     def call(self, function: str, args: tuple = (), kwargs: dict | None = None, timeout_s: float | None = None) -> Any:
         """One call (`map` of one); raises its `UserCodeError` when it failed."""
@@ -280,14 +352,16 @@ def _exit_with_parent(parent_pid: int, every_s: float = 1.0) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    if os.getppid() != parent_pid:  # gone before the signal was set
+        os._exit(0)
 
-    def watch() -> None:
+    def check() -> None:
         while True:
             time.sleep(every_s)
             if os.getppid() != parent_pid:
                 os._exit(0)
 
-    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+    threading.Thread(target=check, daemon=True, name="parent-watch").start()
 
 
 def worker_main(read_fd: int, write_fd: int, memory_mb: int, preload: list[str]) -> None:
@@ -307,18 +381,23 @@ def worker_main(read_fd: int, write_fd: int, memory_mb: int, preload: list[str])
 
         for name in preload:
             functions[name] = import_callable(name, f"user function {name!r}")
-        outgoing.send_bytes(json.dumps({"ready": True}).encode())
+        hello = {"ready": True}
     except BaseException as err:  # noqa: BLE001 - told to the parent, which fails the call
-        outgoing.send_bytes(json.dumps({"error": f"{type(err).__name__}: {err}",
-                                        "error_type": type(err).__name__}).encode())
+        hello = {"error": f"{type(err).__name__}: {err}", "error_type": type(err).__name__}
+    try:
+        outgoing.send_bytes(json.dumps(hello).encode())
+    except OSError:  # the parent closed the pool as this worker started
+        return
+    if "error" in hello:
         return
     while True:
         try:
-            function, args, kwargs = pickle.loads(incoming.recv_bytes())
+            message = incoming.recv_bytes()
         except EOFError:
             return
         exit_after = False
         try:
+            function, args, kwargs = pickle.loads(message)  # e.g. a class of the parent's __main__ does not load here
             if function not in functions:
                 functions[function] = import_callable(function, f"user function {function!r}")
             value = functions[function](*args, **kwargs)
@@ -335,5 +414,31 @@ def worker_main(read_fd: int, write_fd: int, memory_mb: int, preload: list[str])
             os._exit(3)
 
 
+def server_main(control_fd: int, memory_mb: int, preload: list[str]) -> None:
+    """The fork server's process (`posttrain.rl.forkserver.serve`): it imports the preloaded
+    functions once (a function that does not import is left to each worker, which reports it),
+    so that a worker forked from it starts with them; each child runs `worker_main`. Imports
+    that started a thread make it exit instead of forking (a fork would copy that thread's
+    locks, held or not, without the thread): the pool's workers are then fresh interpreters."""
+    import threading
+
+    from posttrain.catalog import import_callable
+
+    for name in preload:
+        try:
+            import_callable(name, f"user function {name!r}")
+        except BaseException:  # noqa: BLE001 - each worker imports it again and says why it failed
+            pass
+    tasks = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+    if threading.active_count() > 1 or tasks > 1:
+        print(f"[user_code] importing {preload} started threads: workers start as fresh interpreters, not forks",
+              file=sys.stderr)
+        return
+    forkserver.serve(control_fd, lambda read_fd, write_fd: worker_main(read_fd, write_fd, memory_mb, preload))
+
+
 if __name__ == "__main__":
-    worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]))
+    if sys.argv[1] == "server":
+        server_main(int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]))
+    else:
+        worker_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]))
