@@ -332,7 +332,12 @@ def evaluate_rewards(models: dict[str, str], config: GRPOConfig, tokenizer, reco
                             allowed=allowed)
     sampled = replace(g.sampling, n=g.eval_samples, stop_token_ids=stops, seed=config.seed, allowed=allowed)
     device = pick_device(config.train.device)
-    environment = build_environment_role(config)
+    try:
+        environment = build_environment_role(config)
+    except BaseException:
+        if scorer is not None:
+            scorer.close()
+        raise
     renderer = None if environment.single_turn else ObservationRenderer(tokenizer, chat_template_kwargs(config))
 
     def score(engine, sampling: SamplingConfig) -> tuple[list[float], int]:

@@ -159,12 +159,14 @@ def test_code_execution_rewards_code_that_passes_the_records_tests():
     completions = ["Here:\n```python\ndef add(a, b):\n    return a + b\n```",  # right
                    "```python\ndef add(a, b):\n    return a - b\n```",  # wrong
                    "I cannot write code.",  # no block
-                   "```python\ndef add(a, b):\n    while True:\n        pass\n```"]  # hangs
+                   "```python\ndef add(a, b):\n    while True:\n        pass\n```",  # hangs
+                   "```python\nimport sys\nsys.exit(0)\n```",  # exits before the tests run
+                   "```python\nimport os\nos._exit(0)\n```"]
     tests = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"]
     records = [_record(tests, i) for i in range(len(completions))]
     scorer = RewardScorer([RewardTerm("code_execution", kwargs={"wall_s": 2}, timeout_s=None)])
     scores = scorer.score(completions, records)
-    assert scores.rewards == [1.0, 0.0, 0.0, 0.0] and not any(scores.failed)
+    assert scores.rewards == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0] and not any(scores.failed)
     with pytest.raises(RewardError, match="timeout_s: null"):
         RewardScorer([RewardTerm("code_execution")])
     with pytest.raises(RewardError, match="meta\\['tests'\\]"):

@@ -359,10 +359,10 @@ class EnvironmentConfig:
     functions named by import path that the chat template advertises in every prompt) or a
     user environment class, `package.module:Class`, built with `kwargs`. At most `max_turns`
     policy turns an episode, each of at most `grpo.sampling.max_new_tokens` tokens, the whole
-    episode within `pack.row_length`. User code (a user class, the tools) runs in the reward
-    role's worker processes (`isolation: process`, `grpo.reward_processes` and
-    `reward_memory_mb`; a call past `timeout_s` is killed and fails its episode) or, with
-    `isolation: thread`, in the role's process. `skew_check` (warn | error | off) renders the
+    episode within `pack.row_length`. User code (a user class, the tools) runs in worker
+    processes of its own (`isolation: process`, as many and as capped as the reward role's:
+    `grpo.reward_processes` and `reward_memory_mb`; a call past `timeout_s` is killed and fails
+    its episode) or, with `isolation: thread`, in the controller's process (no timeout). `skew_check` (warn | error | off) renders the
     first `skew_check_episodes` rollouts of each round with the chat template and reports where
     that differs from the rollout's tokens (`posttrain.rl.episodes.template_skew`)."""
 

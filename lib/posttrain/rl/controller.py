@@ -256,7 +256,7 @@ class RLController:
             try:
                 report = template_skew(e, self.tokenizer, self.template_kwargs)
             except ChatTemplateError:
-                return []  # no template to compare with
+                break  # no template to compare with
             if report is not None:
                 reports.append(str(report))
         if reports and settings.skew_check == "error":
@@ -303,7 +303,7 @@ class RLController:
             adv_GN = (group_advantages(rewards_GN, grpo.advantage_scale) if grpo.advantage_estimator == "group"
                       else rejection_sampling_advantages(rewards_GN, grpo.success_threshold))
             flat_groups = degenerate_groups(rewards_GN).tolist()
-            if checked < grpo.environment.skew_check_episodes:
+            if grpo.environment.skew_check != "off" and checked < grpo.environment.skew_check_episodes:
                 skew += self._check_skew(flat)
                 checked += len(flat)
             for g, (prompt_index, group) in enumerate(zip(indices, groups)):

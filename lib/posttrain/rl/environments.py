@@ -15,8 +15,9 @@ name (`BUILTIN_ENVIRONMENTS`), built with the recipe's keyword arguments, one in
 turn (a tool's answer `{"role": "tool", ...}`, a simulated user's reply `{"role": "user", ...}`),
 or None; `reward` is this step's reward (summed over the episode; a recipe's reward functions
 add their score of the final turn's text); `done` ends the episode; `info` is a JSON mapping
-kept with the rollout. An episode also ends at `max_turns` policy turns, when a turn ends
-without its stop token (cut at `max_new_tokens`), or when the next turn would not fit the row.
+kept with the episode. An episode also ends at `max_turns` policy turns, when a turn ends
+without its stop token (cut at `max_new_tokens`, or at a stop string), or when the next turn
+would not fit the row.
 
 Single-turn RL is the one-step case of the same contract: `SingleTurn` ends every episode
 after the policy's first turn with reward 0, and the recipe's reward functions score it.
@@ -38,6 +39,7 @@ that hangs or kills its process fails the episode like any user code.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections.abc import Sequence
@@ -259,8 +261,9 @@ class EnvironmentRole:
     The built-in `single_turn` runs in this process (it is ours and trivially safe); every
     other environment runs in `processes` worker processes (`isolation: process`, each capped
     at `memory_mb`; a call past `timeout_s` is killed) or, with `isolation: thread`, in this
-    process (for tests and trusted code). A call that fails comes back as an `EpisodeFailure`
-    for its episode; an `EnvironmentContractError` raised by the environment (or one that does not
+    process (for tests and trusted code: no timeout there, a call that hangs hangs the run; its
+    state and answers still go through JSON, as from a worker). A call that fails comes back as
+    an `EpisodeFailure` for its episode; an `EnvironmentContractError` raised by the environment (or one that does not
     import) stops the run."""
 
     def __init__(self, name: str = "single_turn", kwargs: dict | None = None, timeout_s: float | None = 10.0,
@@ -272,7 +275,8 @@ class EnvironmentRole:
         if isolation == "process" and not self.single_turn:
             from posttrain.rl.user_code import UserCodeWorkers
 
-            self.workers = UserCodeWorkers(processes, memory_mb, preload=[RESET, STEP, environment_path(name)])
+            tools = list(self.kwargs.get("tools", ())) if environment_path(name) == BUILTIN_ENVIRONMENTS["tools"] else []
+            self.workers = UserCodeWorkers(processes, memory_mb, preload=[RESET, STEP, environment_path(name), *tools])
 
     def close(self) -> None:
         if self.workers is not None:
@@ -291,7 +295,8 @@ class EnvironmentRole:
         out = []
         for args in calls:
             try:
-                out.append(local(*args))
+                # through JSON, as from a worker: the same state types, nothing shared between episodes
+                out.append(json.loads(json.dumps(local(*copy.deepcopy(args)))))
             except EnvironmentContractError:
                 raise
             except Exception as err:  # noqa: BLE001 - one episode's failure, not the run's
@@ -314,7 +319,8 @@ class EnvironmentRole:
 @dataclass
 class EpisodeFailure:
     """An environment call that failed its episode: `reason` (`raised`, `timeout`, `died`,
-    `memory`: `posttrain.rl.user_code.REASONS`) and what happened."""
+    `memory`: `posttrain.rl.user_code.REASONS`; `invalid`: an opening or observation the chat
+    template cannot render, or an opening too long for the row) and what happened."""
 
     reason: str
     message: str

@@ -1,13 +1,15 @@
 """Episodes: rollouts through an environment, built token by token as the engine saw them.
 
-    groups = run_episodes(engine, role, prompts, records, sampling, renderer, row_length)
+    groups = run_episodes(engine, role, prompts, records, prompt_indices, sampling, tokenizer,
+                          renderer, row_length, max_turns)
     # one list of `sampling.n` Episodes per prompt
 
 Turn 1 is one `engine.generate(prompts, sampling)` call (the `n` samples of each prompt, seeded
 as any generate call is), so a single-turn environment gives exactly the completions a plain
 generate call gives. Each later turn generates one completion for every episode still running,
 from the episode's own tokens, seeded by `request_seed(request_seed(sampling.seed, -turn), k)`
-for the k-th episode of the call (a function of the round's seed, not of which episodes fail).
+for the call's k-th episode (prompt-major, sample-minor, counting every episode: a function of
+the round's seed, not of which other episodes ended or failed).
 
 Token-exact trajectories: an episode's tokens are the prompt's, then each turn's sampled tokens
 as sampled (stop token included), then the environment's observation as the chat template
@@ -149,30 +151,34 @@ def run_episodes(engine, role: EnvironmentRole, prompts: Sequence[Sequence[int]]
             else:
                 episode.state = start["state"]
                 if start["observation"] is not None:  # the environment's own opening
-                    from posttrain.data.chat import render_prompt
-
-                    episode.prompt_messages = start["observation"]
-                    episode.prompt_ids = render_prompt(tokenizer, start["observation"],
-                                                       **(renderer.template_kwargs if renderer else {}))
+                    _open(episode, start["observation"], tokenizer, renderer, sampling, row_length)
             group.append(episode)
         episodes.append(group)
     flat = [e for g in episodes for e in g]
     if all(e.prompt_messages is None for e in flat):
         # turn 1 as a plain generate call: the n samples of each prompt
         completions = [c for g in engine.generate([list(p) for p in prompts], sampling) for c in g]
+        running = [(e, c) for e, c in zip(flat, completions) if not e.done]
     else:
-        completions = _generate_each(engine, [e.prompt_ids for e in flat], sampling, turn=0)
-    _take_turns(role, [e for e, c in zip(flat, completions) if not e.done],
-                [c for e, c in zip(flat, completions) if not e.done], tokenizer)
+        keys = [k for k, e in enumerate(flat) if not e.done]
+        running = list(zip([flat[k] for k in keys],
+                           _generate_each(engine, [flat[k].prompt_ids for k in keys], sampling, 0, keys)))
+    _take_turns(role, [e for e, _ in running], [c for _, c in running], tokenizer)
     for turn in range(1, max_turns):
-        active = [e for e in flat if not e.done]
+        active = [k for k, e in enumerate(flat) if not e.done]
         if not active:
             break
         if renderer is None:
             raise ValueError("a multi-turn environment needs an ObservationRenderer")
         ready = []
-        for e in active:
-            ids = renderer.ids(e.observations[-1]) if e.observations else []
+        for k in active:
+            e = flat[k]
+            try:
+                ids = renderer.ids(e.observations[-1])
+            except Exception as err:  # noqa: BLE001 - an observation the template cannot render fails its episode
+                e.failure, e.done, e.reward = EpisodeFailure("invalid", f"the chat template cannot render the "
+                                                             f"observation ({type(err).__name__}: {err})"), True, math.nan
+                continue
             room = None if row_length is None else row_length - len(e.prompt_ids) - len(e.tokens) - len(ids)
             if room is not None and room < sampling.max_new_tokens:
                 e.done = e.truncated = True  # the next turn would not fit the row
@@ -181,17 +187,39 @@ def run_episodes(engine, role: EnvironmentRole, prompts: Sequence[Sequence[int]]
             e.tokens += ids
             e.sampled += [False] * len(ids)
             e.engine_logps += [0.0] * len(ids)
-            ready.append(e)
+            ready.append(k)
         if not ready:
             break
-        completions = _generate_each(engine, [e.prompt_ids + e.tokens for e in ready], sampling, turn)
-        _take_turns(role, ready, completions, tokenizer)
+        completions = _generate_each(engine, [flat[k].prompt_ids + flat[k].tokens for k in ready], sampling, turn,
+                                     ready)
+        _take_turns(role, [flat[k] for k in ready], completions, tokenizer)
     for e in flat:
         if not e.done:  # max_turns reached: the last observation was not shown to the policy
             e.done = True
             if e.observations:
                 e.observations.pop()
     return episodes
+
+
+def _open(episode: Episode, messages: list[dict], tokenizer, renderer: ObservationRenderer | None,
+          sampling: SamplingConfig, row_length: int | None) -> None:
+    """Start `episode` from the environment's opening `messages` instead of its record's prompt;
+    an opening the template cannot render, or too long to leave a turn's room in the row,
+    fails the episode (reason `invalid`)."""
+    from posttrain.data.chat import render_prompt
+
+    try:
+        ids = render_prompt(tokenizer, messages, **(renderer.template_kwargs if renderer else {}))
+    except Exception as err:  # noqa: BLE001 - the environment's opening, not the run, is at fault
+        episode.failure, episode.done = EpisodeFailure("invalid", f"the chat template cannot render the opening "
+                                                                  f"({type(err).__name__}: {err})"), True
+        return
+    if row_length is not None and len(ids) + sampling.max_new_tokens > row_length:
+        episode.failure, episode.done = EpisodeFailure("invalid", f"the opening has {len(ids)} tokens: with "
+                                                                  f"{sampling.max_new_tokens} new tokens it does not "
+                                                                  f"fit the row length {row_length}"), True
+        return
+    episode.prompt_messages, episode.prompt_ids = messages, ids
 
 
 def episode_rewards(scorer, episodes: Sequence[Episode]):
@@ -204,10 +232,12 @@ def episode_rewards(scorer, episodes: Sequence[Episode]):
     return rewards, scores
 
 
-def _generate_each(engine, contexts: list[list[int]], sampling: SamplingConfig, turn: int) -> list[Completion]:
-    """One completion of each context, the k-th seeded `request_seed(request_seed(seed, -turn), k)`."""
+def _generate_each(engine, contexts: list[list[int]], sampling: SamplingConfig, turn: int,
+                   keys: Sequence[int]) -> list[Completion]:
+    """One completion of each context, that of episode `keys[i]` (its index among the call's
+    episodes) seeded `request_seed(request_seed(seed, -turn), keys[i])`: whatever else ended."""
     base = request_seed(sampling.seed, -turn)
-    seeds = tuple(request_seed(base, k) for k in range(len(contexts)))
+    seeds = tuple(request_seed(base, k) for k in keys)
     return [g[0] for g in engine.generate(contexts, replace(sampling, n=1, seeds=seeds))]
 
 

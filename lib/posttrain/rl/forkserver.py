@@ -5,7 +5,7 @@ process group reaches what the worker started too). Both kinds have one interfac
 
     starter.start()                   # -> (handle, to_worker, from_worker): at once, never waiting for the worker
     starter.alive()                   # False once a fork server ended (its workers with it)
-    starter.pid(handle)               # its process id (None: not known, the fork server ended)
+    starter.pid(handle)               # its process id (None: not known, the fork server ended, or reaped)
     starter.exit_status(handle, s)    # how it ended (negative: the signal), waiting at most s; None: not yet
     starter.forget(handle)            # it was killed: reap it without waiting
     starter.close()
@@ -67,8 +67,8 @@ class FreshInterpreters:
     def alive(self) -> bool:
         return True
 
-    def pid(self, process: subprocess.Popen) -> int:
-        return process.pid
+    def pid(self, process: subprocess.Popen) -> int | None:
+        return None if process.poll() is not None else process.pid  # reaped: its pid may be another's now
 
     def exit_status(self, process: subprocess.Popen, timeout_s: float) -> int | None:
         try:
@@ -166,7 +166,7 @@ class ForkServer:
 
     def pid(self, forked: Forked) -> int | None:
         self._read_until(lambda: forked.pid is not None, 60.0)
-        return forked.pid
+        return None if forked.status is not None else forked.pid  # reaped: its pid may be another's now
 
     def exit_status(self, forked: Forked, timeout_s: float) -> int | None:
         self._read_until(lambda: forked.status is not None, timeout_s)

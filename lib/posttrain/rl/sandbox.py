@@ -236,8 +236,8 @@ def code_execution(completions: list[str], records: list, tests_key: str = "test
                    memory_mb: int = 512, processes: int = 16, parallel: int | None = None,
                    allow_network: bool = False, **_) -> list[float]:
     """1.0 where the completion's last fenced Python block, followed by the record's tests
-    (`record.meta[tests_key]`: Python, e.g. asserts, or a list of such lines), runs to exit
-    status 0 in the sandbox (`run_python`, each program within `wall_s`, `memory_mb`,
+    (`record.meta[tests_key]`: Python, e.g. asserts, or a list of such lines), runs to their end
+    (a nonce they print last, so an early `sys.exit(0)` does not pass) and exit status 0 in the sandbox (`run_python`, each program within `wall_s`, `memory_mb`,
     `processes`); 0.0 otherwise (no code block, an exception, a failed assert, a limit
     reached). `parallel` programs at once (default the CPU count). A record without tests, or a
     sandbox that cannot isolate the network (unless `allow_network`), is a `RewardError`."""
@@ -245,14 +245,22 @@ def code_execution(completions: list[str], records: list, tests_key: str = "test
 
     from posttrain.rl.rewards import RewardError
 
-    programs = [None if (code := extract_code(c)) is None else f"{code}\n\n{_tests(r, tests_key)}\n"
+    import secrets
+
+    # the tests end by printing a fresh nonce: a program that exits early (sys.exit(0), os._exit(0))
+    # to skip them does not pass
+    nonce = secrets.token_hex(16)
+    programs = [None if (code := extract_code(c)) is None else
+                f"{code}\n\n{_tests(r, tests_key)}\nprint({nonce!r}, flush=True)\n"
                 for c, r in zip(completions, records)]
 
     def score(program: str | None) -> float:
         if program is None:
             return 0.0
-        return float(run_python(program, wall_s=wall_s, memory_mb=memory_mb, processes=processes,
-                                allow_network=allow_network).passed)
+        result = run_python(program, wall_s=wall_s, memory_mb=memory_mb, processes=processes,
+                            allow_network=allow_network)
+        lines = result.stdout.strip().splitlines()
+        return float(result.passed and not result.truncated and bool(lines) and lines[-1] == nonce)
 
     try:
         with ThreadPoolExecutor(max_workers=parallel or os.cpu_count() or 1) as pool:
@@ -351,11 +359,17 @@ def _launch(settings: dict) -> None:
         status.write(json.dumps({"error": str(err)}))
         status.close()
         os._exit(125)
+    try:  # before the status is told: a fork refused (EAGAIN under RLIMIT_NPROC) is the sandbox's failure
+        first = os.fork()
+    except OSError as err:
+        status.write(json.dumps({"error": f"cannot start the program: {err}"}))
+        status.close()
+        os._exit(125)
+    if first == 0:
+        status.close()  # the status pipe's end is the launcher's: the parent reads it to its end
+        _first_process()
     status.write(json.dumps({"isolation": isolation}))
     status.close()
-    first = os.fork()
-    if first == 0:
-        _first_process()
     _, code = os.waitpid(first, 0)
     os._exit(os.waitstatus_to_exitcode(code) & 0xFF)
 
