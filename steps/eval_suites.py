@@ -317,7 +317,8 @@ def evaluate_rewards(models: dict[str, str], config: GRPOConfig, tokenizer, reco
     an empty dict."""
     from posttrain.recipes import recipe_spec
     from posttrain.rl.environments import chat_template_kwargs
-    from posttrain.rl.episodes import ObservationRenderer, episode_rewards, run_episodes
+    from posttrain.data.chat import ObservationRenderer
+    from posttrain.rl.episodes import episode_rewards, run_episodes
     from posttrain.steps.rl import build_environment_role, catalogue_trie, reward_scorer, stop_token_ids, tokenize_prompts
 
     scorer = reward_scorer(config)

@@ -18,7 +18,8 @@ from posttrain.data.chat import end_of_turn_token_ids, render_prompt
 from posttrain.data.records import PromptRecord
 from posttrain.rl.engine import Completion, SamplingConfig
 from posttrain.rl.environments import EnvironmentContractError, EnvironmentRole, tool_schemas
-from posttrain.rl.episodes import ObservationRenderer, run_episodes, template_skew
+from posttrain.data.chat import ObservationRenderer
+from posttrain.rl.episodes import run_episodes, template_skew
 from posttrain.rl.trajectories import Trajectory, pack_trajectories
 
 TOOLS = ["user_environments:multiply"]

@@ -62,7 +62,7 @@ def test_a_hanging_call_holds_its_own_worker_while_the_others_drain_the_queue(wo
 def test_workers_start_again_as_fresh_interpreters_when_the_fork_server_ends(workers):
     assert workers.call("misbehaving_code:echo", ([1],), timeout_s=30)["doubled"] == [2]
     assert isinstance(workers._starter, forkserver.ForkServer)
-    pids = [w.starter.pid(w.process) for w in workers.workers]
+    pids = [pid for w in workers.workers if (pid := w.starter.pid(w.process)) is not None]  # None: already reaped
     workers._starter.process.kill()  # its workers end with it (their parent-death signal)
     deadline = time.monotonic() + 10
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:

@@ -422,3 +422,40 @@ def render_prompt(tokenizer, messages: list[dict], **template_kwargs) -> list[in
         messages[: last_user + 1], tokenize=True, add_generation_prompt=True, **template_kwargs
     )
     return template_ids(encoded)
+
+
+# ---------------------------------------------------------------- observations (multi-turn RL)
+
+
+# a probe conversation for observation rendering: its assistant turn is closed, as a sampled
+# turn that ended with its stop token is
+_PROBE_USER = "Probe question for the observation renderer."
+_PROBE_SENTINEL = "PROBE-ASSISTANT-TURN-7c1f"
+
+
+class ObservationRenderer:
+    """The token ids the chat template puts after a closed assistant turn for an observation
+    (a list of messages), the next assistant turn's generation prompt included.
+
+    Found by rendering `[user, assistant(SENTINEL), *observation]` with the generation prompt and
+    taking the text after the sentinel's end-of-turn marker: what the template writes there
+    depends on the observation, not on what came before (every template we know renders a
+    message from its own fields and its neighbours' roles). Tokenized on its own: the text
+    starts right after a special token, where a whole-conversation tokenization splits too."""
+
+    def __init__(self, tokenizer, template_kwargs: dict | None = None):
+        self.tokenizer, self.template_kwargs = tokenizer, dict(template_kwargs or {})
+        self.marker = end_of_turn_marker(tokenizer, **self.template_kwargs)
+
+    def text(self, observation: list[dict]) -> str:
+        probe = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_SENTINEL}]
+        rendered = _render(self.tokenizer, probe + list(observation), True, self.template_kwargs)
+        at = rendered.find(_PROBE_SENTINEL)
+        end = rendered.find(self.marker, at + len(_PROBE_SENTINEL)) if at >= 0 else -1
+        if end < 0:
+            raise ChatTemplateError(f"the chat template does not close an assistant turn with {self.marker!r} "
+                                    f"before an observation ({[m.get('role') for m in observation]})")
+        return rendered[end + len(self.marker):]
+
+    def ids(self, observation: list[dict]) -> list[int]:
+        return list(self.tokenizer(self.text(observation), add_special_tokens=False)["input_ids"])

@@ -67,11 +67,13 @@ class LayerKV:
         if self.k_BKSE is None:
             S = self.cache.capacity - self.cache.offset
             self.k_BKSE = self.new_key_buffer(B, K, S, E, like)
-            self.v_BKSE = like.new_empty((B, K, S, E))
+            self.v_BKSE = like.new_zeros((B, K, S, E))
 
     def new_key_buffer(self, B: int, K: int, S: int, E: int, like: torch.Tensor) -> torch.Tensor:
-        """An empty `[B, K, S, E]` key buffer (dtype and device of `like`); contiguous here."""
-        return like.new_empty((B, K, S, E))
+        """A zeroed `[B, K, S, E]` key buffer (dtype and device of `like`); contiguous here. Zeroed,
+        not empty: a masked slot gets weight 0, and 0 times a NaN that uninitialised memory held
+        is NaN (rows of unequal length in one batch read slots no token wrote)."""
+        return like.new_zeros((B, K, S, E))
 
     def attend(self, q_BHTE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor, mask: AttentionMask,
                scale: float | None, sinks_H: torch.Tensor | None = None) -> torch.Tensor:
@@ -99,7 +101,7 @@ class LayerKV:
         offset = cache.offset
         K, E = self.k_BKSE.shape[1], self.k_BKSE.shape[3]
         into.k_BKSE = into.new_key_buffer(len(index_R), K, cache.capacity, E, self.k_BKSE)
-        into.v_BKSE = self.v_BKSE.new_empty(into.k_BKSE.shape)
+        into.v_BKSE = self.v_BKSE.new_zeros(into.k_BKSE.shape)
         if offset:
             into.k_BKSE[:, :, :offset] = self.prefix_k_PKSE[group_R]
             into.v_BKSE[:, :, :offset] = self.prefix_v_PKSE[group_R]

@@ -57,11 +57,12 @@ import numpy as np
 import torch
 
 from posttrain.config.recipes import GRPOSection
+from posttrain.data.chat import ObservationRenderer
 from posttrain.rl.advantages import degenerate_groups, group_advantages, rejection_sampling_advantages
 from posttrain.rl.decode_backends import check_resume, engine_identity
 from posttrain.rl.engine import SamplingConfig, request_seed
 from posttrain.rl.environments import EnvironmentRole
-from posttrain.rl.episodes import Episode, ObservationRenderer, episode_rewards, run_episodes, template_skew
+from posttrain.rl.episodes import Episode, episode_rewards, run_episodes, template_skew
 from posttrain.rl.rewards import RewardScorer
 from posttrain.rl.policy import LocalPolicy, as_policy
 from posttrain.rl.sync import SyncError, check_sync
