@@ -5,6 +5,8 @@ on answering the next calls."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -67,10 +69,31 @@ def test_workers_start_again_as_fresh_interpreters_when_the_fork_server_ends(wor
     deadline = time.monotonic() + 10
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert not any(_alive(pid) for pid in pids)  # none lives on as an orphan (e.g. forked just before the kill)
     assert workers.call("misbehaving_code:echo", ([3],), timeout_s=30)["doubled"] == [6]
     assert isinstance(workers._starter, forkserver.FreshInterpreters)
     with pytest.raises(UserCodeError, match="exited with status 7"):
         workers.call(FN, (["exit"],), timeout_s=30)
+
+
+def test_a_worker_whose_parent_ended_before_it_ran_ends_at_once():
+    """A worker forked just before its fork server was killed runs after its parent is gone: it
+    must not read its parent then (it would read the process it was orphaned to and live on)."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (read_fd, write_fd), to_worker, from_worker = forkserver.pipes()
+    worker = subprocess.Popen([sys.executable, "-m", "posttrain.rl.user_code", "worker", str(gone.pid), str(read_fd),
+                               str(write_fd), "0", "[]"], pass_fds=(read_fd, write_fd))
+    os.close(read_fd)
+    os.close(write_fd)
+    try:
+        assert worker.wait(60) == 0
+        with pytest.raises(EOFError):  # it ended before it said it was ready
+            from_worker.recv_bytes()
+    finally:
+        worker.kill()
+        to_worker.close()
+        from_worker.close()
 
 
 def test_a_module_that_starts_a_thread_as_it_is_imported_gets_fresh_interpreters_not_forks():

@@ -198,14 +198,13 @@ def _report_ended(control: socket.socket) -> None:
         control.send(json.dumps({"ended": pid, "status": os.waitstatus_to_exitcode(status)}).encode())
 
 
-def serve(control_fd: int, child: Callable[[int, int], None]) -> None:
+def serve(parent_pid: int, control_fd: int, child: Callable[[int, int], None]) -> None:
     """The fork server's loop: for each request on the `control_fd` socket (a worker's read and
     write fds), fork; the child takes a session of its own and runs `child(read_fd, write_fd)`,
     then exits (status 0, or 1 after an exception); the server answers `{"pid"}`, and
     `{"ended", "status"}` when a child ends. Returns when the parent closes the socket or is
-    gone (checked every `PARENT_CHECK_S`: not the parent-death signal, which a parent's thread
-    that ends would send)."""
-    parent = os.getppid()
+    gone (`parent_pid`, checked every `PARENT_CHECK_S`: not the parent-death signal, which a
+    parent's thread that ends would send)."""
     control = socket.socket(fileno=control_fd)
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
@@ -213,7 +212,7 @@ def serve(control_fd: int, child: Callable[[int, int], None]) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a child's end wakes the loop through wake_read
     while True:
         readable = select.select([control, wake_read], [], [], PARENT_CHECK_S)[0]
-        if os.getppid() != parent:
+        if os.getppid() != parent_pid:
             return
         try:
             if wake_read in readable:

@@ -123,8 +123,10 @@ class UserCodeWorkers:
     # ------------------------------------------------------------------ worker lifecycle
 
     def _argv(self, mode: str, *fds: int) -> list[str]:
-        return [sys.executable, "-m", "posttrain.rl.user_code", mode, *map(str, fds), str(self.memory_mb or 0),
-                json.dumps(self.preload)]
+        """The command line of a worker or fork server: its parent is this process, named here
+        (a process that reads its parent as it starts may read the one it was orphaned to)."""
+        return [sys.executable, "-m", "posttrain.rl.user_code", mode, str(os.getpid()), *map(str, fds),
+                str(self.memory_mb or 0), json.dumps(self.preload)]
 
     def _start(self) -> None:
         if self._starter is None:
@@ -343,7 +345,9 @@ def _cap_memory(memory_mb: int) -> None:
 def _exit_with_parent(parent_pid: int, every_s: float = 1.0) -> None:
     """End this worker when its parent is gone (killed mid-call: nobody would stop a call
     that spins): the kernel's parent-death signal on Linux, and a daemon thread that checks
-    (for a parent thread that ended, or another system)."""
+    (for a parent thread that ended, or another system). `parent_pid` is the parent the
+    worker was started by, not read here: one that ended before this ran left it an orphan,
+    whose `getppid()` is already another process's."""
     import threading
 
     try:
@@ -364,12 +368,12 @@ def _exit_with_parent(parent_pid: int, every_s: float = 1.0) -> None:
     threading.Thread(target=check, daemon=True, name="parent-watch").start()
 
 
-def worker_main(read_fd: int, write_fd: int, memory_mb: int, preload: list[str]) -> None:
-    """Say it is ready (`{"ready": true}`, or `{"error", "error_type"}` when a preloaded function
+def worker_main(parent_pid: int, read_fd: int, write_fd: int, memory_mb: int, preload: list[str]) -> None:
+    """In a worker that `parent_pid` started (it ends when that process does): say it is ready (`{"ready": true}`, or `{"error", "error_type"}` when a preloaded function
     does not import), then serve calls until the parent closes the pipe: each message a pickled
     `(function, args, kwargs)`, each answer JSON `{"value": ...}` or `{"error", "reason",
     "error_type"[, "exit"]}`."""
-    _exit_with_parent(os.getppid())
+    _exit_with_parent(parent_pid)
     for fd in (read_fd, write_fd):  # what user code starts must not hold the pipe open
         os.set_inheritable(fd, False)
     incoming, outgoing = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
@@ -414,7 +418,7 @@ def worker_main(read_fd: int, write_fd: int, memory_mb: int, preload: list[str])
             os._exit(3)
 
 
-def server_main(control_fd: int, memory_mb: int, preload: list[str]) -> None:
+def server_main(parent_pid: int, control_fd: int, memory_mb: int, preload: list[str]) -> None:
     """The fork server's process (`posttrain.rl.forkserver.serve`): it imports the preloaded
     functions once (a function that does not import is left to each worker, which reports it),
     so that a worker forked from it starts with them; each child runs `worker_main`. Imports
@@ -434,11 +438,13 @@ def server_main(control_fd: int, memory_mb: int, preload: list[str]) -> None:
         print(f"[user_code] importing {preload} started threads: workers start as fresh interpreters, not forks",
               file=sys.stderr)
         return
-    forkserver.serve(control_fd, lambda read_fd, write_fd: worker_main(read_fd, write_fd, memory_mb, preload))
+    server_pid = os.getpid()  # its children's parent, read before any fork
+    forkserver.serve(parent_pid, control_fd,
+                     lambda read_fd, write_fd: worker_main(server_pid, read_fd, write_fd, memory_mb, preload))
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "server":
-        server_main(int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]))
+        server_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]))
     else:
-        worker_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]))
+        worker_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), json.loads(sys.argv[6]))
