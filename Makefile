@@ -35,7 +35,7 @@ export MALLOC_TRIM_THRESHOLD_ := 68719476736
 unexport PYTHONDONTWRITEBYTECODE
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup browser gpu-check wheel run sft-3digit dpo-demo kto-demo orpo-demo rm-demo grpo-demo sft-calculator grpo-calculator-demo distill-demo sequence-demo semantic-demo semantic-rl-demo test test-fast bench clean setup-vllm test-vllm
+.PHONY: setup browser gpu-check wheel run sft-3digit dpo-demo kto-demo orpo-demo rm-demo grpo-demo sft-calculator grpo-calculator-demo sft-guessing grpo-guessing-demo distill-demo sequence-demo semantic-demo semantic-rl-demo test test-fast bench clean setup-vllm test-vllm
 
 setup: $(STAMP)
 
@@ -100,6 +100,16 @@ grpo-calculator-demo: setup
 	test -d outputs/registry/sft-demo-calculator || $(MAKE) sft-calculator
 	$(BIN)/posttrain grpo configs/grpo/calculator-demo.yaml
 	$(BIN)/posttrain grpo configs/grpo/calculator-demo-rft.yaml
+
+# the multi-turn feedback demo (issue 36): a guessing game against a simulated user who answers
+# higher / lower, GRPO and its RFT baseline, from an SFT model taught random play
+sft-guessing: setup
+	$(BIN)/posttrain sft configs/sft/demo-guessing.yaml
+
+grpo-guessing-demo: setup
+	test -d outputs/registry/sft-demo-guessing || $(MAKE) sft-guessing
+	$(BIN)/posttrain grpo configs/grpo/guessing-demo.yaml
+	$(BIN)/posttrain grpo configs/grpo/guessing-demo-rft.yaml
 
 # the distillation demo: the SFT demo's model (make run, once) is the teacher of a student
 # trained on a small slice of its data

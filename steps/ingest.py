@@ -70,7 +70,7 @@ def reason_summary(rejected: list[RejectedRow], most: int = 3) -> str:
 def generate_demo_data(generate: GenerateConfig, run_dir: Path) -> Path:
     """Write the demo dataset and train its tokenizer under `run_dir/generated` (deterministic);
     for `task: interactions`, the synthetic world's logs, item catalogue and simulator."""
-    from posttrain.data.demo import build_demo_tokenizer, write_arithmetic_dataset
+    from posttrain.data.demo import build_demo_tokenizer, write_arithmetic_dataset, write_guessing_dataset
 
     out_dir = generated_directory(run_dir)
     if generate.task == "interactions":
@@ -81,10 +81,15 @@ def generate_demo_data(generate: GenerateConfig, run_dir: Path) -> Path:
         write_world(out_dir, InteractionWorld.build(world))
         print(f"[ingest] generated {world.num_users} users' histories over {world.num_items} items in {out_dir}")
         return out_dir
-    paths = write_arithmetic_dataset(
-        out_dir, num_train=generate.num_train, num_heldout=generate.num_heldout, seed=generate.seed,
-        min_digits=generate.min_digits, max_digits=generate.max_digits, tool_fraction=generate.tool_fraction,
-    )
+    if generate.task == "guessing":
+        paths = write_guessing_dataset(out_dir, num_train=generate.num_train, num_heldout=generate.num_heldout,
+                                       seed=generate.seed)
+        print(f"[ingest] generated {generate.num_train} guessing games (+{generate.num_heldout} held out) in {out_dir}")
+    else:
+        paths = write_arithmetic_dataset(
+            out_dir, num_train=generate.num_train, num_heldout=generate.num_heldout, seed=generate.seed,
+            min_digits=generate.min_digits, max_digits=generate.max_digits, tool_fraction=generate.tool_fraction,
+        )
     build_demo_tokenizer(
         out_dir / "tokenizer", corpus_paths=[paths["train"]], vocab_size=generate.tokenizer_vocab_size
     )

@@ -1,24 +1,28 @@
-"""The multi-turn demos' parts: a simulated user, the calculator tool and its chats, the demo template's tools line, prompts cut from tool-using chats, and the RFT
-baseline's estimator."""
+"""The multi-turn demos' parts: a simulated user and the guessing game's games, the calculator
+tool and its chats, the demo template's tools line, prompts cut from tool-using chats, and the
+RFT baseline's estimator."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
 
 from posttrain.data.chat import render_prompt
-from posttrain.data.demo import build_demo_tokenizer, calculator_call, write_arithmetic_dataset
+from posttrain.data.demo import (GUESS_WIDTHS, HIGHER, LOWER, build_demo_tokenizer, calculator_call,
+                                 write_arithmetic_dataset, write_guessing_dataset)
 from posttrain.data.records import ChatRecord, PromptRecord
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.rl.advantages import rejection_sampling_advantages
-from posttrain.rl.demo_environments import ArithmeticFeedback, calculator
+from posttrain.rl.demo_environments import HigherOrLower, calculator
 from posttrain.rl.environments import ToolEnvironment, reset_episode, step_episode, tool_schemas
 
 CALCULATOR = "posttrain.rl.demo_environments:calculator"
-FEEDBACK = "posttrain.rl.demo_environments:ArithmeticFeedback"
+NUMBER = re.compile(r"\d+")
+FEEDBACK = "posttrain.rl.demo_environments:HigherOrLower"
 
 
 def test_the_simulated_user_says_which_way_a_wrong_answer_is_off():
@@ -33,7 +37,33 @@ def test_the_simulated_user_says_which_way_a_wrong_answer_is_off():
     assert right["done"] and right["reward"] == 0.25 and right["info"] == {"tries": 3}
     assert step_episode(FEEDBACK, started["state"], [5], "936")["reward"] == 1.0
     assert step_episode(FEEDBACK, started["state"], [5], "none")["observation"][0]["content"] == "No answer."
-    assert isinstance(ArithmeticFeedback(), ArithmeticFeedback)
+    assert isinstance(HigherOrLower(), HigherOrLower)
+
+
+def test_the_guessing_games_follow_the_feedback_the_simulated_user_gives(tmp_path):
+    paths = write_guessing_dataset(tmp_path, num_train=300, num_heldout=40, seed=0)
+    games = {name: [json.loads(line) for line in paths[name].read_text().splitlines()] for name in paths}
+    assert len(games["train"]) == len(games["prompts"]) == 300 and len(games["heldout"]) == 40
+    triple = lambda game: (game["messages"][0]["content"], game["answer"])  # noqa: E731 - the range and the number
+    assert not {triple(g) for g in games["heldout"]} & {triple(g) for g in games["train"]}
+    assert len({triple(g) for g in games["heldout"]}) == 40
+    for game, prompt in zip(games["train"] + games["heldout"], games["prompts"] + games["heldout_prompts"]):
+        lo, hi = map(int, NUMBER.findall(game["messages"][0]["content"]))
+        assert GUESS_WIDTHS[0] <= hi - lo + 1 <= GUESS_WIDTHS[1] and lo <= int(game["answer"]) <= hi
+        assert prompt == {"prompt": game["messages"][0]["content"], "reference": game["answer"]}
+        record = PromptRecord([game["messages"][0]], game["answer"], {}, "t", 1)
+        state = reset_episode(FEEDBACK, {"discount": 1.0}, record)["state"]
+        for turn, guess in enumerate(game["messages"][1::2]):  # the simulated user answers as the game goes on
+            assert lo <= int(guess["content"]) <= hi  # the player keeps to what the feedback left
+            result = step_episode(FEEDBACK, state, [], guess["content"])
+            state, said = result["state"], game["messages"][2 + 2 * turn:3 + 2 * turn]
+            assert (result["observation"] or []) == said and result["done"] == (not said)
+            if said:
+                lo, hi = (int(guess["content"]) + 1, hi) if said[0]["content"] == HIGHER else (lo, int(guess["content"]) - 1)
+                assert said[0]["content"] in (HIGHER, LOWER)
+        assert result["reward"] == 1.0 and game["messages"][-1]["content"] == game["answer"]
+    again = write_guessing_dataset(tmp_path / "again", num_train=300, num_heldout=40, seed=0)
+    assert all(again[name].read_bytes() == paths[name].read_bytes() for name in paths)
 
 
 def test_the_calculator_and_its_calls_in_the_demo_chats(tmp_path):

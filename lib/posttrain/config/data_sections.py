@@ -116,9 +116,13 @@ class GenerateConfig:
     `semantic_sessions` (RL from a semantic-ID model): the same world, and its users' sessions
     as prompts in the starting model's codes (`prompts.jsonl`: `num_train` users' training
     histories; `heldout.jsonl`: the first `num_heldout` users' test cases;
-    `posttrain.steps.semantic.write_session_prompts`)."""
+    `posttrain.steps.semantic.write_session_prompts`). `guessing` (the multi-turn feedback demo):
+    whole games of guessing a number from the user's higher / lower answers (train.jsonl,
+    heldout.jsonl) and their openings as prompts (prompts.jsonl, heldout_prompts.jsonl), and a
+    tokenizer (`posttrain.data.demo.write_guessing_dataset`); the digits and `tool_fraction`
+    do not apply."""
 
-    task: Literal["arithmetic", "arithmetic_pairs", "interactions", "semantic_sessions"] = "arithmetic"
+    task: Literal["arithmetic", "arithmetic_pairs", "interactions", "semantic_sessions", "guessing"] = "arithmetic"
     num_train: int = bounded(20000, ge=1)
     num_heldout: int = bounded(200, ge=1)
     min_digits: int = bounded(1, ge=1, le=6)

@@ -8,6 +8,14 @@ numbers by default (operand lengths drawn uniformly, subtraction never negative)
 prompt. The tool-use demo's variant (`tool_fraction`) has a share of the chats call a
 calculator tool before answering. Train and held-out problems are disjoint (`a + b` and `b + a` count as one).
 
+`write_guessing_dataset(out_dir, num_train, num_heldout, seed)` writes the guessing game of
+the multi-turn feedback demo: the user thinks of a number in a range ("Guess my number from 23
+to 36."), the assistant guesses, the user answers `HIGHER` or `LOWER` until a guess is right.
+`train.jsonl` and `heldout.jsonl` hold whole games (chats) played by a player who guesses at
+random among the numbers its feedback left; `prompts.jsonl` and `heldout_prompts.jsonl` the
+same games' openings (format `prompt`, the number the reference). Held-out games are
+disjoint from the training games (range and number).
+
 `build_demo_tokenizer(out_dir, corpus_paths=None, texts=None, vocab_size=384)` trains a
 byte-level BPE (digits always split into single tokens) on the message texts and saves it
 in Hugging Face format with our ChatML-style chat template (no generation markers: the demo
@@ -78,6 +86,56 @@ def _record(a: int, op: str, b: int, rng: random.Random, tool_fraction: float = 
         messages.append({"role": "tool", "content": answer})
     messages.append({"role": "assistant", "content": answer})
     return {"messages": messages, "answer": answer}
+
+
+# ---------------------------------------------------------------- the guessing game
+
+GUESS_PROMPT = "Guess my number from {lo} to {hi}."
+HIGHER, LOWER = "No, it is higher.", "No, it is lower."  # what the user answers a wrong guess
+GUESS_WIDTHS = (12, 15)  # a game's range holds this many numbers (at most 15: four guesses find any)
+GUESS_MAX = 99
+
+
+def _game(lo: int, hi: int, number: int, rng: random.Random) -> dict:
+    """A whole game: guesses drawn uniformly among the numbers the feedback so far leaves."""
+    messages = [{"role": "user", "content": GUESS_PROMPT.format(lo=lo, hi=hi)}]
+    low, high = lo, hi
+    while True:
+        guess = rng.randint(low, high)
+        messages.append({"role": "assistant", "content": str(guess)})
+        if guess == number:
+            return {"messages": messages, "answer": str(number)}
+        if guess < number:
+            low = guess + 1
+        else:
+            high = guess - 1
+        messages.append({"role": "user", "content": HIGHER if guess < number else LOWER})
+
+
+def write_guessing_dataset(out_dir, num_train: int, num_heldout: int, seed: int) -> dict[str, Path]:
+    """Write the guessing game's files under `out_dir` (module docstring); return their paths by
+    name (`train`, `heldout`, `prompts`, `heldout_prompts`). Ranges hold `GUESS_WIDTHS` numbers
+    within 1..`GUESS_MAX`; the `num_heldout` held-out games are distinct (range, number) triples
+    no training game has; training games may repeat a triple, each with its own random play."""
+    if num_train < 1 or num_heldout < 0:
+        raise ValueError("num_train must be >= 1 and num_heldout >= 0")
+    triples = [(lo, lo + width - 1, number) for width in range(GUESS_WIDTHS[0], GUESS_WIDTHS[1] + 1)
+               for lo in range(1, GUESS_MAX - width + 2) for number in range(lo, lo + width)]
+    if num_heldout >= len(triples):
+        raise ValueError(f"num_heldout must be below the game's {len(triples)} distinct games")
+    rng = random.Random(seed)
+    rng.shuffle(triples)
+    heldout_triples, train_triples = triples[:num_heldout], triples[num_heldout:]
+    heldout = [_game(*t, rng) for t in heldout_triples]
+    train = [_game(*rng.choice(train_triples), rng) for _ in range(num_train)]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {name: out / f"{name}.jsonl" for name in ("train", "heldout", "prompts", "heldout_prompts")}
+    _write_jsonl(paths["train"], train)
+    _write_jsonl(paths["heldout"], heldout)
+    for name, games in (("prompts", train), ("heldout_prompts", heldout)):
+        _write_jsonl(paths[name], [{"prompt": g["messages"][0]["content"], "reference": g["answer"]} for g in games])
+    return paths
 
 
 def _write_jsonl(path: Path, records: list[dict]) -> None:

@@ -1,13 +1,15 @@
 """Demo user code for the environment contract: the calculator tool of the tool-use demo
-(`configs/grpo/calculator-demo.yaml`), and a simulated user, written as a user would write them
-and run in the environment role's worker processes like any user code.
+(`configs/grpo/calculator-demo.yaml`), and the simulated user of the multi-turn feedback demo
+(`configs/grpo/guessing-demo.yaml`), written as a user would write them and run in the
+environment role's worker processes like any user code.
 
-- `ArithmeticFeedback`: a simulated user asks an arithmetic question and checks each answer:
-  right ends the episode with reward `discount ** (tries - 1)` (1 at the first try, 0.5 at the
-  second, ...: a wrong first answer followed by a right one is worth less than a right one, so
-  its wrong answer is not reinforced as much); wrong is answered "No, it is higher." or "No, it
-  is lower." (with `reask`, followed by the question again, as a user repeats it) and the policy
-  tries again, until `max_turns`.
+- `HigherOrLower`: a simulated user who knows a number (the record's reference: the number of
+  the guessing game, or an arithmetic question's answer) and checks each answer: right ends
+  the episode with reward `discount ** (tries - 1)` (1 at the first try, 0.5 at the second at
+  the default: a right answer found later is worth less, so the wrong tries before it are not
+  reinforced as much); wrong is answered `posttrain.data.demo.HIGHER` or `LOWER` (with
+  `reask`, followed by the question again, as a user repeats it) and the policy tries again,
+  until `max_turns`.
 - `calculator`: a tool for `ToolEnvironment` that evaluates `a <op> b` exactly (`+`, `-`, `*`).
 """
 
@@ -25,7 +27,7 @@ def _last_number(text: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-class ArithmeticFeedback(Environment):
+class HigherOrLower(Environment):
     """Checks an answer against the record's reference (its final answer, an integer) and says
     which way a wrong one is off (module docstring). `info` records the tries."""
 
@@ -42,11 +44,13 @@ class ArithmeticFeedback(Environment):
         return None
 
     def step(self, action_ids, text):
+        from posttrain.data.demo import HIGHER, LOWER
+
         self.tries += 1
         guess = _last_number(text)
         if guess is not None and guess == self.answer:
             return StepResult(None, self.discount ** (self.tries - 1), True, {"tries": self.tries})
-        hint = "No answer." if guess is None else ("No, it is higher." if guess < self.answer else "No, it is lower.")
+        hint = "No answer." if guess is None else (HIGHER if guess < self.answer else LOWER)
         if self.reask:
             hint = f"{hint} {self.question}"
         return StepResult([{"role": "user", "content": hint}], 0.0, False, {"tries": self.tries})
