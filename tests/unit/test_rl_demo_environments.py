@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from posttrain.data.chat import render_prompt
-from posttrain.data.demo import (GUESS_WIDTHS, HIGHER, LOWER, build_demo_tokenizer, calculator_call,
+from posttrain.data.demo import (GUESS_WIDTHS, build_demo_tokenizer, calculator_call, guess_reply,
                                  write_arithmetic_dataset, write_guessing_dataset)
 from posttrain.data.records import ChatRecord, PromptRecord
 from posttrain.data.tokenizer import load_tokenizer
@@ -23,6 +23,7 @@ from posttrain.rl.environments import ToolEnvironment, reset_episode, step_episo
 CALCULATOR = "posttrain.rl.demo_environments:calculator"
 NUMBER = re.compile(r"\d+")
 FEEDBACK = "posttrain.rl.demo_environments:HigherOrLower"
+GAME = "posttrain.rl.demo_environments:GuessingGame"
 
 
 def test_the_simulated_user_says_which_way_a_wrong_answer_is_off():
@@ -52,16 +53,24 @@ def test_the_guessing_games_follow_the_feedback_the_simulated_user_gives(tmp_pat
         assert GUESS_WIDTHS[0] <= hi - lo + 1 <= GUESS_WIDTHS[1] and lo <= int(game["answer"]) <= hi
         assert prompt == {"prompt": game["messages"][0]["content"], "reference": game["answer"]}
         record = PromptRecord([game["messages"][0]], game["answer"], {}, "t", 1)
-        state = reset_episode(FEEDBACK, {"discount": 1.0}, record)["state"]
+        state = reset_episode(GAME, {"discount": 1.0}, record)["state"]
         for turn, guess in enumerate(game["messages"][1::2]):  # the simulated user answers as the game goes on
-            assert lo <= int(guess["content"]) <= hi  # the player keeps to what the feedback left
-            result = step_episode(FEEDBACK, state, [], guess["content"])
+            assert lo <= int(guess["content"]) <= hi  # the player keeps to the range left
+            result = step_episode(GAME, state, [], guess["content"])
             state, said = result["state"], game["messages"][2 + 2 * turn:3 + 2 * turn]
             assert (result["observation"] or []) == said and result["done"] == (not said)
             if said:
-                lo, hi = (int(guess["content"]) + 1, hi) if said[0]["content"] == HIGHER else (lo, int(guess["content"]) - 1)
-                assert said[0]["content"] in (HIGHER, LOWER)
+                lo, hi = map(int, NUMBER.findall(said[0]["content"]))
+                assert said[0]["content"].startswith("No, it is higher" if int(guess["content"]) < int(game["answer"])
+                                                     else "No, it is lower")
         assert result["reward"] == 1.0 and game["messages"][-1]["content"] == game["answer"]
+    assert guess_reply(5, 9, 1, 12) == ("No, it is higher: from 6 to 12.", 6, 12)
+    assert guess_reply(30, 9, 6, 12) == ("No, it is lower: from 6 to 12.", 6, 12)  # outside the range: it stays
+    assert guess_reply(None, 9, 6, 12) == ("No answer: from 6 to 12.", 6, 12)
+    started = reset_episode(GAME, {}, PromptRecord([{"role": "user", "content": "Guess my number from 6 to 12."}],
+                                                   "9", {}, "t", 1))
+    second = step_episode(GAME, step_episode(GAME, started["state"], [], "7")["state"], [], "9")
+    assert second["done"] and second["reward"] == pytest.approx(0.9)
     again = write_guessing_dataset(tmp_path / "again", num_train=300, num_heldout=40, seed=0)
     assert all(again[name].read_bytes() == paths[name].read_bytes() for name in paths)
 

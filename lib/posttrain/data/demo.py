@@ -10,7 +10,8 @@ calculator tool before answering. Train and held-out problems are disjoint (`a +
 
 `write_guessing_dataset(out_dir, num_train, num_heldout, seed)` writes the guessing game of
 the multi-turn feedback demo: the user thinks of a number in a range ("Guess my number from 23
-to 36."), the assistant guesses, the user answers `HIGHER` or `LOWER` until a guess is right.
+to 36."), the assistant guesses, the user answers which way it is off and the range left
+("No, it is higher: from 30 to 36.", `guess_reply`) until a guess is right.
 `train.jsonl` and `heldout.jsonl` hold whole games (chats) played by a player who guesses at
 random among the numbers its feedback left; `prompts.jsonl` and `heldout_prompts.jsonl` the
 same games' openings (format `prompt`, the number the reference). Held-out games are
@@ -91,25 +92,32 @@ def _record(a: int, op: str, b: int, rng: random.Random, tool_fraction: float = 
 # ---------------------------------------------------------------- the guessing game
 
 GUESS_PROMPT = "Guess my number from {lo} to {hi}."
-HIGHER, LOWER = "No, it is higher.", "No, it is lower."  # what the user answers a wrong guess
 GUESS_WIDTHS = (12, 15)  # a game's range holds this many numbers (at most 15: four guesses find any)
 GUESS_MAX = 99
+
+
+def guess_reply(guess: int | None, number: int, lo: int, hi: int) -> tuple[str, int, int]:
+    """The user's answer to a wrong `guess` (None: no number) of `number` while `lo`..`hi` was
+    left, and the range left after it: `("No, it is higher: from 24 to 36.", 24, 36)`. The answer
+    says the range left, so a player reads its state in the last message, not in the game."""
+    if guess is not None and guess < number:
+        lo = max(lo, guess + 1)
+    elif guess is not None:
+        hi = min(hi, guess - 1)
+    how = "No answer" if guess is None else f"No, it is {'higher' if guess < number else 'lower'}"
+    return f"{how}: from {lo} to {hi}.", lo, hi
 
 
 def _game(lo: int, hi: int, number: int, rng: random.Random) -> dict:
     """A whole game: guesses drawn uniformly among the numbers the feedback so far leaves."""
     messages = [{"role": "user", "content": GUESS_PROMPT.format(lo=lo, hi=hi)}]
-    low, high = lo, hi
     while True:
-        guess = rng.randint(low, high)
+        guess = rng.randint(lo, hi)
         messages.append({"role": "assistant", "content": str(guess)})
         if guess == number:
             return {"messages": messages, "answer": str(number)}
-        if guess < number:
-            low = guess + 1
-        else:
-            high = guess - 1
-        messages.append({"role": "user", "content": HIGHER if guess < number else LOWER})
+        reply, lo, hi = guess_reply(guess, number, lo, hi)
+        messages.append({"role": "user", "content": reply})
 
 
 def write_guessing_dataset(out_dir, num_train: int, num_heldout: int, seed: int) -> dict[str, Path]:

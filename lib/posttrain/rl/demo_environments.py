@@ -3,13 +3,14 @@
 (`configs/grpo/guessing-demo.yaml`), written as a user would write them and run in the
 environment role's worker processes like any user code.
 
-- `HigherOrLower`: a simulated user who knows a number (the record's reference: the number of
-  the guessing game, or an arithmetic question's answer) and checks each answer: right ends
-  the episode with reward `discount ** (tries - 1)` (1 at the first try, 0.5 at the second at
-  the default: a right answer found later is worth less, so the wrong tries before it are not
-  reinforced as much); wrong is answered `posttrain.data.demo.HIGHER` or `LOWER` (with
-  `reask`, followed by the question again, as a user repeats it) and the policy tries again,
-  until `max_turns`.
+- `HigherOrLower`: a simulated user who knows a number (the record's reference: an arithmetic
+  question's answer) and checks each answer: right ends the episode with reward
+  `discount ** (tries - 1)` (1 at the first try, 0.5 at the second at the default: a right
+  answer found later is worth less, so the wrong tries before it are not reinforced as much);
+  wrong is answered `HIGHER` or `LOWER` (with `reask`, followed by the question again, as a
+  user repeats it) and the policy tries again, until `max_turns`.
+- `GuessingGame`: the user of the guessing game (`posttrain.data.demo.write_guessing_dataset`),
+  rewarded alike, who says the range left with each answer (`posttrain.data.demo.guess_reply`).
 - `calculator`: a tool for `ToolEnvironment` that evaluates `a <op> b` exactly (`+`, `-`, `*`).
 """
 
@@ -20,6 +21,7 @@ import re
 from posttrain.rl.environments import Environment, StepResult
 
 NUMBER = re.compile(r"-?\d+")
+HIGHER, LOWER = "No, it is higher.", "No, it is lower."
 
 
 def _last_number(text: str) -> int | None:
@@ -44,8 +46,6 @@ class HigherOrLower(Environment):
         return None
 
     def step(self, action_ids, text):
-        from posttrain.data.demo import HIGHER, LOWER
-
         self.tries += 1
         guess = _last_number(text)
         if guess is not None and guess == self.answer:
@@ -54,6 +54,30 @@ class HigherOrLower(Environment):
         if self.reask:
             hint = f"{hint} {self.question}"
         return StepResult([{"role": "user", "content": hint}], 0.0, False, {"tries": self.tries})
+
+
+class GuessingGame(HigherOrLower):
+    """The number is the record's reference, the range the opening's last two numbers ("Guess my
+    number from 23 to 36."); a wrong guess is answered with the way to go and the range left."""
+
+    def __init__(self, discount: float = 0.9):
+        super().__init__(discount)
+        self.lo = self.hi = 0
+
+    def reset(self, record):
+        super().reset(record)
+        self.lo, self.hi = (int(n) for n in NUMBER.findall(self.question)[-2:])
+        return None
+
+    def step(self, action_ids, text):
+        from posttrain.data.demo import guess_reply
+
+        self.tries += 1
+        guess = _last_number(text)
+        if guess is not None and guess == self.answer:
+            return StepResult(None, self.discount ** (self.tries - 1), True, {"tries": self.tries})
+        reply, self.lo, self.hi = guess_reply(guess, self.answer, self.lo, self.hi)
+        return StepResult([{"role": "user", "content": reply}], 0.0, False, {"tries": self.tries})
 
 
 OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
