@@ -90,6 +90,10 @@ def test_the_skew_gate_passes_on_every_shipped_config(path, generated, qwen3_tok
         return check_semantic_id_config(config, generated, tmp_path)  # sessions of item codes
     if config.builds_tokenizer:  # a sequence recipe: its vocabulary, built from a small world's histories
         return check_item_vocabulary_config(config, tmp_path)
+    if generate is not None and generate.task == "guessing":  # a game of its own, and the tokenizer built on it
+        from posttrain.steps.ingest import generate_demo_data
+
+        generated = generate_demo_data(dataclasses.replace(generate, num_train=200, num_heldout=20), tmp_path / "game")
     tokenizer = config_tokenizer(config, generated, qwen3_tokenizer)
     kwargs = config.tokenizer.chat_template_kwargs
     export = tmp_path / "export"
