@@ -96,6 +96,26 @@ def test_a_worker_whose_parent_ended_before_it_ran_ends_at_once():
         from_worker.close()
 
 
+def test_a_fork_the_system_refuses_fails_a_call_and_the_fork_server_goes_on():
+    """The process limit refuses the fork server's first two forks (EAGAIN): two calls fail with
+    the reason, the server goes on forking, and a process that cannot start at all (fresh
+    interpreters that fail to execute) fails the calls, not the caller."""
+    with UserCodeWorkers(num_workers=2, memory_mb=512, preload=["refusing_fork:echo"],
+                         env={"POSTTRAIN_TEST_REFUSED_FORKS": "2"}) as pool:
+        results = pool.map([("refusing_fork:echo", (i,), {}) for i in range(8)], timeout_s=30)
+        failed = [r for r in results if isinstance(r, UserCodeError)]
+        assert len(failed) == 2 and all(f.reason == "died" and "BlockingIOError" in f.message for f in failed)
+        assert [r for r in results if not isinstance(r, UserCodeError)] == [i for i in range(8) if i not in
+                                                                             [results.index(f) for f in failed]]
+        assert isinstance(pool._starter, forkserver.ForkServer)
+        assert pool.map([("refusing_fork:echo", (i,), {}) for i in range(4)], timeout_s=30) == [0, 1, 2, 3]
+    with UserCodeWorkers(num_workers=2) as pool:
+        pool._starter = forkserver.FreshInterpreters(lambda read_fd, write_fd: ["/nonexistent/python"], pool.env)
+        results = pool.map([("misbehaving_code:echo", ([1],), {}) for _ in range(3)], timeout_s=30)
+        assert all(r.reason == "died" and "no worker process could start: FileNotFoundError" in r.message
+                   for r in results)
+
+
 def test_a_module_that_starts_a_thread_as_it_is_imported_gets_fresh_interpreters_not_forks():
     with UserCodeWorkers(num_workers=2, memory_mb=512, preload=["starts_a_thread:echo"]) as pool:
         assert pool.map([("starts_a_thread:echo", ([i],), {}) for i in range(4)], timeout_s=30) == [[0], [1], [2], [3]]

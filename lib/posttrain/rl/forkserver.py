@@ -7,6 +7,7 @@ process group reaches what the worker started too). Both kinds have one interfac
     starter.alive()                   # False once a fork server ended (its workers with it)
     starter.pid(handle)               # its process id (None: not known, the fork server ended, or reaped)
     starter.exit_status(handle, s)    # how it ended (negative: the signal), waiting at most s; None: not yet
+    starter.refusal(handle)           # why it never started (a fork the system refused), else None
     starter.forget(handle)            # it was killed: reap it without waiting
     starter.close()
 
@@ -14,7 +15,8 @@ process group reaches what the worker started too). Both kinds have one interfac
 `serve`) once and asks it for each worker over a Unix SOCK_SEQPACKET socket: the request
 carries the worker's two pipe ends (SCM_RIGHTS); the server forks, the child runs `child(read_fd,
 write_fd)` in a session of its own, and the server answers the child's pid, and later its exit
-status (it reaps its children). A fork takes about a millisecond where a fresh interpreter
+status (it reaps its children), or why the fork was refused (the process limit, memory: the
+server goes on). A fork takes about a millisecond where a fresh interpreter
 takes tens (hundreds on busy cores). The server must not start a thread (a fork copies
 another thread's locks, held or not, without the thread); it ends when the parent closes the
 socket or is gone. `ForkServer` raises `OSError` where Unix SOCK_SEQPACKET sockets are
@@ -76,6 +78,9 @@ class FreshInterpreters:
         except subprocess.TimeoutExpired:
             return None
 
+    def refusal(self, process: subprocess.Popen) -> str | None:
+        return None  # a start the system refuses raises in `start`
+
     def forget(self, process: subprocess.Popen) -> None:
         self.ended = [p for p in self.ended if p.poll() is None] + [process]
 
@@ -86,13 +91,15 @@ class FreshInterpreters:
 
 
 class Forked:
-    """A worker the fork server started: `pid` once the server said it, `status` once it ended."""
+    """A worker the fork server started: `pid` once the server said it, `status` once it ended
+    (1 and `refused`, the reason, when the fork was refused)."""
 
-    __slots__ = ("pid", "status")
+    __slots__ = ("pid", "status", "refused")
 
     def __init__(self):
         self.pid: int | None = None
         self.status: int | None = None
+        self.refused: str | None = None
 
 
 class ForkServer:
@@ -122,7 +129,10 @@ class ForkServer:
             self.ended = True
             raise OSError("the fork server ended")
         message = json.loads(data)
-        if "pid" in message:
+        if "refused" in message:
+            forked = self.awaiting.popleft()
+            forked.status, forked.refused = 1, message["refused"]
+        elif "pid" in message:
             forked = self.awaiting.popleft()
             forked.pid = message["pid"]
             self.live[forked.pid] = forked
@@ -165,12 +175,16 @@ class ForkServer:
         return not self.ended and self.process.poll() is None
 
     def pid(self, forked: Forked) -> int | None:
-        self._read_until(lambda: forked.pid is not None, 60.0)
+        self._read_until(lambda: forked.pid is not None or forked.refused is not None, 60.0)
         return None if forked.status is not None else forked.pid  # reaped: its pid may be another's now
 
     def exit_status(self, forked: Forked, timeout_s: float) -> int | None:
         self._read_until(lambda: forked.status is not None, timeout_s)
         return forked.status
+
+    def refusal(self, forked: Forked) -> str | None:
+        self._read_until(lambda: forked.pid is not None or forked.refused is not None, 0.0)
+        return forked.refused
 
     def forget(self, forked: Forked) -> None:
         pass  # the server reaps it; its status, when said, is dropped with the handle
@@ -201,8 +215,9 @@ def _report_ended(control: socket.socket) -> None:
 def serve(parent_pid: int, control_fd: int, child: Callable[[int, int], None]) -> None:
     """The fork server's loop: for each request on the `control_fd` socket (a worker's read and
     write fds), fork; the child takes a session of its own and runs `child(read_fd, write_fd)`,
-    then exits (status 0, or 1 after an exception); the server answers `{"pid"}`, and
-    `{"ended", "status"}` when a child ends. Returns when the parent closes the socket or is
+    then exits (status 0, or 1 after an exception); the server answers `{"pid"}` (`{"refused"}`
+    when the system refuses the fork: the request fails, the server goes on), and `{"ended",
+    "status"}` when a child ends. Returns when the parent closes the socket or is
     gone (`parent_pid`, checked every `PARENT_CHECK_S`: not the parent-death signal, which a
     parent's thread that ends would send)."""
     control = socket.socket(fileno=control_fd)
@@ -225,7 +240,17 @@ def serve(parent_pid: int, control_fd: int, child: Callable[[int, int], None]) -
             return
         if not message:
             return
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as err:  # the process limit (EAGAIN) or memory: this worker, not the server
+            try:  # said before its pipes close: the parent reads why as it sees them end
+                control.send(json.dumps({"refused": f"{type(err).__name__}: {err}"}).encode())
+            except OSError:
+                return
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            continue
         if pid == 0:
             code = 1
             try:

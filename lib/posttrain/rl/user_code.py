@@ -119,6 +119,7 @@ class UserCodeWorkers:
         self._by_fd: dict[int, _Worker] = {}
         self.restarts = 0  # workers replaced because a call killed or ended them
         self._starter: forkserver.ForkServer | forkserver.FreshInterpreters | None = None
+        self.start_error: str | None = None  # why the last process that could not start did not
 
     # ------------------------------------------------------------------ worker lifecycle
 
@@ -128,22 +129,28 @@ class UserCodeWorkers:
         return [sys.executable, "-m", "posttrain.rl.user_code", mode, str(os.getpid()), *map(str, fds),
                 str(self.memory_mb or 0), json.dumps(self.preload)]
 
-    def _start(self) -> None:
+    def _start(self) -> bool:
+        """Start one worker (not waiting for it); False when the system refused to start a
+        process (`start_error` says why): the calls that wait fail, not the pool."""
         if self._starter is None:
             try:
                 self._starter = forkserver.ForkServer(lambda fd: self._argv("server", fd), self.env)
-            except OSError:  # no Unix SOCK_SEQPACKET sockets here
+            except OSError:  # no Unix SOCK_SEQPACKET sockets here, or no process to be had
                 self._starter = self._fresh_interpreters()
         try:
             process, to_worker, from_worker = self._starter.start()
-        except OSError:  # the fork server ended (its workers with it): fresh interpreters from now on
-            self._starter.close()
-            self._starter = self._fresh_interpreters()
-            process, to_worker, from_worker = self._starter.start()
+        except OSError as err:
+            if isinstance(self._starter, forkserver.ForkServer):  # it ended (its workers with it): fresh interpreters from now on
+                self._starter.close()
+                self._starter = self._fresh_interpreters()
+                return self._start()
+            self.start_error = f"{type(err).__name__}: {err}"  # e.g. the process limit
+            return False
         worker = _Worker(self._starter, process, to_worker, from_worker, time.monotonic())
         self.workers.append(worker)
         self._by_fd[from_worker.fileno()] = worker
         self._poller.register(from_worker.fileno(), select.POLLIN)
+        return True
 
     def _fresh_interpreters(self) -> forkserver.FreshInterpreters:
         return forkserver.FreshInterpreters(lambda read_fd, write_fd: self._argv("worker", read_fd, write_fd),
@@ -152,7 +159,8 @@ class UserCodeWorkers:
     def _fill(self) -> None:
         """Start processes (without waiting for them to be ready) up to `num_workers + spares`."""
         while len(self.workers) < self.num_workers + self.spares:
-            self._start()
+            if not self._start():
+                return
 
     def _discard(self, worker: _Worker, replace: bool = True) -> None:
         """Kill `worker` with what it started (its session) and, with `replace`, start its
@@ -204,7 +212,9 @@ class UserCodeWorkers:
         try:
             hello = json.loads(worker.from_worker.recv_bytes())
         except (EOFError, OSError):
-            hello = {"error": f"it ended as it started (status {worker.starter.exit_status(worker.process, 5.0)})"}
+            refused = worker.starter.refusal(worker.process)
+            hello = {"error": f"the system refused its process ({refused})" if refused else
+                     f"it ended as it started (status {worker.starter.exit_status(worker.process, 5.0)})"}
         if "error" not in hello:
             worker.ready = True
             return None
@@ -283,6 +293,12 @@ class UserCodeWorkers:
                 break
             if pending and not self.workers:  # a guard: the calls left need a worker to wait for
                 self._fill()
+                if not self.workers:  # none could start: the calls fail, the caller goes on
+                    for index in pending:
+                        results[index] = UserCodeError("died", f"no worker process could start: {self.start_error}")
+                    pending.clear()
+                    if not running:
+                        break
             starting = [w for w in self.workers if not w.ready]
             nearest = min([w.deadline for w in running] + [w.started + START_TIMEOUT_S for w in starting],
                           default=NEVER)
