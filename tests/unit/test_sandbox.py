@@ -108,11 +108,21 @@ def test_a_fresh_directory_and_environment_deleted_after_and_the_output_capped(m
     assert loud.passed and loud.truncated and loud.stdout == "x" * 1000
 
 
-def test_without_namespaces_a_run_fails_closed_unless_the_network_is_allowed(monkeypatch):
-    def refused(flags):
-        raise PermissionError(1, "Operation not permitted")
+@needs_namespaces
+def test_the_program_sees_its_own_processes_in_proc_not_the_hosts():
+    seen = run_python(f"import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+                      f"print(os.path.exists('/proc/{os.getpid()}/environ'))")
+    if seen.isolation == sandbox.HOST_PROC:
+        pytest.skip("this machine lets the sandbox make no /proc of its own")
+    assert seen.passed and seen.isolation == "namespaces"
+    assert seen.stdout.splitlines() == ["[1, 2]", "False"]  # the namespace's first process and the program
 
-    monkeypatch.setattr(sandbox, "_unshare", refused)
+
+def test_without_namespaces_a_run_fails_closed_unless_the_network_is_allowed(monkeypatch):
+    def refused(name, *args):
+        raise PermissionError(1, f"{name}: Operation not permitted")
+
+    monkeypatch.setattr(sandbox, "_libc_call", refused)
     with pytest.raises(SandboxUnavailable, match="allow_network"):
         sandbox._isolate(allow_network=False)
     assert sandbox._isolate(allow_network=True) == "none"

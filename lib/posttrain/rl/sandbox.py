@@ -6,9 +6,15 @@
 
 What a run gets:
 
-- **No network.** The program runs in new user, network and PID namespaces
-  (`unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID)`): its network namespace holds only a
-  loopback interface that is down, so every connection fails (127.0.0.1 of the host included).
+- **No network.** The program runs in new user, network, PID and mount namespaces
+  (`unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS)`): its network namespace
+  holds only a loopback interface that is down, so every connection fails (127.0.0.1 of the
+  host included).
+- **No other processes in sight.** Its `/proc` is the PID namespace's own (mounted in its
+  mount namespace): the host's processes, their command lines and environments (a trainer's
+  API keys) are not there. Where the mount namespace or that mount cannot be made (a container
+  that masks parts of its `/proc`), the program sees the host's `/proc` and `result.isolation`
+  says "namespaces (host /proc)".
   Where namespaces cannot be made (a container whose seccomp filter forbids `unshare`,
   unprivileged user namespaces turned off), a run fails closed with `SandboxUnavailable`,
   unless the caller passes `allow_network=True` (then the program runs with the host's network,
@@ -32,8 +38,8 @@ What a run gets:
 What it does not do: the file system is the host's, read and write as the user running it can
 (as `nobody` when that is root): a program can read what that user can read and write outside
 its directory where that user can write. Each file is capped at `file_mb`, not their number or
-total; no system calls are filtered (no seccomp) and no mount namespace hides the file
-system. Treat it as a guard against accidents and runaway programs (loops, memory bombs, fork
+total; no system calls are filtered (no seccomp), and the mount namespace replaces `/proc`
+only, not the file system. Treat it as a guard against accidents and runaway programs (loops, memory bombs, fork
 bombs, network calls, stray files), not as a boundary for hostile code: for that, run the
 reward role in a container or VM with no secrets mounted.
 
@@ -62,7 +68,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWPID = 0x10000000, 0x40000000, 0x20000000
+CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWNS = 0x10000000, 0x40000000, 0x20000000, 0x00020000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
+HOST_PROC = "namespaces (host /proc)"
 NOBODY = 65534
 PROGRAM = "main.py"
 START_S = 10.0  # the launcher says whether it could isolate the program within this (on top of wall_s)
@@ -76,8 +84,9 @@ class SandboxUnavailable(RuntimeError):
 class SandboxResult:
     """One run: `returncode` (None: killed at the wall-clock limit; 128 + n: ended by signal n,
     e.g. 152 for SIGXCPU), what it wrote (`stdout`, `stderr`, each at most `output_bytes`;
-    `truncated` when either was cut), `timed_out`, `isolation` ("namespaces", or with
-    `allow_network` where none could be made "none"), `seconds` (wall)."""
+    `truncated` when either was cut), `timed_out`, `isolation` ("namespaces"; `HOST_PROC`
+    where its own `/proc` could not be mounted; with `allow_network` where none could be made
+    "none"), `seconds` (wall)."""
 
     returncode: int | None
     stdout: str
@@ -272,20 +281,25 @@ def code_execution(completions: list[str], records: list, tests_key: str = "test
 # ---------------------------------------------------------------- the launcher (a child process)
 
 
-def _unshare(flags: int) -> None:
+def _libc_call(name: str, *args) -> None:
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(flags) != 0:
+    if getattr(libc, name)(*args) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, os.strerror(errno))
 
 
 def _isolate(allow_network: bool) -> str:
-    """Make the namespaces (module docstring); the isolation made, or `SandboxUnavailable`."""
+    """Make the namespaces (module docstring); the isolation made ("namespaces" with a mount
+    namespace, `HOST_PROC` without one), or `SandboxUnavailable`."""
     try:
-        _unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID)
-        return "namespaces"
+        try:
+            _libc_call("unshare", CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS)
+            return "namespaces"
+        except OSError:
+            _libc_call("unshare", CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID)
+            return HOST_PROC
     except OSError as err:
         if not allow_network:
             raise SandboxUnavailable(
@@ -324,6 +338,17 @@ def _limit(settings: dict, isolation: str) -> None:
                         ("RLIMIT_NPROC", processes), ("RLIMIT_CORE", 0)):
         resource.setrlimit(getattr(resource, name), (value, value))
     resource.setrlimit(resource.RLIMIT_CPU, (settings["cpu_s"], settings["cpu_s"] + 1))
+
+
+def _own_proc() -> str:
+    """In the PID namespace's first process, with a mount namespace of its own: mounts stop
+    propagating to the host, and `/proc` becomes this namespace's. The isolation made."""
+    try:
+        _libc_call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)
+        _libc_call("mount", b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+        return "namespaces"
+    except OSError:  # e.g. a container that masks parts of its /proc forbids a new one
+        return HOST_PROC
 
 
 def _first_process() -> None:
@@ -365,11 +390,11 @@ def _launch(settings: dict) -> None:
         status.write(json.dumps({"error": f"cannot start the program: {err}"}))
         status.close()
         os._exit(125)
-    if first == 0:
-        status.close()  # the status pipe's end is the launcher's: the parent reads it to its end
+    if first == 0:  # the status is the first process's to tell, once its /proc is mounted
+        status.write(json.dumps({"isolation": _own_proc() if isolation == "namespaces" else isolation}))
+        status.close()
         _first_process()
-    status.write(json.dumps({"isolation": isolation}))
-    status.close()
+    status.close()  # the parent reads the status pipe to its end: the first process's copy
     _, code = os.waitpid(first, 0)
     os._exit(os.waitstatus_to_exitcode(code) & 0xFF)
 
