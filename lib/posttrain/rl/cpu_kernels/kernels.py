@@ -205,13 +205,15 @@ def _cache_layout(keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ..
 
 
 def key_buffer(B: int, K: int, S: int, E: int, like: torch.Tensor) -> torch.Tensor:
-    """An empty `[B, K, S, E]` key buffer for a KV cache, dtype and device of `like`: stored
+    """A zeroed `[B, K, S, E]` key buffer for a KV cache, dtype and device of `like`: stored
     slot-minor (element `e` of consecutive slots contiguous, the layout the kernel reads a
     vector of slots at a time) where the kernel will run (float32 on the CPU, the kernel available),
-    else contiguous. Torch ops take either as an ordinary tensor."""
+    else contiguous. Torch ops take either as an ordinary tensor. Zeroed, as the cache's value
+    buffers are (`posttrain.models.kv_cache`): a slot no token wrote is masked, and a masked
+    score computed from a NaN that uninitialised memory held would still be NaN."""
     if like.device.type == "cpu" and like.dtype == torch.float32 and load() is not None:
-        return like.new_empty((B, K, E, S)).transpose(-1, -2)
-    return like.new_empty((B, K, S, E))
+        return like.new_zeros((B, K, E, S)).transpose(-1, -2)
+    return like.new_zeros((B, K, S, E))
 
 
 def _readable_slots(keys_BKSE: torch.Tensor, stride: tuple[int, ...]) -> int:
