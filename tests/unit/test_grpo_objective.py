@@ -179,6 +179,83 @@ def test_loss_and_gradient_match_a_direct_computation(model, aggregation):
     assert float(out.metric_sums["ratio"]) == pytest.approx(float((mw * ratio.detach()).sum()), rel=1e-5)
 
 
+def _shifted_old_logps(model, batch) -> None:
+    attach_logps(model, [batch], "old_logps")
+    batch["old_logps"] = batch["old_logps"] + 0.3 * torch.randn(batch["old_logps"].shape,
+                                                                generator=torch.Generator().manual_seed(1))
+
+
+def _ours_and_direct(model, objective, batch, direct) -> tuple:
+    """The objective's loss and gradient, and `direct(logp)`'s, for the same batch."""
+    model.zero_grad()
+    out = objective(model, batch)
+    out.loss_sum.backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    expected = direct(direct_logps(model, batch))
+    expected.backward()
+    assert float(out.loss_sum.detach()) == pytest.approx(float(expected.detach()), abs=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(ours[n], p.grad, rtol=1e-4, atol=1e-6)
+    return out
+
+
+def test_gspo_is_the_sequence_mean_of_its_clipped_sequence_ratio_term(model):
+    """GSPO: -(1/G) sum_y min(s_y A_y, clip(s_y, 1 - eps_low, 1 + eps_high) A_y), s_y =
+    exp(mean_{t in y}(logp_t - old_t)), loss and gradient against that formula written out."""
+    batch = pack_trajectories(trajectories(), 64, 8, PAD)[0]
+    _shifted_old_logps(model, batch)
+    seq, adv = batch["target_seq"], batch["advantages"]
+    objective = GRPOObjective(GRPOSection(policy_loss="gspo", aggregation="sequence_mean", is_correction="none",
+                                          clip_low=0.1, clip_high=0.15))
+
+    def gspo(logp):
+        terms = []
+        for y in seq.unique():
+            at = seq == y
+            s_y = torch.exp((logp[at] - batch["old_logps"][at]).mean())
+            a_y = adv[at][0]
+            terms.append(-torch.minimum(s_y * a_y, s_y.clamp(0.9, 1.15) * a_y))
+        return torch.stack(terms).sum()
+
+    out = _ours_and_direct(model, objective, batch, gspo)
+    assert int(out.count) == seq.unique().numel()
+    assert 0 < float(out.metric_sums["clip_fraction"]) < seq.unique().numel()  # some sequences clipped
+    with pytest.raises(ConfigError, match="sequence_mean"):
+        GRPOSection(policy_loss="gspo").validate()
+
+
+def test_cispo_weighs_the_policy_gradient_by_the_clipped_detached_ratio(model):
+    """CISPO: -sum_t sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A_t logp_t over the step's tokens;
+    a clipped token keeps its gradient (scaled by the bound), unlike PPO's clip."""
+    batch = pack_trajectories(trajectories(), 64, 8, PAD)[0]
+    _shifted_old_logps(model, batch)
+    adv, old = batch["advantages"], batch["old_logps"]
+    objective = GRPOObjective(GRPOSection(policy_loss="cispo", is_correction="none", clip_low=0.2, clip_high=0.1))
+
+    def cispo(logp):
+        return -(torch.exp(logp - old).clamp(0.8, 1.1).detach() * adv * logp).sum()
+
+    out = _ours_and_direct(model, objective, batch, cispo)
+    ratio = torch.exp(direct_logps(model, batch).detach() - old)
+    clipped = (ratio.clamp(0.8, 1.1) != ratio).float()
+    assert 0 < float(clipped.sum()) and float(out.metric_sums["clip_fraction"]) == pytest.approx(float(clipped.sum()))
+
+
+@pytest.mark.parametrize("policy_loss, aggregation", [("gspo", "sequence_mean"), ("cispo", "token_mean")])
+def test_on_fresh_rollouts_gspo_and_cispo_give_the_policy_gradient(model, policy_loss, aggregation):
+    """At r = s = 1 each has the clipped surrogate's gradient (the same aggregation)."""
+    batch = pack_trajectories(trajectories(), 64, 8, PAD)[0]
+    grads = {}
+    for loss in ("ppo_clip", policy_loss):
+        model.zero_grad()
+        GRPOObjective(GRPOSection(policy_loss=loss, aggregation=aggregation, is_correction="none"))(
+            model, batch).loss_sum.backward()
+        grads[loss] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for n in grads["ppo_clip"]:
+        torch.testing.assert_close(grads[policy_loss][n], grads["ppo_clip"][n], rtol=1e-4, atol=1e-6)
+
+
 def test_first_pass_ratio_is_one_and_the_gradient_is_the_policy_gradient(model):
     batch = pack_trajectories(trajectories(), 64, 8, PAD)[0]
     out = GRPOObjective(GRPOSection(is_correction="none"))(model, batch)

@@ -403,7 +403,8 @@ class GRPOSection:
     `aggregation` token_mean | sequence_mean | sequence_sum (over `sampling.max_new_tokens`), KL to the
     starting model (`kl_coef`, `kl_estimator` k1 | k3; 0: no reference loaded),
     `is_correction` none | token | sequence_mask with `is_cap` for engine/trainer log-prob
-    mismatch. `dynamic_sampling` drops groups whose rewards are all equal and draws more
+    mismatch; `policy_loss` ppo_clip | gspo (sequence-level ratio, with `aggregation:
+    sequence_mean`) | cispo (clipped, detached IS weight). `dynamic_sampling` drops groups whose rewards are all equal and draws more
     prompts (at most `max_draws` draws per round); `overlong_mask` leaves completions cut at
     `sampling.max_new_tokens` out of the loss. `rounds` rounds in all, `rounds_per_task` of them per
     task of the flow's recursive `rl_round` step. `engine`: native (in process),
@@ -436,6 +437,9 @@ class GRPOSection:
     advantage_estimator: Literal["group", "rejection_sampling"] = "group"
     clip_low: float = bounded(0.2, gt=0, lt=1)
     clip_high: float = bounded(0.28, gt=0)
+    # ppo_clip: the clipped token ratio; gspo: the sequence's ratio, clipped; cispo: the clipped
+    # ratio as a detached weight (`posttrain.objectives.grpo` gives each formula)
+    policy_loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
     aggregation: Literal["token_mean", "sequence_mean", "sequence_sum"] = "token_mean"
     kl_coef: float = bounded(0.0, ge=0)
     kl_estimator: Literal["k1", "k3"] = "k3"
@@ -479,6 +483,9 @@ class GRPOSection:
         if self.advantage_estimator == "rejection_sampling" and self.dynamic_sampling:
             raise ConfigError("grpo.advantage_estimator rejection_sampling trains every accepted sample, groups whose samples all "
                               "succeed included: set grpo.dynamic_sampling: false")
+        if self.policy_loss == "gspo" and self.aggregation != "sequence_mean":
+            raise ConfigError(f"grpo.policy_loss gspo is a mean over sequences of their ratio's term: set "
+                              f"grpo.aggregation: sequence_mean (got {self.aggregation})")
 
 
 # what a sweep's variants share (its tokenize step renders the prompts once, before the foreach)

@@ -6,6 +6,20 @@ Per trained completion token t (the batch's targets; every other position is con
 two are equal), `A` the completion's advantage and `r = exp(logp - old)`:
 
     pg_t  = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)        (DAPO's clip-higher: clip_high > clip_low)
+
+or, by `policy_loss`:
+- `gspo` (Group Sequence Policy Optimization, Zheng et al. 2025): the ratio of the whole
+  completion y, length-normalised, `s = exp(mean_{t in y}(logp_t - old_t))`, in place of r at
+  each of its tokens: `pg_t = -min(s A, clip(s, 1 - clip_low, 1 + clip_high) A)`; with
+  `aggregation: sequence_mean` (required) the loss is GSPO's `-(1/G) sum_y min(s A, clip(s) A)`,
+  and the gradient of s reaches every token of y through the mean (the paper's clip ranges
+  are about 3e-4 / 4e-4, not PPO's 0.2);
+- `cispo` (clipped IS-weight policy optimisation, MiniMax-M1 2025): the ratio is clipped and
+  detached as a weight on the REINFORCE term, so no token loses its gradient to the clip:
+  `pg_t = -sg(clip(r, 1 - clip_low, 1 + clip_high)) A logp_t` (with `token_mean`, the paper's
+  normalisation by the step's tokens).
+At r = s = 1 (the first step on fresh rollouts) all three have the same gradient per token
+weight, `-A grad logp_t` (gspo's spread over its sequence through the mean).
     kl_t  = k1: logp - ref   |   k3: exp(ref - logp) - (ref - logp) - 1       (only with kl_coef > 0)
 
 (As a loss term k1's gradient, `grad logp`, has zero expectation under on-policy samples: it
@@ -31,7 +45,8 @@ where every setting above has its one default and its bounds.
 Metrics (each the same weighted mean as the loss, but under `sequence_sum` the mean of
 per-completion token means, so ratios and fractions stay ratios): `pg_loss`, `kl` (0 without a reference),
 `entropy` (of the policy at trained tokens, when `entropy` is on; else 0), `clip_fraction`
-(tokens whose gradient the clip removed), `ratio`, `is_weight`, `advantage`.
+(tokens whose gradient the clip removed; under `cispo`, whose weight it clipped), `ratio` (r,
+or s under `gspo`), `is_weight`, `advantage`.
 """
 
 from __future__ import annotations
@@ -73,6 +88,7 @@ class GRPOObjective(Objective):
         self.kl_coef, self.kl_estimator = float(g.kl_coef), g.kl_estimator
         self.is_correction, self.is_cap = g.is_correction, float(g.is_cap)
         self.entropy = g.entropy
+        self.policy_loss = g.policy_loss
         self.unit = "tokens" if self.aggregation == "token_mean" else "sequences"
 
     @property
@@ -95,6 +111,13 @@ class GRPOObjective(Objective):
         return self._sequence_mean_weights(batch)
 
     @staticmethod
+    def _sequence_means(seq_M: torch.Tensor, x_M: torch.Tensor) -> torch.Tensor:
+        """`[M]`: at each target, the mean of `x_M` over its completion's targets (differentiable)."""
+        _, inverse_M, counts_S = torch.unique(seq_M, return_inverse=True, return_counts=True)
+        sums_S = torch.zeros(counts_S.shape, dtype=x_M.dtype, device=x_M.device).index_add(0, inverse_M, x_M)
+        return (sums_S / counts_S)[inverse_M]
+
+    @staticmethod
     def _sequence_mean_weights(batch: dict) -> torch.Tensor:
         """`1 / |completion|` for every target: sums over them are sums of token means."""
         _, inverse_M, counts_S = torch.unique(batch["target_seq"], return_inverse=True, return_counts=True)
@@ -109,11 +132,18 @@ class GRPOObjective(Objective):
         old_M = batch["old_logps"].float() if "old_logps" in batch else logp_M.detach()
         w_M = self.token_weights(batch)
 
-        ratio_M = torch.exp(logp_M - old_M)
-        unclipped_M = ratio_M * adv_M
-        clipped_M = torch.clamp(ratio_M, 1 - self.clip_low, 1 + self.clip_high) * adv_M
-        pg_M = -torch.minimum(unclipped_M, clipped_M)
-        clip_M = (clipped_M < unclipped_M).float()  # the clipped branch won: no gradient from this token
+        if self.policy_loss == "gspo":  # the completion's length-normalised ratio at each of its tokens
+            ratio_M = torch.exp(self._sequence_means(batch["target_seq"], logp_M - old_M))
+        else:
+            ratio_M = torch.exp(logp_M - old_M)
+        bounded_M = torch.clamp(ratio_M, 1 - self.clip_low, 1 + self.clip_high)
+        if self.policy_loss == "cispo":
+            pg_M = -bounded_M.detach() * adv_M * logp_M
+            clip_M = (bounded_M != ratio_M).float()  # the weight was clipped (the gradient stays)
+        else:
+            unclipped_M, clipped_M = ratio_M * adv_M, bounded_M * adv_M
+            pg_M = -torch.minimum(unclipped_M, clipped_M)
+            clip_M = (clipped_M < unclipped_M).float()  # the clipped branch won: no gradient from this token
 
         is_M = torch.ones_like(logp_M)
         if self.is_correction != "none":
@@ -121,12 +151,8 @@ class GRPOObjective(Objective):
             if self.is_correction == "token":
                 is_M = torch.exp(log_ratio_M).clamp(max=self.is_cap)
             else:
-                seq_M = batch["target_seq"]
-                _, inverse_M, counts_S = torch.unique(seq_M, return_inverse=True, return_counts=True)
-                mean_S = torch.zeros(counts_S.shape, dtype=torch.float32, device=seq_M.device).index_add(
-                    0, inverse_M, log_ratio_M) / counts_S
                 bound = float(torch.log(torch.tensor(self.is_cap)))
-                is_M = (mean_S.abs() <= bound).float()[inverse_M]
+                is_M = (self._sequence_means(batch["target_seq"], log_ratio_M).abs() <= bound).float()
         loss_M = is_M * pg_M
         kl_M = torch.zeros_like(logp_M)
         if self.needs_reference:
