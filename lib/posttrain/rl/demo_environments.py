@@ -50,10 +50,12 @@ class HigherOrLower(Environment):
         guess = _last_number(text)
         if guess is not None and guess == self.answer:
             return StepResult(None, self.discount ** (self.tries - 1), True, {"tries": self.tries})
+        return StepResult([{"role": "user", "content": self.reply(guess)}], 0.0, False, {"tries": self.tries})
+
+    def reply(self, guess: int | None) -> str:
+        """What the user says to a wrong answer `guess` (None: no number in it)."""
         hint = "No answer." if guess is None else (HIGHER if guess < self.answer else LOWER)
-        if self.reask:
-            hint = f"{hint} {self.question}"
-        return StepResult([{"role": "user", "content": hint}], 0.0, False, {"tries": self.tries})
+        return f"{hint} {self.question}" if self.reask else hint
 
 
 class GuessingGame(HigherOrLower):
@@ -69,15 +71,11 @@ class GuessingGame(HigherOrLower):
         self.lo, self.hi = (int(n) for n in NUMBER.findall(self.question)[-2:])
         return None
 
-    def step(self, action_ids, text):
+    def reply(self, guess: int | None) -> str:
         from posttrain.data.demo import guess_reply
 
-        self.tries += 1
-        guess = _last_number(text)
-        if guess is not None and guess == self.answer:
-            return StepResult(None, self.discount ** (self.tries - 1), True, {"tries": self.tries})
-        reply, self.lo, self.hi = guess_reply(guess, self.answer, self.lo, self.hi)
-        return StepResult([{"role": "user", "content": reply}], 0.0, False, {"tries": self.tries})
+        said, self.lo, self.hi = guess_reply(guess, self.answer, self.lo, self.hi)
+        return said
 
 
 OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}

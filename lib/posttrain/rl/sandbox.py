@@ -10,15 +10,15 @@ What a run gets:
   (`unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS)`): its network namespace
   holds only a loopback interface that is down, so every connection fails (127.0.0.1 of the
   host included).
+  Where namespaces cannot be made (a container whose seccomp filter forbids `unshare`,
+  unprivileged user namespaces turned off), a run fails closed with `SandboxUnavailable`,
+  unless the caller passes `allow_network=True` (then the program runs with the host's network,
+  and `result.isolation` says so).
 - **No other processes in sight.** Its `/proc` is the PID namespace's own (mounted in its
   mount namespace): the host's processes, their command lines and environments (a trainer's
   API keys) are not there. Where the mount namespace or that mount cannot be made (a container
   that masks parts of its `/proc`), the program sees the host's `/proc` and `result.isolation`
   says "namespaces (host /proc)".
-  Where namespaces cannot be made (a container whose seccomp filter forbids `unshare`,
-  unprivileged user namespaces turned off), a run fails closed with `SandboxUnavailable`,
-  unless the caller passes `allow_network=True` (then the program runs with the host's network,
-  and `result.isolation` says so).
 - **A fresh temporary directory** as its working directory, `HOME` and `TMPDIR`, deleted after
   the run with whatever was written there; a scrubbed environment (`PATH`, `HOME`, `TMPDIR`,
   the locale, one thread for numeric libraries: nothing of the caller's); `python -I -B`
@@ -39,9 +39,9 @@ What it does not do: the file system is the host's, read and write as the user r
 (as `nobody` when that is root): a program can read what that user can read and write outside
 its directory where that user can write. Each file is capped at `file_mb`, not their number or
 total; no system calls are filtered (no seccomp), and the mount namespace replaces `/proc`
-only, not the file system. Treat it as a guard against accidents and runaway programs (loops, memory bombs, fork
-bombs, network calls, stray files), not as a boundary for hostile code: for that, run the
-reward role in a container or VM with no secrets mounted.
+only, not the file system. Treat it as a guard against accidents and runaway programs (loops,
+memory bombs, fork bombs, network calls, stray files), not as a boundary for hostile code: for
+that, run the reward role in a container or VM with no secrets mounted.
 
 `code_execution` (a built-in reward, `posttrain.rl.rewards.BUILTINS`): the completion's last
 fenced Python block, followed by the record's tests (`record.meta["tests"]`), run in the
