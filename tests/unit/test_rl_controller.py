@@ -53,12 +53,12 @@ def fails_on_some(completions, records, **_):
     return [float(len(c) % 2) for c in completions]
 
 
-def make(task, reward="has_digit_seven", dynamic=True, passes=1, engine=None):
+def make(task, reward="has_digit_seven", dynamic=True, passes=1, engine=None, max_staleness=0):
     tokenizer, records, prompts = task
     model = build_model(tiny_config("qwen3", vocab_size=len(tokenizer), max_position_embeddings=256), seed=0)
     cfg = TrainConfig(learning_rate=3e-3, warmup_steps=0, weight_decay=0.0)
     grpo = GRPOSection(prompts_per_round=4, sampling=SamplingConfig(n=4, max_new_tokens=6), passes=passes,
-                       steps_per_pass=2, dynamic_sampling=dynamic, max_draws=3)
+                       steps_per_pass=2, dynamic_sampling=dynamic, max_draws=3, max_staleness=max_staleness)
     trainer = Trainer(model, cfg, 100, objective=GRPOObjective(grpo))
     engine = engine or NativeEngine(copy.deepcopy(model), tokenizer=tokenizer)
     sampling = dataclasses.replace(grpo.sampling, stop_token_ids=tuple(end_of_turn_token_ids(tokenizer)))
@@ -184,3 +184,98 @@ def test_on_policy_distillation_moves_the_student_toward_the_teacher(task):
     with pytest.raises(ValueError, match="reward scorer, a teacher"):
         RLController(controller.policy, controller.engine, None, prompts, records, controller.grpo,
                      controller.sampling, 128, 2, tokenizer, tokenizer.pad_token_id)
+
+
+# ---------------------------------------------------------------- bounded staleness (grpo.max_staleness)
+
+
+def prompts_of(result):
+    return sorted({r.prompt_index for r in result.rollouts})
+
+
+def test_with_max_staleness_each_round_trains_on_rollouts_of_the_weights_k_rounds_back(task):
+    """k = 1: round 1 trains on the starting weights' rollouts; round r > 1 on rollouts the
+    engine generated with the weights after round r - 2, while round r - 1 trained. Round 2's
+    rollouts are exactly what the starting weights draw for round 2 (a controller that never
+    trains produces them), and the prompts come in the synchronous loop's order."""
+    async_ = make(task, dynamic=False, max_staleness=1)
+    results = [async_.run_round() for _ in range(4)]
+    assert [r.metrics["staleness"] for r in results] == [0, 1, 1, 1]
+    assert [{x.policy_version for x in r.rollouts} for r in results] == [{0}, {0}, {1}, {2}]
+    assert all(r.metrics["optimizer_steps"] == 2 and r.metrics["stale_dropped"] == 0 for r in results)
+
+    untrained = make(task, dynamic=False)
+    first, second = untrained._produce(1), untrained._produce(2)
+    assert [(r.prompt_index, r.completion_ids, r.reward) for r in second.rollouts] == rollout_key(results[1])
+    synchronous = make(task, dynamic=False)
+    sync_results = [synchronous.run_round() for _ in range(4)]
+    assert rollout_key(sync_results[0]) == rollout_key(results[0])  # the same weights, the same draw
+    assert [prompts_of(r) for r in sync_results] == [prompts_of(r) for r in results]
+    assert rollout_key(sync_results[2]) != rollout_key(results[2])  # other weights sampled these
+    assert not async_.queue or async_.queue[0].round == 5
+
+
+def test_an_asynchronous_run_resumes_bitwise_with_its_queued_rollouts(task, tmp_path):
+    """The checkpoint holds the rollouts produced ahead (JSON, exact): a controller restored
+    after round 2 trains round 3 on the very rollouts the uninterrupted run trained on, and
+    nothing is drawn twice or skipped."""
+    straight = make(task, passes=2, max_staleness=2)
+    results = [straight.run_round() for _ in range(4)]
+
+    first = make(task, passes=2, max_staleness=2)
+    first.run_round(), first.run_round()
+    assert [b.round for b in first.queue] == [3, 4]
+    manager = CheckpointManager(tmp_path, every_steps=1)
+    path = manager.save(first.round, first.policy.trainer, first.state_dict())
+    del first
+    resumed = make(task, passes=2, max_staleness=2)
+    resumed.load_state_dict(manager.load(path, resumed.policy.trainer))
+    resumed.engine.update_weights(resumed.policy.export_weights())
+    later = [resumed.run_round() for _ in range(2)]
+    for a, b in zip(later, results[2:]):
+        assert rollout_key(a) == rollout_key(b)
+        assert [m["loss"] for m in a.train_metrics] == [m["loss"] for m in b.train_metrics]
+    for (name, a), b in zip(straight.policy.model.state_dict().items(), resumed.policy.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert straight.sampler.state_dict() == resumed.sampler.state_dict()
+
+
+def test_rollouts_older_than_max_staleness_are_dropped_and_counted(task):
+    controller = make(task, dynamic=False, max_staleness=2)
+    controller.run_round()  # rounds 2 and 3 were produced from the starting weights
+    controller.grpo = dataclasses.replace(controller.grpo, max_staleness=0)
+    result = controller.run_round()
+    assert result.metrics["stale_dropped"] == 16 and result.metrics["staleness"] == 0
+    assert {r.policy_version for r in result.rollouts} == {1}
+
+
+class EngineThatFailsOnce(NativeEngine):
+    """Fails its `fail_at`-th generate call (a rollout actor that died)."""
+
+    def __init__(self, *args, fail_at: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls, self.fail_at = 0, fail_at
+
+    def generate(self, prompts, sampling):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("the rollout actor died")
+        return super().generate(prompts, sampling)
+
+
+def test_an_engine_lost_while_producing_ahead_fails_no_trained_round(task):
+    """The round that was training when the engine failed in the background is kept
+    (`EngineLost.result`); the lost round's prompts are drawn again next, none skipped."""
+    from posttrain.rl.controller import EngineLost
+
+    tokenizer = task[0]
+    model = build_model(tiny_config("qwen3", vocab_size=len(tokenizer), max_position_embeddings=256), seed=0)
+    failing = EngineThatFailsOnce(copy.deepcopy(model), tokenizer=tokenizer, fail_at=2)
+    controller = make(task, dynamic=False, engine=failing, max_staleness=1)
+    with pytest.raises(EngineLost) as lost:
+        controller.run_round()
+    assert lost.value.result is not None and lost.value.result.round == 1 and controller.round == 1
+    assert "actor died" in str(lost.value.__cause__) and not controller.queue
+    synchronous = make(task, dynamic=False)
+    expected = [prompts_of(synchronous.run_round()) for _ in range(3)]
+    assert [prompts_of(lost.value.result)] + [prompts_of(controller.run_round()) for _ in range(2)] == expected

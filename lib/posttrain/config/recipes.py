@@ -406,7 +406,9 @@ class GRPOSection:
     mismatch; `policy_loss` ppo_clip | gspo (sequence-level ratio, with `aggregation:
     sequence_mean`) | cispo (clipped, detached IS weight). `dynamic_sampling` drops groups whose rewards are all equal and draws more
     prompts (at most `max_draws` draws per round); `overlong_mask` leaves completions cut at
-    `sampling.max_new_tokens` out of the loss. `rounds` rounds in all, `rounds_per_task` of them per
+    `sampling.max_new_tokens` out of the loss. `max_staleness: k` overlaps generation with
+    training: the engine produces the rollouts of rounds r+1..r+k while the policy trains on
+    round r (0: the synchronous loop). `rounds` rounds in all, `rounds_per_task` of them per
     task of the flow's recursive `rl_round` step. `engine`: native (in process),
     `native_actor` (the native engine in a Ray actor) or `vllm_actor` (vLLM in a Ray actor, for
     GPU machines with vLLM installed); `sync_check` verifies each weight sync on greedy probes.
@@ -429,6 +431,9 @@ class GRPOSection:
     prompts_per_round: int = bounded(16, ge=1)
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(n=8, max_new_tokens=16))
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    # bounded staleness: the engine generates rounds r+1..r+k while the policy trains on round r
+    # (k rounds ahead; each batch from weights k rounds old, corrected by `is_correction`); 0: synchronous
+    max_staleness: int = bounded(0, ge=0)
     passes: int = bounded(1, ge=1)
     steps_per_pass: int = bounded(1, ge=1)
     advantage_scale: Literal["none", "std"] = "none"

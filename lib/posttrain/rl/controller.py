@@ -4,7 +4,7 @@
                               records=records, grpo=config.grpo, sampling=sampling, row_length=...,
                               rows_per_batch=..., tokenizer=tok, pad_id=tok.pad_token_id)
     result = controller.run_round()          # a RoundResult: rollouts, rewards, metrics
-    state = controller.state_dict()          # round, prompt position, decode identity (JSON-safe;
+    state = controller.state_dict()          # round, prompt position, decode identity, queued rollouts (JSON-safe;
                                              # the trainer saves its own)
 
 The controller owns the plan; the roles do the work behind their contracts: the policy a
@@ -33,12 +33,29 @@ One round (`run_round`):
    (`posttrain.rl.sync.check_sync`: greedy probes equal to a native engine over the policy,
    or for an in-process native engine bitwise-equal weights, and the log-prob gap as a
    metric); a mismatch raises `SyncError`.
+Bounded staleness (`grpo.max_staleness: k`, 0: the loop above as it is): steps 1-4 of a
+round make a `RoundBatch` (its rollouts and trajectories, scored, and `version`: the rounds
+the policy had trained when they were generated). With k > 0 the controller keeps a queue of
+batches produced ahead: while the policy trains on round r (step 5), a thread of this
+process produces rounds r+1..r+k with the engine, which holds the weights after round r-1
+(the sync of step 6 waits for it), so every round from k+1 on trains on rollouts exactly k
+versions old, and the schedule is fixed: the same rollouts whatever the timing. Staleness is
+corrected by the objective's `is_correction` (its `old` is the policy before this update, its
+`eng` the engine's log-probs: truncated importance sampling between the policy that generated
+and the one that trains); a queued batch more than k versions behind the policy is dropped
+and counted (`stale_dropped`). Batches are produced in round order (the prompt sampler's
+order: no prompt drawn twice or skipped), and the queue is part of `state_dict` (JSON,
+exact), so a restored controller trains on the very rollouts the uninterrupted one did.
+The overlap is real where the engine is a Ray actor or the reward calls wait on worker
+processes (the thread then waits, holding no core).
 An engine that fails (a Ray actor that died) raises `EngineLost`, which says whether the round
-can be redone from its start (it failed while generating) or only the sync is to be redone.
+can be redone from its start (it failed while generating) or only the sync is to be redone
+(it failed producing a later round, which the next round then produces again).
 Metrics: reward mean / std, pass@1 and pass@n (a sample succeeds when its reward reaches
 `success_threshold`), the objective's KL / entropy / clip fraction / IS weight, completion
 lengths, the share of zero-advantage groups, failed rewards, and the time split
-(generate / score / reference / teacher / update / sync).
+(generate / score / reference / teacher / update / sync; `wait`: the time the round waited for
+its rollouts, all of generate and score when synchronous), `staleness` and `stale_dropped`.
 
 The state also records what decoded the rollouts (the engine's decode identity:
 `posttrain.rl.decode_backends`): a controller restored under another one (another decode
@@ -49,7 +66,9 @@ the uninterrupted run's.
 from __future__ import annotations
 
 import math
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
@@ -133,6 +152,7 @@ class Rollout:
     advantage: float  # NaN when failed; 0 in a group without signal
     trained: bool
     turns: int = 1  # the policy's turns in the episode (its observations are in completion_ids too)
+    policy_version: int = 0  # the rounds the policy had trained when its weights generated this
 
 
 @dataclass
@@ -146,6 +166,62 @@ class RoundResult:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class RoundBatch:
+    """One round's rollouts, scored, with the trajectories it trains on: what the pipeline
+    queues between the engine and the policy (module docstring). `round`: the round that
+    trains it; `version`: the rounds the policy had trained when the engine's weights were
+    its (the round trains it `round - 1 - version` versions stale). `state()` is JSON-safe and
+    exact (floats as Python floats), `from_state` its inverse."""
+
+    round: int
+    version: int
+    rollouts: list[Rollout] = field(default_factory=list)
+    trajectories: list[Trajectory] = field(default_factory=list)
+    errors: list[tuple[int, str, str]] = field(default_factory=list)
+    rewards: list[list[float]] = field(default_factory=list)  # per drawn group
+    groups_trained: int = 0
+    zero_groups: int = 0
+    drawn_groups: int = 0
+    failed: int = 0
+    draws: int = 0
+    skew: list[str] = field(default_factory=list)
+    checked: int = 0  # episodes the skew check looked at
+    seconds: dict = field(default_factory=dict)  # generate, score
+
+    def state(self) -> dict:
+        out = {k: getattr(self, k) for k in ("round", "version", "rewards", "groups_trained", "zero_groups",
+                                             "drawn_groups", "failed", "draws", "skew", "checked", "seconds")}
+        return {**out, "rollouts": [asdict(r) for r in self.rollouts],
+                "trajectories": [asdict(t) for t in self.trajectories], "errors": [list(e) for e in self.errors]}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "RoundBatch":
+        rest = {k: v for k, v in state.items() if k not in ("rollouts", "trajectories", "errors")}
+        return cls(**rest, rollouts=[Rollout(**r) for r in state["rollouts"]],
+                   trajectories=[Trajectory(**t) for t in state["trajectories"]],
+                   errors=[tuple(e) for e in state["errors"]])
+
+
+class _Background:
+    """`fn(*args)` on a thread of its own; `join()` waits for it, `error` is what it raised."""
+
+    def __init__(self, fn: Callable, *args):
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                fn(*args)
+            except BaseException as err:  # noqa: BLE001 - handed to the caller after join
+                self.error = err
+
+        self._thread = threading.Thread(target=run, name="posttrain-rollouts", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
 
 
 def engine_beside_policy(engine, policy) -> bool:
@@ -204,6 +280,7 @@ class RLController:
             self._check_fits(p)
         self.sampler = PromptSampler(len(self.prompts), seed)
         self.round = 0
+        self.queue: deque[RoundBatch] = deque()  # rounds produced ahead (grpo.max_staleness), in order
         self.on_scored = on_scored
         self.teacher, self.distill_coef, self.teacher_vocab = teacher, float(distill_coef), teacher_vocab
         self.environment = environment if environment is not None else EnvironmentRole()
@@ -214,14 +291,15 @@ class RLController:
     # ---------------------------------------------------------------- state
 
     def state_dict(self) -> dict:
-        return {"round": self.round, "sampler": self.sampler.state_dict(), "decode": engine_identity(self.engine)}
+        return {"round": self.round, "sampler": self.sampler.state_dict(), "decode": engine_identity(self.engine),
+                "queue": [batch.state() for batch in self.queue]}
 
     def load_state_dict(self, state: dict) -> None:
         self.round = int(state["round"])
         self.sampler.load_state_dict(state["sampler"])
+        self.queue = deque(RoundBatch.from_state(b) for b in state.get("queue", []))
         check_resume(state.get("decode"), engine_identity(self.engine))
 
-    # ---------------------------------------------------------------- one round
 
     def _check_fits(self, prompt: list[int], index: int | None = None) -> None:
         if len(prompt) + self.sampling.max_new_tokens > self.row_length:
@@ -235,15 +313,15 @@ class RLController:
         self._check_fits(prompt, index)
         return prompt
 
-    def _draw(self, draw: int) -> tuple[list[int], list[list[Episode]]]:
+    def _draw(self, round_: int, draw: int) -> tuple[list[int], list[list[Episode]]]:
         indices = self.sampler.take(self.grpo.prompts_per_round)
-        seed = request_seed(request_seed(self.seed, self.round), draw)
+        seed = request_seed(request_seed(self.seed, round_ - 1), draw)
         groups = run_episodes(self.engine, self.environment, [self._prompt(i) for i in indices],
                               [self.records[i] for i in indices], indices, replace(self.sampling, seed=seed),
                               self.tokenizer, self.renderer, self.row_length, self.grpo.environment.max_turns)
         return indices, groups
 
-    def _check_skew(self, episodes: list[Episode]) -> list[str]:
+    def _check_skew(self, episodes: list[Episode], round_: int) -> list[str]:
         """The skew check (`posttrain.rl.episodes.template_skew`) on the round's first
         `grpo.environment.skew_check_episodes` episodes that have prompt messages to render."""
         from posttrain.data.chat import ChatTemplateError
@@ -261,31 +339,30 @@ class RLController:
             if report is not None:
                 reports.append(str(report))
         if reports and settings.skew_check == "error":
-            raise TemplateSkewError(f"{len(reports)} rollouts of round {self.round + 1} are not what the chat template "
+            raise TemplateSkewError(f"{len(reports)} rollouts of round {round_} are not what the chat template "
                                     f"renders of their conversation; the first: {reports[0]}")
         if reports and not self._skew_warned:
             self._skew_warned = True
             print(f"[rl] warning: the chat template renders {len(reports)} of {min(len(checked), settings.skew_check_episodes)} "
-                  f"checked rollouts of round {self.round + 1} to other tokens than the policy's (training uses the "
+                  f"checked rollouts of round {round_} to other tokens than the policy's (training uses the "
                   f"rollout's own tokens; a server that re-renders would not): {reports[0]}")
         return reports
 
-    def run_round(self) -> RoundResult:
-        started = time.perf_counter()
+    # ---------------------------------------------------------------- producing a round's rollouts
+
+    def _produce(self, round_: int) -> RoundBatch:
+        """Round `round_`'s rollouts, drawn, generated and scored with the engine's weights now
+        (steps 1-4 of the module docstring). The draw's seeds derive from `round_`, so a batch
+        is the same whenever it is produced from the same sampler position and weights."""
         grpo, n = self.grpo, self.sampling.n
-        times = {"generate": 0.0, "score": 0.0, "reference": 0.0, "teacher": 0.0, "update": 0.0, "sync": 0.0}
-        kept: list[tuple[int, list[Episode], list[float], list[float]]] = []  # (prompt, group, rewards, adv)
-        rollouts: list[Rollout] = []
-        errors: list[tuple[int, str, str]] = []
-        all_rewards: list[list[float]] = []
-        zero_groups = drawn_groups = failed = 0
+        times = {"generate": 0.0, "score": 0.0}
+        batch = RoundBatch(round=round_, version=self.round, seconds=times)
         draws = 0
-        skew: list[str] = []
-        checked = 0
-        while len(kept) < grpo.prompts_per_round and draws < (grpo.max_draws if grpo.dynamic_sampling else 1):
+        kept = 0
+        while kept < grpo.prompts_per_round and draws < (grpo.max_draws if grpo.dynamic_sampling else 1):
             t = time.perf_counter()
             try:
-                indices, groups = self._draw(draws)
+                indices, groups = self._draw(round_, draws)
             except Exception as err:  # noqa: BLE001 - the caller decides whether a restart helps
                 raise EngineLost(None) from err
             times["generate"] += time.perf_counter() - t
@@ -295,69 +372,97 @@ class RLController:
             texts = [e.final_text for e in flat]
             rewards, scores = episode_rewards(self.scorer, flat)
             times["score"] += time.perf_counter() - t
-            offset = len(rollouts)
+            offset = len(batch.rollouts)
             if scores is not None:
-                errors += [(offset + i if i >= 0 else i, label, msg) for i, label, msg in scores.errors]
-            errors += [(offset + k, "environment", str(e.failure)) for k, e in enumerate(flat) if e.failure is not None]
-            failed += sum(not math.isfinite(r) for r in rewards)
+                batch.errors += [(offset + i if i >= 0 else i, label, msg) for i, label, msg in scores.errors]
+            batch.errors += [(offset + k, "environment", str(e.failure)) for k, e in enumerate(flat)
+                             if e.failure is not None]
+            batch.failed += sum(not math.isfinite(r) for r in rewards)
             rewards_GN = torch.tensor(rewards, dtype=torch.float64).view(len(indices), n)
             adv_GN = (group_advantages(rewards_GN, grpo.advantage_scale) if grpo.advantage_estimator == "group"
                       else rejection_sampling_advantages(rewards_GN, grpo.success_threshold))
             flat_groups = degenerate_groups(rewards_GN).tolist()
-            if grpo.environment.skew_check != "off" and checked < grpo.environment.skew_check_episodes:
-                skew += self._check_skew(flat)
-                checked += len(flat)
+            if grpo.environment.skew_check != "off" and batch.checked < grpo.environment.skew_check_episodes:
+                batch.skew += self._check_skew(flat, round_)
+                batch.checked += len(flat)
             for g, (prompt_index, group) in enumerate(zip(indices, groups)):
-                drawn_groups += 1
-                zero_groups += flat_groups[g]
-                all_rewards.append(rewards_GN[g].tolist())
+                batch.drawn_groups += 1
+                batch.zero_groups += flat_groups[g]
+                batch.rewards.append(rewards_GN[g].tolist())
                 # a teacher gives every group a signal: only reward-only runs drop equal-reward groups
                 drop = grpo.dynamic_sampling and flat_groups[g] and self.teacher is None
-                use = not drop and len(kept) < grpo.prompts_per_round
-                if use:
-                    kept.append((prompt_index, group, rewards_GN[g].tolist(), adv_GN[g].tolist()))
+                use = not drop and kept < grpo.prompts_per_round
+                kept += use
                 for j, e in enumerate(group):
                     reward, advantage = float(rewards_GN[g, j]), float(adv_GN[g, j])
                     trained = (use and math.isfinite(advantage)
                                and not (grpo.overlong_mask and e.finish_reason == "length"))
-                    rollouts.append(Rollout(prompt_index, j, list(e.tokens), texts[g * n + j], e.finish_reason,
-                                            reward, advantage, trained, len(e.turns)))
-        # the engine's log-probs under the model's own distribution: what the trainer recomputes
-        trajectories = [Trajectory(list(e.prompt_ids), list(e.tokens), adv[j], list(e.engine_logps),
-                                   None if e.all_sampled else list(e.sampled))
-                        for p, group, _, adv in kept for j, e in enumerate(group)
-                        if math.isfinite(adv[j]) and any(e.sampled)
-                        and not (grpo.overlong_mask and e.finish_reason == "length")]
+                    batch.rollouts.append(Rollout(prompt_index, j, list(e.tokens), texts[g * n + j], e.finish_reason,
+                                                  reward, advantage, trained, len(e.turns), batch.version))
+                    # the engine's log-probs under the model's own distribution: what the trainer recomputes
+                    if trained and any(e.sampled):
+                        batch.trajectories.append(Trajectory(list(e.prompt_ids), list(e.tokens), advantage,
+                                                             list(e.engine_logps),
+                                                             None if e.all_sampled else list(e.sampled)))
+        batch.groups_trained, batch.draws = kept, draws
+        return batch
 
-        if self.on_scored is not None:
-            self.on_scored(self.round + 1)
-        train_metrics: list[dict] = []
+    def _produce_ahead(self, first: int, last: int) -> None:
+        """Produce rounds `first..last` into the queue, in order. On a failure the sampler is
+        put back where the failed round's draw began (the rounds produced before it stay
+        queued) and the error is raised."""
+        for round_ in range(first, last + 1):
+            sampler = self.sampler.state_dict()
+            try:
+                self.queue.append(self._produce(round_))
+            except BaseException:
+                self.sampler.load_state_dict(sampler)
+                raise
+
+    def _take(self, round_: int) -> tuple[RoundBatch | None, int]:
+        """The queued batch of `round_` if one is fresh enough (`(batch, 0)`), else `(None,
+        trajectories dropped)`: a batch more than `max_staleness` versions behind the policy is
+        dropped and counted, and the round's rollouts are then produced now."""
+        if not self.queue or self.queue[0].round != round_:
+            return None, 0
+        batch = self.queue.popleft()
+        if self.round - batch.version > self.grpo.max_staleness:
+            return None, len(batch.trajectories)
+        return batch, 0
+
+    # ---------------------------------------------------------------- one round
+
+    def run_round(self) -> RoundResult:
+        started = time.perf_counter()
+        grpo = self.grpo
+        round_ = self.round + 1
+        times = {"generate": 0.0, "score": 0.0, "wait": 0.0, "reference": 0.0, "teacher": 0.0, "update": 0.0,
+                 "sync": 0.0}
+        t = time.perf_counter()
+        batch, stale_dropped = self._take(round_)
+        if batch is None:
+            sampler = self.sampler.state_dict()
+            try:
+                batch = self._produce(round_)
+            except BaseException:
+                self.sampler.load_state_dict(sampler)
+                raise
+        times["wait"] += time.perf_counter() - t
+        times["generate"], times["score"] = batch.seconds["generate"], batch.seconds["score"]
+        staleness = self.round - batch.version
+        # bounded staleness: the engine produces the next rounds' rollouts while the policy trains on this one
+        ahead = min(round_ + grpo.max_staleness, grpo.rounds) if grpo.max_staleness else 0
+        first = self.queue[-1].round + 1 if self.queue else round_ + 1
+        producer = _Background(self._produce_ahead, first, ahead) if ahead >= first else None
+        try:
+            train_metrics, reverse_kl = self._train(batch, times)
+        finally:
+            if producer is not None:
+                t = time.perf_counter()
+                producer.join()
+                times["wait"] += time.perf_counter() - t
         sync_error = None
-        if trajectories:
-            # each optimizer step of a pass trains on its own share of the trajectories
-            steps = min(grpo.steps_per_pass, len(trajectories))
-            step_batches = [pack_trajectories([trajectories[i] for i in share], self.row_length, self.rows_per_batch,
-                                              self.pad_id, first_seq=int(share[0]), shared_prompt=grpo.shared_prompt)
-                            for share in np.array_split(np.arange(len(trajectories)), steps)]
-            batches = [b for group in step_batches for b in group]
-            context = self.policy.forward_context
-            if self.reference is not None:
-                t = time.perf_counter()
-                attach_logps(self.reference, batches, "ref_logps", context=context)
-                times["reference"] += time.perf_counter() - t
-            if self.teacher is not None:
-                t = time.perf_counter()
-                attach_logps(self.teacher, batches, "teacher_logps", context=context, vocab_size=self.teacher_vocab)
-                times["teacher"] += time.perf_counter() - t
-            t = time.perf_counter()
-            if grpo.passes * steps > 1 or self.teacher is not None:  # the log-probs of the policy that sampled
-                attach_logps(self.policy, batches, "old_logps")
-            if self.teacher is not None:
-                reverse_kl = self._add_teacher_advantages(batches)
-            for _ in range(grpo.passes):
-                for group in step_batches:
-                    train_metrics.append(self.policy.train_step(group))
-            times["update"] += time.perf_counter() - t
+        if batch.trajectories:
             t = time.perf_counter()
             try:
                 sync = self.sync_weights()
@@ -369,20 +474,61 @@ class RLController:
         else:
             sync = None
         self.round += 1
-        metrics = self._metrics(all_rewards, rollouts, kept, trajectories, train_metrics, times,
-                                zero_groups, drawn_groups, failed, draws, sync)
-        if self.teacher is not None and trajectories:
+        metrics = self._metrics(batch, train_metrics, times, sync)
+        if reverse_kl is not None:
             metrics["reverse_kl"] = reverse_kl
         metrics["time_round_s"] = time.perf_counter() - started  # the phases above plus bookkeeping
-        if checked:
-            metrics["template_skew"] = len(skew) / min(checked, grpo.environment.skew_check_episodes)
-        metrics["turns_mean"] = float(np.mean([r.turns for r in rollouts])) if rollouts else 0.0
-        metrics["environment_failed"] = sum(label == "environment" for _, label, _ in errors)
-        result = RoundResult(round=self.round, metrics=metrics, rollouts=rollouts, train_metrics=train_metrics,
-                             reward_errors=errors, template_skew=skew)
+        metrics["staleness"] = staleness
+        metrics["stale_dropped"] = stale_dropped
+        if batch.checked:
+            metrics["template_skew"] = len(batch.skew) / min(batch.checked, grpo.environment.skew_check_episodes)
+        metrics["turns_mean"] = float(np.mean([r.turns for r in batch.rollouts])) if batch.rollouts else 0.0
+        metrics["environment_failed"] = sum(label == "environment" for _, label, _ in batch.errors)
+        result = RoundResult(round=self.round, metrics=metrics, rollouts=batch.rollouts, train_metrics=train_metrics,
+                             reward_errors=batch.errors, template_skew=batch.skew)
         if sync_error is not None:
             raise EngineLost(result) from sync_error
+        if producer is not None and producer.error is not None:
+            if isinstance(producer.error, EngineLost):  # the round trained; the next one produces what was lost
+                raise EngineLost(result) from producer.error.__cause__
+            raise producer.error
         return result
+
+    def _train(self, batch: RoundBatch, times: dict) -> tuple[list[dict], float | None]:
+        """Steps 5 of the module docstring on `batch`: the optimizer steps' metrics, and the
+        teacher's reverse KL (None without a teacher)."""
+        grpo, trajectories = self.grpo, batch.trajectories
+        if self.on_scored is not None:
+            self.on_scored(batch.round)
+        train_metrics: list[dict] = []
+        reverse_kl = None
+        if not trajectories:
+            return train_metrics, reverse_kl
+        # each optimizer step of a pass trains on its own share of the trajectories
+        steps = min(grpo.steps_per_pass, len(trajectories))
+        step_batches = [pack_trajectories([trajectories[i] for i in share], self.row_length, self.rows_per_batch,
+                                          self.pad_id, first_seq=int(share[0]), shared_prompt=grpo.shared_prompt)
+                        for share in np.array_split(np.arange(len(trajectories)), steps)]
+        batches = [b for group in step_batches for b in group]
+        context = self.policy.forward_context
+        if self.reference is not None:
+            t = time.perf_counter()
+            attach_logps(self.reference, batches, "ref_logps", context=context)
+            times["reference"] += time.perf_counter() - t
+        if self.teacher is not None:
+            t = time.perf_counter()
+            attach_logps(self.teacher, batches, "teacher_logps", context=context, vocab_size=self.teacher_vocab)
+            times["teacher"] += time.perf_counter() - t
+        t = time.perf_counter()
+        if grpo.passes * steps > 1 or self.teacher is not None:  # the log-probs of the policy that sampled
+            attach_logps(self.policy, batches, "old_logps")
+        if self.teacher is not None:
+            reverse_kl = self._add_teacher_advantages(batches)
+        for _ in range(grpo.passes):
+            for group in step_batches:
+                train_metrics.append(self.policy.train_step(group))
+        times["update"] += time.perf_counter() - t
+        return train_metrics, reverse_kl
 
     def _add_teacher_advantages(self, batches: list[dict]) -> float:
         """On-policy distillation: `distill_coef * (teacher - student)` log-prob of every sampled
@@ -413,8 +559,8 @@ class RLController:
                             f"{report.probes} probe prompts decode differently in the engine than in the policy")
         return report.as_dict()
 
-    def _metrics(self, all_rewards, rollouts, kept, trajectories, train_metrics, times, zero_groups,
-                 drawn_groups, failed, draws, sync) -> dict:
+    def _metrics(self, batch: RoundBatch, train_metrics: list[dict], times: dict, sync: dict | None) -> dict:
+        all_rewards, rollouts = batch.rewards, batch.rollouts
         values = np.array([r for g in all_rewards for r in g], dtype=np.float64)
         finite = values[np.isfinite(values)]
         success = [[math.isfinite(r) and r >= self.grpo.success_threshold for r in g] for g in all_rewards]
@@ -425,12 +571,12 @@ class RLController:
             "reward_std": float(finite.std()) if finite.size else math.nan,
             "pass@1": float(np.mean([x for g in success for x in g])) if success else math.nan,
             f"pass@{self.sampling.n}": float(np.mean([any(g) for g in success])) if success else math.nan,
-            "zero_advantage_groups": zero_groups / max(drawn_groups, 1),
-            "groups_drawn": drawn_groups,
-            "groups_trained": len(kept),
-            "draws": draws,
-            "samples_trained": len(trajectories),
-            "reward_failed": failed,
+            "zero_advantage_groups": batch.zero_groups / max(batch.drawn_groups, 1),
+            "groups_drawn": batch.drawn_groups,
+            "groups_trained": batch.groups_trained,
+            "draws": batch.draws,
+            "samples_trained": len(batch.trajectories),
+            "reward_failed": batch.failed,
             "length_mean": float(lengths.mean()) if lengths.size else 0.0,
             "length_max": float(lengths.max()) if lengths.size else 0.0,
             "truncated": float(np.mean([r.finish_reason == "length" for r in rollouts])) if rollouts else 0.0,
