@@ -1,6 +1,7 @@
 """Exact resume of an RL run after hard kills: SIGKILL the whole GRPO flow mid-round, `resume`, compare.
 
     python bench/grpo_resume.py [--rounds 6] [--per-task 2] [--kills 3,5]
+    python bench/grpo_resume.py --async [--staleness 2] --random-kills 5 [--seed 0]
 
 Builds a tiny workspace (a random Qwen3 with the demo tokenizer, registered as the starting
 model; generated arithmetic prompts), then runs `flows/grpo_flow.py` on it:
@@ -12,11 +13,24 @@ model; generated arithmetic prompts), then runs `flows/grpo_flow.py` on it:
    update: `posttrain.steps.rl`), for each K of `--kills` in turn: after each kill the run is
    `resume`d (from the run the kill left), and the next kill lands in that resumed run.
 
+`--async` runs both with `grpo.max_staleness: --staleness` (default 2): while a round trains,
+the next rounds' rollouts are being produced on another thread, so a kill lands with
+rollouts in flight, and the round checkpoints hold the queue of rollouts produced ahead.
+`--random-kills N` picks N distinct rounds at random (`--seed`) in place of `--kills`, and
+SIGKILLs each a random 0 to `--max-delay` seconds after that round's rollouts are scored
+(`POSTTRAIN_FAULT_DELAY_S`): in its update, in the rollouts produced beside it, in a
+checkpoint's save, wherever the process is then.
+
 The last resumed run's trajectory must equal the uninterrupted one bit for bit (rounds
 before a kill come from cloned tasks, the rest were recomputed from round checkpoints).
+The prompt check: the prompt indices the resumed run's rounds trained, in order, must be
+the prompt sampler's own order (`posttrain.rl.controller.PromptSampler` over the run's
+prompts and seed: one permutation per epoch), each drawn once, none skipped, and equal the
+uninterrupted run's.
 Progress goes to stderr; the LAST stdout line is one JSON object: {"benchmark":
-"grpo_resume", "identical", "rounds", "kills", "resumes", "seconds_uninterrupted",
-"seconds_killed_and_resumed", "settings"}. Exit status 1 when the trajectories differ.
+"grpo_resume", "identical", "prompts_in_sampler_order", "rounds", "kills", "kill_delays_s",
+"max_staleness", "resumes", "seconds_uninterrupted", "seconds_killed_and_resumed",
+"settings"}. Exit status 1 when the trajectories differ or the prompt check fails.
 """
 
 from __future__ import annotations
@@ -43,7 +57,7 @@ def log(message: str) -> None:
     print(f"[grpo_resume] {message}", file=sys.stderr, flush=True)
 
 
-def workspace(tmp: Path, rounds: int, per_task: int) -> Path:
+def workspace(tmp: Path, rounds: int, per_task: int, staleness: int = 0) -> Path:
     """A registered tiny starting model and the recipe file; returns the recipe's path."""
     from posttrain.data.demo import build_demo_tokenizer, write_arithmetic_dataset
     from posttrain.data.tokenizer import load_tokenizer
@@ -69,8 +83,8 @@ tokenizer: {{name_or_path: "registry:{START}"}}
 model: {{init_from: "registry:{START}"}}
 pack: {{row_length: 160}}
 train: {{micro_batch_size: 4, learning_rate: 0.001, warmup_steps: 0, weight_decay: 0.0}}
-grpo: {{rounds: {rounds}, rounds_per_task: {per_task}, prompts_per_round: 4, n: 4, max_new_tokens: 4, passes: 2,
-        dynamic_sampling: false}}
+grpo: {{rounds: {rounds}, rounds_per_task: {per_task}, prompts_per_round: 4, sampling: {{n: 4, max_new_tokens: 4}}, passes: 2,
+        dynamic_sampling: false, max_staleness: {staleness}}}
 eval: {{max_examples: 8, max_new_tokens: 4, batch_size: 8}}
 register: {{registry_dir: "{tmp / 'registry'}", model_name: grpo-resume-bench}}
 """)
@@ -88,14 +102,32 @@ def run_flow(args: list[str], env: dict, cwd: Path) -> tuple[int, str, str | Non
     return proc.returncode, output, run_id
 
 
-def trajectory(run_id: str, env: dict) -> list:
+def metaflow_run(run_id: str, env: dict):
     # Metaflow reads its datastore root when first imported: point it at the runs' first
     os.environ.update({k: env[k] for k in ("METAFLOW_DATASTORE_SYSROOT_LOCAL", "METAFLOW_USER")})
     from metaflow import Run, namespace
 
     namespace(None)
+    return Run(f"GRPOFlow/{run_id}")
+
+
+def trained_prompts(run_id: str, env: dict) -> tuple[list[int], int, int]:
+    """(the prompt indices of every round's groups, in order; the run's prompt count; its seed)."""
+    run = metaflow_run(run_id, env)
+    order = []
+    tasks = sorted(run["rl_round"].tasks(), key=lambda t: t.data.rounds_done)
+    for task in tasks:
+        for r in task.data.rounds:
+            for x in r["rollouts"]:
+                if x["sample"] == 0:
+                    order.append(x["prompt_index"])
+    return order, len(tasks[0].data.prompts.ids), tasks[0].data.recipe.seed
+
+
+def trajectory(run_id: str, env: dict) -> list:
+    run = metaflow_run(run_id, env)
     out = []
-    for task in sorted(Run(f"GRPOFlow/{run_id}")["rl_round"].tasks(), key=lambda t: t.data.rounds_done):
+    for task in sorted(run["rl_round"].tasks(), key=lambda t: t.data.rounds_done):
         for r in task.data.rounds:
             out.append((r["round"], [(x["prompt_index"], x["completion_ids"],
                                       None if math.isnan(x["reward"]) else x["reward"]) for x in r["rollouts"]],
@@ -108,15 +140,33 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--per-task", type=int, default=2)
     parser.add_argument("--kills", default="3,5", help="rounds to SIGKILL the run in, in order")
+    parser.add_argument("--async", dest="asynchronous", action="store_true",
+                        help="grpo.max_staleness: --staleness (rollouts produced ahead, in flight at a kill)")
+    parser.add_argument("--staleness", type=int, default=2, help="grpo.max_staleness with --async")
+    parser.add_argument("--random-kills", type=int, default=0,
+                        help="N rounds drawn at random (in place of --kills), each killed a random delay in")
+    parser.add_argument("--max-delay", type=float, default=0.5, help="seconds, with --random-kills")
+    parser.add_argument("--seed", type=int, default=0, help="of --random-kills")
     args = parser.parse_args()
-    kills = [int(k) for k in args.kills.split(",") if k]
+    import random
+
+    rng = random.Random(args.seed)
+    if args.random_kills:
+        if args.random_kills > args.rounds:
+            sys.exit("--random-kills: at most --rounds kills")
+        kills = sorted(rng.sample(range(1, args.rounds + 1), args.random_kills))
+        delays = [round(rng.uniform(0, args.max_delay), 3) for _ in kills]
+    else:
+        kills = [int(k) for k in args.kills.split(",") if k]
+        delays = [0.0] * len(kills)
+    staleness = args.staleness if args.asynchronous else 0
     if any(not 1 <= k <= args.rounds for k in kills) or kills != sorted(set(kills)):
         sys.exit("--kills: increasing rounds within 1..--rounds")
     import torch  # noqa: F401  (before metaflow's client: its typing patch breaks later torch imports)
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        recipe = workspace(tmp, args.rounds, args.per_task)
+        recipe = workspace(tmp, args.rounds, args.per_task, staleness)
         env = {**os.environ, "METAFLOW_USER": "bench", "METAFLOW_DATASTORE_SYSROOT_LOCAL": str(tmp / "mf"),
                "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -129,8 +179,9 @@ def main() -> None:
 
         began = time.perf_counter()
         latest, resumes = None, 0
-        for i, k in enumerate(kills):
-            fault = {**env, "POSTTRAIN_FAULT_AT_STEP": str(k), "POSTTRAIN_FAULT_MODE": "kill_flow"}
+        for k, delay in zip(kills, delays):
+            fault = {**env, "POSTTRAIN_FAULT_AT_STEP": str(k), "POSTTRAIN_FAULT_MODE": "kill_flow",
+                     "POSTTRAIN_FAULT_DELAY_S": str(delay)}
             command = (["--config", "config", str(recipe), "run"] if latest is None
                        else ["resume", "--origin-run-id", latest])
             status, output, run_id = run_flow(command, fault, tmp)
@@ -140,7 +191,7 @@ def main() -> None:
             if status == 0 or not fired:
                 sys.exit(f"the kill in round {k} did not happen (exit {status}):\n{output[-3000:]}")
             latest = run_id
-            log(f"run {run_id} SIGKILLed in round {k}")
+            log(f"run {run_id} SIGKILLed {delay}s after round {k}'s rollouts were scored")
         status, output, final = run_flow(["resume", "--origin-run-id", latest], env, tmp)
         resumes += 1
         if status != 0:
@@ -148,12 +199,20 @@ def main() -> None:
         seconds_killed = time.perf_counter() - began
         identical = trajectory(final, env) == trajectory(straight, env)
         log(f"resumed run {final}: trajectory identical to the uninterrupted one: {identical}")
-        out = {"benchmark": "grpo_resume", "identical": identical, "rounds": args.rounds,
-               "rounds_per_task": args.per_task, "kills": kills, "resumes": resumes,
+        from posttrain.rl.controller import PromptSampler
+
+        order, num_prompts, seed = trained_prompts(final, env)
+        expected = PromptSampler(num_prompts, seed).take(len(order))
+        in_order = order == expected and order == trained_prompts(straight, env)[0]
+        log(f"prompts trained: {len(order)} groups in the sampler's order, none twice or skipped: {in_order}")
+        out = {"benchmark": "grpo_resume", "identical": identical, "prompts_in_sampler_order": in_order,
+               "groups_trained": len(order), "prompts": num_prompts, "rounds": args.rounds,
+               "rounds_per_task": args.per_task, "kills": kills, "kill_delays_s": delays,
+               "max_staleness": staleness, "resumes": resumes,
                "seconds_uninterrupted": round(seconds_straight, 1),
                "seconds_killed_and_resumed": round(seconds_killed, 1), "settings": machine()}
     print(json.dumps(out))
-    sys.exit(0 if identical else 1)
+    sys.exit(0 if identical and in_order else 1)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The GRPO flow end to end through `metaflow.Runner`, from a tiny model registered in a temporary
-registry. One run, SIGKILLed in the middle of round 3 (the task and the Metaflow runtime: the
-whole run dies) and then `resume`d, serves every assertion: the recursive `rl_round` step (two
+registry. One run, asynchronous (`max_staleness: 1`: each round trains while the next one's
+rollouts are produced), SIGKILLed in the middle of round 3 (the task and the Metaflow runtime:
+the whole run dies, the next round's rollouts in flight) and then `resume`d, serves every assertion: the recursive `rl_round` step (two
 rounds per task), a reward that raises on some samples and hangs on others (counted as failed,
 the run goes on), verification, evaluation, registration with lineage, and a trajectory (every
 rollout, reward and loss) equal bit for bit to the same rounds computed here with nothing
@@ -48,6 +49,7 @@ grpo:
   sampling: {{n: 4, max_new_tokens: 4}}
   passes: 2
   dynamic_sampling: false
+  max_staleness: 1  # asynchronous: the kill lands with the next round's rollouts in flight
 # the rewards suite only (its heldout_reward is what the tests and the sweep's pick read): each
 # suite is one more step process, which the tests' two cores cannot spare
 eval: {{max_examples: 12, max_new_tokens: 4, batch_size: 12, report: false, suites: [{{kind: rewards}}]}}
@@ -130,6 +132,7 @@ def test_rounds_are_recursive_tasks_with_artifacts(grpo_run):
     assert [len(t.data.rounds) for t in tasks] == [PER_TASK, PER_TASK]
     history = run["end"].task.data.history
     assert [h["round"] for h in history] == [1, 2, 3, 4]
+    assert [h["staleness"] for h in history] == [0, 1, 1, 1]  # the queue crossed each task's checkpoint
     first = tasks[0].data.rounds[0]
     assert len(first["rollouts"]) == 4 * 4 and first["metrics"]["optimizer_steps"] == 2  # two passes
     for key in ("reward_mean", "pass@1", "pass@4", "kl", "entropy", "clip_fraction", "time_generate_s",

@@ -10,7 +10,10 @@ raise on the first n attempts that reach step K. `POSTTRAIN_FAULT_MODE=kill` SIG
 process instead of raising; `kill_flow` SIGKILLs its parent first (the local Metaflow
 runtime that launched the task: the whole run dies, as a lost machine would) and then itself.
 `POSTTRAIN_FAULT_AT_PART=K` does the same in the tokenize step, after its K-th finished part
-(`maybe_inject_fault(k, marker_dir, at_env=FAULT_AT_PART_ENV)`).
+(`maybe_inject_fault(k, marker_dir, at_env=FAULT_AT_PART_ENV)`). `POSTTRAIN_FAULT_DELAY_S=x`
+(kill modes) lets the process go on for x seconds after the hook and SIGKILLs it then,
+wherever it is (in the middle of an update, of rollouts produced on another thread, of a
+checkpoint's save; at its exit at the latest): a kill at a time no hook marks.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ FAULT_AT_STEP_ENV = "POSTTRAIN_FAULT_AT_STEP"
 FAULT_AT_PART_ENV = "POSTTRAIN_FAULT_AT_PART"
 FAULT_TIMES_ENV = "POSTTRAIN_FAULT_TIMES"
 FAULT_MODE_ENV = "POSTTRAIN_FAULT_MODE"
+FAULT_DELAY_ENV = "POSTTRAIN_FAULT_DELAY_S"
 FAULT_MODES = ("raise", "kill", "kill_flow")
 
 
@@ -46,11 +50,23 @@ def maybe_inject_fault(step: int, marker_dir: Path, at_env: str = FAULT_AT_STEP_
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(str(fired + 1))
     if mode != "raise":
-        import signal
+        delay = float(os.environ.get(FAULT_DELAY_ENV) or 0)
+        print(f"[fault] {FAULT_MODE_ENV}={mode}: SIGKILL {delay:g}s after {what} {step}", flush=True)
+        if delay <= 0:
+            _kill(mode == "kill_flow")
+        import threading
 
-        print(f"[fault] {FAULT_MODE_ENV}={mode}: SIGKILL after {what} {step}", flush=True)
-        if mode == "kill_flow":
-            os.kill(os.getppid(), signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
+        # not a daemon: a process that ends before the delay is over is killed as it exits
+        threading.Timer(delay, _kill, (mode == "kill_flow",)).start()
+        return
     raise InjectedFault(f"{at_env}={at}: injected failure after {what} {step} "
                         f"(attempt {fired + 1}; marker {marker})")
+
+
+def _kill(whole_flow: bool) -> None:
+    """SIGKILL this process, and first its parent (the local Metaflow runtime) with `whole_flow`."""
+    import signal
+
+    if whole_flow:
+        os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
