@@ -139,7 +139,7 @@ def throughput(shape: str, args, tmp: Path) -> dict:
     else:
         model_dir, tokenizer, records = build_workspace(tmp / shape, "quick" if args.quick else "demo", None, count)
         row_length = 128
-    variants = [("sync, in process", 0, False, torch.get_num_threads())]
+    variants = [("sync, in process", 0, False, args.threads)]
     variants += [(f"k={k}, engine actor", k, True, 1) for k in args.staleness]
     out: dict = {"workload": work, "variants": {}}
     times = {}
@@ -189,7 +189,7 @@ def curve(staleness: int, args, tmp: Path) -> list[list[float]]:
                  "register.registry_dir": str(DEMO_START.parent.parent.parent),
                  "output_dir": str(tmp / f"curve-{staleness}")}
     config = load_recipe_config(REPO / "configs" / "grpo" / "demo.yaml", "grpo", overrides)
-    torch.set_num_threads(1 if on_actor else 2)
+    torch.set_num_threads(1 if on_actor else args.threads)
     run_dir = tmp / f"curve-{staleness}"
     tokenizer = load_tokenizer(resolve_tokenizer(config, run_dir))
     data = ingest.run(config, run_dir, kind="prompts")
@@ -240,6 +240,7 @@ def main() -> None:
     parser.add_argument("--no-curve", action="store_true")
     args = parser.parse_args()
     args.staleness = [int(k) for k in args.staleness.split(",") if k]
+    args.threads = torch.get_num_threads()  # the machine's: the synchronous baseline's every phase has them all
     shapes = [s for s in args.shapes.split(",") if s]
     if set(shapes) - {"demo", "0.6b"}:
         parser.error(f"--shapes takes demo and/or 0.6b, got {args.shapes!r}")

@@ -203,6 +203,9 @@ def test_with_max_staleness_each_round_trains_on_rollouts_of_the_weights_k_round
     assert [r.metrics["staleness"] for r in results] == [0, 1, 1, 1]
     assert [{x.policy_version for x in r.rollouts} for r in results] == [{0}, {0}, {1}, {2}]
     assert all(r.metrics["optimizer_steps"] == 2 and r.metrics["stale_dropped"] == 0 for r in results)
+    # double-buffered sync: each round's new weights are loaded and checked during the next one
+    assert "sync_ok" not in results[0].metrics
+    assert all(r.metrics["sync_ok"] and r.metrics["time_sync_background_s"] > 0 for r in results[1:])
 
     untrained = make(task, dynamic=False)
     first, second = untrained._produce(1), untrained._produce(2)

@@ -37,9 +37,12 @@ Bounded staleness (`grpo.max_staleness: k`, 0: the loop above as it is): steps 1
 round make a `RoundBatch` (its rollouts and trajectories, scored, and `version`: the rounds
 the policy had trained when they were generated). With k > 0 the controller keeps a queue of
 batches produced ahead: while the policy trains on round r (step 5), a thread of this
-process produces rounds r+1..r+k with the engine, which holds the weights after round r-1
-(the sync of step 6 waits for it), so every round from k+1 on trains on rollouts exactly k
-versions old, and the schedule is fixed: the same rollouts whatever the timing. Staleness is
+process produces rounds r+1..r+k with the engine, which holds the weights after round r-1,
+so every round from k+1 on trains on rollouts exactly k versions old, and the schedule is
+fixed: the same rollouts whatever the timing. The weight sync is double-buffered: step 6
+becomes a copy of the new weights (`time_sync_s`), which the next round's producer loads
+into the engine and checks, against a second copy, before it generates, while the policy
+trains (`time_sync_background_s`; its report is that round's `sync_ok`). Staleness is
 corrected by the objective's `is_correction` (its `old` is the policy before this update, its
 `eng` the engine's log-probs: truncated importance sampling between the policy that generated
 and the one that trains); a queued batch more than k versions behind the policy is dropped
@@ -281,6 +284,9 @@ class RLController:
         self.sampler = PromptSampler(len(self.prompts), seed)
         self.round = 0
         self.queue: deque[RoundBatch] = deque()  # rounds produced ahead (grpo.max_staleness), in order
+        # weights the policy published for the engine (asynchronous rounds), and what applying them reported
+        self._published: list[tuple[str, torch.Tensor]] | None = None
+        self._background_sync: tuple[dict | None, float] | None = None
         self.on_scored = on_scored
         self.teacher, self.distill_coef, self.teacher_vocab = teacher, float(distill_coef), teacher_vocab
         self.environment = environment if environment is not None else EnvironmentRole()
@@ -408,9 +414,11 @@ class RLController:
         return batch
 
     def _produce_ahead(self, first: int, last: int) -> None:
-        """Produce rounds `first..last` into the queue, in order. On a failure the sampler is
-        put back where the failed round's draw began (the rounds produced before it stay
-        queued) and the error is raised."""
+        """Bring the engine up to the published weights (`_catch_up`), then produce rounds
+        `first..last` into the queue, in order. On a failure the sampler is put back where
+        the failed round's draw began (the rounds produced before it stay queued) and the
+        error is raised."""
+        self._catch_up()
         for round_ in range(first, last + 1):
             sampler = self.sampler.state_dict()
             try:
@@ -437,12 +445,13 @@ class RLController:
         grpo = self.grpo
         round_ = self.round + 1
         times = {"generate": 0.0, "score": 0.0, "wait": 0.0, "reference": 0.0, "teacher": 0.0, "update": 0.0,
-                 "sync": 0.0}
+                 "sync": 0.0, "sync_background": 0.0}
         t = time.perf_counter()
         batch, stale_dropped = self._take(round_)
         if batch is None:
             sampler = self.sampler.state_dict()
             try:
+                self._catch_up()
                 batch = self._produce(round_)
             except BaseException:
                 self.sampler.load_state_dict(sampler)
@@ -461,8 +470,14 @@ class RLController:
                 t = time.perf_counter()
                 producer.join()
                 times["wait"] += time.perf_counter() - t
-        sync_error = None
-        if batch.trajectories:
+        sync_error = sync = None
+        if batch.trajectories and grpo.max_staleness:
+            # double-buffered: a copy of the new weights, which the next round's producer loads
+            # into the engine (and checks) while the policy trains on
+            t = time.perf_counter()
+            self._published = self._snapshot_weights()
+            times["sync"] += time.perf_counter() - t
+        elif batch.trajectories:
             t = time.perf_counter()
             try:
                 sync = self.sync_weights()
@@ -471,8 +486,9 @@ class RLController:
             except Exception as err:  # noqa: BLE001 - reported with the round's result below
                 sync, sync_error = None, err
             times["sync"] += time.perf_counter() - t
-        else:
-            sync = None
+        if self._background_sync is not None:  # the previous round's weights, loaded during this one
+            sync, times["sync_background"] = self._background_sync
+            self._background_sync = None
         self.round += 1
         metrics = self._metrics(batch, train_metrics, times, sync)
         if reverse_kl is not None:
@@ -546,18 +562,42 @@ class RLController:
 
     def sync_weights(self) -> dict | None:
         """Push the policy's weights to the engine and (with `sync_check`) verify them. An engine
-        in this process on the policy's accelerator gets them device to device (no host copy)."""
+        in this process on the policy's accelerator gets them device to device (no host copy).
+        Weights published for the engine and not yet loaded are then moot."""
+        self._published = None
         weights = self.policy.export_weights(on_device=engine_beside_policy(self.engine, self.policy))
         self.engine.update_weights(weights)
         if not self.grpo.sync_check:
             return None
-        reference, recompute = self.policy.sync_reference(weights)
+        return self._check_sync(*self.policy.sync_reference(weights))
+
+    def _check_sync(self, reference, recompute) -> dict:
         report = check_sync(self.engine, reference, recompute, self.probes,
                             max_new_tokens=min(SYNC_PROBE_TOKENS, self.sampling.max_new_tokens))
         if not report.ok:
             raise SyncError(f"after the weight update of round {self.round + 1}, {report.mismatched} of "
                             f"{report.probes} probe prompts decode differently in the engine than in the policy")
         return report.as_dict()
+
+    def _snapshot_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The policy's weights as a copy the next update leaves alone (an in-process policy
+        exports views of its live parameters; a worker group's export is a copy already)."""
+        weights = self.policy.export_weights(on_device=engine_beside_policy(self.engine, self.policy))
+        if isinstance(self.policy, LocalPolicy):
+            weights = [(name, tensor.detach().clone()) for name, tensor in weights]
+        return weights
+
+    def _catch_up(self) -> None:
+        """Load the weights the policy published last into the engine, verified as
+        `sync_weights` verifies (against a copy of them: the policy trains on meanwhile); the
+        report and its seconds go to the round's metrics. Nothing when none are pending."""
+        if self._published is None:
+            return
+        t = time.perf_counter()
+        weights, self._published = self._published, None
+        self.engine.update_weights(weights)
+        report = self._check_sync(*self.policy.snapshot_reference(weights)) if self.grpo.sync_check else None
+        self._background_sync = (report, time.perf_counter() - t)
 
     def _metrics(self, batch: RoundBatch, train_metrics: list[dict], times: dict, sync: dict | None) -> dict:
         all_rewards, rollouts = batch.rewards, batch.rollouts

@@ -13,7 +13,9 @@ Both kinds answer the controller (`posttrain.rl.controller`) through the same me
   views of the live parameters, for an engine in this process on the same device);
 - `sync_reference(weights) -> (NativeEngine, recompute)`: what `posttrain.rl.sync.check_sync`
   compares the engine with: a native engine holding the policy's weights, and the trainer's
-  own log-prob recomputation of sampled tokens;
+  own log-prob recomputation of sampled tokens; `snapshot_reference(weights)` the same for
+  weights the policy has since trained past (a copy holds them: the asynchronous loop checks
+  a sync while the next update runs);
 - `run(fn, *args)`: `fn(local_policy, *args)` on every rank (the result of rank 0), for what the
   recipe does with its trainer: round checkpoints, the final export (collective operations).
 
@@ -30,6 +32,7 @@ and the group is closed (the group's one failure policy).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -84,11 +87,31 @@ class LocalPolicy:
             self._reference = NativeEngine(self.model)
         return self._reference, self.recompute_logprobs
 
+    def snapshot_reference(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        """What `sync_reference` gives, over a copy of the model loaded with `weights` (a
+        snapshot the live model has since trained past): a native engine and the recomputation
+        of the same copy. The copy is made once and reloaded at each call."""
+        from posttrain.rl.native import NativeEngine
+
+        if getattr(self, "_snapshot", None) is None:
+            import copy
+
+            self._snapshot = NativeEngine(copy.deepcopy(self.model).eval().requires_grad_(False))
+        self._snapshot.update_weights(weights)
+        return self._snapshot, partial(recompute_snapshot, self._snapshot)
+
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return fn(self, *args)
 
     def close(self) -> None:
         pass
+
+
+def recompute_snapshot(engine, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]):
+    """`posttrain.rl.sync.recompute_logprobs` over a native `engine`'s own model."""
+    from posttrain.rl.sync import recompute_logprobs
+
+    return recompute_logprobs(engine.model, prompts, completions)
 
 
 def as_policy(policy) -> "LocalPolicy | PolicyGroup":
@@ -143,6 +166,12 @@ class PolicyGroup:
 
     def recompute_logprobs(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]):
         return self._call("recompute_logprobs", None, prompts, completions)[0]
+
+    def snapshot_reference(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        """`sync_reference(weights)` with the recomputation on that engine's model (the ranks have
+        trained past `weights`)."""
+        engine, _ = self.sync_reference(weights)
+        return engine, partial(recompute_snapshot, engine)
 
     def sync_reference(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None):
         """A native engine in this process loaded with the exported `weights`, and the ranks'
