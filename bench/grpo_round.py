@@ -104,7 +104,8 @@ def run_ours(model_dir: Path, tokenizer, records, args, device: str = "cpu",
     model = load_hf_checkpoint(model_dir, device=device)
     cfg = TrainConfig(learning_rate=LR, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0, lr_schedule="linear")
     grpo = GRPOSection(prompts_per_round=args.prompts, aggregation="token_mean", dynamic_sampling=False,
-                       sampling=SamplingConfig(n=args.n, max_new_tokens=args.new_tokens))
+                       sampling=SamplingConfig(n=args.n, max_new_tokens=args.new_tokens),
+                       max_staleness=getattr(args, "max_staleness", 0))
     trainer = Trainer(model, cfg, args.rounds + 1, objective=GRPOObjective(grpo))
     engine = NativeEngine(copy.deepcopy(model), tokenizer=tokenizer, decode_backend=args.decode_backend)
     prompts = [render_prompt(tokenizer, r.prompt) for r in records]

@@ -5,7 +5,7 @@ thread`: what posttrain did before, and more isolation than rewards called in th
 process, as TRL calls them, have).
 
     python bench/reward_isolation.py [--quick] [--rounds 5] [--timeout 0.2] [--processes 8]
-                                     [--rates raise=2,spin=5,exit=2,allocate=2]
+                                     [--rates raise=2,spin=5,exit=2,allocate=2] [--max-staleness 0]
 
 The rounds are bench/grpo_round.py's (`run_ours`: the SFT demo's model shape, random weights,
 arithmetic prompts, `--prompts` x `--n` samples of `--new-tokens`, one optimizer step a round),
@@ -22,7 +22,11 @@ percent of samples). Four runs, one after the other, the same seeds:
 A call that spins costs its `--timeout` on one worker whatever the scheduling: `--processes`
 of them are waited out at once. The default 8 waits out a round's spinning samples (5% of 16 x
 8 = 6.4 on average) in one wave, as a user who expects that many hangs a round sets
-`grpo.reward_processes`; with 4 the floor alone is two waves (0.4 s on a 0.42 s round).
+`grpo.reward_processes`; with 4 the floor alone is two waves (0.4 s on a 0.42 s round). That
+floor is what a synchronous round pays; `--max-staleness k` runs every round asynchronously
+(`grpo.max_staleness`, behaving and misbehaving alike): the next round's rollouts are generated
+and scored on a thread while this one trains, so a hanging call's timeout runs beside the update
+instead of before it (`ratio_floor` is then no floor).
 
 Progress on stderr; the LAST stdout line is one JSON object: `ratio_misbehaving_vs_behaving` (the
 median of `ratio`), `ratio` (misbehaving / behaving round time, round by round, `process`) and
@@ -108,6 +112,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=0.2, help="the reward term's timeout_s")
     parser.add_argument("--retry-budget", type=float, default=30.0, help="the reward term's retry_budget_s")
     parser.add_argument("--processes", type=int, default=8, help="grpo.reward_processes")
+    parser.add_argument("--max-staleness", type=int, default=0, help="grpo.max_staleness of every run")
     parser.add_argument("--memory-mb", type=int, default=1024, help="grpo.reward_memory_mb")
     parser.add_argument("--rates", default="raise=2,spin=5,exit=2,allocate=2",
                         help="percent of samples that raise, spin, exit, allocate")
@@ -162,6 +167,7 @@ def main() -> None:
         "failed_per_round": failures,
         "settings": {"rates_percent": args.rates, "baseline_rates_percent": baseline_rates, "timeout_s": args.timeout,
                      "reward_processes": args.processes, "reward_memory_mb": args.memory_mb, "rounds": args.rounds,
+                     "max_staleness": args.max_staleness,
                      "prompts": args.prompts, "n": args.n, "new_tokens": args.new_tokens,
                      "torch_threads": torch.get_num_threads()},
         "machine": machine(),
