@@ -170,9 +170,11 @@ def _open(episode: Episode, messages: list[dict], tokenizer, renderer: Observati
     an opening the template cannot render, or too long to leave a turn's room in the row,
     fails the episode (reason `invalid`)."""
     from posttrain.data.chat import render_prompt
+    from posttrain.rl.environments import record_template_kwargs
 
     try:
-        ids = render_prompt(tokenizer, messages, **(renderer.template_kwargs if renderer else {}))
+        kwargs = record_template_kwargs(renderer.template_kwargs if renderer else {}, episode.record)
+        ids = render_prompt(tokenizer, messages, **kwargs)
     except Exception as err:  # noqa: BLE001 - the environment's opening, not the run, is at fault
         episode.failure, episode.done = EpisodeFailure("invalid", f"the chat template cannot render the opening "
                                                                   f"({type(err).__name__}: {err})"), True
@@ -264,9 +266,12 @@ def template_skew(episode: Episode, tokenizer, template_kwargs: dict | None = No
                   context: int = 6) -> SkewReport | None:
     """None when the chat template renders the episode's conversation (no generation prompt)
     to its tokens, followed at most by whitespace (what a template writes after a closing stop
-    token); else the first difference (`SkewReport`)."""
+    token); else the first difference (`SkewReport`). The record's own tools, when it names
+    any, are those rendered (`record_template_kwargs`)."""
     from posttrain.data.chat import template_ids
+    from posttrain.rl.environments import record_template_kwargs
 
+    template_kwargs = record_template_kwargs(template_kwargs or {}, episode.record)
     ids = list(episode.prompt_ids) + list(episode.tokens)
     rendered = template_ids(tokenizer.apply_chat_template(conversation(episode, tokenizer), tokenize=True,
                                                           add_generation_prompt=False, **(template_kwargs or {})))
