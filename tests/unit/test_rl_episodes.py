@@ -154,7 +154,7 @@ def test_prompts_naming_a_tool_the_recipe_lacks_are_rejected_with_their_line(qwe
     from posttrain.steps import tokenize
 
     config = load_recipe_config(Path(__file__).resolve().parents[2] / "configs" / "grpo" / "calculator-demo.yaml",
-                                "grpo", {"output_dir": str(tmp_path)})
+                                "grpo", {"output_dir": str(tmp_path), "pack.row_length": 1024})
     question = [{"role": "user", "content": "What is 12345 * 678?"}]
     records = [PromptRecord(question, "8369910", {"tools": ["calculator"]}, "q.jsonl", 1),
                PromptRecord(question, "8369910", {"tools": ["divide"]}, "q.jsonl", 2),

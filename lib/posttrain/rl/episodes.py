@@ -125,7 +125,7 @@ def run_episodes(engine, role: EnvironmentRole, prompts: Sequence[Sequence[int]]
     else:
         keys = [k for k, e in enumerate(flat) if not e.done]
         running = list(zip([flat[k] for k in keys],
-                           _generate_each(engine, [flat[k].prompt_ids for k in keys], sampling, 0, keys)))
+                           generate_each(engine, [flat[k].prompt_ids for k in keys], sampling, 0, keys)))
     _take_turns(role, [e for e, _ in running], [c for _, c in running], tokenizer)
     for turn in range(1, max_turns):
         active = [k for k, e in enumerate(flat) if not e.done]
@@ -153,7 +153,7 @@ def run_episodes(engine, role: EnvironmentRole, prompts: Sequence[Sequence[int]]
             ready.append(k)
         if not ready:
             break
-        completions = _generate_each(engine, [flat[k].prompt_ids + flat[k].tokens for k in ready], sampling, turn,
+        completions = generate_each(engine, [flat[k].prompt_ids + flat[k].tokens for k in ready], sampling, turn,
                                      ready)
         _take_turns(role, [flat[k] for k in ready], completions, tokenizer)
     for e in flat:
@@ -197,7 +197,7 @@ def episode_rewards(scorer, episodes: Sequence[Episode]):
     return rewards, scores
 
 
-def _generate_each(engine, contexts: list[list[int]], sampling: SamplingConfig, turn: int,
+def generate_each(engine, contexts: list[list[int]], sampling: SamplingConfig, turn: int,
                    keys: Sequence[int]) -> list[Completion]:
     """One completion of each context, that of episode `keys[i]` (its index among the call's
     episodes) seeded `request_seed(request_seed(seed, -turn), keys[i])`: whatever else ended."""
