@@ -369,18 +369,27 @@ class _Pairs:
 
 def _rendered_prompt(context: tuple, record: Any) -> list[int] | None | EndOfPart:
     """In a render worker: a prompt record's token ids (`render_prompt`: the generation prompt
-    included), None when they leave less than the completion's room (`limit` tokens at most);
-    the end-of-part marker passes through."""
+    included, the tools it names advertised: `record_template_kwargs`), None when they leave
+    less than the completion's room (`limit` tokens at most), a `RejectedRow` when it names a
+    tool the recipe lacks; the end-of-part marker passes through."""
+    from posttrain.data.records import RejectedRow, raw_text
+    from posttrain.rl.environments import record_template_kwargs
+
     if isinstance(record, EndOfPart):
         return record
     tokenizer, template_kwargs, limit = context
+    try:
+        template_kwargs = record_template_kwargs(template_kwargs, record)
+    except ValueError as err:
+        return RejectedRow(record.source, record.line, str(err), raw_text({"prompt": record.prompt, "meta": record.meta}))
     ids = render_prompt(tokenizer, record.prompt, **template_kwargs)
     return ids if len(ids) <= limit else None
 
 
 class _PromptKind:
     """How an RL recipe's prompts go through `render_parts`: rendered by `_rendered_prompt`,
-    those too long for a completion dropped and counted, the rest kept as `PromptSample`s."""
+    those too long for a completion dropped and counted, those naming a tool the recipe lacks
+    rejected (file and line), the rest kept as `PromptSample`s."""
 
     layout, unit, work = "prompts", "prompts", staticmethod(_rendered_prompt)
 
@@ -388,9 +397,13 @@ class _PromptKind:
         self.dropped = 0
 
     def keep(self, name: str, part: RecordPart, results: list) -> tuple[list, list[int], list[RejectedRow]]:
-        kept = [PromptSample(ids, record) for record, ids in zip(part.train, results) if ids is not None]
-        self.dropped += len(part.train) - len(kept)
-        return kept, [sample.record.line for sample in kept], list(part.rejected)
+        from posttrain.data.records import RejectedRow
+
+        rejected = [ids for ids in results if isinstance(ids, RejectedRow)]
+        kept = [PromptSample(ids, record) for record, ids in zip(part.train, results)
+                if ids is not None and not isinstance(ids, RejectedRow)]
+        self.dropped += len(part.train) - len(kept) - len(rejected)
+        return kept, [sample.record.line for sample in kept], list(part.rejected) + rejected
 
     def save(self, out_dir: Path, part: RecordPart) -> dict:
         return {"dropped": self.dropped}

@@ -53,12 +53,13 @@ def fails_on_some(completions, records, **_):
     return [float(len(c) % 2) for c in completions]
 
 
-def make(task, reward="has_digit_seven", dynamic=True, passes=1, engine=None, max_staleness=0):
+def make(task, reward="has_digit_seven", dynamic=True, passes=1, engine=None, max_staleness=0, partial=False):
     tokenizer, records, prompts = task
     model = build_model(tiny_config("qwen3", vocab_size=len(tokenizer), max_position_embeddings=256), seed=0)
     cfg = TrainConfig(learning_rate=3e-3, warmup_steps=0, weight_decay=0.0)
     grpo = GRPOSection(prompts_per_round=4, sampling=SamplingConfig(n=4, max_new_tokens=6), passes=passes,
-                       steps_per_pass=2, dynamic_sampling=dynamic, max_draws=3, max_staleness=max_staleness)
+                       steps_per_pass=2, dynamic_sampling=dynamic, max_draws=3, max_staleness=max_staleness,
+                       partial_rollouts=partial)
     trainer = Trainer(model, cfg, 100, objective=GRPOObjective(grpo))
     engine = engine or NativeEngine(copy.deepcopy(model), tokenizer=tokenizer)
     sampling = dataclasses.replace(grpo.sampling, stop_token_ids=tuple(end_of_turn_token_ids(tokenizer)))
@@ -282,3 +283,54 @@ def test_an_engine_lost_while_producing_ahead_fails_no_trained_round(task):
     synchronous = make(task, dynamic=False)
     expected = [prompts_of(synchronous.run_round()) for _ in range(3)]
     assert [prompts_of(lost.value.result)] + [prompts_of(controller.run_round()) for _ in range(2)] == expected
+
+
+# ---------------------------------------------------------------- partial rollouts (grpo.partial_rollouts)
+
+
+def test_partial_rollouts_continue_each_generation_under_the_newer_weights(task):
+    """k = 2, 6 new tokens: round r >= 3's completions get their first 3 tokens in round r-2
+    (weights after round r-3) and the rest in round r-1 (after round r-2), each token tagged
+    with its version; rounds 1 and 2, before the pipeline reaches them, are generated whole."""
+    controller = make(task, dynamic=False, max_staleness=2, partial=True)
+    results = [controller.run_round() for _ in range(5)]
+    assert [r.rollouts[0].token_versions is None for r in results] == [True, True, False, False, False]
+    for result in results[2:]:
+        old = result.round - 3
+        for rollout in result.rollouts:
+            first = min(3, len(rollout.completion_ids))
+            assert rollout.token_versions == [old] * first + [old + 1] * (len(rollout.completion_ids) - first)
+        assert result.metrics["staleness_max"] == 2 and 1 <= result.metrics["staleness"] <= 2
+    assert [r.metrics["staleness"] for r in results[:2]] == [0, 1]
+    # the schedule keeps the prompt order: every round draws the sampler's next prompts
+    synchronous = make(task, dynamic=False)
+    assert [prompts_of(synchronous.run_round()) for _ in range(5)] == [prompts_of(r) for r in results]
+
+
+def test_partial_rollouts_resume_bitwise_with_rounds_half_generated(task, tmp_path):
+    straight = make(task, passes=2, dynamic=False, max_staleness=3, partial=True)
+    results = [straight.run_round() for _ in range(5)]
+
+    first = make(task, passes=2, dynamic=False, max_staleness=3, partial=True)
+    first.run_round(), first.run_round()
+    assert [b.round for b in first.queue] == [3] and [(b.round, b.segments) for b in first.inflight] == [(4, 2), (5, 1)]
+    manager = CheckpointManager(tmp_path, every_steps=1)
+    path = manager.save(first.round, first.policy.trainer, first.state_dict())
+    resumed = make(task, passes=2, dynamic=False, max_staleness=3, partial=True)
+    resumed.load_state_dict(manager.load(path, resumed.policy.trainer))
+    resumed.engine.update_weights(resumed.policy.export_weights())
+    for a, b in zip([resumed.run_round() for _ in range(3)], results[2:]):
+        assert rollout_key(a) == rollout_key(b) and [r.token_versions for r in a.rollouts] == \
+            [r.token_versions for r in b.rollouts]
+        assert [m["loss"] for m in a.train_metrics] == [m["loss"] for m in b.train_metrics]
+    for (name, a), b in zip(straight.policy.model.state_dict().items(), resumed.policy.model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_partial_rollouts_need_two_rounds_of_staleness_and_single_turn_draws():
+    from posttrain.config.strict import ConfigError
+
+    with pytest.raises(ConfigError, match="max_staleness >= 2"):
+        GRPOSection(partial_rollouts=True, max_staleness=1, dynamic_sampling=False).validate()
+    with pytest.raises(ConfigError, match="dynamic_sampling: false"):
+        GRPOSection(partial_rollouts=True, max_staleness=2).validate()

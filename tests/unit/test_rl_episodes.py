@@ -17,7 +17,7 @@ from posttrain.config.strict import ConfigError
 from posttrain.data.chat import end_of_turn_token_ids, render_prompt
 from posttrain.data.records import PromptRecord
 from posttrain.rl.engine import Completion, SamplingConfig
-from posttrain.rl.environments import EnvironmentContractError, EnvironmentRole, tool_schemas
+from posttrain.rl.environments import EnvironmentContractError, EnvironmentRole, record_template_kwargs, tool_schemas
 from posttrain.data.chat import ObservationRenderer
 from posttrain.rl.episodes import run_episodes, template_skew
 from posttrain.rl.trajectories import Trajectory, pack_trajectories
@@ -112,6 +112,58 @@ def test_the_skew_check_reports_a_template_that_drops_earlier_thinking(qwen3_tok
     think_at = len(episode.prompt_ids) + episode.turns[0].token_ids.index(tok.convert_tokens_to_ids("<think>"))
     assert report.position == think_at
     assert "<think>" in report.trajectory and "<think>" not in report.rendered
+
+
+def test_a_record_with_its_own_tools_advertises_and_executes_only_those(qwen3_tokenizer):
+    """`tools` in a prompt record's metadata narrows the recipe's tools for its prompt, its
+    episodes and the skew check; a record naming a tool the recipe lacks is an error naming it
+    and the record's file and line; a `tools` that is not a list of names is a bad row."""
+    from posttrain.data.records import RecordError, validate_prompt
+
+    tok = qwen3_tokenizer
+    recipe_tools = TOOLS + ["user_environments:add"]
+    kwargs = {"tools": tool_schemas(recipe_tools)}
+    record = PromptRecord([{"role": "user", "content": "What is 123*456?"}], "56088", {"tools": ["add"]}, "q.jsonl", 7)
+    narrowed = record_template_kwargs(kwargs, record)
+    assert [s["function"]["name"] for s in narrowed["tools"]] == ["add"]
+    assert record_template_kwargs(kwargs, _record()) is kwargs  # no tools of its own: the recipe's
+    text = tok.decode(render_prompt(tok, record.prompt, **narrowed))
+    assert '"name": "add"' in text and '"name": "multiply"' not in text
+
+    engine = ScriptedEngine(tok, [TOOL_TURN, ANSWER_TURN], tok.convert_tokens_to_ids("<|im_end|>"))
+    role = EnvironmentRole("tools", {"tools": recipe_tools}, isolation="thread")
+    renderer = ObservationRenderer(tok, kwargs)
+    sampling = SamplingConfig(n=1, max_new_tokens=64, stop_token_ids=tuple(end_of_turn_token_ids(tok)))
+    [[episode]] = run_episodes(engine, role, [render_prompt(tok, record.prompt, **narrowed)], [record], [0], sampling,
+                               tok, renderer, 4096, 4)
+    assert episode.observations == [[{"role": "tool", "name": "multiply",
+                                      "content": "error: unknown tool 'multiply' (tools: add)"}]]
+    assert template_skew(episode, tok, kwargs) is None  # rendered with the record's tools, as its prompt was
+
+    stranger = PromptRecord(record.prompt, "1", {"tools": ["divide"]}, "q.jsonl", 8)
+    with pytest.raises(ValueError, match=r"q.jsonl:8 names tools \['divide'\]"):
+        record_template_kwargs(kwargs, stranger)
+    with pytest.raises(RecordError, match="tools is not a list of tool names"):
+        validate_prompt(record.prompt, "1", {"tools": "add"})
+
+
+def test_prompts_naming_a_tool_the_recipe_lacks_are_rejected_with_their_line(qwen3_tokenizer, tmp_path):
+    from pathlib import Path
+
+    from posttrain.config.loader import load_recipe_config
+    from posttrain.steps import tokenize
+
+    config = load_recipe_config(Path(__file__).resolve().parents[2] / "configs" / "grpo" / "calculator-demo.yaml",
+                                "grpo", {"output_dir": str(tmp_path), "pack.row_length": 1024})
+    question = [{"role": "user", "content": "What is 12345 * 678?"}]
+    records = [PromptRecord(question, "8369910", {"tools": ["calculator"]}, "q.jsonl", 1),
+               PromptRecord(question, "8369910", {"tools": ["divide"]}, "q.jsonl", 2),
+               PromptRecord(question, "8369910", {}, "q.jsonl", 3)]
+    result = tokenize.run_prompts({"q": records}, qwen3_tokenizer, config, num_proc=1)
+    assert [r.line for r in result.prompts.records] == [1, 3] and result.prompts.dropped == 0
+    assert [(r.source, r.line) for r in result.rejected] == [("q.jsonl", 2)]
+    assert "names tools ['divide']" in result.rejected[0].reason
+    assert result.prompts.ids[0] == result.prompts.ids[1]  # the calculator is the recipe's only tool
 
 
 @pytest.mark.subprocess

@@ -18,6 +18,16 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first term
+        b: the second term
+    """
+    return a + b
+
+
 class Guess(Environment):
     """A guessing game: the secret is the record's reference; the policy has `turns` tries, told
     "higher" or "lower"; reward 1 for a right guess."""

@@ -408,7 +408,8 @@ class GRPOSection:
     prompts (at most `max_draws` draws per round); `overlong_mask` leaves completions cut at
     `sampling.max_new_tokens` out of the loss. `max_staleness: k` overlaps generation with
     training: the engine produces the rollouts of rounds r+1..r+k while the policy trains on
-    round r (0: the synchronous loop). `rounds` rounds in all, `rounds_per_task` of them per
+    round r (0: the synchronous loop); `partial_rollouts` spreads each round's generation over
+    those k rounds, each segment under the newest weights. `rounds` rounds in all, `rounds_per_task` of them per
     task of the flow's recursive `rl_round` step. `engine`: native (in process),
     `native_actor` (the native engine in a Ray actor) or `vllm_actor` (vLLM in a Ray actor, for
     GPU machines with vLLM installed); `sync_check` verifies each weight sync on greedy probes.
@@ -434,6 +435,9 @@ class GRPOSection:
     # bounded staleness: the engine generates rounds r+1..r+k while the policy trains on round r
     # (k rounds ahead; each batch from weights k rounds old, corrected by `is_correction`); 0: synchronous
     max_staleness: int = bounded(0, ge=0)
+    # with max_staleness k >= 2: each round's completions generated in k segments over the k rounds
+    # before it, each under that round's weights (tokens carry their versions; `posttrain.rl.partial`)
+    partial_rollouts: bool = False
     passes: int = bounded(1, ge=1)
     steps_per_pass: int = bounded(1, ge=1)
     advantage_scale: Literal["none", "std"] = "none"
@@ -488,6 +492,12 @@ class GRPOSection:
         if self.advantage_estimator == "rejection_sampling" and self.dynamic_sampling:
             raise ConfigError("grpo.advantage_estimator rejection_sampling trains every accepted sample, groups whose samples all "
                               "succeed included: set grpo.dynamic_sampling: false")
+        if self.partial_rollouts and self.max_staleness < 2:
+            raise ConfigError(f"grpo.partial_rollouts spreads a round's generation over max_staleness rounds: set "
+                              f"grpo.max_staleness >= 2 (got {self.max_staleness})")
+        if self.partial_rollouts and (self.dynamic_sampling or self.environment.name != "single_turn"):
+            raise ConfigError("grpo.partial_rollouts continues single-turn completions drawn once a round: set "
+                              "grpo.dynamic_sampling: false and leave grpo.environment single_turn")
         if self.policy_loss == "gspo" and self.aggregation != "sequence_mean":
             raise ConfigError(f"grpo.policy_loss gspo is a mean over sequences of their ratio's term: set "
                               f"grpo.aggregation: sequence_mean (got {self.aggregation})")

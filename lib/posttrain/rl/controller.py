@@ -85,6 +85,7 @@ from posttrain.rl.decode_backends import check_resume, engine_identity
 from posttrain.rl.engine import SamplingConfig, request_seed
 from posttrain.rl.environments import EnvironmentRole
 from posttrain.rl.episodes import Episode, episode_rewards, run_episodes, template_skew
+from posttrain.rl.partial import InFlight, advance
 from posttrain.rl.rewards import RewardScorer
 from posttrain.rl.policy import LocalPolicy, as_policy
 from posttrain.rl.sync import SyncError, check_sync
@@ -156,6 +157,7 @@ class Rollout:
     trained: bool
     turns: int = 1  # the policy's turns in the episode (its observations are in completion_ids too)
     policy_version: int = 0  # the rounds the policy had trained when its weights generated this
+    token_versions: list[int] | None = None  # per token, with partial rollouts (else all policy_version)
 
 
 @dataclass
@@ -284,26 +286,31 @@ class RLController:
         self.sampler = PromptSampler(len(self.prompts), seed)
         self.round = 0
         self.queue: deque[RoundBatch] = deque()  # rounds produced ahead (grpo.max_staleness), in order
-        # weights the policy published for the engine (asynchronous rounds), and what applying them reported
-        self._published: list[tuple[str, torch.Tensor]] | None = None
+        self.inflight: deque[InFlight] = deque()  # rounds being generated in segments (grpo.partial_rollouts)
+        # asynchronous rounds: the policy's last weights, published for the engine in a copy (a native
+        # engine, with its recomputation), and what loading them into the engine reported
+        self._published: tuple | None = None
         self._background_sync: tuple[dict | None, float] | None = None
         self.on_scored = on_scored
         self.teacher, self.distill_coef, self.teacher_vocab = teacher, float(distill_coef), teacher_vocab
         self.environment = environment if environment is not None else EnvironmentRole()
         self.template_kwargs = dict(template_kwargs or {})
         self.renderer = None if self.environment.single_turn else ObservationRenderer(tokenizer, self.template_kwargs)
+        if grpo.partial_rollouts and not self.environment.single_turn:
+            raise ValueError("grpo.partial_rollouts continues single-turn generations; this environment has turns")
         self._skew_warned = False
 
     # ---------------------------------------------------------------- state
 
     def state_dict(self) -> dict:
         return {"round": self.round, "sampler": self.sampler.state_dict(), "decode": engine_identity(self.engine),
-                "queue": [batch.state() for batch in self.queue]}
+                "queue": [batch.state() for batch in self.queue], "inflight": [b.state() for b in self.inflight]}
 
     def load_state_dict(self, state: dict) -> None:
         self.round = int(state["round"])
         self.sampler.load_state_dict(state["sampler"])
         self.queue = deque(RoundBatch.from_state(b) for b in state.get("queue", []))
+        self.inflight = deque(InFlight.from_state(b) for b in state.get("inflight", []))
         check_resume(state.get("decode"), engine_identity(self.engine))
 
 
@@ -321,7 +328,7 @@ class RLController:
 
     def _draw(self, round_: int, draw: int) -> tuple[list[int], list[list[Episode]]]:
         indices = self.sampler.take(self.grpo.prompts_per_round)
-        seed = request_seed(request_seed(self.seed, round_ - 1), draw)
+        seed = request_seed(request_seed(self.seed, round_ - 1), draw)  # draw 0: `_round_seed`
         groups = run_episodes(self.engine, self.environment, [self._prompt(i) for i in indices],
                               [self.records[i] for i in indices], indices, replace(self.sampling, seed=seed),
                               self.tokenizer, self.renderer, self.row_length, self.grpo.environment.max_turns)
@@ -360,58 +367,64 @@ class RLController:
         """Round `round_`'s rollouts, drawn, generated and scored with the engine's weights now
         (steps 1-4 of the module docstring). The draw's seeds derive from `round_`, so a batch
         is the same whenever it is produced from the same sampler position and weights."""
-        grpo, n = self.grpo, self.sampling.n
-        times = {"generate": 0.0, "score": 0.0}
-        batch = RoundBatch(round=round_, version=self.round, seconds=times)
-        draws = 0
-        kept = 0
-        while kept < grpo.prompts_per_round and draws < (grpo.max_draws if grpo.dynamic_sampling else 1):
+        grpo = self.grpo
+        batch = RoundBatch(round=round_, version=self.round, seconds={"generate": 0.0, "score": 0.0})
+        while batch.groups_trained < grpo.prompts_per_round and \
+                batch.draws < (grpo.max_draws if grpo.dynamic_sampling else 1):
             t = time.perf_counter()
             try:
-                indices, groups = self._draw(round_, draws)
+                indices, groups = self._draw(round_, batch.draws)
             except Exception as err:  # noqa: BLE001 - the caller decides whether a restart helps
                 raise EngineLost(None) from err
-            times["generate"] += time.perf_counter() - t
-            draws += 1
-            t = time.perf_counter()
-            flat = [e for g in groups for e in g]
-            texts = [e.final_text for e in flat]
-            rewards, scores = episode_rewards(self.scorer, flat)
-            times["score"] += time.perf_counter() - t
-            offset = len(batch.rollouts)
-            if scores is not None:
-                batch.errors += [(offset + i if i >= 0 else i, label, msg) for i, label, msg in scores.errors]
-            batch.errors += [(offset + k, "environment", str(e.failure)) for k, e in enumerate(flat)
-                             if e.failure is not None]
-            batch.failed += sum(not math.isfinite(r) for r in rewards)
-            rewards_GN = torch.tensor(rewards, dtype=torch.float64).view(len(indices), n)
-            adv_GN = (group_advantages(rewards_GN, grpo.advantage_scale) if grpo.advantage_estimator == "group"
-                      else rejection_sampling_advantages(rewards_GN, grpo.success_threshold))
-            flat_groups = degenerate_groups(rewards_GN).tolist()
-            if grpo.environment.skew_check != "off" and batch.checked < grpo.environment.skew_check_episodes:
-                batch.skew += self._check_skew(flat, round_)
-                batch.checked += len(flat)
-            for g, (prompt_index, group) in enumerate(zip(indices, groups)):
-                batch.drawn_groups += 1
-                batch.zero_groups += flat_groups[g]
-                batch.rewards.append(rewards_GN[g].tolist())
-                # a teacher gives every group a signal: only reward-only runs drop equal-reward groups
-                drop = grpo.dynamic_sampling and flat_groups[g] and self.teacher is None
-                use = not drop and kept < grpo.prompts_per_round
-                kept += use
-                for j, e in enumerate(group):
-                    reward, advantage = float(rewards_GN[g, j]), float(adv_GN[g, j])
-                    trained = (use and math.isfinite(advantage)
-                               and not (grpo.overlong_mask and e.finish_reason == "length"))
-                    batch.rollouts.append(Rollout(prompt_index, j, list(e.tokens), texts[g * n + j], e.finish_reason,
-                                                  reward, advantage, trained, len(e.turns), batch.version))
-                    # the engine's log-probs under the model's own distribution: what the trainer recomputes
-                    if trained and any(e.sampled):
-                        batch.trajectories.append(Trajectory(list(e.prompt_ids), list(e.tokens), advantage,
-                                                             list(e.engine_logps),
-                                                             None if e.all_sampled else list(e.sampled)))
-        batch.groups_trained, batch.draws = kept, draws
+            batch.seconds["generate"] += time.perf_counter() - t
+            batch.draws += 1
+            self._score_draw(batch, indices, groups)
         return batch
+
+    def _score_draw(self, batch: RoundBatch, indices: list[int], groups: list[list[Episode]],
+                    versions: list[list[int]] | None = None) -> None:
+        """Score one draw's episodes into `batch`: rewards, group advantages, the groups kept
+        (dynamic sampling), their rollouts and trajectories. `versions`: each episode's
+        per-token policy versions (partial rollouts), else None."""
+        grpo, n = self.grpo, self.sampling.n
+        t = time.perf_counter()
+        flat = [e for g in groups for e in g]
+        texts = [e.final_text for e in flat]
+        rewards, scores = episode_rewards(self.scorer, flat)
+        batch.seconds["score"] += time.perf_counter() - t
+        offset = len(batch.rollouts)
+        if scores is not None:
+            batch.errors += [(offset + i if i >= 0 else i, label, msg) for i, label, msg in scores.errors]
+        batch.errors += [(offset + k, "environment", str(e.failure)) for k, e in enumerate(flat)
+                         if e.failure is not None]
+        batch.failed += sum(not math.isfinite(r) for r in rewards)
+        rewards_GN = torch.tensor(rewards, dtype=torch.float64).view(len(indices), n)
+        adv_GN = (group_advantages(rewards_GN, grpo.advantage_scale) if grpo.advantage_estimator == "group"
+                  else rejection_sampling_advantages(rewards_GN, grpo.success_threshold))
+        flat_groups = degenerate_groups(rewards_GN).tolist()
+        if grpo.environment.skew_check != "off" and batch.checked < grpo.environment.skew_check_episodes:
+            batch.skew += self._check_skew(flat, batch.round)
+            batch.checked += len(flat)
+        for g, (prompt_index, group) in enumerate(zip(indices, groups)):
+            batch.drawn_groups += 1
+            batch.zero_groups += flat_groups[g]
+            batch.rewards.append(rewards_GN[g].tolist())
+            # a teacher gives every group a signal: only reward-only runs drop equal-reward groups
+            drop = grpo.dynamic_sampling and flat_groups[g] and self.teacher is None
+            use = not drop and batch.groups_trained < grpo.prompts_per_round
+            batch.groups_trained += use
+            for j, e in enumerate(group):
+                reward, advantage = float(rewards_GN[g, j]), float(adv_GN[g, j])
+                trained = (use and math.isfinite(advantage)
+                           and not (grpo.overlong_mask and e.finish_reason == "length"))
+                batch.rollouts.append(Rollout(prompt_index, j, list(e.tokens), texts[g * n + j], e.finish_reason,
+                                              reward, advantage, trained, len(e.turns), batch.version,
+                                              None if versions is None else list(versions[g * n + j])))
+                # the engine's log-probs under the model's own distribution: what the trainer recomputes
+                if trained and any(e.sampled):
+                    batch.trajectories.append(Trajectory(list(e.prompt_ids), list(e.tokens), advantage,
+                                                         list(e.engine_logps),
+                                                         None if e.all_sampled else list(e.sampled)))
 
     def _produce_ahead(self, first: int, last: int) -> None:
         """Bring the engine up to the published weights (`_catch_up`), then produce rounds
@@ -426,6 +439,58 @@ class RLController:
             except BaseException:
                 self.sampler.load_state_dict(sampler)
                 raise
+
+    def _round_seed(self, round_: int) -> int:
+        """The seed of round `round_`'s first draw (`_draw`)."""
+        return request_seed(request_seed(self.seed, round_ - 1), 0)
+
+    def _advance_partial(self, round_: int) -> None:
+        """Partial rollouts (`posttrain.rl.partial`), in the producer while round `round_`
+        trains: bring the engine up to the published weights; produce whole any round before
+        the pipeline's reach (its first rounds, or one lost to a failure); generate the next
+        segment of every round in flight, scoring into the queue each that has its last; and
+        start round `round_ + max_staleness`. All in round order. On a failure the sampler,
+        the rounds in flight and the queue are put back as they were, and the error is raised."""
+        k, last = self.grpo.max_staleness, self.grpo.rounds
+        saved = (self.sampler.state_dict(), [b.state() for b in self.inflight], len(self.queue))
+        try:
+            self._catch_up()
+            reach = self.inflight[0].round if self.inflight else round_ + k
+            first = self.queue[-1].round + 1 if self.queue else round_ + 1
+            for j in range(first, min(reach, last + 1)):
+                self.queue.append(self._produce(j))
+            for batch in list(self.inflight):
+                self._advance(batch)
+                if batch.segments == k:
+                    self.queue.append(self._finish(self.inflight.popleft()))
+            new = round_ + k
+            if new <= last and max([b.round for b in (*self.queue, *self.inflight)], default=0) < new:
+                batch = InFlight(new, self.sampler.take(self.grpo.prompts_per_round), self.sampling.n)
+                self._advance(batch)
+                self.inflight.append(batch)
+        except BaseException:
+            self.sampler.load_state_dict(saved[0])
+            self.inflight = deque(InFlight.from_state(b) for b in saved[1])
+            while len(self.queue) > saved[2]:
+                self.queue.pop()
+            raise
+
+    def _advance(self, batch: InFlight) -> None:
+        """`batch`'s next segment with the engine's weights now (policy version `self.round`)."""
+        try:
+            advance(batch, self.engine, [self._prompt(i) for i in batch.indices], self.sampling,
+                    self.grpo.max_staleness, self.round, self._round_seed(batch.round))
+        except Exception as err:  # noqa: BLE001 - the caller decides whether a restart helps
+            raise EngineLost(None) from err
+
+    def _finish(self, batch: InFlight) -> RoundBatch:
+        """A round whose every segment is generated, scored (its tokens' versions kept)."""
+        out = RoundBatch(round=batch.round, version=batch.version, seconds={"generate": batch.seconds, "score": 0.0})
+        groups = batch.episodes([self._prompt(i) for i in batch.indices], [self.records[i] for i in batch.indices],
+                                self.tokenizer)
+        self._score_draw(out, batch.indices, groups, versions=[s["versions"] for s in batch.samples])
+        out.draws = 1
+        return out
 
     def _take(self, round_: int) -> tuple[RoundBatch | None, int]:
         """The queued batch of `round_` if one is fresh enough (`(batch, 0)`), else `(None,
@@ -458,11 +523,19 @@ class RLController:
                 raise
         times["wait"] += time.perf_counter() - t
         times["generate"], times["score"] = batch.seconds["generate"], batch.seconds["score"]
+        trained_versions = [v for r in batch.rollouts if r.trained and r.token_versions for v in r.token_versions]
         staleness = self.round - batch.version
+        staleness_max = staleness
+        if trained_versions:  # partial rollouts: the mean over the trained tokens
+            staleness = self.round - sum(trained_versions) / len(trained_versions)
+            staleness_max = self.round - min(trained_versions)
         # bounded staleness: the engine produces the next rounds' rollouts while the policy trains on this one
         ahead = min(round_ + grpo.max_staleness, grpo.rounds) if grpo.max_staleness else 0
         first = self.queue[-1].round + 1 if self.queue else round_ + 1
-        producer = _Background(self._produce_ahead, first, ahead) if ahead >= first else None
+        if grpo.partial_rollouts:
+            producer = _Background(self._advance_partial, round_) if ahead >= first or self.inflight else None
+        else:
+            producer = _Background(self._produce_ahead, first, ahead) if ahead >= first else None
         try:
             train_metrics, reverse_kl = self._train(batch, times)
         finally:
@@ -472,10 +545,12 @@ class RLController:
                 times["wait"] += time.perf_counter() - t
         sync_error = sync = None
         if batch.trajectories and grpo.max_staleness:
-            # double-buffered: a copy of the new weights, which the next round's producer loads
-            # into the engine (and checks) while the policy trains on
+            # double-buffered: the new weights copied into a second buffer (`snapshot_reference`),
+            # which the next round's producer loads into the engine, and checks it against, while
+            # the policy trains on
             t = time.perf_counter()
-            self._published = self._snapshot_weights()
+            self._published = self.policy.snapshot_reference(
+                self.policy.export_weights(on_device=engine_beside_policy(self.engine, self.policy)))
             times["sync"] += time.perf_counter() - t
         elif batch.trajectories:
             t = time.perf_counter()
@@ -494,7 +569,7 @@ class RLController:
         if reverse_kl is not None:
             metrics["reverse_kl"] = reverse_kl
         metrics["time_round_s"] = time.perf_counter() - started  # the phases above plus bookkeeping
-        metrics["staleness"] = staleness
+        metrics["staleness"], metrics["staleness_max"] = staleness, staleness_max
         metrics["stale_dropped"] = stale_dropped
         if batch.checked:
             metrics["template_skew"] = len(batch.skew) / min(batch.checked, grpo.environment.skew_check_episodes)
@@ -579,24 +654,16 @@ class RLController:
                             f"{report.probes} probe prompts decode differently in the engine than in the policy")
         return report.as_dict()
 
-    def _snapshot_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """The policy's weights as a copy the next update leaves alone (an in-process policy
-        exports views of its live parameters; a worker group's export is a copy already)."""
-        weights = self.policy.export_weights(on_device=engine_beside_policy(self.engine, self.policy))
-        if isinstance(self.policy, LocalPolicy):
-            weights = [(name, tensor.detach().clone()) for name, tensor in weights]
-        return weights
-
     def _catch_up(self) -> None:
-        """Load the weights the policy published last into the engine, verified as
-        `sync_weights` verifies (against a copy of them: the policy trains on meanwhile); the
-        report and its seconds go to the round's metrics. Nothing when none are pending."""
+        """Load the weights the policy published last (their copy) into the engine, verified as
+        `sync_weights` verifies, against that copy (the policy trains on meanwhile); the report
+        and its seconds go to the round's metrics. Nothing when none are pending."""
         if self._published is None:
             return
         t = time.perf_counter()
-        weights, self._published = self._published, None
-        self.engine.update_weights(weights)
-        report = self._check_sync(*self.policy.snapshot_reference(weights)) if self.grpo.sync_check else None
+        (reference, recompute), self._published = self._published, None
+        self.engine.update_weights(reference.export_weights())
+        report = self._check_sync(reference, recompute) if self.grpo.sync_check else None
         self._background_sync = (report, time.perf_counter() - t)
 
     def _metrics(self, batch: RoundBatch, train_metrics: list[dict], times: dict, sync: dict | None) -> dict:

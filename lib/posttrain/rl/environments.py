@@ -34,7 +34,11 @@ Tools: `ToolEnvironment` (built-in `tools`) executes the functions a recipe list
 text holds `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (the Hermes / Qwen
 format) gets each call's result as a `tool` message; a turn without one is the final answer.
 A tool that raises answers with the error (the policy sees it, as a user's agent would); one
-that hangs or kills its process fails the episode like any user code.
+that hangs or kills its process fails the episode like any user code. Tools per record: a
+prompt record whose metadata has `tools` (a list of names of the recipe's tools, e.g. a JSONL
+column `"tools": ["add"]`) advertises only those (`record_template_kwargs`), and its episodes
+execute only those (a call to another is answered as an unknown tool); a record naming a tool
+the recipe does not list is rejected with its file and line when the prompts are tokenized.
 """
 
 from __future__ import annotations
@@ -111,6 +115,25 @@ def tool_schemas(tools: Sequence[str]) -> list[dict]:
     return schemas
 
 
+def record_template_kwargs(template_kwargs: dict, record) -> dict:
+    """The chat template's arguments for one prompt record: `template_kwargs` (the recipe's,
+    `chat_template_kwargs`) with its `tools` narrowed to those the record names in its
+    metadata (`RECORD_TOOLS`), when it names any. ValueError when it names a tool the recipe
+    does not have, naming the record's file and line."""
+    from posttrain.data.records import RECORD_TOOLS
+
+    names = (getattr(record, "meta", None) or {}).get(RECORD_TOOLS)
+    if names is None:
+        return template_kwargs
+    schemas = {s["function"]["name"]: s for s in template_kwargs.get("tools") or []}
+    unknown = [n for n in names if n not in schemas]
+    if unknown:
+        where = f"{getattr(record, 'source', '?')}:{getattr(record, 'line', '?')}"
+        raise ValueError(f"prompt record {where} names tools {unknown} that grpo.environment.tools does not list "
+                         f"(its tools: {sorted(schemas) or 'none'})")
+    return {**template_kwargs, "tools": [schemas[n] for n in names]}
+
+
 def chat_template_kwargs(config) -> dict:
     """The chat template's arguments for a recipe's prompts and observations: the tokenizer
     section's `chat_template_kwargs`, plus the schemas of an RL recipe's tools (`tools`)."""
@@ -132,6 +155,15 @@ class ToolEnvironment(Environment):
             raise EnvironmentContractError("the tools environment needs at least one tool (grpo.environment.tools)")
         self.tools, self.max_calls = list(tools), int(max_calls)
         self.calls = 0
+
+    def reset(self, record) -> None:
+        """A record that names its own tools (module docstring) gets only those."""
+        from posttrain.data.records import RECORD_TOOLS
+
+        names = (getattr(record, "meta", None) or {}).get(RECORD_TOOLS)
+        if names is not None:
+            self.tools = [p for p in self.tools if _tool_name(p) in set(names)]
+        return None
 
     def step(self, action_ids: list[int], text: str) -> StepResult:
         bodies = tool_calls(text)

@@ -125,7 +125,7 @@ def run_episodes(engine, role: EnvironmentRole, prompts: Sequence[Sequence[int]]
     else:
         keys = [k for k, e in enumerate(flat) if not e.done]
         running = list(zip([flat[k] for k in keys],
-                           _generate_each(engine, [flat[k].prompt_ids for k in keys], sampling, 0, keys)))
+                           generate_each(engine, [flat[k].prompt_ids for k in keys], sampling, 0, keys)))
     _take_turns(role, [e for e, _ in running], [c for _, c in running], tokenizer)
     for turn in range(1, max_turns):
         active = [k for k, e in enumerate(flat) if not e.done]
@@ -153,7 +153,7 @@ def run_episodes(engine, role: EnvironmentRole, prompts: Sequence[Sequence[int]]
             ready.append(k)
         if not ready:
             break
-        completions = _generate_each(engine, [flat[k].prompt_ids + flat[k].tokens for k in ready], sampling, turn,
+        completions = generate_each(engine, [flat[k].prompt_ids + flat[k].tokens for k in ready], sampling, turn,
                                      ready)
         _take_turns(role, [flat[k] for k in ready], completions, tokenizer)
     for e in flat:
@@ -170,9 +170,11 @@ def _open(episode: Episode, messages: list[dict], tokenizer, renderer: Observati
     an opening the template cannot render, or too long to leave a turn's room in the row,
     fails the episode (reason `invalid`)."""
     from posttrain.data.chat import render_prompt
+    from posttrain.rl.environments import record_template_kwargs
 
     try:
-        ids = render_prompt(tokenizer, messages, **(renderer.template_kwargs if renderer else {}))
+        kwargs = record_template_kwargs(renderer.template_kwargs if renderer else {}, episode.record)
+        ids = render_prompt(tokenizer, messages, **kwargs)
     except Exception as err:  # noqa: BLE001 - the environment's opening, not the run, is at fault
         episode.failure, episode.done = EpisodeFailure("invalid", f"the chat template cannot render the opening "
                                                                   f"({type(err).__name__}: {err})"), True
@@ -195,7 +197,7 @@ def episode_rewards(scorer, episodes: Sequence[Episode]):
     return rewards, scores
 
 
-def _generate_each(engine, contexts: list[list[int]], sampling: SamplingConfig, turn: int,
+def generate_each(engine, contexts: list[list[int]], sampling: SamplingConfig, turn: int,
                    keys: Sequence[int]) -> list[Completion]:
     """One completion of each context, that of episode `keys[i]` (its index among the call's
     episodes) seeded `request_seed(request_seed(seed, -turn), keys[i])`: whatever else ended."""
@@ -264,9 +266,12 @@ def template_skew(episode: Episode, tokenizer, template_kwargs: dict | None = No
                   context: int = 6) -> SkewReport | None:
     """None when the chat template renders the episode's conversation (no generation prompt)
     to its tokens, followed at most by whitespace (what a template writes after a closing stop
-    token); else the first difference (`SkewReport`)."""
+    token); else the first difference (`SkewReport`). The record's own tools, when it names
+    any, are those rendered (`record_template_kwargs`)."""
     from posttrain.data.chat import template_ids
+    from posttrain.rl.environments import record_template_kwargs
 
+    template_kwargs = record_template_kwargs(template_kwargs or {}, episode.record)
     ids = list(episode.prompt_ids) + list(episode.tokens)
     rendered = template_ids(tokenizer.apply_chat_template(conversation(episode, tokenizer), tokenize=True,
                                                           add_generation_prompt=False, **(template_kwargs or {})))

@@ -366,6 +366,16 @@ class NativeEngine:
         # its shared tensor under several names, of which the update needs one
         target.load_state_dict(state, strict=not self.transformers_backend)
 
+    def export_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """This engine's weights as `update_weights` takes them (views: copy before mutating)."""
+        if self.transformers_backend:
+            from posttrain.models.hf_backend import transformers_named_tensors
+
+            return transformers_named_tensors(self.model, self.model.state_dict())
+        from posttrain.models.architectures import hf_named_tensors
+
+        return hf_named_tensors(self.model)
+
     def _transformers_state(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         current = self.model.hf.state_dict()
         state: dict[str, torch.Tensor] = {}

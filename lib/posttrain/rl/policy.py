@@ -13,9 +13,9 @@ Both kinds answer the controller (`posttrain.rl.controller`) through the same me
   views of the live parameters, for an engine in this process on the same device);
 - `sync_reference(weights) -> (NativeEngine, recompute)`: what `posttrain.rl.sync.check_sync`
   compares the engine with: a native engine holding the policy's weights, and the trainer's
-  own log-prob recomputation of sampled tokens; `snapshot_reference(weights)` the same for
-  weights the policy has since trained past (a copy holds them: the asynchronous loop checks
-  a sync while the next update runs);
+  own log-prob recomputation of sampled tokens; `snapshot_reference(weights)` the same over a
+  copy of `weights` that the next updates leave alone (the second buffer of asynchronous
+  rounds: the engine is loaded from it, and checked against it, while the policy trains);
 - `run(fn, *args)`: `fn(local_policy, *args)` on every rank (the result of rank 0), for what the
   recipe does with its trainer: round checkpoints, the final export (collective operations).
 
@@ -88,9 +88,10 @@ class LocalPolicy:
         return self._reference, self.recompute_logprobs
 
     def snapshot_reference(self, weights: Iterable[tuple[str, torch.Tensor]]):
-        """What `sync_reference` gives, over a copy of the model loaded with `weights` (a
-        snapshot the live model has since trained past): a native engine and the recomputation
-        of the same copy. The copy is made once and reloaded at each call."""
+        """What `sync_reference` gives, over a copy of the model with `weights` copied into it
+        (the weights stay as they are while the live model trains on: the second buffer of
+        asynchronous rounds): a native engine and the recomputation of the same copy. The
+        copy is made once and reloaded at each call."""
         from posttrain.rl.native import NativeEngine
 
         if getattr(self, "_snapshot", None) is None:
