@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import gc
 import json
 import statistics
 import sys
@@ -147,6 +148,7 @@ def throughput(shape: str, args, tmp: Path) -> dict:
         log(f"{shape} / {name}: {args.rounds + 1} rounds (one a warm-up), {threads} torch thread(s) here")
         seconds, metrics = throughput_run(model_dir, tokenizer, records, work, k, on_actor, args.rounds, threads,
                                           row_length)
+        gc.collect()  # the variant's model, optimizer and weight copies go before the next one's
         times[name] = seconds
         samples = [m["samples_trained"] for m in metrics]
         out["variants"][name] = {
