@@ -1,7 +1,7 @@
 """Exact resume of an RL run after hard kills: SIGKILL the whole GRPO flow mid-round, `resume`, compare.
 
     python bench/grpo_resume.py [--rounds 6] [--per-task 2] [--kills 3,5]
-    python bench/grpo_resume.py --async [--staleness 2] --random-kills 5 [--seed 0]
+    python bench/grpo_resume.py --async [--staleness 2] [--partial] --random-kills 5 [--seed 0]
 
 Builds a tiny workspace (a random Qwen3 with the demo tokenizer, registered as the starting
 model; generated arithmetic prompts), then runs `flows/grpo_flow.py` on it:
@@ -15,7 +15,8 @@ model; generated arithmetic prompts), then runs `flows/grpo_flow.py` on it:
 
 `--async` runs both with `grpo.max_staleness: --staleness` (default 2): while a round trains,
 the next rounds' rollouts are being produced on another thread, so a kill lands with
-rollouts in flight, and the round checkpoints hold the queue of rollouts produced ahead.
+rollouts in flight, and the round checkpoints hold the queue of rollouts produced ahead; `--partial` adds `grpo.partial_rollouts`
+(rounds generated in segments over the rounds before them: half-generated rounds in flight).
 `--random-kills N` picks N distinct rounds at random (`--seed`) in place of `--kills`, and
 SIGKILLs each a random 0 to `--max-delay` seconds after that round's rollouts are scored
 (`POSTTRAIN_FAULT_DELAY_S`): in its update, in the rollouts produced beside it, in a
@@ -57,7 +58,7 @@ def log(message: str) -> None:
     print(f"[grpo_resume] {message}", file=sys.stderr, flush=True)
 
 
-def workspace(tmp: Path, rounds: int, per_task: int, staleness: int = 0) -> Path:
+def workspace(tmp: Path, rounds: int, per_task: int, staleness: int = 0, partial: bool = False) -> Path:
     """A registered tiny starting model and the recipe file; returns the recipe's path."""
     from posttrain.data.demo import build_demo_tokenizer, write_arithmetic_dataset
     from posttrain.data.tokenizer import load_tokenizer
@@ -84,7 +85,7 @@ model: {{init_from: "registry:{START}"}}
 pack: {{row_length: 160}}
 train: {{micro_batch_size: 4, learning_rate: 0.001, warmup_steps: 0, weight_decay: 0.0}}
 grpo: {{rounds: {rounds}, rounds_per_task: {per_task}, prompts_per_round: 4, sampling: {{n: 4, max_new_tokens: 4}}, passes: 2,
-        dynamic_sampling: false, max_staleness: {staleness}}}
+        dynamic_sampling: false, max_staleness: {staleness}, partial_rollouts: {str(partial).lower()}}}
 eval: {{max_examples: 8, max_new_tokens: 4, batch_size: 8}}
 register: {{registry_dir: "{tmp / 'registry'}", model_name: grpo-resume-bench}}
 """)
@@ -143,6 +144,7 @@ def main() -> None:
     parser.add_argument("--async", dest="asynchronous", action="store_true",
                         help="grpo.max_staleness: --staleness (rollouts produced ahead, in flight at a kill)")
     parser.add_argument("--staleness", type=int, default=2, help="grpo.max_staleness with --async")
+    parser.add_argument("--partial", action="store_true", help="grpo.partial_rollouts with --async")
     parser.add_argument("--random-kills", type=int, default=0,
                         help="N rounds drawn at random (in place of --kills), each killed a random delay in")
     parser.add_argument("--max-delay", type=float, default=0.5, help="seconds, with --random-kills")
@@ -166,7 +168,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        recipe = workspace(tmp, args.rounds, args.per_task, staleness)
+        recipe = workspace(tmp, args.rounds, args.per_task, staleness, args.partial and staleness >= 2)
         env = {**os.environ, "METAFLOW_USER": "bench", "METAFLOW_DATASTORE_SYSROOT_LOCAL": str(tmp / "mf"),
                "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -208,7 +210,8 @@ def main() -> None:
         out = {"benchmark": "grpo_resume", "identical": identical, "prompts_in_sampler_order": in_order,
                "groups_trained": len(order), "prompts": num_prompts, "rounds": args.rounds,
                "rounds_per_task": args.per_task, "kills": kills, "kill_delays_s": delays,
-               "max_staleness": staleness, "resumes": resumes,
+               "max_staleness": staleness, "partial_rollouts": bool(args.partial and staleness >= 2),
+               "resumes": resumes,
                "seconds_uninterrupted": round(seconds_straight, 1),
                "seconds_killed_and_resumed": round(seconds_killed, 1), "settings": machine()}
     print(json.dumps(out))
