@@ -28,7 +28,7 @@ TESTS = REPO_ROOT / "tests"
 ROUNDS, PER_TASK = 4, 2
 
 
-def recipe_yaml(tmp: Path) -> Path:
+def recipe_yaml(tmp: Path, max_staleness: int = 0) -> Path:
     text = f"""name: grpo-tiny
 output_dir: {tmp / 'outputs'}
 data:
@@ -49,7 +49,7 @@ grpo:
   sampling: {{n: 4, max_new_tokens: 4}}
   passes: 2
   dynamic_sampling: false
-  max_staleness: 1  # asynchronous: the kill lands with the next round's rollouts in flight
+  max_staleness: {max_staleness}
 # the rewards suite only (its heldout_reward is what the tests and the sweep's pick read): each
 # suite is one more step process, which the tests' two cores cannot spare
 eval: {{max_examples: 12, max_new_tokens: 4, batch_size: 12, report: false, suites: [{{kind: rewards}}]}}
@@ -69,7 +69,7 @@ def grpo_env(extra: dict | None = None) -> dict:
 
 def prepare(tmp: Path) -> Path:
     register_starting_model(tmp)
-    recipe_yaml(tmp)
+    recipe_yaml(tmp, max_staleness=1)  # asynchronous: the kill lands with the next round's rollouts in flight
     return tmp
 
 

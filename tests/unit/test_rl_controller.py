@@ -334,3 +334,34 @@ def test_partial_rollouts_need_two_rounds_of_staleness_and_single_turn_draws():
         GRPOSection(partial_rollouts=True, max_staleness=1, dynamic_sampling=False).validate()
     with pytest.raises(ConfigError, match="dynamic_sampling: false"):
         GRPOSection(partial_rollouts=True, max_staleness=2).validate()
+
+
+@pytest.mark.parametrize("fail_at", [3, 5, 8])
+def test_partial_rollouts_go_on_in_prompt_order_after_the_engine_fails_in_the_producer(task, fail_at):
+    """The engine fails once, at one of its calls (a segment, a whole round, the sync check):
+    the run goes on as the GRPO flow drives it (a round lost before it trained is redone from
+    its state, one lost after is kept and the engine synced), and every round trains on the
+    prompts the synchronous loop draws, none twice or skipped."""
+    from posttrain.rl.controller import EngineLost
+
+    tokenizer = task[0]
+    model = build_model(tiny_config("qwen3", vocab_size=len(tokenizer), max_position_embeddings=256), seed=0)
+    failing = EngineThatFailsOnce(copy.deepcopy(model), tokenizer=tokenizer, fail_at=fail_at)
+    controller = make(task, dynamic=False, engine=failing, max_staleness=2, partial=True)
+    results, lost_rounds = [], 0
+    while len(results) < 5:
+        state = controller.state_dict()
+        try:
+            results.append(controller.run_round())
+        except EngineLost as lost:
+            lost_rounds += 1
+            if lost.result is None:
+                controller.load_state_dict(state)
+                controller.engine.update_weights(controller.policy.export_weights())
+                continue
+            results.append(lost.result)
+            controller.sync_weights()
+    assert lost_rounds == 1 and failing.calls > fail_at
+    synchronous = make(task, dynamic=False)
+    assert [prompts_of(r) for r in results] == [prompts_of(synchronous.run_round()) for _ in range(5)]
+    assert [r.round for r in results] == [1, 2, 3, 4, 5]

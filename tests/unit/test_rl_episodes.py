@@ -116,9 +116,9 @@ def test_the_skew_check_reports_a_template_that_drops_earlier_thinking(qwen3_tok
 
 def test_a_record_with_its_own_tools_advertises_and_executes_only_those(qwen3_tokenizer):
     """`tools` in a prompt record's metadata narrows the recipe's tools for its prompt, its
-    episodes and the skew check; a record naming a tool the recipe lacks is an error naming it
-    and the record's file and line; a `tools` that is not a list of names is a bad row."""
-    from posttrain.data.records import RecordError, validate_prompt
+    episodes and the skew check; a record naming a tool the recipe lacks, or whose `tools` is
+    not a list of names, is an error naming the record's file and line."""
+    from posttrain.data.records import validate_prompt
 
     tok = qwen3_tokenizer
     recipe_tools = TOOLS + ["user_environments:add"]
@@ -143,8 +143,12 @@ def test_a_record_with_its_own_tools_advertises_and_executes_only_those(qwen3_to
     stranger = PromptRecord(record.prompt, "1", {"tools": ["divide"]}, "q.jsonl", 8)
     with pytest.raises(ValueError, match=r"q.jsonl:8 names tools \['divide'\]"):
         record_template_kwargs(kwargs, stranger)
-    with pytest.raises(RecordError, match="tools is not a list of tool names"):
-        validate_prompt(record.prompt, "1", {"tools": "add"})
+    with pytest.raises(ValueError, match="q.jsonl:9: its tools is not a list of tool names"):
+        record_template_kwargs(kwargs, PromptRecord(record.prompt, "1", {"tools": "add"}, "q.jsonl", 9))
+    # a recipe without tools leaves a `tools` column alone (it is the row's metadata), and `[]` advertises none
+    assert record_template_kwargs({}, stranger) == {}
+    assert "tools" not in record_template_kwargs(kwargs, PromptRecord(record.prompt, "1", {"tools": []}, "q", 1))
+    assert validate_prompt(record.prompt, "1", {"tools": [{"type": "function"}]})[2]["tools"]
 
 
 def test_prompts_naming_a_tool_the_recipe_lacks_are_rejected_with_their_line(qwen3_tokenizer, tmp_path):

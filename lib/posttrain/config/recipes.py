@@ -409,7 +409,7 @@ class GRPOSection:
     `sampling.max_new_tokens` out of the loss. `max_staleness: k` overlaps generation with
     training: the engine produces the rollouts of rounds r+1..r+k while the policy trains on
     round r (0: the synchronous loop); `partial_rollouts` spreads each round's generation over
-    those k rounds, each segment under the newest weights. `rounds` rounds in all, `rounds_per_task` of them per
+    those k rounds, each segment under the weights the round before published. `rounds` rounds in all, `rounds_per_task` of them per
     task of the flow's recursive `rl_round` step. `engine`: native (in process),
     `native_actor` (the native engine in a Ray actor) or `vllm_actor` (vLLM in a Ray actor, for
     GPU machines with vLLM installed); `sync_check` verifies each weight sync on greedy probes.
@@ -495,6 +495,9 @@ class GRPOSection:
         if self.partial_rollouts and self.max_staleness < 2:
             raise ConfigError(f"grpo.partial_rollouts spreads a round's generation over max_staleness rounds: set "
                               f"grpo.max_staleness >= 2 (got {self.max_staleness})")
+        if self.partial_rollouts and (self.constrain_to_catalogue or self.sampling.stop_strings):
+            raise ConfigError("grpo.partial_rollouts continues each completion as a new request: a catalogue "
+                              "constraint (constrain_to_catalogue) or a stop string would restart at each segment")
         if self.partial_rollouts and (self.dynamic_sampling or self.environment.name != "single_turn"):
             raise ConfigError("grpo.partial_rollouts continues single-turn completions drawn once a round: set "
                               "grpo.dynamic_sampling: false and leave grpo.environment single_turn")

@@ -301,8 +301,9 @@ def validate_prompt(prompt: Any, reference: Any = None, meta: Any = None) -> tup
 
     `prompt` as in `validate_preference`; `reference` None or a non-blank string; `meta`
     None (becomes {}) or a dict of JSON values (the prompt shards keep it as JSON: a timestamp
-    or binary column is a reason to reject the row, named, not a crash when it is written);
-    its `tools` (`RECORD_TOOLS`), when present, a list of tool names.
+    or binary column is a reason to reject the row, named, not a crash when it is written).
+    A `tools` entry (`RECORD_TOOLS`) is read by an RL recipe with tools
+    (`posttrain.rl.environments.record_template_kwargs`), which checks it.
     """
     prompt = _validate_prompt_messages(prompt)
     if reference is not None:
@@ -318,9 +319,6 @@ def validate_prompt(prompt: Any, reference: Any = None, meta: Any = None) -> tup
         json.dumps(meta)
     except (TypeError, ValueError) as err:
         raise RecordError(f"meta is not JSON ({err}): map such columns out with the source's `fields`") from None
-    tools = meta.get(RECORD_TOOLS)
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, str) and t.strip() for t in tools)):
-        raise RecordError(f"{RECORD_TOOLS} is not a list of tool names (got {tools!r})")
     return prompt, reference, meta
 
 

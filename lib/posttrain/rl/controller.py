@@ -36,24 +36,29 @@ One round (`run_round`):
 Bounded staleness (`grpo.max_staleness: k`, 0: the loop above as it is): steps 1-4 of a
 round make a `RoundBatch` (its rollouts and trajectories, scored, and `version`: the rounds
 the policy had trained when they were generated). With k > 0 the controller keeps a queue of
-batches produced ahead: while the policy trains on round r (step 5), a thread of this
-process produces rounds r+1..r+k with the engine, which holds the weights after round r-1,
-so every round from k+1 on trains on rollouts exactly k versions old, and the schedule is
-fixed: the same rollouts whatever the timing. The weight sync is double-buffered: step 6
+batches produced ahead (rounds r+1..r+k while round r trains): while the policy trains on
+round r (step 5), a thread of this process produces round r+k (in the first rounds, every
+round up to it) with the engine, which holds the weights after round r-1, so every round from
+k+1 on trains on rollouts exactly k versions old, and the schedule is fixed: the same rollouts
+whatever the timing. The weight sync is double-buffered: step 6
 becomes a copy of the new weights (`time_sync_s`), which the next round's producer loads
 into the engine and checks, against a second copy, before it generates, while the policy
 trains (`time_sync_background_s`; its report is that round's `sync_ok`). Staleness is
 corrected by the objective's `is_correction` (its `old` is the policy before this update, its
 `eng` the engine's log-probs: truncated importance sampling between the policy that generated
 and the one that trains); a queued batch more than k versions behind the policy is dropped
-and counted (`stale_dropped`). Batches are produced in round order (the prompt sampler's
-order: no prompt drawn twice or skipped), and the queue is part of `state_dict` (JSON,
-exact), so a restored controller trains on the very rollouts the uninterrupted one did.
+and counted (`stale_dropped`; its prompts are not drawn again: the fixed schedule never drops
+one, only a change of `max_staleness` within a process can). Batches are produced in round
+order (the prompt sampler's order: no prompt drawn twice or skipped), and the queue is part
+of `state_dict` (JSON, exact), so a restored controller trains on the very rollouts the
+uninterrupted one did. Partial rollouts (`grpo.partial_rollouts`, `posttrain.rl.partial`)
+generate round r+k in k segments instead, one a round; the rounds in flight are in the state too.
 The overlap is real where the engine is a Ray actor or the reward calls wait on worker
 processes (the thread then waits, holding no core).
 An engine that fails (a Ray actor that died) raises `EngineLost`, which says whether the round
 can be redone from its start (it failed while generating) or only the sync is to be redone
-(it failed producing a later round, which the next round then produces again).
+(it failed producing a later round, or loading the published weights: the next round then
+produces, or completes, what it needs itself).
 Metrics: reward mean / std, pass@1 and pass@n (a sample succeeds when its reward reaches
 `success_threshold`), the objective's KL / entropy / clip fraction / IS weight, completion
 lengths, the share of zero-advantage groups, failed rewards, and the time split
@@ -311,6 +316,7 @@ class RLController:
         self.sampler.load_state_dict(state["sampler"])
         self.queue = deque(RoundBatch.from_state(b) for b in state.get("queue", []))
         self.inflight = deque(InFlight.from_state(b) for b in state.get("inflight", []))
+        self._published = self._background_sync = None  # the caller syncs the engine to the restored policy
         check_resume(state.get("decode"), engine_identity(self.engine))
 
 
@@ -449,31 +455,43 @@ class RLController:
         trains: bring the engine up to the published weights; produce whole any round before
         the pipeline's reach (its first rounds, or one lost to a failure); generate the next
         segment of every round in flight, scoring into the queue each that has its last; and
-        start round `round_ + max_staleness`. All in round order. On a failure the sampler,
-        the rounds in flight and the queue are put back as they were, and the error is raised."""
+        start round `round_ + max_staleness`. All in round order. A failure keeps what was
+        done before it (a segment is kept only whole; a round that failed to start gives its
+        prompts back to the sampler), and the next round completes in its own time what it
+        needs (`_complete`)."""
         k, last = self.grpo.max_staleness, self.grpo.rounds
-        saved = (self.sampler.state_dict(), [b.state() for b in self.inflight], len(self.queue))
-        try:
-            self._catch_up()
-            reach = self.inflight[0].round if self.inflight else round_ + k
-            first = self.queue[-1].round + 1 if self.queue else round_ + 1
-            for j in range(first, min(reach, last + 1)):
-                self.queue.append(self._produce(j))
-            for batch in list(self.inflight):
+        self._catch_up()
+        reach = self.inflight[0].round if self.inflight else round_ + k
+        first = self.queue[-1].round + 1 if self.queue else round_ + 1
+        if first < min(reach, last + 1):
+            self._produce_ahead(first, min(reach, last + 1) - 1)
+        for batch in list(self.inflight):
+            self._advance(batch)
+            if batch.segments == k:
+                self.queue.append(self._finish(batch))
+                self.inflight.popleft()
+        new = round_ + k
+        if new <= last and max([b.round for b in (*self.queue, *self.inflight)], default=0) < new:
+            sampler = self.sampler.state_dict()
+            batch = InFlight(new, self.sampler.take(self.grpo.prompts_per_round), self.sampling.n)
+            try:
                 self._advance(batch)
-                if batch.segments == k:
-                    self.queue.append(self._finish(self.inflight.popleft()))
-            new = round_ + k
-            if new <= last and max([b.round for b in (*self.queue, *self.inflight)], default=0) < new:
-                batch = InFlight(new, self.sampler.take(self.grpo.prompts_per_round), self.sampling.n)
-                self._advance(batch)
-                self.inflight.append(batch)
-        except BaseException:
-            self.sampler.load_state_dict(saved[0])
-            self.inflight = deque(InFlight.from_state(b) for b in saved[1])
-            while len(self.queue) > saved[2]:
-                self.queue.pop()
-            raise
+            except BaseException:
+                self.sampler.load_state_dict(sampler)
+                raise
+            self.inflight.append(batch)
+
+    def _complete(self, round_: int) -> RoundBatch | None:
+        """Round `round_`'s rollouts when they are in flight (partial rollouts whose producer
+        failed): its remaining segments generated now, scored; else None."""
+        if not self.inflight or self.inflight[0].round != round_:
+            return None
+        batch = self.inflight[0]
+        while batch.segments < self.grpo.max_staleness:
+            self._advance(batch)
+        done = self._finish(batch)
+        self.inflight.popleft()
+        return done
 
     def _advance(self, batch: InFlight) -> None:
         """`batch`'s next segment with the engine's weights now (policy version `self.round`)."""
@@ -517,7 +535,7 @@ class RLController:
             sampler = self.sampler.state_dict()
             try:
                 self._catch_up()
-                batch = self._produce(round_)
+                batch = self._complete(round_) or self._produce(round_)
             except BaseException:
                 self.sampler.load_state_dict(sampler)
                 raise
@@ -662,8 +680,13 @@ class RLController:
             return
         t = time.perf_counter()
         (reference, recompute), self._published = self._published, None
-        self.engine.update_weights(reference.export_weights())
-        report = self._check_sync(reference, recompute) if self.grpo.sync_check else None
+        try:
+            self.engine.update_weights(reference.export_weights())
+            report = self._check_sync(reference, recompute) if self.grpo.sync_check else None
+        except SyncError:
+            raise
+        except Exception as err:  # noqa: BLE001 - an engine lost here is rebuilt and synced by the caller
+            raise EngineLost(None) from err
         self._background_sync = (report, time.perf_counter() - t)
 
     def _metrics(self, batch: RoundBatch, train_metrics: list[dict], times: dict, sync: dict | None) -> dict:
