@@ -373,7 +373,7 @@ def _rendered_prompt(context: tuple, record: Any) -> list[int] | None | EndOfPar
     less than the completion's room (`limit` tokens at most), a `RejectedRow` when it names a
     tool the recipe lacks; the end-of-part marker passes through."""
     from posttrain.data.records import RejectedRow, raw_text
-    from posttrain.rl.environments import record_template_kwargs
+    from posttrain.data.chat import record_template_kwargs
 
     if isinstance(record, EndOfPart):
         return record

@@ -17,7 +17,8 @@ from posttrain.config.strict import ConfigError
 from posttrain.data.chat import end_of_turn_token_ids, render_prompt
 from posttrain.data.records import PromptRecord
 from posttrain.rl.engine import Completion, SamplingConfig
-from posttrain.rl.environments import EnvironmentContractError, EnvironmentRole, record_template_kwargs, tool_schemas
+from posttrain.data.chat import record_template_kwargs
+from posttrain.rl.environments import EnvironmentContractError, EnvironmentRole, tool_schemas
 from posttrain.data.chat import ObservationRenderer
 from posttrain.rl.episodes import run_episodes, template_skew
 from posttrain.rl.trajectories import Trajectory, pack_trajectories

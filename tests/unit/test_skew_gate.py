@@ -155,3 +155,25 @@ def test_vllm_is_checked_where_installed_and_a_failed_start_is_noted_or_fatal_as
     assert sizes[0] >= longest  # the engine is sized to the longest sampled record
     with pytest.raises(RuntimeError, match="no device for vLLM"):
         check_skew(demo_tokenizer, path, records(), open_vllm=no_engine, vllm_required=True)
+
+
+def test_rollout_prompts_are_compared_with_the_tools_their_record_names(qwen3_tokenizer, tmp_path):
+    """An RL record that names its own tools (`meta.tools`) was rendered with those alone: the
+    gate renders both sides the same way (and a record naming a tool the recipe lacks, which
+    tokenize rejects, is an error here too)."""
+    import sys
+
+    from posttrain.data.records import PromptRecord
+    from posttrain.rl.environments import tool_schemas
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    kwargs = {"tools": tool_schemas(["user_environments:multiply", "user_environments:add"])}
+    prompt = [{"role": "user", "content": "What is 2 + 3?"}]
+    path = export(qwen3_tokenizer, tmp_path / "export")
+    report = check_skew(qwen3_tokenizer, path, [PromptRecord(prompt, "5", {"tools": ["add"]}, "q.jsonl", 1),
+                                                PromptRecord(prompt, "5", {}, "q.jsonl", 2)], template_kwargs=kwargs)
+    assert report.passed, report.describe()
+    assert report.checked == {"rollout prompt": 2}
+    with pytest.raises(ValueError, match=r"q.jsonl:3 names tools \['divide'\]"):
+        check_skew(qwen3_tokenizer, path, [PromptRecord(prompt, "5", {"tools": ["divide"]}, "q.jsonl", 3)],
+                   template_kwargs=kwargs)

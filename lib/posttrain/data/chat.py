@@ -122,6 +122,29 @@ def _render_many(tokenizer, conversations: list[list[dict]], add_generation_prom
     return texts
 
 
+def record_template_kwargs(template_kwargs: dict, record) -> dict:
+    """The chat template's arguments for one prompt record: `template_kwargs` (the recipe's,
+    `posttrain.rl.environments.chat_template_kwargs`: its tools' schemas included) with its `tools` narrowed to those the record names in its
+    metadata (`RECORD_TOOLS`), when the recipe has tools and the record names its own (an
+    empty list: no tools advertised). ValueError, naming the record's file and line, when
+    they are not a list of names or name a tool the recipe does not have."""
+    from posttrain.data.records import RECORD_TOOLS
+
+    names = (getattr(record, "meta", None) or {}).get(RECORD_TOOLS)
+    if names is None or not template_kwargs.get("tools"):  # a recipe without tools leaves the column alone
+        return template_kwargs
+    where = f"{getattr(record, 'source', '?')}:{getattr(record, 'line', '?')}"
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise ValueError(f"prompt record {where}: its {RECORD_TOOLS} is not a list of tool names (got {names!r})")
+    schemas = {s["function"]["name"]: s for s in template_kwargs["tools"]}
+    unknown = [n for n in names if n not in schemas]
+    if unknown:
+        raise ValueError(f"prompt record {where} names tools {unknown} that grpo.environment.tools does not list "
+                         f"(its tools: {sorted(schemas)})")
+    narrowed = {k: v for k, v in template_kwargs.items() if k != "tools"}
+    return {**narrowed, "tools": [schemas[n] for n in names]} if names else narrowed
+
+
 def template_ids(encoded: Any) -> list[int]:
     """`input_ids` from what `apply_chat_template(tokenize=True)` returns (list or BatchEncoding)."""
     if isinstance(encoded, dict) or hasattr(encoded, "keys"):

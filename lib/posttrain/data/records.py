@@ -303,7 +303,7 @@ def validate_prompt(prompt: Any, reference: Any = None, meta: Any = None) -> tup
     None (becomes {}) or a dict of JSON values (the prompt shards keep it as JSON: a timestamp
     or binary column is a reason to reject the row, named, not a crash when it is written).
     A `tools` entry (`RECORD_TOOLS`) is read by an RL recipe with tools
-    (`posttrain.rl.environments.record_template_kwargs`), which checks it.
+    (`posttrain.data.chat.record_template_kwargs`), which checks it.
     """
     prompt = _validate_prompt_messages(prompt)
     if reference is not None:

@@ -36,7 +36,7 @@ format) gets each call's result as a `tool` message; a turn without one is the f
 A tool that raises answers with the error (the policy sees it, as a user's agent would); one
 that hangs or kills its process fails the episode like any user code. Tools per record: a
 prompt record whose metadata has `tools` (a list of names of the recipe's tools, e.g. a JSONL
-column `"tools": ["add"]`) advertises only those (`record_template_kwargs`), and the built-in
+column `"tools": ["add"]`) advertises only those (`posttrain.data.chat.record_template_kwargs`), and the built-in
 tools environment executes only those (a call to another is answered as an unknown tool; a
 user environment reads the record's `meta` itself); a record naming a tool the recipe does
 not list is rejected with its file and line when the prompts are tokenized.
@@ -114,29 +114,6 @@ def tool_schemas(tools: Sequence[str]) -> list[dict]:
         except Exception as err:  # noqa: BLE001 - transformers' own error names what is missing
             raise EnvironmentContractError(f"tool {path!r} cannot be described to the chat template: {err}") from None
     return schemas
-
-
-def record_template_kwargs(template_kwargs: dict, record) -> dict:
-    """The chat template's arguments for one prompt record: `template_kwargs` (the recipe's,
-    `chat_template_kwargs`) with its `tools` narrowed to those the record names in its
-    metadata (`RECORD_TOOLS`), when the recipe has tools and the record names its own (an
-    empty list: no tools advertised). ValueError, naming the record's file and line, when
-    they are not a list of names or name a tool the recipe does not have."""
-    from posttrain.data.records import RECORD_TOOLS
-
-    names = (getattr(record, "meta", None) or {}).get(RECORD_TOOLS)
-    if names is None or not template_kwargs.get("tools"):  # a recipe without tools leaves the column alone
-        return template_kwargs
-    where = f"{getattr(record, 'source', '?')}:{getattr(record, 'line', '?')}"
-    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
-        raise ValueError(f"prompt record {where}: its {RECORD_TOOLS} is not a list of tool names (got {names!r})")
-    schemas = {s["function"]["name"]: s for s in template_kwargs["tools"]}
-    unknown = [n for n in names if n not in schemas]
-    if unknown:
-        raise ValueError(f"prompt record {where} names tools {unknown} that grpo.environment.tools does not list "
-                         f"(its tools: {sorted(schemas)})")
-    narrowed = {k: v for k, v in template_kwargs.items() if k != "tools"}
-    return {**narrowed, "tools": [schemas[n] for n in names]} if names else narrowed
 
 
 def chat_template_kwargs(config) -> dict:

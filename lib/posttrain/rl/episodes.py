@@ -170,7 +170,7 @@ def _open(episode: Episode, messages: list[dict], tokenizer, renderer: Observati
     an opening the template cannot render, or too long to leave a turn's room in the row,
     fails the episode (reason `invalid`)."""
     from posttrain.data.chat import render_prompt
-    from posttrain.rl.environments import record_template_kwargs
+    from posttrain.data.chat import record_template_kwargs
 
     try:
         kwargs = record_template_kwargs(renderer.template_kwargs if renderer else {}, episode.record)
@@ -269,7 +269,7 @@ def template_skew(episode: Episode, tokenizer, template_kwargs: dict | None = No
     token); else the first difference (`SkewReport`). The record's own tools, when it names
     any, are those rendered (`record_template_kwargs`)."""
     from posttrain.data.chat import template_ids
-    from posttrain.rl.environments import record_template_kwargs
+    from posttrain.data.chat import record_template_kwargs
 
     template_kwargs = record_template_kwargs(template_kwargs or {}, episode.record)
     ids = list(episode.prompt_ids) + list(episode.tokens)

@@ -42,7 +42,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from posttrain.data.chat import end_of_turn_token_ids, render_conversation, render_prompt, template_ids
+from posttrain.data.chat import (end_of_turn_token_ids, record_template_kwargs, render_conversation, render_prompt,
+                                 template_ids)
 from posttrain.data.preference import prompt_ids
 from posttrain.data.records import ChatRecord, PreferenceRecord, PromptRecord, SequenceRecord
 
@@ -160,8 +161,8 @@ class TransformersServing:
     def __init__(self, tokenizer, template_kwargs: dict):
         self.tokenizer, self.kwargs = tokenizer, template_kwargs
 
-    def prompt(self, messages: list[dict]) -> list[int]:
-        return prompt_ids(self.tokenizer, messages, self.kwargs)
+    def prompt(self, messages: list[dict], kwargs: dict | None = None) -> list[int]:
+        return prompt_ids(self.tokenizer, messages, self.kwargs if kwargs is None else kwargs)
 
     def conversation(self, messages: list[dict]) -> list[int]:
         return template_ids(self.tokenizer.apply_chat_template(messages, tokenize=True, **self.kwargs))
@@ -181,15 +182,16 @@ class VLLMServing:
         self.llm, self.kwargs = llm, template_kwargs
         self.tokenizer = llm.get_tokenizer()
 
-    def _served(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def _served(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict | None = None) -> list[int]:
         from vllm import SamplingParams
 
+        kwargs = self.kwargs if kwargs is None else kwargs
         out = self.llm.chat([messages], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False,
-                            add_generation_prompt=add_generation_prompt, chat_template_kwargs=self.kwargs or None)
+                            add_generation_prompt=add_generation_prompt, chat_template_kwargs=kwargs or None)
         return list(out[0].prompt_token_ids)
 
-    def prompt(self, messages: list[dict]) -> list[int]:
-        return self._served(messages, add_generation_prompt=True)
+    def prompt(self, messages: list[dict], kwargs: dict | None = None) -> list[int]:
+        return self._served(messages, add_generation_prompt=True, kwargs=kwargs)
 
     def conversation(self, messages: list[dict]) -> list[int]:
         return self._served(messages, add_generation_prompt=False)
@@ -247,9 +249,10 @@ class _Checker:
                 self.compare(record, f"{side} conversation",
                              render_conversation(self.train, messages, **self.kwargs).input_ids,
                              self.served_conversation(messages))
-        elif isinstance(record, PromptRecord):
-            self.compare(record, "rollout prompt", render_prompt(self.train, record.prompt, **self.kwargs),
-                         self.served_prompt(record.prompt))
+        elif isinstance(record, PromptRecord):  # with the tools the record names, as its rollouts had it
+            kwargs = record_template_kwargs(self.kwargs, record)
+            self.compare(record, "rollout prompt", render_prompt(self.train, record.prompt, **kwargs),
+                         self.serving.prompt(record.prompt, kwargs))
         elif isinstance(record, SequenceRecord):
             codec = self._codec()
             trained, _ = codec.encode(record.ids, record.events)
