@@ -227,7 +227,7 @@ def test_loss_masks_leave_observations_out_of_the_targets():
 
 
 def test_environment_config_is_checked():
-    from posttrain.config.recipes import EnvironmentConfig
+    from posttrain.config.rl_sections import EnvironmentConfig
 
     with pytest.raises(ConfigError, match="grpo.environment.tools"):
         EnvironmentConfig(name="tools").validate()

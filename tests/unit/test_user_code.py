@@ -140,7 +140,7 @@ def test_the_functions_import_from_the_callers_path_and_a_missing_one_is_reporte
 def test_a_reward_that_raises_spins_exits_or_allocates_fails_those_samples_only():
     """The reward role with a user function in its worker processes: 40 completions, five of which
     make the function raise, spin forever, exit its process, segfault or allocate without bound."""
-    from posttrain.config.recipes import RewardTermConfig
+    from posttrain.config.rl_sections import RewardTermConfig
     from posttrain.data.records import PromptRecord
     from posttrain.rl.rewards import RewardScorer
 
@@ -178,7 +178,7 @@ def test_start_up_and_imports_do_not_count_against_a_call_and_a_worker_that_cann
 
 
 def test_a_broken_reward_function_stops_the_run_and_any_iterable_of_values_is_taken():
-    from posttrain.config.recipes import RewardTermConfig
+    from posttrain.config.rl_sections import RewardTermConfig
     from posttrain.data.records import PromptRecord
     from posttrain.rl.rewards import RewardError, RewardScorer
 
@@ -197,7 +197,7 @@ def test_a_broken_reward_function_stops_the_run_and_any_iterable_of_values_is_ta
 
 
 def test_a_term_goes_sample_by_sample_after_a_batch_with_a_failed_call_and_back_in_chunks_after_a_clean_one():
-    from posttrain.config.recipes import RewardTermConfig
+    from posttrain.config.rl_sections import RewardTermConfig
     from posttrain.data.records import PromptRecord
     from posttrain.rl.rewards import RewardScorer
 

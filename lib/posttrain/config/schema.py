@@ -6,6 +6,7 @@ defined in the module of its part of the run:
 - `posttrain.config.model_sections`: the model and its LoRA adapters;
 - `posttrain.config.run_sections`: training loop, health checks, parallelism, checkpoints;
 - `posttrain.config.workflow_sections`: verification, evaluation, registration, production;
+- `posttrain.config.rl_sections`: the RL recipe's reward terms, environment and round settings;
 - `posttrain.config.recipes`: `RecipeConfig`, one config per recipe, `RECIPES`.
 
 YAML files in `configs/` are loaded into these through `posttrain.config.loader`; every
@@ -44,6 +45,7 @@ from posttrain.config.workflow_sections import (  # noqa: F401
     RESOURCE_KEYS,
     ProductionConfig,
 )
+from posttrain.config.rl_sections import EnvironmentConfig, GRPOSection, RewardTermConfig  # noqa: F401
 from posttrain.config.recipes import (  # noqa: F401
     RecipeConfig,
     SFTConfig,
@@ -54,8 +56,6 @@ from posttrain.config.recipes import (  # noqa: F401
     TeacherCacheConfig,
     DistillSection,
     DistillConfig,
-    RewardTermConfig,
-    GRPOSection,
     SWEEP_SHARED,
     GRPOConfig,
     SequenceSection,
@@ -98,6 +98,7 @@ __all__ = [
     "DistillSection",
     "DistillConfig",
     "RewardTermConfig",
+    "EnvironmentConfig",
     "GRPOSection",
     "SWEEP_SHARED",
     "GRPOConfig",

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.config.recipes import GRPOSection
+from posttrain.config.rl_sections import GRPOSection
 from posttrain.objectives.targets import target_logps
 from posttrain.train.objective import Objective, ObjectiveOutput
 

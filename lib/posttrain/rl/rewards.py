@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.catalog import builtin_or_import_path, import_callable
-from posttrain.config.recipes import RewardTermConfig
+from posttrain.config.rl_sections import RewardTermConfig
 from posttrain.rl.sandbox import code_execution
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
