@@ -54,6 +54,8 @@ from pathlib import Path
 
 import torch
 
+from posttrain.config.rl_sections import USER_CODE_NICE
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, spread  # noqa: E402
 from grpo_round import add_round_arguments, build_workspace, run_ours  # noqa: E402
@@ -71,7 +73,7 @@ def scorer_for(isolation: str, rates: str, args):
 
     term = RewardTerm(FUNCTION, kwargs={"rates": rates}, timeout_s=args.timeout, isolation=isolation,
                       retry_budget_s=args.retry_budget)
-    return RewardScorer([term], processes=args.processes, memory_mb=args.memory_mb)
+    return RewardScorer([term], processes=args.processes, memory_mb=args.memory_mb, nice=args.nice)
 
 
 class RecordingScorer:
@@ -114,6 +116,7 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=8, help="grpo.reward_processes")
     parser.add_argument("--max-staleness", type=int, default=0, help="grpo.max_staleness of every run")
     parser.add_argument("--memory-mb", type=int, default=1024, help="grpo.reward_memory_mb")
+    parser.add_argument("--nice", type=int, default=USER_CODE_NICE, help="grpo.reward_nice (0: the run's priority)")
     parser.add_argument("--rates", default="raise=2,spin=5,exit=2,allocate=2",
                         help="percent of samples that raise, spin, exit, allocate")
     parser.add_argument("--no-baseline", action="store_true",
@@ -166,7 +169,8 @@ def main() -> None:
         "seconds_per_round": {name: spread(values) for name, values in times.items()},
         "failed_per_round": failures,
         "settings": {"rates_percent": args.rates, "baseline_rates_percent": baseline_rates, "timeout_s": args.timeout,
-                     "reward_processes": args.processes, "reward_memory_mb": args.memory_mb, "rounds": args.rounds,
+                     "reward_processes": args.processes, "reward_memory_mb": args.memory_mb, "reward_nice": args.nice,
+                     "rounds": args.rounds,
                      "max_staleness": args.max_staleness,
                      "prompts": args.prompts, "n": args.n, "new_tokens": args.new_tokens,
                      "torch_threads": torch.get_num_threads()},

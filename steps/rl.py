@@ -115,7 +115,8 @@ def reward_scorer(config: GRPOConfig) -> RewardScorer | None:
     """The reward role in this process (evaluation and `grpo.reward_workers: 0`)."""
     if not config.grpo.rewards:
         return None  # on-policy distillation alone
-    return RewardScorer(reward_terms(config), config.grpo.reward_processes, config.grpo.reward_memory_mb)
+    return RewardScorer(reward_terms(config), config.grpo.reward_processes, config.grpo.reward_memory_mb,
+                        config.grpo.reward_nice)
 
 
 def build_environment_role(config: GRPOConfig):
@@ -125,7 +126,7 @@ def build_environment_role(config: GRPOConfig):
 
     settings = config.grpo.environment
     return EnvironmentRole(settings.name, settings.environment_kwargs, settings.timeout_s, settings.isolation,
-                           config.grpo.reward_processes, config.grpo.reward_memory_mb)
+                           config.grpo.reward_processes, config.grpo.reward_memory_mb, config.grpo.reward_nice)
 
 
 def build_reward_role(config: GRPOConfig):
@@ -135,7 +136,8 @@ def build_reward_role(config: GRPOConfig):
     from posttrain.rl.actor import RemoteRewardScorer
 
     return RemoteRewardScorer(reward_terms(config), num_workers=config.grpo.reward_workers,
-                              processes=config.grpo.reward_processes, memory_mb=config.grpo.reward_memory_mb)
+                              processes=config.grpo.reward_processes, memory_mb=config.grpo.reward_memory_mb,
+                              nice=config.grpo.reward_nice)
 
 
 def total_optimizer_steps(config: GRPOConfig) -> int:
@@ -314,7 +316,7 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
     state_dir = str(run_dir / RL_STATE_DIR)
     started_ray = start_ray_for_roles(config)
     policy, model = build_policy(config, tokenizer, parent, device)
-    engine = scorer = reference = sinks = environment = None
+    engine = scorer = reference = sinks = environment = controller = None
     try:
         if config.grpo.kl_coef > 0 and config.grpo.reference_on_actor:
             from posttrain.rl.actor import RemoteReference
@@ -383,6 +385,8 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
     finally:
         if sinks is not None:
             sinks.close()
+        if controller is not None:
+            controller.close()  # no round is scored ahead once the reward role below is closed
         if engine is not None:
             engine.close()
         for role in (scorer, reference, environment):

@@ -13,6 +13,17 @@ def echo(items, **kwargs):
     return {"doubled": [2 * x for x in items], "kwargs": kwargs}
 
 
+def cpu_priority(items, **_):
+    """Well behaved: the worker's nice value, and its session's autogroup's (None where the
+    kernel groups no tasks by session)."""
+    try:
+        with open("/proc/self/autogroup") as group:
+            autogroup = int(group.read().split("nice")[1])
+    except (OSError, IndexError, ValueError):
+        autogroup = None
+    return {"nice": os.getpriority(os.PRIO_PROCESS, 0), "autogroup": autogroup}
+
+
 def misbehave(items, **_):
     """Per item: "raise", "spin" (forever, on the CPU), "exit" (`os._exit`), "segfault",
     "allocate" (without bound), "sleep:<s>", "object" (a value that is not JSON), else its

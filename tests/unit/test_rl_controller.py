@@ -92,13 +92,16 @@ def test_a_round(task):
         assert m["is_weight"] == pytest.approx(1.0, abs=1e-5)  # a float32 native engine matches the trainer
 
 
-def test_failed_rewards_are_counted_and_left_out(task):
-    controller = make(task, reward="fails_on_some", dynamic=False)
-    result = controller.run_round()
-    failed = [r for r in result.rollouts if r.reward != r.reward]  # NaN
-    assert result.metrics["reward_failed"] == len(failed) > 0
-    assert all(not r.trained for r in failed)
-    assert result.reward_errors and "unavailable" in result.reward_errors[0][2]
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_failed_rewards_are_counted_and_left_out(task, max_staleness):
+    """Synchronous, and asynchronous with every round after the first scored behind its
+    generation (`posttrain.rl.scoring_stage`)."""
+    controller = make(task, reward="fails_on_some", dynamic=False, max_staleness=max_staleness)
+    for result in [controller.run_round() for _ in range(1 + max_staleness)]:
+        failed = [r for r in result.rollouts if r.reward != r.reward]  # NaN
+        assert result.metrics["reward_failed"] == len(failed) > 0
+        assert all(not r.trained for r in failed)
+        assert result.reward_errors and "unavailable" in result.reward_errors[0][2]
 
 
 class StaleEngine(NativeEngine):
@@ -238,6 +241,38 @@ def test_an_asynchronous_run_resumes_bitwise_with_its_queued_rollouts(task, tmp_
     later = [resumed.run_round() for _ in range(2)]
     for a, b in zip(later, results[2:]):
         assert rollout_key(a) == rollout_key(b)
+        assert [m["loss"] for m in a.train_metrics] == [m["loss"] for m in b.train_metrics]
+    for (name, a), b in zip(straight.policy.model.state_dict().items(), resumed.policy.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert straight.sampler.state_dict() == resumed.sampler.state_dict()
+
+
+def test_a_round_checkpointed_before_it_was_scored_is_scored_on_resume_as_it_would_have_been(task, tmp_path):
+    """Asynchronous rounds of one draw are scored behind their generation: a checkpoint taken
+    while round 4 is generated and not yet scored holds its samples, and the restored
+    controller scores and trains it to the uninterrupted run's rollouts, losses and weights."""
+    from posttrain.rl.scoring_stage import Unscored
+
+    straight = make(task, passes=2, dynamic=False, max_staleness=2)
+    results = [straight.run_round() for _ in range(4)]
+
+    first = make(task, passes=2, dynamic=False, max_staleness=2)
+    first.run_round()
+    assert [type(b) for b in first.queue] == [Unscored, Unscored]  # rounds 2 and 3, handed to the scoring stage
+    for batch in first.queue:
+        batch.result()
+    with first._scoring._busy:  # the stage scores nothing until the checkpoint is taken
+        first.run_round()
+        assert [(b.round, b.done()) for b in first.queue] == [(3, True), (4, False)]
+        state = first.state_dict()
+    assert [Unscored.is_state(b) for b in state["queue"]] == [False, True]
+    manager = CheckpointManager(tmp_path, every_steps=1)
+    path = manager.save(first.round, first.policy.trainer, state)
+    resumed = make(task, passes=2, dynamic=False, max_staleness=2)
+    resumed.load_state_dict(manager.load(path, resumed.policy.trainer))
+    resumed.engine.update_weights(resumed.policy.export_weights())
+    for a, b in zip([resumed.run_round() for _ in range(2)], results[2:]):
+        assert rollout_key(a) == rollout_key(b) and a.metrics["reward_mean"] == b.metrics["reward_mean"]
         assert [m["loss"] for m in a.train_metrics] == [m["loss"] for m in b.train_metrics]
     for (name, a), b in zip(straight.policy.model.state_dict().items(), resumed.policy.model.state_dict().values()):
         assert torch.equal(a, b), name

@@ -28,6 +28,21 @@ def test_a_well_behaved_call_returns_its_json_value(workers):
         "doubled": [2, 5.0], "kwargs": {"k": "v"}}
 
 
+@pytest.mark.parametrize("nice", [0, 19])
+def test_workers_run_at_the_cpu_priority_they_are_given(nice):
+    """At nice 19 (what the RL recipe gives them) the workers' calls take the cores the run leaves:
+    their own nice value and their session's autogroup's, where the kernel has autogroups (a
+    worker's session is its own, and would otherwise weigh as much as the whole run's)."""
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    with UserCodeWorkers(num_workers=1, nice=nice) as pool:
+        got = pool.call("misbehaving_code:cpu_priority", ([],), timeout_s=30)
+    assert got["nice"] == max(nice, ours)
+    if got["autogroup"] is not None and nice:
+        assert got["autogroup"] == nice
+    with pytest.raises(ValueError, match="nice value in 0..19"):
+        UserCodeWorkers(num_workers=1, nice=20)
+
+
 @pytest.mark.parametrize("item, reason, message", [
     ("raise", "raised", "ConnectionError: grader unavailable"),
     ("spin", "timeout", "timed out after 1s (worker killed)"),
@@ -83,7 +98,7 @@ def test_a_worker_whose_parent_ended_before_it_ran_ends_at_once():
     gone.wait()
     (read_fd, write_fd), to_worker, from_worker = forkserver.pipes()
     worker = subprocess.Popen([sys.executable, "-m", "posttrain.rl.user_code", "worker", str(gone.pid), str(read_fd),
-                               str(write_fd), "0", "[]"], pass_fds=(read_fd, write_fd))
+                               str(write_fd), "0", "0", "[]"], pass_fds=(read_fd, write_fd))
     os.close(read_fd)
     os.close(write_fd)
     try:

@@ -10,6 +10,9 @@ from typing import Literal, Optional
 from posttrain.config.sampling import SamplingConfig
 from posttrain.config.strict import ConfigError, bounded
 
+# the CPU priority (nice) of the worker processes that run user code (rewards, environments, tools)
+USER_CODE_NICE = 19
+
 
 @dataclass
 class RewardTermConfig:
@@ -168,6 +171,11 @@ class GRPOSection:
     # each reward role, and each one's address-space cap in MB (null: none)
     reward_processes: int = bounded(2, ge=1)
     reward_memory_mb: Optional[int] = bounded(4096, ge=256)
+    # their CPU priority (nice, the environment's workers too): at 19 they get the cores the run
+    # leaves, so a call that spins until its timeout does not slow the update or the engine beside
+    # it; 0 gives them the run's own share (a call's timeout counts wall-clock time, so a slow grader
+    # beside a trainer that keeps every core busy may want it)
+    reward_nice: int = bounded(USER_CODE_NICE, ge=0, le=19)
     # with kl_coef > 0: the frozen reference in this process, or on a Ray actor of its own
     reference_on_actor: bool = False
     # a prompt's completions trained as one tree document (the prompt once, each completion a

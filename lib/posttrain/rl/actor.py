@@ -37,6 +37,7 @@ import numpy as np
 import ray
 import torch
 
+from posttrain.config.rl_sections import USER_CODE_NICE
 from posttrain.rl.engine import Completion, SamplingConfig
 
 KINDS = ("native", "vllm")
@@ -153,11 +154,11 @@ class RewardActor:
     """One reward worker: a `RewardScorer` over the recipe's terms, built in the actor (a reward
     model named by a term is loaded there, once)."""
 
-    def __init__(self, terms: list, processes: int = 2, memory_mb: int | None = 4096):
+    def __init__(self, terms: list, processes: int = 2, memory_mb: int | None = 4096, nice: int = USER_CODE_NICE):
         from posttrain.rl.rewards import RewardScorer
 
         torch.set_num_threads(1)
-        self.scorer = RewardScorer(terms, processes, memory_mb)
+        self.scorer = RewardScorer(terms, processes, memory_mb, nice)
 
     def score(self, completions: list[str], records: list):
         return self.scorer.score(completions, records)
@@ -173,7 +174,7 @@ class RemoteRewardScorer:
     stops the run as it does in process."""
 
     def __init__(self, terms: Sequence, num_workers: int = 1, num_cpus: float = 1, processes: int = 2,
-                 memory_mb: int | None = 4096):
+                 memory_mb: int | None = 4096, nice: int = USER_CODE_NICE):
         from posttrain.parallel.roles import RemoteRole, RoleLost
         from posttrain.rl.rewards import RewardError, RewardScorer
 
@@ -184,7 +185,7 @@ class RemoteRewardScorer:
         # the functions are named by import path: the actors import them from the driver's path
         path = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}}
         try:  # a worker that cannot start (an import, a reward model that does not load) says so now
-            self.role = RemoteRole(RewardActor, (self.terms, processes, memory_mb), num_actors=num_workers,
+            self.role = RemoteRole(RewardActor, (self.terms, processes, memory_mb, nice), num_actors=num_workers,
                                    num_cpus=num_cpus,
                                    runtime_env=path)
         except RoleLost as err:

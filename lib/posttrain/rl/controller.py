@@ -53,7 +53,14 @@ order (the prompt sampler's order: no prompt drawn twice or skipped), and the qu
 of `state_dict` (JSON, exact), so a restored controller trains on the very rollouts the
 uninterrupted one did. Partial rollouts (`grpo.partial_rollouts`, `posttrain.rl.partial`)
 generate round r+k in k segments instead, one a round; the rounds in flight are in the state too.
-The overlap is real where the engine is a Ray actor or the reward calls wait on worker
+A round of one single-turn draw (`dynamic_sampling: false`) is scored behind its generation
+(`posttrain.rl.scoring_stage`): the producer hands the generated round to a scoring thread and
+goes on, the queue holds it as `Unscored` until its batch is ready, and the round that trains
+it waits for it only then, so a reward call that waits (a hung grader's timeout, a judge)
+runs beside the next generation and the update; a round checkpointed before it is scored
+holds its samples and is scored on resume. Dynamic sampling scores each draw before it draws
+again, and multi-turn rewards come with the environment's steps: those rounds are scored as
+they are generated. The overlap is real where the engine is a Ray actor or the reward calls wait on worker
 processes (the thread then waits, holding no core).
 An engine that fails (a Ray actor that died) raises `EngineLost`, which says whether the round
 can be redone from its start (it failed while generating) or only the sync is to be redone
@@ -93,6 +100,7 @@ from posttrain.rl.episodes import Episode, episode_rewards, run_episodes, templa
 from posttrain.rl.partial import InFlight, advance
 from posttrain.rl.round_batch import Rollout, RoundBatch
 from posttrain.rl.rewards import RewardScorer
+from posttrain.rl.scoring_stage import ScoringStage, Unscored, generated_round
 from posttrain.rl.policy import LocalPolicy, as_policy
 from posttrain.rl.sync import SyncError, check_sync
 from posttrain.rl.trajectories import Trajectory, attach_logps, pack_trajectories
@@ -237,7 +245,8 @@ class RLController:
             self._check_fits(p)
         self.sampler = PromptSampler(len(self.prompts), seed)
         self.round = 0
-        self.queue: deque[RoundBatch] = deque()  # rounds produced ahead (grpo.max_staleness), in order
+        # rounds produced ahead (grpo.max_staleness), in order: scored, or generated and being scored
+        self.queue: deque[RoundBatch | Unscored] = deque()
         self.inflight: deque[InFlight] = deque()  # rounds being generated in segments (grpo.partial_rollouts)
         # asynchronous rounds: the policy's last weights, published for the engine in a copy (a native
         # engine, with its recomputation), and what loading them into the engine reported
@@ -251,6 +260,15 @@ class RLController:
         if grpo.partial_rollouts and not self.environment.single_turn:
             raise ValueError("grpo.partial_rollouts continues single-turn generations; this environment has turns")
         self._skew_warned = False
+        # asynchronous rounds of one single-turn draw are scored behind their generation, on a thread of their own
+        self._scores_behind = grpo.max_staleness >= 1 and not grpo.dynamic_sampling and self.environment.single_turn
+        self._scoring = ScoringStage(self._score_generated)
+        self._reward_lock = threading.Lock()  # the reward role is called by one thread at a time
+
+    def close(self) -> None:
+        """Stop scoring rounds ahead (waits for the round being scored, if any): call it before
+        the reward role is closed. The queue stays as it is."""
+        self._scoring.reset()
 
     # ---------------------------------------------------------------- state
 
@@ -261,7 +279,9 @@ class RLController:
     def load_state_dict(self, state: dict) -> None:
         self.round = int(state["round"])
         self.sampler.load_state_dict(state["sampler"])
-        self.queue = deque(RoundBatch.from_state(b) for b in state.get("queue", []))
+        self._scoring.reset()
+        self.queue = deque(self._scoring.submit(Unscored.from_state(b)) if Unscored.is_state(b)
+                           else RoundBatch.from_state(b) for b in state.get("queue", []))
         self.inflight = deque(InFlight.from_state(b) for b in state.get("inflight", []))
         self._published = self._background_sync = None  # the caller syncs the engine to the restored policy
         check_resume(state.get("decode"), engine_identity(self.engine))
@@ -316,10 +336,12 @@ class RLController:
 
     # ---------------------------------------------------------------- producing a round's rollouts
 
-    def _produce(self, round_: int) -> RoundBatch:
+    def _produce(self, round_: int, behind: bool = False) -> RoundBatch | Unscored:
         """Round `round_`'s rollouts, drawn, generated and scored with the engine's weights now
         (steps 1-4 of the module docstring). The draw's seeds derive from `round_`, so a batch
-        is the same whenever it is produced from the same sampler position and weights."""
+        is the same whenever it is produced from the same sampler position and weights.
+        `behind` (a round of one draw): generated here and handed to the scoring stage, whose
+        `Unscored` is returned at once."""
         grpo = self.grpo
         batch = RoundBatch(round=round_, version=self.round, seconds={"generate": 0.0, "score": 0.0})
         while batch.groups_trained < grpo.prompts_per_round and \
@@ -331,6 +353,9 @@ class RLController:
                 raise EngineLost(None) from err
             batch.seconds["generate"] += time.perf_counter() - t
             batch.draws += 1
+            if behind:
+                generated = generated_round(round_, indices, groups, batch.version, batch.seconds["generate"])
+                return self._scoring.submit(Unscored(generated, batch.version, groups=groups))
             self._score_draw(batch, indices, groups)
         return batch
 
@@ -343,7 +368,8 @@ class RLController:
         t = time.perf_counter()
         flat = [e for g in groups for e in g]
         texts = [e.final_text for e in flat]
-        rewards, scores = episode_rewards(self.scorer, flat)
+        with self._reward_lock:
+            rewards, scores = episode_rewards(self.scorer, flat)
         batch.seconds["score"] += time.perf_counter() - t
         offset = len(batch.rollouts)
         if scores is not None:
@@ -388,7 +414,7 @@ class RLController:
         for round_ in range(first, last + 1):
             sampler = self.sampler.state_dict()
             try:
-                self.queue.append(self._produce(round_))
+                self.queue.append(self._produce(round_, behind=self._scores_behind))
             except BaseException:
                 self.sampler.load_state_dict(sampler)
                 raise
@@ -415,7 +441,8 @@ class RLController:
         for batch in list(self.inflight):
             self._advance(batch)
             if batch.segments == k:
-                self.queue.append(self._finish(batch))
+                self.queue.append(self._scoring.submit(Unscored(batch, batch.version, per_token_versions=True))
+                                  if self._scores_behind else self._finish(batch))
                 self.inflight.popleft()
         new = round_ + k
         if new <= last and max([b.round for b in (*self.queue, *self.inflight)], default=0) < new:
@@ -450,22 +477,33 @@ class RLController:
 
     def _finish(self, batch: InFlight) -> RoundBatch:
         """A round whose every segment is generated, scored (its tokens' versions kept)."""
-        out = RoundBatch(round=batch.round, version=batch.version, seconds={"generate": batch.seconds, "score": 0.0})
-        groups = batch.episodes([self._prompt(i) for i in batch.indices], [self.records[i] for i in batch.indices],
-                                self.tokenizer)
-        self._score_draw(out, batch.indices, groups, versions=[s["versions"] for s in batch.samples])
+        return self._score_generated(Unscored(batch, batch.version, per_token_versions=True))
+
+    def _score_generated(self, unscored: Unscored) -> RoundBatch:
+        """A round generated whole (or in segments), scored: its episodes as generated, or
+        rebuilt from its samples when it was restored from a checkpoint."""
+        generated = unscored.generated
+        out = RoundBatch(round=generated.round, version=unscored.version,
+                         seconds={"generate": generated.seconds, "score": 0.0})
+        groups = unscored.groups
+        if groups is None:
+            groups = generated.episodes([self._prompt(i) for i in generated.indices],
+                                        [self.records[i] for i in generated.indices], self.tokenizer)
+        versions = [s["versions"] for s in generated.samples] if unscored.per_token_versions else None
+        self._score_draw(out, generated.indices, groups, versions=versions)
         out.draws = 1
         return out
 
-    def _take(self, round_: int) -> tuple[RoundBatch | None, int]:
-        """The queued batch of `round_` if one is fresh enough (`(batch, 0)`), else `(None,
-        trajectories dropped)`: a batch more than `max_staleness` versions behind the policy is
-        dropped and counted, and the round's rollouts are then produced now."""
+    def _take(self, round_: int) -> tuple[RoundBatch | Unscored | None, int]:
+        """The queued batch of `round_` (scored, or still being scored) if one is fresh enough
+        (`(batch, 0)`), else `(None, trajectories dropped)`: a batch more than `max_staleness`
+        versions behind the policy is dropped and counted, and the round's rollouts are then
+        produced now."""
         if not self.queue or self.queue[0].round != round_:
             return None, 0
         batch = self.queue.popleft()
         if self.round - batch.version > self.grpo.max_staleness:
-            return None, len(batch.trajectories)
+            return None, len((batch.result() if isinstance(batch, Unscored) else batch).trajectories)
         return batch, 0
 
     # ---------------------------------------------------------------- one round
@@ -478,6 +516,7 @@ class RLController:
                  "sync": 0.0, "sync_background": 0.0}
         t = time.perf_counter()
         batch, stale_dropped = self._take(round_)
+        queued = batch
         if batch is None:
             sampler = self.sampler.state_dict()
             try:
@@ -487,6 +526,23 @@ class RLController:
                 self.sampler.load_state_dict(sampler)
                 raise
         times["wait"] += time.perf_counter() - t
+        # bounded staleness: the engine produces the next rounds' rollouts while the policy trains on
+        # this one (and while this one's scoring, behind, finishes)
+        ahead = min(round_ + grpo.max_staleness, grpo.rounds) if grpo.max_staleness else 0
+        first = self.queue[-1].round + 1 if self.queue else round_ + 1
+        if grpo.partial_rollouts:
+            producer = _Background(self._advance_partial, round_) if ahead >= first or self.inflight else None
+        else:
+            producer = _Background(self._produce_ahead, first, ahead) if ahead >= first else None
+        if isinstance(queued, Unscored):
+            t = time.perf_counter()
+            try:
+                batch = queued.result()
+            except BaseException:
+                if producer is not None:
+                    producer.join()
+                raise
+            times["wait"] += time.perf_counter() - t
         times["generate"], times["score"] = batch.seconds["generate"], batch.seconds["score"]
         trained_versions = [v for r in batch.rollouts if r.trained and r.token_versions for v in r.token_versions]
         staleness = self.round - batch.version
@@ -494,13 +550,6 @@ class RLController:
         if trained_versions:  # partial rollouts: the mean over the trained tokens
             staleness = self.round - sum(trained_versions) / len(trained_versions)
             staleness_max = self.round - min(trained_versions)
-        # bounded staleness: the engine produces the next rounds' rollouts while the policy trains on this one
-        ahead = min(round_ + grpo.max_staleness, grpo.rounds) if grpo.max_staleness else 0
-        first = self.queue[-1].round + 1 if self.queue else round_ + 1
-        if grpo.partial_rollouts:
-            producer = _Background(self._advance_partial, round_) if ahead >= first or self.inflight else None
-        else:
-            producer = _Background(self._produce_ahead, first, ahead) if ahead >= first else None
         try:
             train_metrics, reverse_kl = self._train(batch, times)
         finally:

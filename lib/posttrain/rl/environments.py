@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.catalog import builtin_or_import_path, import_callable
+from posttrain.config.rl_sections import USER_CODE_NICE
 
 
 class EnvironmentContractError(ValueError):
@@ -281,7 +282,8 @@ class EnvironmentRole:
     import) stops the run."""
 
     def __init__(self, name: str = "single_turn", kwargs: dict | None = None, timeout_s: float | None = 10.0,
-                 isolation: str = "process", processes: int = 2, memory_mb: int | None = 4096):
+                 isolation: str = "process", processes: int = 2, memory_mb: int | None = 4096,
+                 nice: int = USER_CODE_NICE):
         self.name, self.kwargs, self.timeout_s = name, dict(kwargs or {}), timeout_s
         environment_class(name)  # fails here, at build time, for a name that does not import
         self.single_turn = environment_path(name) == BUILTIN_ENVIRONMENTS["single_turn"]
@@ -290,7 +292,8 @@ class EnvironmentRole:
             from posttrain.rl.user_code import UserCodeWorkers
 
             tools = list(self.kwargs.get("tools", ())) if environment_path(name) == BUILTIN_ENVIRONMENTS["tools"] else []
-            self.workers = UserCodeWorkers(processes, memory_mb, preload=[RESET, STEP, environment_path(name), *tools])
+            self.workers = UserCodeWorkers(processes, memory_mb, preload=[RESET, STEP, environment_path(name), *tools],
+                                           nice=nice)
 
     def close(self) -> None:
         if self.workers is not None:

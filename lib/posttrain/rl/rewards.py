@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.catalog import builtin_or_import_path, import_callable
-from posttrain.config.rl_sections import RewardTermConfig
+from posttrain.config.rl_sections import USER_CODE_NICE, RewardTermConfig
 from posttrain.rl.sandbox import code_execution
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -337,10 +337,11 @@ class RewardScorer:
     """Scores completions with weighted `RewardTerm`s (module docstring for failure isolation).
 
     Terms naming user code by import path with `isolation: process` run in `processes` worker
-    processes (`posttrain.rl.user_code.UserCodeWorkers`, each capped at `memory_mb`), started
-    at the first call; `close()` ends them."""
+    processes (`posttrain.rl.user_code.UserCodeWorkers`, each capped at `memory_mb`, at CPU
+    priority `nice`), started at the first call; `close()` ends them."""
 
-    def __init__(self, terms: Sequence[RewardTerm], processes: int = 2, memory_mb: int | None = 4096):
+    def __init__(self, terms: Sequence[RewardTerm], processes: int = 2, memory_mb: int | None = 4096,
+                 nice: int = USER_CODE_NICE):
         if not terms:
             raise RewardError("at least one reward function is needed")
         self.terms = list(terms)
@@ -359,7 +360,7 @@ class RewardScorer:
         if any(self.isolated):
             from posttrain.rl.user_code import UserCodeWorkers
 
-            self.workers = UserCodeWorkers(processes, memory_mb,
+            self.workers = UserCodeWorkers(processes, memory_mb, nice=nice,
                                            preload=[t.function for t, iso in zip(self.terms, self.isolated) if iso])
 
     def close(self) -> None:

@@ -107,11 +107,12 @@ class UserCodeWorkers:
     the first call. Close it (or use it as a context manager) to end them."""
 
     def __init__(self, num_workers: int = 1, memory_mb: int | None = 4096, env: dict | None = None,
-                 preload: Sequence[str] = (), spares: int = 1):
-        if num_workers < 1 or spares < 0:
-            raise ValueError(f"need at least one user-code worker and no negative spares, got {num_workers}, "
-                             f"{spares}")
+                 preload: Sequence[str] = (), spares: int = 1, nice: int = 0):
+        if num_workers < 1 or spares < 0 or not 0 <= nice <= 19:
+            raise ValueError(f"need at least one user-code worker, no negative spares and a nice value in 0..19, "
+                             f"got {num_workers}, {spares}, {nice}")
         self.num_workers, self.spares, self.memory_mb, self.preload = num_workers, spares, memory_mb, list(preload)
+        self.nice = nice
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
                     "OMP_NUM_THREADS": "1", **(env or {})}
         self.workers: list[_Worker] = []  # the live processes: starting, ready, or running a call
@@ -127,7 +128,7 @@ class UserCodeWorkers:
         """The command line of a worker or fork server: its parent is this process, named here
         (a process that reads its parent as it starts may read the one it was orphaned to)."""
         return [sys.executable, "-m", "posttrain.rl.user_code", mode, str(os.getpid()), *map(str, fds),
-                str(self.memory_mb or 0), json.dumps(self.preload)]
+                str(self.memory_mb or 0), str(self.nice), json.dumps(self.preload)]
 
     def _start(self) -> bool:
         """Start one worker (not waiting for it); False when the system refused to start a
@@ -358,6 +359,22 @@ def _cap_memory(memory_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
+def _lower_priority(nice: int) -> None:
+    """Run this worker at CPU priority `nice` (never higher than it is): its own nice value and,
+    where Linux groups tasks by session (autogroups), its session's, which is what weighs it
+    against the run's processes there (a worker has a session of its own, and a new session's
+    group starts at nice 0 whatever its process's value). Raising a nice value needs no
+    privilege; a system without autogroups has no file to write."""
+    if nice <= 0:
+        return
+    os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
+    try:
+        with open("/proc/self/autogroup", "w") as group:
+            group.write(str(nice))
+    except OSError:
+        pass
+
+
 def _exit_with_parent(parent_pid: int, every_s: float = 1.0) -> None:
     """End this worker when its parent is gone (killed mid-call: nobody would stop a call
     that spins): the kernel's parent-death signal on Linux, and a daemon thread that checks
@@ -384,12 +401,14 @@ def _exit_with_parent(parent_pid: int, every_s: float = 1.0) -> None:
     threading.Thread(target=check, daemon=True, name="parent-watch").start()
 
 
-def worker_main(parent_pid: int, read_fd: int, write_fd: int, memory_mb: int, preload: list[str]) -> None:
-    """In a worker that `parent_pid` started (it ends when that process does): say it is ready (`{"ready": true}`, or `{"error", "error_type"}` when a preloaded function
+def worker_main(parent_pid: int, read_fd: int, write_fd: int, memory_mb: int, nice: int, preload: list[str]) -> None:
+    """In a worker that `parent_pid` started (it ends when that process does), at CPU priority
+    `nice`: say it is ready (`{"ready": true}`, or `{"error", "error_type"}` when a preloaded function
     does not import), then serve calls until the parent closes the pipe: each message a pickled
     `(function, args, kwargs)`, each answer JSON `{"value": ...}` or `{"error", "reason",
     "error_type"[, "exit"]}`."""
     _exit_with_parent(parent_pid)
+    _lower_priority(nice)
     for fd in (read_fd, write_fd):  # what user code starts must not hold the pipe open
         os.set_inheritable(fd, False)
     incoming, outgoing = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
@@ -434,10 +453,11 @@ def worker_main(parent_pid: int, read_fd: int, write_fd: int, memory_mb: int, pr
             os._exit(3)
 
 
-def server_main(parent_pid: int, control_fd: int, memory_mb: int, preload: list[str]) -> None:
+def server_main(parent_pid: int, control_fd: int, memory_mb: int, nice: int, preload: list[str]) -> None:
     """The fork server's process (`posttrain.rl.forkserver.serve`): it imports the preloaded
     functions once (a function that does not import is left to each worker, which reports it),
-    so that a worker forked from it starts with them; each child runs `worker_main`. Imports
+    so that a worker forked from it starts with them; each child runs `worker_main` (the server
+    keeps the run's priority: a worker that replaces a killed one starts at once). Imports
     that started a thread make it exit instead of forking (a fork would copy that thread's
     locks, held or not, without the thread): the pool's workers are then fresh interpreters."""
     import threading
@@ -456,11 +476,12 @@ def server_main(parent_pid: int, control_fd: int, memory_mb: int, preload: list[
         return
     server_pid = os.getpid()  # its children's parent, read before any fork
     forkserver.serve(parent_pid, control_fd,
-                     lambda read_fd, write_fd: worker_main(server_pid, read_fd, write_fd, memory_mb, preload))
+                     lambda read_fd, write_fd: worker_main(server_pid, read_fd, write_fd, memory_mb, nice, preload))
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "server":
-        server_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]))
+        server_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), json.loads(sys.argv[6]))
     else:
-        worker_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), json.loads(sys.argv[6]))
+        worker_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]),
+                    json.loads(sys.argv[7]))
