@@ -127,6 +127,7 @@ def throughput_run(model_dir: Path, tokenizer, records, work: dict, staleness: i
                 f"{m['time_generate_s']:.2f}s, update {m['time_update_s']:.2f}s, sync {m['time_sync_s']:.2f}s, "
                 f"staleness {m['staleness']})")
     finally:
+        controller.close()
         engine.close()
     return times[1:], metrics[1:]
 
@@ -221,6 +222,7 @@ def curve(staleness: int, args, tmp: Path) -> list[list[float]]:
                 log(f"  k={staleness}: round {controller.round}, {seconds:.1f}s of rounds: held-out exact match "
                     f"{score:.3f}")
     finally:
+        controller.close()
         engine.close()
         if hasattr(scorer, "close"):
             scorer.close()

@@ -114,13 +114,16 @@ def run_ours(model_dir: Path, tokenizer, records, args, device: str = "cpu",
     controller = RLController(trainer, engine, scorer, prompts, records,
                               grpo, sampling, args.row_length, 1024, tokenizer, tokenizer.pad_token_id, seed=0)
     times, metrics = [], []
-    for r in range(args.rounds + 1):
-        start = time.perf_counter()
-        result = controller.run_round()
-        times.append(time.perf_counter() - start)
-        metrics.append(result.metrics)
-        log(f"ours round {r}: {times[-1]:.2f}s (generate {result.metrics['time_generate_s']:.2f}s, "
-            f"update {result.metrics['time_update_s']:.2f}s)")
+    try:
+        for r in range(args.rounds + 1):
+            start = time.perf_counter()
+            result = controller.run_round()
+            times.append(time.perf_counter() - start)
+            metrics.append(result.metrics)
+            log(f"ours round {r}: {times[-1]:.2f}s (generate {result.metrics['time_generate_s']:.2f}s, "
+                f"update {result.metrics['time_update_s']:.2f}s)")
+    finally:
+        controller.close()  # no round is scored ahead once the caller closes the scorer
     return times[1:], metrics[1:], engine.decode_identity()
 
 

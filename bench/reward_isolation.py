@@ -5,7 +5,7 @@ thread`: what posttrain did before, and more isolation than rewards called in th
 process, as TRL calls them, have).
 
     python bench/reward_isolation.py [--quick] [--rounds 5] [--timeout 0.2] [--processes 8]
-                                     [--rates raise=2,spin=5,exit=2,allocate=2] [--max-staleness 0]
+                                     [--rates raise=2,spin=5,exit=2,allocate=2] [--max-staleness 0] [--nice 19]
 
 The rounds are bench/grpo_round.py's (`run_ours`: the SFT demo's model shape, random weights,
 arithmetic prompts, `--prompts` x `--n` samples of `--new-tokens`, one optimizer step a round),
@@ -24,9 +24,12 @@ of them are waited out at once. The default 8 waits out a round's spinning sampl
 8 = 6.4 on average) in one wave, as a user who expects that many hangs a round sets
 `grpo.reward_processes`; with 4 the floor alone is two waves (0.4 s on a 0.42 s round). That
 floor is what a synchronous round pays; `--max-staleness k` runs every round asynchronously
-(`grpo.max_staleness`, behaving and misbehaving alike): the next round's rollouts are generated
-and scored on a thread while this one trains, so a hanging call's timeout runs beside the update
-instead of before it (`ratio_floor` is then no floor).
+(`grpo.max_staleness`, behaving and misbehaving alike): the next rounds' rollouts are generated
+while this one trains and scored behind their generation on a thread of their own
+(`posttrain.rl.scoring_stage`), so a hanging call's timeout runs beside the next generation and
+the update instead of before them (`ratio_floor` is then no floor). A call that has used 20 ms
+of CPU goes on at `--nice` (`grpo.reward_nice`, 19: a spinning call takes the cores the run
+leaves; 0: the run's own priority, always).
 
 Progress on stderr; the LAST stdout line is one JSON object: `ratio_misbehaving_vs_behaving` (the
 median of `ratio`), `ratio` (misbehaving / behaving round time, round by round, `process`) and

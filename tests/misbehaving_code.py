@@ -13,9 +13,12 @@ def echo(items, **kwargs):
     return {"doubled": [2 * x for x in items], "kwargs": kwargs}
 
 
-def cpu_priority(items, **_):
-    """Well behaved: the worker's nice value, and its session's autogroup's (None where the
-    kernel groups no tasks by session)."""
+def cpu_priority(items, spin_s: float = 0.0, **_):
+    """Well behaved: after `spin_s` seconds of CPU time, the worker's nice value, and its
+    session's autogroup's (None where the kernel groups no tasks by session)."""
+    start = time.process_time()
+    while time.process_time() - start < spin_s:
+        pass
     try:
         with open("/proc/self/autogroup") as group:
             autogroup = int(group.read().split("nice")[1])

@@ -14,16 +14,21 @@ from bench_checks import check_met, check_spread, last_json_line
 from flow_pool import background_command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-background_command("bench_reward_isolation", __name__,
-                   [sys.executable, str(REPO_ROOT / "bench" / "reward_isolation.py"), "--quick", "--no-baseline",
-                    "--rates", "raise=10,spin=10,exit=10,allocate=10"], REPO_ROOT)
+STALENESS = {"bench_reward_isolation": 0, "bench_reward_isolation_async": 2}
+for scenario, staleness in STALENESS.items():  # synchronous rounds, and rounds scored behind their generation
+    background_command(scenario, __name__,
+                       [sys.executable, str(REPO_ROOT / "bench" / "reward_isolation.py"), "--quick", "--no-baseline",
+                        "--rates", "raise=10,spin=10,exit=10,allocate=10", "--max-staleness", str(staleness)],
+                       REPO_ROOT)
 
 
 @pytest.mark.slow
-def test_quick_bench_prints_the_json_summary_last(flow_pool):
-    done = flow_pool.result("bench_reward_isolation")
+@pytest.mark.parametrize("scenario", list(STALENESS))
+def test_quick_bench_prints_the_json_summary_last(flow_pool, scenario):
+    done = flow_pool.result(scenario)
     result = last_json_line(done)
     assert result["benchmark"] == "reward_isolation" and result["ratio_thread"] is None
+    assert result["settings"]["max_staleness"] == STALENESS[scenario] and result["settings"]["reward_nice"] == 19
     assert set(result["seconds_per_round"]) == {"process/behaving", "process/misbehaving"}
     for spread in (result["ratio"], *result["seconds_per_round"].values()):
         check_spread(spread, n=2)

@@ -28,17 +28,26 @@ def test_a_well_behaved_call_returns_its_json_value(workers):
         "doubled": [2, 5.0], "kwargs": {"k": "v"}}
 
 
-@pytest.mark.parametrize("nice", [0, 19])
-def test_workers_run_at_the_cpu_priority_they_are_given(nice):
-    """At nice 19 (what the RL recipe gives them) the workers' calls take the cores the run leaves:
-    their own nice value and their session's autogroup's, where the kernel has autogroups (a
-    worker's session is its own, and would otherwise weigh as much as the whole run's)."""
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads a worker's CPU time from /proc")
+def test_a_call_that_uses_the_cpu_goes_on_at_the_pools_nice_and_its_worker_is_replaced():
+    """A call of a few milliseconds keeps the run's priority (a busy machine cannot starve it
+    into a timeout); one past `NICE_AFTER_CPU_S` of CPU goes on at nice 19 (the RL recipe's
+    `grpo.reward_nice`), its session's autogroup too where the kernel has them (a worker's
+    session is its own, and would otherwise weigh as much as the whole run's); its worker is
+    then replaced, so the next call starts at the run's priority again."""
     ours = os.getpriority(os.PRIO_PROCESS, 0)
-    with UserCodeWorkers(num_workers=1, nice=nice) as pool:
-        got = pool.call("misbehaving_code:cpu_priority", ([],), timeout_s=30)
-    assert got["nice"] == max(nice, ours)
-    if got["autogroup"] is not None and nice:
-        assert got["autogroup"] == nice
+    with UserCodeWorkers(num_workers=1, nice=19) as pool:
+        quick = pool.call("misbehaving_code:cpu_priority", ([],), timeout_s=30)
+        busy = pool.call("misbehaving_code:cpu_priority", ([],), {"spin_s": 0.3}, timeout_s=30)
+        after = pool.call("misbehaving_code:cpu_priority", ([],), timeout_s=30)
+        assert pool.lowered == 1 and pool.restarts == 0
+    assert quick["nice"] == ours and after["nice"] == ours
+    assert busy["nice"] == max(19, ours)
+    if busy["autogroup"] is not None:
+        assert busy["autogroup"] == 19 and quick["autogroup"] == after["autogroup"] == 0
+    with UserCodeWorkers(num_workers=1, nice=0) as pool:  # 0: the run's priority, always
+        assert pool.call("misbehaving_code:cpu_priority", ([],), {"spin_s": 0.3}, timeout_s=30)["nice"] == ours
+        assert pool.lowered == 0
     with pytest.raises(ValueError, match="nice value in 0..19"):
         UserCodeWorkers(num_workers=1, nice=20)
 
@@ -98,7 +107,7 @@ def test_a_worker_whose_parent_ended_before_it_ran_ends_at_once():
     gone.wait()
     (read_fd, write_fd), to_worker, from_worker = forkserver.pipes()
     worker = subprocess.Popen([sys.executable, "-m", "posttrain.rl.user_code", "worker", str(gone.pid), str(read_fd),
-                               str(write_fd), "0", "0", "[]"], pass_fds=(read_fd, write_fd))
+                               str(write_fd), "0", "[]"], pass_fds=(read_fd, write_fd))
     os.close(read_fd)
     os.close(write_fd)
     try:

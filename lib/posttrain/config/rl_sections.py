@@ -10,7 +10,8 @@ from typing import Literal, Optional
 from posttrain.config.sampling import SamplingConfig
 from posttrain.config.strict import ConfigError, bounded
 
-# the CPU priority (nice) of the worker processes that run user code (rewards, environments, tools)
+# the CPU priority (nice) a call into user code (rewards, environments, tools) goes on at once it
+# has used the CPU for a while (`posttrain.rl.user_code`)
 USER_CODE_NICE = 19
 
 
@@ -171,10 +172,11 @@ class GRPOSection:
     # each reward role, and each one's address-space cap in MB (null: none)
     reward_processes: int = bounded(2, ge=1)
     reward_memory_mb: Optional[int] = bounded(4096, ge=256)
-    # their CPU priority (nice, the environment's workers too): at 19 they get the cores the run
-    # leaves, so a call that spins until its timeout does not slow the update or the engine beside
-    # it; 0 gives them the run's own share (a call's timeout counts wall-clock time, so a slow grader
-    # beside a trainer that keeps every core busy may want it)
+    # the CPU priority (nice) a call in those workers (the environment's too) goes on at once it has
+    # used 20 ms of CPU: at 19 a call that spins until its timeout takes the cores the run leaves,
+    # not the update's or the engine's, while calls of a few milliseconds keep the run's priority;
+    # 0: every call at the run's (a timeout counts wall-clock time: a CPU-heavy grader beside a
+    # trainer that keeps every core busy may need it)
     reward_nice: int = bounded(USER_CODE_NICE, ge=0, le=19)
     # with kl_coef > 0: the frozen reference in this process, or on a Ray actor of its own
     reference_on_actor: bool = False

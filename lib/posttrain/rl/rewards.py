@@ -337,8 +337,9 @@ class RewardScorer:
     """Scores completions with weighted `RewardTerm`s (module docstring for failure isolation).
 
     Terms naming user code by import path with `isolation: process` run in `processes` worker
-    processes (`posttrain.rl.user_code.UserCodeWorkers`, each capped at `memory_mb`, at CPU
-    priority `nice`), started at the first call; `close()` ends them."""
+    processes (`posttrain.rl.user_code.UserCodeWorkers`, each capped at `memory_mb`; a call that
+    has used the CPU for a while goes on at nice `nice`), started at the first call; `close()`
+    ends them."""
 
     def __init__(self, terms: Sequence[RewardTerm], processes: int = 2, memory_mb: int | None = 4096,
                  nice: int = USER_CODE_NICE):

@@ -15,7 +15,15 @@ its allocation fails with `MemoryError` inside the call) fails alike. Each failu
 that stops the caller.
 
 `map` hands the calls out as a queue: a worker takes the next call as soon as it is free, so a
-call that hangs holds its own worker while the others drain the queue. Besides the workers that
+call that hangs holds its own worker while the others drain the queue.
+
+A call that has used `NICE_AFTER_CPU_S` of CPU goes on at the pool's `nice` (its worker's
+process group and, where Linux groups tasks by session, its session's autogroup, as a worker
+has a session of its own): a call that spins until its timeout then takes the cores the run
+leaves instead of a share of the update's, while the calls that take a few milliseconds (most
+graders) never leave the run's priority, so a busy machine cannot starve them into timeouts.
+A worker whose call was lowered is replaced after it answers (a process cannot raise its
+priority again without privilege). Besides the workers that
 run calls, `spares` warm processes wait: a worker that is killed or ends is replaced at once by
 a spare, and a new spare starts in the background (the parent never waits for a start while a
 started worker could take the call).
@@ -59,6 +67,8 @@ from posttrain.rl import forkserver
 REASONS = ("raised", "timeout", "died", "memory")
 START_TIMEOUT_S = 60.0  # a worker says it is ready within this (a start and its preloaded imports)
 NEVER = float("inf")
+NICE_AFTER_CPU_S = 0.02  # a call's CPU time past which it runs at the pool's `nice`
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 class UserCodeError(Exception):
@@ -81,6 +91,37 @@ class _Worker:
     ready: bool = False  # it said it started and imported its preloaded functions
     call: int | None = None  # the index, in the running `map`, of the call it runs
     deadline: float = NEVER  # when that call times out
+    cpu_at_call: float | None = None  # its CPU seconds when the call began (None: unknown here)
+    look_at: float = NEVER  # when to read the call's CPU time next (lowering its priority)
+    lowered: bool = False  # a call ran at the pool's `nice`: the worker is replaced after it answers
+
+
+def _cpu_seconds(pid: int | None) -> float | None:
+    """The CPU time (user + system, every thread) process `pid` has used; None where there is no
+    /proc to read it from, or the process is gone."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime: fields 14 and 15
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _lower_priority(pid: int, nice: int) -> None:
+    """Run worker `pid` (its process group: what user code started with it) at nice `nice`, and
+    its session's autogroup, which is what weighs it against the run's processes where Linux
+    groups tasks by session. Raising a nice value needs no privilege; best effort."""
+    try:
+        os.setpriority(os.PRIO_PGRP, pid, nice)
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open(f"/proc/{pid}/autogroup", "w") as group:
+            group.write(str(nice))
+    except OSError:
+        pass
 
 
 def _json_default(value: Any):
@@ -100,7 +141,9 @@ class UserCodeWorkers:
     `num_workers`: the calls that run at once; `spares`: warm processes kept besides them, ready
     to take the place of a worker that is killed or ends; `memory_mb`: each worker's
     address-space cap (None: none); `env`: extra environment for the workers (their
-    `PYTHONPATH` is the parent's `sys.path`, so the functions import there as here); `preload`:
+    `PYTHONPATH` is the parent's `sys.path`, so the functions import there as here); `nice`: the
+    priority a call goes on at once it has used `NICE_AFTER_CPU_S` of CPU (0: the run's, always);
+    `preload`:
     the functions a worker imports as it starts, before it says it is ready (a call's timeout
     never counts a worker's start-up or these imports; a worker that cannot start or import them
     within `START_TIMEOUT_S` fails a call that waits, with reason `died`). The processes start at
@@ -113,6 +156,7 @@ class UserCodeWorkers:
                              f"got {num_workers}, {spares}, {nice}")
         self.num_workers, self.spares, self.memory_mb, self.preload = num_workers, spares, memory_mb, list(preload)
         self.nice = nice
+        self.lowered = 0  # calls that went on at `nice`
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
                     "OMP_NUM_THREADS": "1", **(env or {})}
         self.workers: list[_Worker] = []  # the live processes: starting, ready, or running a call
@@ -128,7 +172,7 @@ class UserCodeWorkers:
         """The command line of a worker or fork server: its parent is this process, named here
         (a process that reads its parent as it starts may read the one it was orphaned to)."""
         return [sys.executable, "-m", "posttrain.rl.user_code", mode, str(os.getpid()), *map(str, fds),
-                str(self.memory_mb or 0), str(self.nice), json.dumps(self.preload)]
+                str(self.memory_mb or 0), json.dumps(self.preload)]
 
     def _start(self) -> bool:
         """Start one worker (not waiting for it); False when the system refused to start a
@@ -289,6 +333,9 @@ class UserCodeWorkers:
                         continue
                     worker.calls += 1
                     worker.call, worker.deadline = index, (now + timeout_s if timeout_s is not None else NEVER)
+                    if self.nice:
+                        worker.cpu_at_call = _cpu_seconds(worker.starter.pid(worker.process))
+                        worker.look_at = now + NICE_AFTER_CPU_S if worker.cpu_at_call is not None else NEVER
                     running.add(worker)
             if not pending and not running:
                 break
@@ -301,8 +348,8 @@ class UserCodeWorkers:
                     if not running:
                         break
             starting = [w for w in self.workers if not w.ready]
-            nearest = min([w.deadline for w in running] + [w.started + START_TIMEOUT_S for w in starting],
-                          default=NEVER)
+            nearest = min([min(w.deadline, w.look_at) for w in running]
+                          + [w.started + START_TIMEOUT_S for w in starting], default=NEVER)
             events = self._poller.poll(None if nearest == NEVER else max(0.0, (nearest - time.monotonic()) * 1000))
             now = time.monotonic()
             for fd, _ in events:
@@ -314,13 +361,18 @@ class UserCodeWorkers:
                 elif worker.call is None:  # an idle worker's pipe says something only when it ended
                     self._discard(worker)
                 else:
-                    index, worker.call = worker.call, None
+                    index, worker.call, worker.look_at = worker.call, None, NEVER
                     running.discard(worker)
                     results[index] = self._receive(worker)
                     if results[index] is _ENDED:
                         ended.append((index, worker))
+                    elif worker.lowered and worker in self.workers:  # its priority cannot come back up
+                        self._discard(worker, replace=False)
+                        self._fill()
+            for worker in [w for w in running if now >= w.look_at and now < w.deadline]:
+                self._look(worker, now)
             for worker in [w for w in running if now >= w.deadline]:
-                index, worker.call = worker.call, None
+                index, worker.call, worker.look_at = worker.call, None, NEVER
                 running.discard(worker)
                 self._discard(worker)
                 results[index] = UserCodeError("timeout", f"timed out after {timeout_s:g}s (worker killed)")
@@ -328,6 +380,22 @@ class UserCodeWorkers:
                 self._started(worker, pending, results)
         for index, worker in ended:
             results[index] = self._ended(worker)
+
+    def _look(self, worker: _Worker, now: float) -> None:
+        """Read the CPU time of `worker`'s call: past `NICE_AFTER_CPU_S`, lower its priority to
+        the pool's `nice`; else look again when it could have reached it."""
+        pid = worker.starter.pid(worker.process)
+        cpu = _cpu_seconds(pid)
+        if cpu is None:
+            worker.look_at = NEVER
+            return
+        used = cpu - worker.cpu_at_call
+        if used >= NICE_AFTER_CPU_S:
+            _lower_priority(pid, self.nice)
+            worker.lowered, worker.look_at = True, NEVER
+            self.lowered += 1
+        else:
+            worker.look_at = now + max(NICE_AFTER_CPU_S - used, 0.005)
 
     def _started(self, worker: _Worker, pending: collections.deque, results: list) -> None:
         """Take a starting worker's first message (or its silence past `START_TIMEOUT_S`); a
@@ -359,22 +427,6 @@ def _cap_memory(memory_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
-def _lower_priority(nice: int) -> None:
-    """Run this worker at CPU priority `nice` (never higher than it is): its own nice value and,
-    where Linux groups tasks by session (autogroups), its session's, which is what weighs it
-    against the run's processes there (a worker has a session of its own, and a new session's
-    group starts at nice 0 whatever its process's value). Raising a nice value needs no
-    privilege; a system without autogroups has no file to write."""
-    if nice <= 0:
-        return
-    os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
-    try:
-        with open("/proc/self/autogroup", "w") as group:
-            group.write(str(nice))
-    except OSError:
-        pass
-
-
 def _exit_with_parent(parent_pid: int, every_s: float = 1.0) -> None:
     """End this worker when its parent is gone (killed mid-call: nobody would stop a call
     that spins): the kernel's parent-death signal on Linux, and a daemon thread that checks
@@ -401,14 +453,12 @@ def _exit_with_parent(parent_pid: int, every_s: float = 1.0) -> None:
     threading.Thread(target=check, daemon=True, name="parent-watch").start()
 
 
-def worker_main(parent_pid: int, read_fd: int, write_fd: int, memory_mb: int, nice: int, preload: list[str]) -> None:
-    """In a worker that `parent_pid` started (it ends when that process does), at CPU priority
-    `nice`: say it is ready (`{"ready": true}`, or `{"error", "error_type"}` when a preloaded function
+def worker_main(parent_pid: int, read_fd: int, write_fd: int, memory_mb: int, preload: list[str]) -> None:
+    """In a worker that `parent_pid` started (it ends when that process does): say it is ready (`{"ready": true}`, or `{"error", "error_type"}` when a preloaded function
     does not import), then serve calls until the parent closes the pipe: each message a pickled
     `(function, args, kwargs)`, each answer JSON `{"value": ...}` or `{"error", "reason",
     "error_type"[, "exit"]}`."""
     _exit_with_parent(parent_pid)
-    _lower_priority(nice)
     for fd in (read_fd, write_fd):  # what user code starts must not hold the pipe open
         os.set_inheritable(fd, False)
     incoming, outgoing = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
@@ -453,11 +503,10 @@ def worker_main(parent_pid: int, read_fd: int, write_fd: int, memory_mb: int, ni
             os._exit(3)
 
 
-def server_main(parent_pid: int, control_fd: int, memory_mb: int, nice: int, preload: list[str]) -> None:
+def server_main(parent_pid: int, control_fd: int, memory_mb: int, preload: list[str]) -> None:
     """The fork server's process (`posttrain.rl.forkserver.serve`): it imports the preloaded
     functions once (a function that does not import is left to each worker, which reports it),
-    so that a worker forked from it starts with them; each child runs `worker_main` (the server
-    keeps the run's priority: a worker that replaces a killed one starts at once). Imports
+    so that a worker forked from it starts with them; each child runs `worker_main`. Imports
     that started a thread make it exit instead of forking (a fork would copy that thread's
     locks, held or not, without the thread): the pool's workers are then fresh interpreters."""
     import threading
@@ -476,12 +525,11 @@ def server_main(parent_pid: int, control_fd: int, memory_mb: int, nice: int, pre
         return
     server_pid = os.getpid()  # its children's parent, read before any fork
     forkserver.serve(parent_pid, control_fd,
-                     lambda read_fd, write_fd: worker_main(server_pid, read_fd, write_fd, memory_mb, nice, preload))
+                     lambda read_fd, write_fd: worker_main(server_pid, read_fd, write_fd, memory_mb, preload))
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "server":
-        server_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), json.loads(sys.argv[6]))
+        server_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]))
     else:
-        worker_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]),
-                    json.loads(sys.argv[7]))
+        worker_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), json.loads(sys.argv[6]))
