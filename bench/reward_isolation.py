@@ -149,9 +149,11 @@ def main() -> None:
                 times[name], _, _ = run_ours(model_dir, tokenizer, records, args=run_args, scorer=scorer)
             finally:
                 scorer.close()
-            failures[name] = failure_reasons(scorer.calls)
+            # one `score` call a round, in round order: those of rounds produced ahead of the last are left out
+            calls = scorer.calls[:run_args.rounds + 1]
+            failures[name] = failure_reasons(calls)
             if name == "process/misbehaving":  # the warm-up round's call left out, as its time is
-                floor = timeout_floor(scorer.calls[1:], args.processes, args.timeout)
+                floor = timeout_floor(calls[1:], args.processes, args.timeout)
             log(f"{name}: {statistics.median(times[name]):.3f}s a round; failed samples a round {failures[name]}")
     ratio = [m / b for m, b in zip(times["process/misbehaving"], times["process/behaving"])]
     ratio_thread = [m / b for m, b in zip(times.get("thread/misbehaving", []), times.get("thread/behaving", []))]
