@@ -52,6 +52,33 @@ def test_a_call_that_uses_the_cpu_goes_on_at_the_pools_nice_and_its_worker_is_re
         UserCodeWorkers(num_workers=1, nice=20)
 
 
+def test_a_session_nice_change_refused_as_too_soon_is_tried_again(monkeypatch):
+    """Without CAP_SYS_ADMIN, Linux refuses (EAGAIN) an autogroup nice change within 0.1 s of the
+    last: the pool tries again then, so the workers' group does not stay low while a call that
+    was not lowered runs. (The kernel's refusal is simulated: this machine's tests run as root.)"""
+    from posttrain.rl import user_code
+
+    real, attempts = user_code._set_session_nice, []
+
+    def refuse_the_first_return(pid, nice):
+        attempts.append((nice, time.monotonic()))
+        if nice == 0 and sum(n == 0 for n, _ in attempts) == 1:
+            return "later"
+        return real(pid, nice)
+
+    monkeypatch.setattr(user_code, "_set_session_nice", refuse_the_first_return)
+    with UserCodeWorkers(num_workers=2, nice=19) as pool:
+        # two calls that use the CPU, both lowered (the group goes to 19); as the first ends, a
+        # call that waits without the CPU (never lowered) starts beside the second
+        spin = ("misbehaving_code:cpu_priority", ([],), {"spin_s": 0.3})
+        results = pool.map([spin, spin, ("misbehaving_code:misbehave", (["sleep:0.5"],), {})], timeout_s=30)
+        assert pool._session_nice == 0
+    assert [r["nice"] for r in results[:2]] == [19, 19] and results[2] == [len("sleep:0.5")]
+    back = [t for n, t in attempts if n == 0]
+    assert [n for n, _ in attempts][:1] == [19] and len(back) == 2
+    assert back[1] - back[0] >= user_code.SESSION_RETRY_S * 0.9
+
+
 @pytest.mark.parametrize("item, reason, message", [
     ("raise", "raised", "ConnectionError: grader unavailable"),
     ("spin", "timeout", "timed out after 1s (worker killed)"),

@@ -1,7 +1,7 @@
 """Starting worker processes: forked from a fork server of our own, or as fresh interpreters.
 
-A starter gives each worker two pipes to its parent and a session of its own (a kill of its
-process group reaches what the worker started too). Both kinds have one interface:
+A starter gives each worker two pipes to its parent and a process group of its own (a kill of
+its process group reaches what the worker started too). Both kinds have one interface:
 
     starter.start()                   # -> (handle, to_worker, from_worker): at once, never waiting for the worker
     starter.alive()                   # False once a fork server ended (its workers with it)
@@ -9,12 +9,15 @@ process group reaches what the worker started too). Both kinds have one interfac
     starter.exit_status(handle, s)    # how it ended (negative: the signal), waiting at most s; None: not yet
     starter.refusal(handle)           # why it never started (a fork the system refused), else None
     starter.forget(handle)            # it was killed: reap it without waiting
+    starter.session                   # the pid of the session every worker shares, or None: one each
     starter.close()
 
 `ForkServer(server_argv, env)` runs `server_argv` (a fresh interpreter whose entry point calls
 `serve`) once and asks it for each worker over a Unix SOCK_SEQPACKET socket: the request
 carries the worker's two pipe ends (SCM_RIGHTS); the server forks, the child runs `child(read_fd,
-write_fd)` in a session of its own, and the server answers the child's pid, and later its exit
+write_fd)` in a process group of its own, in the server's session (its own, apart from the
+parent's: where Linux schedules tasks in groups by session, its autogroups, all the pool's
+workers weigh as one group against the parent's), and the server answers the child's pid, and later its exit
 status (it reaps its children), or why the fork was refused (the process limit, memory: the
 server goes on). A fork takes about a millisecond where a fresh interpreter
 takes tens (hundreds on busy cores). The server must not start a thread (a fork copies
@@ -51,6 +54,8 @@ def pipes() -> tuple[tuple[int, int], Connection, Connection]:
 
 class FreshInterpreters:
     """Each worker a fresh interpreter: `Popen(argv_for(read_fd, write_fd))`, a session of its own."""
+
+    session = None  # each worker's is its own
 
     def __init__(self, argv_for: Callable[[int, int], list[str]], env: dict):
         self.argv_for, self.env = argv_for, env
@@ -114,6 +119,7 @@ class ForkServer:
         finally:
             theirs.close()
         self.socket = ours
+        self.session = self.process.pid  # the server leads the session its workers share
         self.awaiting: collections.deque[Forked] = collections.deque()  # asked for, pid not said yet (in order)
         self.live: dict[int, Forked] = {}  # by pid, until the server says it ended
         self.ended = False  # its socket said so
@@ -214,7 +220,7 @@ def _report_ended(control: socket.socket) -> None:
 
 def serve(parent_pid: int, control_fd: int, child: Callable[[int, int], None]) -> None:
     """The fork server's loop: for each request on the `control_fd` socket (a worker's read and
-    write fds), fork; the child takes a session of its own and runs `child(read_fd, write_fd)`,
+    write fds), fork; the child takes a process group of its own and runs `child(read_fd, write_fd)`,
     then exits (status 0, or 1 after an exception); the server answers `{"pid"}` (`{"refused"}`
     when the system refuses the fork: the request fails, the server goes on), and `{"ended",
     "status"}` when a child ends. Returns when the parent closes the socket or is
@@ -254,7 +260,7 @@ def serve(parent_pid: int, control_fd: int, child: Callable[[int, int], None]) -
         if pid == 0:
             code = 1
             try:
-                os.setsid()
+                os.setpgid(0, 0)
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 for fd in (control_fd, wake_read, wake_write):

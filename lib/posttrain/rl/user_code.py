@@ -18,12 +18,16 @@ that stops the caller.
 call that hangs holds its own worker while the others drain the queue.
 
 A call that has used `NICE_AFTER_CPU_S` of CPU goes on at the pool's `nice` (its worker's
-process group and, where Linux groups tasks by session, its session's autogroup, as a worker
-has a session of its own): a call that spins until its timeout then takes the cores the run
-leaves instead of a share of the update's, while the calls that take a few milliseconds (most
+process group): a call that spins until its timeout then takes the cores the run leaves
+instead of a share of the update's, while the calls that take a few milliseconds (most
 graders) never leave the run's priority, so a busy machine cannot starve them into timeouts.
 A worker whose call was lowered is replaced after it answers (a process cannot raise its
-priority again without privilege). Besides the workers that
+priority again without privilege). Where Linux schedules tasks in groups by session
+(autogroups), a process's nice value weighs only within its session's group: the fork
+server's workers share its session, one group against the run's, which the pool puts at
+`nice` too while every call running is a lowered one (and back at 0 as a call that was not
+starts), so twenty hung calls weigh as one low-priority process, not twenty; a fresh
+interpreter's session is its own, and its group goes to `nice` with its call. Besides the workers that
 run calls, `spares` warm processes wait: a worker that is killed or ends is replaced at once by
 a spare, and a new spare starts in the background (the parent never waits for a start while a
 started worker could take the call).
@@ -37,7 +41,7 @@ imports sympy). A user module that starts a thread as it is imported makes the s
 SOCK_SEQPACKET sockets, or a server that ended: workers are then fresh interpreters (`python -m
 posttrain.rl.user_code worker`), each importing the functions itself. What a user module opens
 as it is imported (a file, a connection) is shared by the workers forked after it, as with
-multiprocessing's fork. Either way a worker has a session of its own (a kill reaches what user
+multiprocessing's fork. Either way a worker has a process group of its own (a kill reaches what user
 code started, a grader's subprocesses) and ends with its parent (the parent-death signal, and
 a thread that watches).
 
@@ -51,6 +55,7 @@ named by import path (`package.module:function`) and imported in the worker from
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import os
 import pickle
@@ -67,8 +72,8 @@ from posttrain.rl import forkserver
 REASONS = ("raised", "timeout", "died", "memory")
 START_TIMEOUT_S = 60.0  # a worker says it is ready within this (a start and its preloaded imports)
 NEVER = float("inf")
-NICE_AFTER_CPU_S = 0.02  # a call's CPU time past which it runs at the pool's `nice`
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+NICE_AFTER_CPU_S = 0.01  # a call's CPU time past which it runs at the pool's `nice`
+SESSION_RETRY_S = 0.1  # without CAP_SYS_ADMIN, Linux lets an autogroup's nice change once per 0.1 s
 
 
 class UserCodeError(Exception):
@@ -97,31 +102,36 @@ class _Worker:
 
 
 def _cpu_seconds(pid: int | None) -> float | None:
-    """The CPU time (user + system, every thread) process `pid` has used; None where there is no
-    /proc to read it from, or the process is gone."""
+    """The CPU time process `pid`'s main thread (where a call runs) has used, to the nanosecond
+    (`/proc/<pid>/schedstat`); None where there is none to read, or the process is gone."""
     if pid is None:
         return None
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rpartition(b")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime: fields 14 and 15
+        with open(f"/proc/{pid}/schedstat", "rb") as stat:
+            return int(stat.read().split()[0]) / 1e9
     except (OSError, IndexError, ValueError):
         return None
 
 
 def _lower_priority(pid: int, nice: int) -> None:
-    """Run worker `pid` (its process group: what user code started with it) at nice `nice`, and
-    its session's autogroup, which is what weighs it against the run's processes where Linux
-    groups tasks by session. Raising a nice value needs no privilege; best effort."""
+    """Run worker `pid`'s process group (what user code started with it too) at nice `nice`.
+    Raising a nice value needs no privilege; best effort."""
     try:
         os.setpriority(os.PRIO_PGRP, pid, nice)
     except (OSError, AttributeError):
         pass
+
+
+def _set_session_nice(pid: int, nice: int) -> str:
+    """Put the autogroup of process `pid`'s session (where Linux schedules tasks in groups by
+    session) at nice `nice` (0..19 needs no privilege): `ok`; `later` when changed too recently
+    (`SESSION_RETRY_S`); `never` where there is none to set."""
     try:
         with open(f"/proc/{pid}/autogroup", "w") as group:
             group.write(str(nice))
-    except OSError:
-        pass
+        return "ok"
+    except OSError as err:
+        return "later" if err.errno == errno.EAGAIN else "never"
 
 
 def _json_default(value: Any):
@@ -157,6 +167,8 @@ class UserCodeWorkers:
         self.num_workers, self.spares, self.memory_mb, self.preload = num_workers, spares, memory_mb, list(preload)
         self.nice = nice
         self.lowered = 0  # calls that went on at `nice`
+        self._session_nice: int | None = 0  # the fork server's session group's (module docstring); None: none
+        self._session_retry_at = NEVER  # when to try setting it again (changed too recently)
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
                     "OMP_NUM_THREADS": "1", **(env or {})}
         self.workers: list[_Worker] = []  # the live processes: starting, ready, or running a call
@@ -208,7 +220,7 @@ class UserCodeWorkers:
                 return
 
     def _discard(self, worker: _Worker, replace: bool = True) -> None:
-        """Kill `worker` with what it started (its session) and, with `replace`, start its
+        """Kill `worker` with what it started (its process group) and, with `replace`, start its
         replacement now; a kill is not waited for."""
         self.workers.remove(worker)
         fd = worker.from_worker.fileno()
@@ -337,6 +349,7 @@ class UserCodeWorkers:
                         worker.cpu_at_call = _cpu_seconds(worker.starter.pid(worker.process))
                         worker.look_at = now + NICE_AFTER_CPU_S if worker.cpu_at_call is not None else NEVER
                     running.add(worker)
+            self._settle_session(running, now)
             if not pending and not running:
                 break
             if pending and not self.workers:  # a guard: the calls left need a worker to wait for
@@ -349,7 +362,7 @@ class UserCodeWorkers:
                         break
             starting = [w for w in self.workers if not w.ready]
             nearest = min([min(w.deadline, w.look_at) for w in running]
-                          + [w.started + START_TIMEOUT_S for w in starting], default=NEVER)
+                          + [w.started + START_TIMEOUT_S for w in starting] + [self._session_retry_at])
             events = self._poller.poll(None if nearest == NEVER else max(0.0, (nearest - time.monotonic()) * 1000))
             now = time.monotonic()
             for fd, _ in events:
@@ -392,10 +405,34 @@ class UserCodeWorkers:
         used = cpu - worker.cpu_at_call
         if used >= NICE_AFTER_CPU_S:
             _lower_priority(pid, self.nice)
+            if worker.starter.session is None:  # its session is its own: so is its group
+                _set_session_nice(pid, self.nice)  # once: a retry would be for a call that ended meanwhile
             worker.lowered, worker.look_at = True, NEVER
             self.lowered += 1
         else:
             worker.look_at = now + max(NICE_AFTER_CPU_S - used, 0.005)
+
+    def _settle_session(self, running: set[_Worker], now: float) -> None:
+        """The workers' shared session group at `nice` while every call running is a lowered one
+        and no worker is starting (the fork server, in that group, starts them), else at 0; a
+        change refused as too soon is tried again `SESSION_RETRY_S` later."""
+        session = getattr(self._starter, "session", None)
+        if session is None or not self.nice or self._session_nice is None:
+            return
+        low = bool(running) and all(w.lowered for w in running) and all(w.ready for w in self.workers)
+        want = self.nice if low else 0
+        if want == self._session_nice:
+            self._session_retry_at = NEVER
+            return
+        if self._session_retry_at != NEVER and now < self._session_retry_at:
+            return
+        outcome = _set_session_nice(session, want)
+        if outcome == "ok":
+            self._session_nice, self._session_retry_at = want, NEVER
+        elif outcome == "later":
+            self._session_retry_at = now + SESSION_RETRY_S
+        else:
+            self._session_nice = None
 
     def _started(self, worker: _Worker, pending: collections.deque, results: list) -> None:
         """Take a starting worker's first message (or its silence past `START_TIMEOUT_S`); a
@@ -524,6 +561,14 @@ def server_main(parent_pid: int, control_fd: int, memory_mb: int, preload: list[
               file=sys.stderr)
         return
     server_pid = os.getpid()  # its children's parent, read before any fork
+    # what every worker does first, done once here; and the heap frozen out of the collector's
+    # reach, so a worker's collections do not write (copy) the pages it shares with the server
+    import ctypes  # noqa: F401 - `_exit_with_parent`
+    import gc
+    import resource  # noqa: F401 - `_cap_memory`
+
+    gc.collect()
+    gc.freeze()
     forkserver.serve(parent_pid, control_fd,
                      lambda read_fd, write_fd: worker_main(server_pid, read_fd, write_fd, memory_mb, preload))
 
