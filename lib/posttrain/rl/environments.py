@@ -53,6 +53,7 @@ from typing import Any
 
 from posttrain.catalog import builtin_or_import_path, import_callable
 from posttrain.config.rl_sections import USER_CODE_NICE
+from posttrain.data.records import PromptRecord
 
 
 class EnvironmentContractError(ValueError):
@@ -293,7 +294,7 @@ class EnvironmentRole:
 
             tools = list(self.kwargs.get("tools", ())) if environment_path(name) == BUILTIN_ENVIRONMENTS["tools"] else []
             self.workers = UserCodeWorkers(processes, memory_mb, preload=[RESET, STEP, environment_path(name), *tools],
-                                           nice=nice)
+                                           nice=nice, modules=[PromptRecord.__module__])
 
     def close(self) -> None:
         if self.workers is not None:

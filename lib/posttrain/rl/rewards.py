@@ -64,6 +64,7 @@ from typing import Any
 
 from posttrain.catalog import builtin_or_import_path, import_callable
 from posttrain.config.rl_sections import USER_CODE_NICE, RewardTermConfig
+from posttrain.data.records import PromptRecord
 from posttrain.rl.sandbox import code_execution
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -361,7 +362,7 @@ class RewardScorer:
         if any(self.isolated):
             from posttrain.rl.user_code import UserCodeWorkers
 
-            self.workers = UserCodeWorkers(processes, memory_mb, nice=nice,
+            self.workers = UserCodeWorkers(processes, memory_mb, nice=nice, modules=[PromptRecord.__module__],
                                            preload=[t.function for t, iso in zip(self.terms, self.isolated) if iso])
 
     def close(self) -> None:

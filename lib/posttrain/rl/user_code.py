@@ -156,15 +156,18 @@ class UserCodeWorkers:
     `preload`:
     the functions a worker imports as it starts, before it says it is ready (a call's timeout
     never counts a worker's start-up or these imports; a worker that cannot start or import them
-    within `START_TIMEOUT_S` fails a call that waits, with reason `died`). The processes start at
-    the first call. Close it (or use it as a context manager) to end them."""
+    within `START_TIMEOUT_S` fails a call that waits, with reason `died`), and `modules`, what
+    else it imports then (the modules of the classes the calls' arguments are: unpickling one
+    imports its module, which would count against the first call of every new worker). The
+    processes start at the first call. Close it (or use it as a context manager) to end them."""
 
     def __init__(self, num_workers: int = 1, memory_mb: int | None = 4096, env: dict | None = None,
-                 preload: Sequence[str] = (), spares: int = 1, nice: int = 0):
+                 preload: Sequence[str] = (), spares: int = 1, nice: int = 0, modules: Sequence[str] = ()):
         if num_workers < 1 or spares < 0 or not 0 <= nice <= 19:
             raise ValueError(f"need at least one user-code worker, no negative spares and a nice value in 0..19, "
                              f"got {num_workers}, {spares}, {nice}")
         self.num_workers, self.spares, self.memory_mb, self.preload = num_workers, spares, memory_mb, list(preload)
+        self.modules = list(modules)
         self.nice = nice
         self.lowered = 0  # calls that went on at `nice`
         self._session_nice: int | None = 0  # the fork server's session group's (module docstring); None: none
@@ -184,7 +187,7 @@ class UserCodeWorkers:
         """The command line of a worker or fork server: its parent is this process, named here
         (a process that reads its parent as it starts may read the one it was orphaned to)."""
         return [sys.executable, "-m", "posttrain.rl.user_code", mode, str(os.getpid()), *map(str, fds),
-                str(self.memory_mb or 0), json.dumps(self.preload)]
+                str(self.memory_mb or 0), json.dumps({"functions": self.preload, "modules": self.modules})]
 
     def _start(self) -> bool:
         """Start one worker (not waiting for it); False when the system refused to start a
@@ -490,7 +493,15 @@ def _exit_with_parent(parent_pid: int, every_s: float = 1.0) -> None:
     threading.Thread(target=check, daemon=True, name="parent-watch").start()
 
 
-def worker_main(parent_pid: int, read_fd: int, write_fd: int, memory_mb: int, preload: list[str]) -> None:
+def _preloads(spec: dict | list) -> tuple[list[str], list[str]]:
+    """`(functions, modules)` a worker imports as it starts: the command line's JSON, a mapping
+    (`UserCodeWorkers._argv`), or a list of functions."""
+    if isinstance(spec, list):
+        return spec, []
+    return list(spec.get("functions", [])), list(spec.get("modules", []))
+
+
+def worker_main(parent_pid: int, read_fd: int, write_fd: int, memory_mb: int, preload: dict | list) -> None:
     """In a worker that `parent_pid` started (it ends when that process does): say it is ready (`{"ready": true}`, or `{"error", "error_type"}` when a preloaded function
     does not import), then serve calls until the parent closes the pipe: each message a pickled
     `(function, args, kwargs)`, each answer JSON `{"value": ...}` or `{"error", "reason",
@@ -503,9 +514,14 @@ def worker_main(parent_pid: int, read_fd: int, write_fd: int, memory_mb: int, pr
     try:
         if memory_mb:
             _cap_memory(memory_mb)
+        import importlib
+
         from posttrain.catalog import import_callable
 
-        for name in preload:
+        names, modules = _preloads(preload)
+        for module in modules:
+            importlib.import_module(module)
+        for name in names:
             functions[name] = import_callable(name, f"user function {name!r}")
         hello = {"ready": True}
     except BaseException as err:  # noqa: BLE001 - told to the parent, which fails the call
@@ -540,19 +556,22 @@ def worker_main(parent_pid: int, read_fd: int, write_fd: int, memory_mb: int, pr
             os._exit(3)
 
 
-def server_main(parent_pid: int, control_fd: int, memory_mb: int, preload: list[str]) -> None:
+def server_main(parent_pid: int, control_fd: int, memory_mb: int, preload: dict | list) -> None:
     """The fork server's process (`posttrain.rl.forkserver.serve`): it imports the preloaded
-    functions once (a function that does not import is left to each worker, which reports it),
+    functions and modules once (one that does not import is left to each worker, which reports it),
     so that a worker forked from it starts with them; each child runs `worker_main`. Imports
     that started a thread make it exit instead of forking (a fork would copy that thread's
     locks, held or not, without the thread): the pool's workers are then fresh interpreters."""
     import threading
 
+    import importlib
+
     from posttrain.catalog import import_callable
 
-    for name in preload:
+    names, modules = _preloads(preload)
+    for name in modules + names:
         try:
-            import_callable(name, f"user function {name!r}")
+            importlib.import_module(name) if name in modules else import_callable(name, f"user function {name!r}")
         except BaseException:  # noqa: BLE001 - each worker imports it again and says why it failed
             pass
     tasks = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
