@@ -562,9 +562,8 @@ def server_main(parent_pid: int, control_fd: int, memory_mb: int, preload: dict 
     so that a worker forked from it starts with them; each child runs `worker_main`. Imports
     that started a thread make it exit instead of forking (a fork would copy that thread's
     locks, held or not, without the thread): the pool's workers are then fresh interpreters."""
-    import threading
-
     import importlib
+    import threading
 
     from posttrain.catalog import import_callable
 
