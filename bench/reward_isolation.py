@@ -27,9 +27,9 @@ floor is what a synchronous round pays; `--max-staleness k` runs every round asy
 (`grpo.max_staleness`, behaving and misbehaving alike): the next rounds' rollouts are generated
 while this one trains and scored behind their generation on a thread of their own
 (`posttrain.rl.scoring_stage`), so a hanging call's timeout runs beside the next generation and
-the update instead of before them (`ratio_floor` is then no floor). A call that has used 10 ms
-of CPU goes on at `--nice` (`grpo.reward_nice`, 19: a spinning call takes the cores the run
-leaves; 0: the run's own priority, always).
+the update instead of before them (`ratio_floor` is then no floor). A call that has used a
+quarter of its timeout in CPU (at most 0.1 s) goes on at `--nice` (`grpo.reward_nice`, 19: a
+spinning call takes the cores the run leaves; 0: the run's own priority, always).
 
 Progress on stderr; the LAST stdout line is one JSON object: `ratio_misbehaving_vs_behaving` (the
 median of `ratio`), `ratio` (misbehaving / behaving round time, round by round, `process`) and

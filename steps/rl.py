@@ -378,6 +378,7 @@ def run_task(config: GRPOConfig, tokenizer, prompts: Prompts, run_dir: str | Pat
             if on_round is not None:
                 on_round(result)
             _maybe_kill_engine(engine, controller.round + 1, restarts)
+        controller.finish_scoring()  # the checkpoint holds the queued rounds' scores: a resume calls no reward again
         checkpoint = policy.run(_save_round, state_dir, fingerprint, controller.round, controller.state_dict(),
                                 {"rounds_in_task": len(results)})
         done = controller.round >= config.grpo.rounds

@@ -173,8 +173,9 @@ class GRPOSection:
     reward_processes: int = bounded(2, ge=1)
     reward_memory_mb: Optional[int] = bounded(4096, ge=256)
     # the CPU priority (nice) a call in those workers (the environment's too) goes on at once it has
-    # used 10 ms of CPU: at 19 a call that spins until its timeout takes the cores the run leaves,
-    # not the update's or the engine's, while calls of a few milliseconds keep the run's priority;
+    # used a quarter of its timeout in CPU (at most 0.1 s): at 19 a call that spins until its
+    # timeout takes the cores the run leaves, not the update's or the engine's, while calls of tens
+    # of milliseconds keep the run's priority;
     # 0: every call at the run's (a timeout counts wall-clock time: a CPU-heavy grader beside a
     # trainer that keeps every core busy may need it)
     reward_nice: int = bounded(USER_CODE_NICE, ge=0, le=19)

@@ -6,6 +6,8 @@
     result = controller.run_round()          # a RoundResult: rollouts, rewards, metrics
     state = controller.state_dict()          # round, prompt position, decode identity, queued rollouts (JSON-safe;
                                              # the trainer saves its own)
+    controller.finish_scoring()              # before a checkpoint that is kept: queued rounds scored
+    controller.close()                       # before the reward role is closed
 
 The controller owns the plan; the roles do the work behind their contracts: the policy a
 `posttrain.rl.policy` role (a `Trainer` in this process, or a Ray worker group of one or more
@@ -70,7 +72,8 @@ Metrics: reward mean / std, pass@1 and pass@n (a sample succeeds when its reward
 `success_threshold`), the objective's KL / entropy / clip fraction / IS weight, completion
 lengths, the share of zero-advantage groups, failed rewards, and the time split
 (generate / score / reference / teacher / update / sync; `wait`: the time the round waited for
-its rollouts, all of generate and score when synchronous), `staleness` and `stale_dropped`.
+its rollouts, all of generate and score when synchronous, and for their scores when scored
+behind their generation), `staleness` and `stale_dropped`.
 
 The state also records what decoded the rollouts (the engine's decode identity:
 `posttrain.rl.decode_backends`): a controller restored under another one (another decode
@@ -268,7 +271,19 @@ class RLController:
     def close(self) -> None:
         """Stop scoring rounds ahead (waits for the round being scored, if any): call it before
         the reward role is closed. The queue stays as it is."""
-        self._scoring.reset()
+        self._scoring.close()
+
+    def finish_scoring(self) -> None:
+        """Wait until every queued round handed to the scoring stage is scored, so that the
+        state holds their scores, not their samples (a resumed run then calls no reward again,
+        and a reward that is not deterministic cannot change the trajectory): before a round
+        checkpoint that is kept. A round whose scoring failed stays to be scored again."""
+        for batch in self.queue:
+            if isinstance(batch, Unscored):
+                try:
+                    batch.result()
+                except Exception:  # noqa: BLE001 - raised where the round trains it
+                    pass
 
     # ---------------------------------------------------------------- state
 
@@ -280,7 +295,7 @@ class RLController:
         self.round = int(state["round"])
         self.sampler.load_state_dict(state["sampler"])
         self._scoring.reset()
-        self.queue = deque(self._scoring.submit(Unscored.from_state(b)) if Unscored.is_state(b)
+        self.queue = deque(self._submit(Unscored.from_state(b)) if Unscored.is_state(b)
                            else RoundBatch.from_state(b) for b in state.get("queue", []))
         self.inflight = deque(InFlight.from_state(b) for b in state.get("inflight", []))
         self._published = self._background_sync = None  # the caller syncs the engine to the restored policy
@@ -355,22 +370,23 @@ class RLController:
             batch.draws += 1
             if behind:
                 generated = generated_round(round_, indices, groups, batch.version, batch.seconds["generate"])
-                return self._scoring.submit(Unscored(generated, batch.version, groups=groups))
+                return self._submit(Unscored(generated, batch.version, groups=groups))
             self._score_draw(batch, indices, groups)
         return batch
 
     def _score_draw(self, batch: RoundBatch, indices: list[int], groups: list[list[Episode]],
-                    versions: list[list[int]] | None = None) -> None:
+                    versions: list[list[int]] | None = None, skew: tuple[list[str], int] | None = None) -> None:
         """Score one draw's episodes into `batch`: rewards, group advantages, the groups kept
         (dynamic sampling), their rollouts and trajectories. `versions`: each episode's
-        per-token policy versions (partial rollouts), else None."""
+        per-token policy versions (partial rollouts), else None; `skew`: the skew check's result
+        for them, made already (`_skew_of`), else None (made here)."""
         grpo, n = self.grpo, self.sampling.n
-        t = time.perf_counter()
         flat = [e for g in groups for e in g]
         texts = [e.final_text for e in flat]
         with self._reward_lock:
+            t = time.perf_counter()
             rewards, scores = episode_rewards(self.scorer, flat)
-        batch.seconds["score"] += time.perf_counter() - t
+            batch.seconds["score"] += time.perf_counter() - t
         offset = len(batch.rollouts)
         if scores is not None:
             batch.errors += [(offset + i if i >= 0 else i, label, msg) for i, label, msg in scores.errors]
@@ -381,7 +397,10 @@ class RLController:
         adv_GN = (group_advantages(rewards_GN, grpo.advantage_scale) if grpo.advantage_estimator == "group"
                   else rejection_sampling_advantages(rewards_GN, grpo.success_threshold))
         flat_groups = degenerate_groups(rewards_GN).tolist()
-        if grpo.environment.skew_check != "off" and batch.checked < grpo.environment.skew_check_episodes:
+        if skew is not None:
+            batch.skew += skew[0]
+            batch.checked += skew[1]
+        elif grpo.environment.skew_check != "off" and batch.checked < grpo.environment.skew_check_episodes:
             batch.skew += self._check_skew(flat, batch.round)
             batch.checked += len(flat)
         for g, (prompt_index, group) in enumerate(zip(indices, groups)):
@@ -441,7 +460,7 @@ class RLController:
         for batch in list(self.inflight):
             self._advance(batch)
             if batch.segments == k:
-                self.queue.append(self._scoring.submit(Unscored(batch, batch.version, per_token_versions=True))
+                self.queue.append(self._submit(Unscored(batch, batch.version, per_token_versions=True))
                                   if self._scores_behind else self._finish(batch))
                 self.inflight.popleft()
         new = round_ + k
@@ -479,18 +498,38 @@ class RLController:
         """A round whose every segment is generated, scored (its tokens' versions kept)."""
         return self._score_generated(Unscored(batch, batch.version, per_token_versions=True))
 
+    def _submit(self, unscored: Unscored) -> Unscored:
+        """Hand a generated round to the scoring stage, its episodes and skew check made first,
+        on this thread (`Unscored`)."""
+        self._prepare(unscored)
+        return self._scoring.submit(unscored)
+
+    def _prepare(self, unscored: Unscored) -> None:
+        """Make a generated round's episodes (rebuilt from its samples when it was restored from
+        a checkpoint, or generated in segments) and its skew check, where not made yet."""
+        generated = unscored.generated
+        if unscored.groups is None:
+            unscored.groups = generated.episodes([self._prompt(i) for i in generated.indices],
+                                                 [self.records[i] for i in generated.indices], self.tokenizer)
+        if unscored.skew is None:
+            unscored.skew = self._skew_of([e for g in unscored.groups for e in g], generated.round)
+
+    def _skew_of(self, episodes: list[Episode], round_: int) -> tuple[list[str], int]:
+        """The skew check of a round's one draw (`_score_draw` makes it so for its first draw):
+        its reports and the episodes it looked at."""
+        if self.grpo.environment.skew_check == "off" or self.grpo.environment.skew_check_episodes <= 0:
+            return [], 0
+        return self._check_skew(episodes, round_), len(episodes)
+
     def _score_generated(self, unscored: Unscored) -> RoundBatch:
-        """A round generated whole (or in segments), scored: its episodes as generated, or
-        rebuilt from its samples when it was restored from a checkpoint."""
+        """A round generated whole (or in segments), scored (on the scoring stage's thread, or
+        inline for `_finish`)."""
+        self._prepare(unscored)  # made already when it was submitted
         generated = unscored.generated
         out = RoundBatch(round=generated.round, version=unscored.version,
                          seconds={"generate": generated.seconds, "score": 0.0})
-        groups = unscored.groups
-        if groups is None:
-            groups = generated.episodes([self._prompt(i) for i in generated.indices],
-                                        [self.records[i] for i in generated.indices], self.tokenizer)
         versions = [s["versions"] for s in generated.samples] if unscored.per_token_versions else None
-        self._score_draw(out, generated.indices, groups, versions=versions)
+        self._score_draw(out, generated.indices, unscored.groups, versions=versions, skew=unscored.skew)
         out.draws = 1
         return out
 

@@ -9,8 +9,10 @@ timeout, an LLM judge, a sandbox) overlaps generation and the update instead of 
     stage.reset()                                  # forget what is queued; wait out the call running
 
 The controller (`posttrain.rl.controller`) queues an `Unscored` where it would queue the
-scored `RoundBatch`: the same batch comes out, as scoring reads nothing the other stages
-change. An `Unscored` is JSON (`state`, `from_state`: the samples as generated, an `InFlight`
+scored `RoundBatch`: the same batch comes out. The episodes and the template skew check are
+made on the thread that submits the round (they read the prompt shards and the tokenizer,
+which the engine's thread uses meanwhile); the scoring thread calls the reward role, which
+the controller's lock gives one thread at a time, and builds the batch from them. An `Unscored` is JSON (`state`, `from_state`: the samples as generated, an `InFlight`
 whose every segment is done), so a round checkpoint holds a round generated and not yet
 scored, and a restored controller scores it again (a reward function that gives the same
 score to the same completion gives the same batch). It applies where a round is one draw of
@@ -50,13 +52,15 @@ class Unscored:
     """A round generated and not yet scored (module docstring). `generated`: its samples;
     `version`: the policy version whose weights generated it (its oldest token's, with partial
     rollouts); `per_token_versions`: its tokens carry their own versions (partial rollouts)
-    into the rollouts; `groups`: the episodes as generated in this process (None when restored:
-    the scorer rebuilds them from the samples)."""
+    into the rollouts; `groups`: its episodes, and `skew`: the skew check's `(reports, episodes
+    checked)` of them, both made on the thread that submits it (they read the prompt shards and
+    the tokenizer, which the scoring thread leaves to the others; None when restored from a
+    state, until the controller makes them)."""
 
     def __init__(self, generated: InFlight, version: int, per_token_versions: bool = False,
-                 groups: list[list[Episode]] | None = None):
+                 groups: list[list[Episode]] | None = None, skew: tuple[list[str], int] | None = None):
         self.generated, self.version, self.per_token_versions = generated, int(version), per_token_versions
-        self.groups = groups
+        self.groups, self.skew = groups, skew
         self._done = threading.Event()
         self._batch: RoundBatch | None = None
         self._error: BaseException | None = None
@@ -101,7 +105,8 @@ class Unscored:
 
 class ScoringStage:
     """Scores `Unscored` rounds in the order submitted, on one daemon thread (started at the
-    first `submit`), with `score(unscored) -> RoundBatch`."""
+    first `submit`), with `score(unscored) -> RoundBatch`. `close()`: `reset`, and no round is
+    taken from then on."""
 
     def __init__(self, score: Callable[[Unscored], RoundBatch]):
         self._score = score
@@ -109,8 +114,15 @@ class ScoringStage:
         self._busy = threading.Lock()  # held while a round is scored (`reset` waits for it)
         self._epoch = 0
         self._thread: threading.Thread | None = None
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+        self.reset()
 
     def submit(self, unscored: Unscored) -> Unscored:
+        if self.closed:
+            raise RuntimeError(f"round {unscored.round} was handed to a scoring stage that is closed")
         unscored._epoch = self._epoch
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="posttrain-scoring", daemon=True)

@@ -17,17 +17,20 @@ that stops the caller.
 `map` hands the calls out as a queue: a worker takes the next call as soon as it is free, so a
 call that hangs holds its own worker while the others drain the queue.
 
-A call that has used `NICE_AFTER_CPU_S` of CPU goes on at the pool's `nice` (its worker's
-process group): a call that spins until its timeout then takes the cores the run leaves
-instead of a share of the update's, while the calls that take a few milliseconds (most
-graders) never leave the run's priority, so a busy machine cannot starve them into timeouts.
+A call whose worker's main thread (where Python code runs) has used a quarter of the call's
+timeout in CPU, at most `NICE_AFTER_CPU_S`, goes on at the pool's `nice` (its worker's process
+group; what user code starts in a session of its own, as the code-execution sandbox does, is
+out of it): a call that spins until its timeout then takes the cores the run leaves instead
+of a share of the update's, while calls of tens of milliseconds (most graders) never leave the
+run's priority, so a busy machine cannot starve them into timeouts.
 A worker whose call was lowered is replaced after it answers (a process cannot raise its
 priority again without privilege). Where Linux schedules tasks in groups by session
 (autogroups), a process's nice value weighs only within its session's group: the fork
 server's workers share its session, one group against the run's, which the pool puts at
 `nice` too while every call running is a lowered one (and back at 0 as a call that was not
 starts), so twenty hung calls weigh as one low-priority process, not twenty; a fresh
-interpreter's session is its own, and its group goes to `nice` with its call. Besides the workers that
+interpreter's session is its own, and its group goes to `nice` with its call (best effort: the
+kernel lets a process without CAP_SYS_ADMIN change an autogroup's nice once per 0.1 s, machine-wide). Besides the workers that
 run calls, `spares` warm processes wait: a worker that is killed or ends is replaced at once by
 a spare, and a new spare starts in the background (the parent never waits for a start while a
 started worker could take the call).
@@ -72,8 +75,8 @@ from posttrain.rl import forkserver
 REASONS = ("raised", "timeout", "died", "memory")
 START_TIMEOUT_S = 60.0  # a worker says it is ready within this (a start and its preloaded imports)
 NEVER = float("inf")
-NICE_AFTER_CPU_S = 0.01  # a call's CPU time past which it runs at the pool's `nice`
-SESSION_RETRY_S = 0.1  # without CAP_SYS_ADMIN, Linux lets an autogroup's nice change once per 0.1 s
+NICE_AFTER_CPU_S = 0.1  # a call's CPU time past which it runs at the pool's `nice` (less: a quarter of its timeout)
+SESSION_RETRY_S = 0.1  # without CAP_SYS_ADMIN, Linux lets autogroup nice values change once per 0.1 s, machine-wide
 
 
 class UserCodeError(Exception):
@@ -152,7 +155,7 @@ class UserCodeWorkers:
     to take the place of a worker that is killed or ends; `memory_mb`: each worker's
     address-space cap (None: none); `env`: extra environment for the workers (their
     `PYTHONPATH` is the parent's `sys.path`, so the functions import there as here); `nice`: the
-    priority a call goes on at once it has used `NICE_AFTER_CPU_S` of CPU (0: the run's, always);
+    priority a call goes on once it has used the CPU a while (module docstring; 0: the run's, always);
     `preload`:
     the functions a worker imports as it starts, before it says it is ready (a call's timeout
     never counts a worker's start-up or these imports; a worker that cannot start or import them
@@ -172,6 +175,7 @@ class UserCodeWorkers:
         self.lowered = 0  # calls that went on at `nice`
         self._session_nice: int | None = 0  # the fork server's session group's (module docstring); None: none
         self._session_retry_at = NEVER  # when to try setting it again (changed too recently)
+        self._lower_after = NICE_AFTER_CPU_S  # the running map's CPU threshold
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
                     "OMP_NUM_THREADS": "1", **(env or {})}
         self.workers: list[_Worker] = []  # the live processes: starting, ready, or running a call
@@ -195,6 +199,7 @@ class UserCodeWorkers:
         if self._starter is None:
             try:
                 self._starter = forkserver.ForkServer(lambda fd: self._argv("server", fd), self.env)
+                self._session_nice, self._session_retry_at = 0, NEVER  # a new session's group starts at 0
             except OSError:  # no Unix SOCK_SEQPACKET sockets here, or no process to be had
                 self._starter = self._fresh_interpreters()
         try:
@@ -326,6 +331,7 @@ class UserCodeWorkers:
         once per answer or two: it must stay cheap with many workers)."""
         now = time.monotonic()
         stop_starting = now + budget_s if budget_s is not None else NEVER
+        self._lower_after = NICE_AFTER_CPU_S if timeout_s is None else min(NICE_AFTER_CPU_S, timeout_s / 4)
         pending = collections.deque(range(len(messages)))
         running: set[_Worker] = set()
         ended = []  # (call index, worker) of the calls whose worker's process ended
@@ -350,7 +356,7 @@ class UserCodeWorkers:
                     worker.call, worker.deadline = index, (now + timeout_s if timeout_s is not None else NEVER)
                     if self.nice:
                         worker.cpu_at_call = _cpu_seconds(worker.starter.pid(worker.process))
-                        worker.look_at = now + NICE_AFTER_CPU_S if worker.cpu_at_call is not None else NEVER
+                        worker.look_at = now + self._lower_after if worker.cpu_at_call is not None else NEVER
                     running.add(worker)
             self._settle_session(running, now)
             if not pending and not running:
@@ -398,22 +404,22 @@ class UserCodeWorkers:
             results[index] = self._ended(worker)
 
     def _look(self, worker: _Worker, now: float) -> None:
-        """Read the CPU time of `worker`'s call: past `NICE_AFTER_CPU_S`, lower its priority to
-        the pool's `nice`; else look again when it could have reached it."""
+        """Read the CPU time of `worker`'s call: past the map's threshold (module docstring), lower
+        its priority to the pool's `nice`; else look again when it could have reached it."""
         pid = worker.starter.pid(worker.process)
         cpu = _cpu_seconds(pid)
         if cpu is None:
             worker.look_at = NEVER
             return
         used = cpu - worker.cpu_at_call
-        if used >= NICE_AFTER_CPU_S:
+        if used >= self._lower_after:
             _lower_priority(pid, self.nice)
             if worker.starter.session is None:  # its session is its own: so is its group
                 _set_session_nice(pid, self.nice)  # once: a retry would be for a call that ended meanwhile
             worker.lowered, worker.look_at = True, NEVER
             self.lowered += 1
         else:
-            worker.look_at = now + max(NICE_AFTER_CPU_S - used, 0.005)
+            worker.look_at = now + max(self._lower_after - used, 0.005)
 
     def _settle_session(self, running: set[_Worker], now: float) -> None:
         """The workers' shared session group at `nice` while every call running is a lowered one
@@ -421,6 +427,7 @@ class UserCodeWorkers:
         change refused as too soon is tried again `SESSION_RETRY_S` later."""
         session = getattr(self._starter, "session", None)
         if session is None or not self.nice or self._session_nice is None:
+            self._session_retry_at = NEVER
             return
         low = bool(running) and all(w.lowered for w in running) and all(w.ready for w in self.workers)
         want = self.nice if low else 0
@@ -435,7 +442,7 @@ class UserCodeWorkers:
         elif outcome == "later":
             self._session_retry_at = now + SESSION_RETRY_S
         else:
-            self._session_nice = None
+            self._session_nice, self._session_retry_at = None, NEVER
 
     def _started(self, worker: _Worker, pending: collections.deque, results: list) -> None:
         """Take a starting worker's first message (or its silence past `START_TIMEOUT_S`); a
