@@ -13,7 +13,7 @@ from posttrain.rl.engine import Completion
 from posttrain.rl.episodes import Episode
 from posttrain.rl.partial import InFlight
 from posttrain.rl.round_batch import RoundBatch
-from posttrain.rl.scoring_stage import ScoringStage, Unscored, generated_round
+from posttrain.rl.scoring_stage import ScoringStage, Unscored
 
 
 def one_turn(index: int, sample: int, tokens: list[int], finish: str) -> Episode:
@@ -25,7 +25,7 @@ def one_turn(index: int, sample: int, tokens: list[int], finish: str) -> Episode
 
 def test_a_generated_round_is_kept_as_its_samples_and_round_trips_through_json():
     groups = [[one_turn(7, 0, [5, 6, 9], "stop_token"), one_turn(7, 1, [5], "length")]]
-    generated = generated_round(3, [7], groups, version=2, seconds=0.5)
+    generated = InFlight.whole(3, [7], groups, version=2, seconds=0.5)
     assert generated.n == 2 and generated.segments == 1
     assert generated.samples[0] == {"token_ids": [5, 6, 9], "logprobs": [-0.5] * 3, "raw_logprobs": [-0.25] * 3,
                                     "versions": [2, 2, 2], "finish_reason": "stop_token", "stop": 9}

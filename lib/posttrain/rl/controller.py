@@ -103,7 +103,7 @@ from posttrain.rl.episodes import Episode, episode_rewards, run_episodes, templa
 from posttrain.rl.partial import InFlight, advance
 from posttrain.rl.round_batch import Rollout, RoundBatch
 from posttrain.rl.rewards import RewardScorer
-from posttrain.rl.scoring_stage import ScoringStage, Unscored, generated_round
+from posttrain.rl.scoring_stage import ScoringStage, Unscored
 from posttrain.rl.policy import LocalPolicy, as_policy
 from posttrain.rl.sync import SyncError, check_sync
 from posttrain.rl.trajectories import Trajectory, attach_logps, pack_trajectories
@@ -369,7 +369,7 @@ class RLController:
             batch.seconds["generate"] += time.perf_counter() - t
             batch.draws += 1
             if behind:
-                generated = generated_round(round_, indices, groups, batch.version, batch.seconds["generate"])
+                generated = InFlight.whole(round_, indices, groups, batch.version, batch.seconds["generate"])
                 return self._submit(Unscored(generated, batch.version, groups=groups))
             self._score_draw(batch, indices, groups)
         return batch
@@ -397,12 +397,11 @@ class RLController:
         adv_GN = (group_advantages(rewards_GN, grpo.advantage_scale) if grpo.advantage_estimator == "group"
                   else rejection_sampling_advantages(rewards_GN, grpo.success_threshold))
         flat_groups = degenerate_groups(rewards_GN).tolist()
+        if skew is None and batch.checked < grpo.environment.skew_check_episodes:
+            skew = self._skew_of(flat, batch.round)
         if skew is not None:
             batch.skew += skew[0]
             batch.checked += skew[1]
-        elif grpo.environment.skew_check != "off" and batch.checked < grpo.environment.skew_check_episodes:
-            batch.skew += self._check_skew(flat, batch.round)
-            batch.checked += len(flat)
         for g, (prompt_index, group) in enumerate(zip(indices, groups)):
             batch.drawn_groups += 1
             batch.zero_groups += flat_groups[g]
@@ -515,8 +514,8 @@ class RLController:
             unscored.skew = self._skew_of([e for g in unscored.groups for e in g], generated.round)
 
     def _skew_of(self, episodes: list[Episode], round_: int) -> tuple[list[str], int]:
-        """The skew check of a round's one draw (`_score_draw` makes it so for its first draw):
-        its reports and the episodes it looked at."""
+        """The skew check of a draw's episodes (`grpo.environment.skew_check`): its reports and
+        the episodes it looked at."""
         if self.grpo.environment.skew_check == "off" or self.grpo.environment.skew_check_episodes <= 0:
             return [], 0
         return self._check_skew(episodes, round_), len(episodes)

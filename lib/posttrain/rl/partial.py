@@ -59,6 +59,22 @@ class InFlight:
         versions = [v for s in self.samples for v in s["versions"]]
         return min(versions) if versions else 0
 
+    @classmethod
+    def whole(cls, round_: int, indices: Sequence[int], groups: list[list[Episode]], version: int,
+              seconds: float) -> "InFlight":
+        """A single-turn round generated whole (`groups`: `n` one-turn episodes per prompt of
+        `indices`, generated with policy `version`'s weights in `seconds`), as the samples of a
+        round whose generation is done (`posttrain.rl.scoring_stage` keeps it so until scored)."""
+        samples = []
+        for group in groups:
+            for episode in group:
+                (turn,) = episode.turns
+                samples.append({"token_ids": list(turn.token_ids), "logprobs": list(turn.logprobs),
+                                "raw_logprobs": list(turn.raw_logprobs), "versions": [version] * len(turn.token_ids),
+                                "finish_reason": turn.finish_reason, "stop": turn.stop})
+        return cls(round_, list(indices), len(groups[0]) if groups else 0, segments=1, seconds=seconds,
+                   samples=samples)
+
     def state(self) -> dict:
         return asdict(self)
 

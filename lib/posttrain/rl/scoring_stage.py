@@ -4,7 +4,7 @@ next round and the policy trains, so what a reward call waits on (a grader that 
 timeout, an LLM judge, a sandbox) overlaps generation and the update instead of holding them.
 
     stage = ScoringStage(score)                    # score(Unscored) -> RoundBatch, on the stage's thread
-    pending = stage.submit(Unscored(generated, version=4))
+    pending = stage.submit(Unscored(InFlight.whole(...), version=4))
     batch = pending.result()                       # waits; raises what scoring raised
     stage.reset()                                  # forget what is queued; wait out the call running
 
@@ -25,27 +25,11 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from posttrain.rl.episodes import Episode
 from posttrain.rl.partial import InFlight
 from posttrain.rl.round_batch import RoundBatch
-
-
-def generated_round(round_: int, indices: Sequence[int], groups: list[list[Episode]], version: int,
-                    seconds: float) -> InFlight:
-    """A whole single-turn round as generated (`groups`: `n` one-turn episodes per prompt of
-    `indices`, generated with policy `version`'s weights in `seconds`), as the samples of an
-    `InFlight` whose generation is done."""
-    samples = []
-    for group in groups:
-        for episode in group:
-            (turn,) = episode.turns
-            samples.append({"token_ids": list(turn.token_ids), "logprobs": list(turn.logprobs),
-                            "raw_logprobs": list(turn.raw_logprobs), "versions": [version] * len(turn.token_ids),
-                            "finish_reason": turn.finish_reason, "stop": turn.stop})
-    return InFlight(round_, list(indices), len(groups[0]) if groups else 0, segments=1, seconds=seconds,
-                    samples=samples)
 
 
 class Unscored:
